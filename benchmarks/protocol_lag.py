@@ -1,0 +1,225 @@
+"""End-to-end version lag: publish() call -> every follower applied and verified the version.
+
+Sparse sync (sparsesync's publisher and followers) side by side with syncing the full
+checkpoint through the same store in the same run, with 1, 4 and 8 followers, on the local
+store and on S3 over loopback (moto's server). Followers run in their own processes, as
+replicas do. Also reports how long the trainer was blocked per step and the bytes it uploaded.
+
+    .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, both stores
+    .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HIDDEN, INTER, LAYERS, VOCAB = 1024, 3072, 28, 151936  # Qwen3-0.6B-like
+
+
+def model_shapes(params: float) -> dict[str, tuple[int, ...]]:
+    """Qwen3-0.6B-shaped tensors, with the number of layers and vocab scaled to `params`."""
+    per_layer = {
+        "self_attn.q_proj.weight": (2048, HIDDEN), "self_attn.k_proj.weight": (1024, HIDDEN),
+        "self_attn.v_proj.weight": (1024, HIDDEN), "self_attn.o_proj.weight": (HIDDEN, 2048),
+        "mlp.gate_proj.weight": (INTER, HIDDEN), "mlp.up_proj.weight": (INTER, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, INTER), "input_layernorm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
+    }
+    layer_params = sum(torch.Size(s).numel() for s in per_layer.values())
+    full = LAYERS * layer_params + VOCAB * HIDDEN
+    scale = params / full
+    layers = max(1, round(LAYERS * scale))
+    vocab = max(1024, int(VOCAB * scale))
+    shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
+def make_master(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            out[name] = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
+    return out
+
+
+def rl_step(master: dict[str, torch.Tensor], g: torch.Generator, lr: float = 3e-6) -> None:
+    """An Adam-like step on fp32 master weights: every element moves by about lr."""
+    for t in master.values():
+        t.add_(torch.randn(t.shape, generator=g), alpha=-lr)
+
+
+def bf16(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(torch.bfloat16) for k, v in master.items()}
+
+
+# -- followers (each in its own process) ---------------------------------------------------
+def _sparse_follower(url: str, n_versions: int, ready, results, env: dict) -> None:  # type: ignore[no-untyped-def]
+    os.environ.update(env)
+    from sparsesync.protocol.follower import Follower
+
+    f = Follower(url, poll_interval=0.02, max_poll_interval=0.05)
+    f.sync_once()
+    ready.put(f.current_version)
+    seen = f.current_version
+    while seen < n_versions:
+        f.sync_once()
+        if f.current_version != seen:
+            seen = f.current_version
+            results.put((seen, time.time()))
+        else:
+            time.sleep(0.01)
+
+
+def _full_follower(url: str, n_versions: int, ready, results, env: dict) -> None:  # type: ignore[no-untyped-def]
+    os.environ.update(env)
+    from safetensors.torch import load
+
+    from sparsesync.codec import state_digest, tensor_digests
+    from sparsesync.store import open_store
+
+    store = open_store(url)
+    weights: dict[str, torch.Tensor] | None = None
+    ready.put(0)
+    seen = 0
+    while seen < n_versions:
+        done = sorted(int(o.key.split("/")[1][1:]) for o in store.list("full-done/"))
+        nxt = [v for v in done if v > seen]
+        if not nxt:
+            time.sleep(0.01)
+            continue
+        v = nxt[-1]
+        expected = store.get(f"full-done/v{v:06d}").decode()
+        state = load(store.get(f"full/v{v:06d}.safetensors"))
+        if weights is None:
+            weights = state
+        else:
+            for k, t in state.items():
+                weights[k].copy_(t)
+        assert state_digest(tensor_digests(weights)) == expected, "full checkpoint digest mismatch"
+        seen = v
+        results.put((v, time.time()))
+
+
+def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict) -> dict:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save
+
+    from sparsesync.codec import state_digest, tensor_digests
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.store import open_store
+
+    ctx = mp.get_context("spawn")
+    out = {}
+    for mode in ("sparse", "full"):
+        url = f"{store_url.rstrip('/')}/{mode}-{n_followers}-{time.time_ns()}"
+        store = open_store(url, create=True)
+        g = torch.Generator().manual_seed(1)
+        master = make_master(shapes)
+        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9) if mode == "sparse" else None
+        # version 1: the starting point every follower loads before timing starts
+        if pub:
+            pub.publish(bf16(master), 1)
+            pub.flush()
+        ready, results = ctx.Queue(), ctx.Queue()
+        target = _sparse_follower if mode == "sparse" else _full_follower
+        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env)) for _ in range(n_followers)]
+        for p in procs:
+            p.start()
+        if not pub:
+            pass
+        for _ in procs:
+            ready.get(timeout=600)
+        lags, blocked, uploaded = [], [], 0
+        for v in range(2, n_versions + 1):
+            rl_step(master, g)
+            state = bf16(master)
+            t_call = time.time()
+            if pub:
+                pub.publish(state, v)
+                blocked.append(time.time() - t_call)
+                pub.flush()
+                uploaded += pub.metrics[-1]["patch_bytes"]
+            else:
+                data = save(state)
+                blocked.append(time.time() - t_call)
+                store.put(f"full/v{v:06d}.safetensors", data)
+                uploaded += len(data)
+                store.put(f"full-done/v{v:06d}", state_digest(tensor_digests(state)).encode())
+                del data
+            applied = []
+            while len(applied) < n_followers:
+                ver, t = results.get(timeout=600)
+                if ver == v:
+                    applied.append(t)
+            lags.append(max(applied) - t_call)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        if pub:
+            pub.close()
+        out[mode] = {
+            "lag_s": statistics.median(lags), "blocked_s": statistics.median(blocked),
+            "uploaded_per_version": uploaded / (n_versions - 1),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=0.6e9)
+    ap.add_argument("--followers", default="1,4,8")
+    ap.add_argument("--versions", type=int, default=4, help="versions per measurement (the first is the start)")
+    ap.add_argument("--store", default="local,s3", help="local, s3 or both")
+    args = ap.parse_args()
+    shapes = model_shapes(args.params)
+    n = sum(torch.Size(s).numel() for s in shapes.values())
+    print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; "
+          f"{args.versions - 1} timed versions per cell (median reported)")
+    rows = []
+    for kind in args.store.split(","):
+        env: dict[str, str] = {}
+        server = None
+        tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
+        if kind == "local":
+            base = f"file://{tmp}"
+        else:
+            import boto3
+            from moto.server import ThreadedMotoServer
+
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+            server.start()
+            host, port = server.get_host_and_port()
+            env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+            os.environ.update(env)
+            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
+            base = "s3://bench/runs"
+        for nf in [int(x) for x in args.followers.split(",")]:
+            res = bench(base, nf, shapes, args.versions, env)
+            s, f = res["sparse"], res["full"]
+            rows.append((kind, nf, s, f))
+            print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
+                  f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
+                  f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
+                  f"{f['lag_s'] / s['lag_s']:.1f}x", flush=True)
+        if server:
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""`sparsesync log`, `inspect`, `verify` and `gc`: looking at a run and keeping it tidy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparsesync.cli._errors import fail
+
+console = Console(highlight=False)
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def _secs(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, int | float) else ""
+
+
+def log(
+    url: Annotated[str, typer.Argument(help="Run URL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per version.")] = False,
+) -> None:
+    """List the committed versions of a run: kind, density, bytes and timings."""
+    from sparsesync.protocol.run import Run
+
+    commits = Run(url).commits()
+    rows = []
+    for c in commits:
+        m = c.metrics
+        rows.append({
+            "version": c.version, "base_version": c.base_version, "kind": m.get("kind"),
+            "epoch": c.epoch, "writer": c.writer, "state_digest": c.state_digest,
+            "n_changed": m.get("n_changed"), "n_params": m.get("n_params"), "density": m.get("density"),
+            "patch_bytes": c.delta.size if c.delta else None,
+            "anchor_bytes": sum(o.size for o in c.anchor) if c.anchor else None,
+            "diff_s": m.get("diff_s"), "encode_s": m.get("encode_s"), "upload_s": m.get("upload_s"),
+            "coalesced": m.get("coalesced"),
+        })
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    if not rows:
+        fail(f"no committed version under {url}", "check the URL, or publish with `sparsesync push`")
+    t = Table(title=f"{url}: {len(rows)} committed version(s)")
+    for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff s", "encode s", "upload s"):
+        t.add_column(col, justify="right" if col not in ("kind",) else "left")
+    for r in rows:
+        t.add_row(
+            str(r["version"]), "" if r["base_version"] is None else str(r["base_version"]), r["kind"] or "",
+            "" if r["n_changed"] is None else f"{r['n_changed']:,}",
+            "" if r["density"] is None else f"{r['density']:.3%}",
+            _fmt_bytes(r["patch_bytes"]), _fmt_bytes(r["anchor_bytes"]),
+            _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
+        )
+    console.print(t)
+
+
+def inspect(
+    target: Annotated[str, typer.Argument(help="A local patch file, or the URL of one in a store.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the header as JSON.")] = False,
+) -> None:
+    """Show a patch's header (versions, digests, per-tensor encodings) without reading its body."""
+    from sparsesync.codec import header_length, parse_header
+    from sparsesync.store import open_store
+
+    if Path(target).exists():
+        with open(target, "rb") as f:
+            first = f.read(8)
+            header = parse_header(f.read(header_length(first)))
+    else:
+        root, _, key = target.rpartition("/")
+        store = open_store(root)
+        header = parse_header(store.get_range(key, 8, header_length(store.get_range(key, 0, 8))))
+    if as_json:
+        from dataclasses import asdict
+
+        console.print_json(json.dumps(asdict(header), default=str))
+        return
+    console.print(
+        f"patch format {header.format_version}: version {header.base_version} -> {header.target_version}\n"
+        f"base state {header.base_state_digest}  target state {header.target_state_digest}"
+    )
+    t = Table()
+    for col in ("tensor", "dtype", "shape", "changed", "positions", "values", "base digest", "target digest"):
+        t.add_column(col)
+    for name, e in header.tensors.items():
+        t.add_row(name, str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", str(e.pos_encoding),
+                  str(e.val_encoding), e.base_digest, e.target_digest)
+    console.print(t)
+
+
+def verify(
+    url: Annotated[str, typer.Argument(help="Run URL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Check that every committed version reconstructs and matches its digests."""
+    from sparsesync.protocol.verify import verify_run
+
+    report = verify_run(url)
+    if as_json:
+        console.print_json(json.dumps(report.to_dict()))
+    else:
+        for v in report.versions:
+            mark = "[green]ok[/]" if v.ok else f"[red]FAILED[/] {v.error}"
+            console.print(f"version {v.version} ({v.how}): {mark}")
+        console.print(f"{sum(v.ok for v in report.versions)}/{len(report.versions)} versions verified")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def gc(
+    url: Annotated[str, typer.Argument(help="Run URL.")],
+    keep_anchors: Annotated[int, typer.Option(help="How many of the newest usable anchors to keep.")] = 1,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Delete old versions and garbage, never what the newest version's chain needs."""
+    from dataclasses import asdict
+
+    from sparsesync.protocol.gc import apply_gc, plan_gc
+    from sparsesync.store import open_store
+
+    store = open_store(url)
+    plan = plan_gc(store, keep_anchors=keep_anchors)
+    if as_json:
+        console.print_json(json.dumps({**asdict(plan), "dry_run": dry_run}))
+    else:
+        n = len(plan.invalid_commits) + len(plan.old_commits) + len(plan.objects)
+        console.print(
+            f"{'would delete' if dry_run else 'deleting'} {n} object(s), {_fmt_bytes(plan.bytes_freed)}; "
+            f"keeping versions {plan.oldest_kept_version}..{plan.newest_version}"
+        )
+        for key in plan.invalid_commits + plan.old_commits + plan.objects:
+            console.print(f"  {key}")
+    if not dry_run and not plan.empty:
+        apply_gc(store, plan)

@@ -1,0 +1,48 @@
+"""The patch codec: bitwise change detection, the sparse patch format, and all-or-nothing apply.
+
+Guarantees: `apply_patch(read_patch(encode_changes(diff_state(base, target))), base)` leaves
+`base` equal to `target` bit for bit, for every dtype and bit pattern (NaN payloads, -0.0,
+infinities, subnormals); a patch that does not fit, or a malformed file, raises before the
+first byte of any tensor is written. The format is specified in docs/format.md.
+"""
+
+from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
+from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests
+from sparsesync.codec.diff import TensorChange, compose_changes, diff_state
+from sparsesync.codec.digest import state_digest, tensor_digest, tensor_digests
+from sparsesync.codec.patch import (
+    Patch,
+    PatchHeader,
+    TensorEntry,
+    encode_changes,
+    header_length,
+    parse_header,
+    read_patch,
+)
+from sparsesync.codec.snapshot import EncodedPatch, PatchStats, Snapshot
+
+__all__ = [
+    "AnchorInfo",
+    "EncodedPatch",
+    "Patch",
+    "PatchHeader",
+    "PatchStats",
+    "Snapshot",
+    "SparseUpdate",
+    "TensorChange",
+    "TensorEntry",
+    "apply_patch",
+    "compose_changes",
+    "decode_patch",
+    "diff_state",
+    "encode_changes",
+    "header_length",
+    "load_anchor",
+    "parse_header",
+    "read_patch",
+    "state_digest",
+    "tensor_digest",
+    "tensor_digests",
+    "verify_digests",
+    "write_anchor",
+]

@@ -1,0 +1,148 @@
+"""Applying a patch: validate everything, then write in place, then verify.
+
+Guarantee (all-or-nothing): `decode_patch` checks, for every tensor the patch touches, that the
+tensor exists, is contiguous, has the patch's dtype and shape, that every stream decodes to
+exactly the declared size, that positions are in range, strictly increasing and unique, and
+(by default) that the tensor's bytes match the patch's base digest; only then does
+`apply_patch` write anything. If the target digests do not match after writing, the old bits
+are restored before DigestMismatchError is raised. Works for CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsesync.codec import _container, _encodings
+from sparsesync.codec.diff import bits_view, to_np_bits
+from sparsesync.codec.digest import tensor_digest
+from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
+from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
+
+
+@dataclass
+class SparseUpdate:
+    """The new values of one tensor's changed elements (what a sparse weight loader needs)."""
+
+    indices: torch.Tensor  # int64, CPU, sorted unique flat (C-order) indices
+    values: torch.Tensor  # the tensor's dtype, CPU, one per index
+
+
+def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
+    problems = []
+    for name, e in patch.header.tensors.items():
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"tensor '{name}': missing, expected {e.dtype} {list(e.shape)}")
+            continue
+        st = _container.TORCH_TO_ST.get(t.dtype, str(t.dtype))
+        if st != e.dtype:
+            problems.append(f"tensor '{name}': dtype {st}, expected {e.dtype}")
+        if tuple(t.shape) != e.shape:
+            problems.append(f"tensor '{name}': shape {list(t.shape)}, expected {list(e.shape)}")
+        if not t.is_contiguous():
+            problems.append(f"tensor '{name}': not contiguous (call `.contiguous()` on it first)")
+    if problems:
+        raise PatchMismatchError(
+            f"patch {patch.header.base_version}->{patch.header.target_version} does not fit the tensors: " + "; ".join(problems),
+            hint="apply the patch to the model it was made for (same names, dtypes and shapes)",
+        )
+
+
+def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
+    flat = bits_view(t)
+
+    def base_bits(idx: np.ndarray | None) -> np.ndarray:
+        if idx is None:
+            return to_np_bits(flat)
+        return to_np_bits(flat[torch.from_numpy(idx).to(flat.device)])
+
+    ctx = ctx_for(e, base_bits)
+    streams = {role: patch.stream(e.name, role) for role in e.streams}
+    try:
+        idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)
+        idx = _encodings.check_indices(ctx, idx) if e.positions != "dense" else idx
+        vals = _encodings.VALUES[e.values][1](e.value_params, streams, idx, ctx)
+    except PatchFormatError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as err:
+        raise PatchFormatError(
+            f"tensor '{e.name}': {e.positions}/{e.values} streams do not decode ({type(err).__name__}: {err})",
+            hint="the patch is corrupt; fetch it again",
+        ) from None
+    if vals.shape != idx.shape:
+        raise PatchFormatError(f"tensor '{e.name}': {vals.size} values decoded, expected {idx.size}", hint="the patch is corrupt; fetch it again")
+    if e.positions == "dense":  # report only what actually changes
+        keep = vals != base_bits(None)
+        idx, vals = np.flatnonzero(keep), vals[keep]
+    values = torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)
+    return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), values)
+
+
+def _signed(dt: np.dtype) -> np.dtype:
+    return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dt.itemsize])
+
+
+def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True) -> dict[str, SparseUpdate]:
+    """Decode and validate `patch` against `tensors` (read-only). Raises before returning if
+    anything does not fit: PatchMismatchError (layout, base digest) or PatchFormatError (streams)."""
+    _check_layout(patch, tensors)
+    if check_base_digest:
+        bad = []
+        for name, e in patch.header.tensors.items():
+            d = tensor_digest(tensors[name])
+            if d != e.base_digest:
+                bad.append(f"tensor '{name}': digest {d}, expected {e.base_digest}")
+        if bad:
+            raise PatchMismatchError(
+                f"patch {patch.header.base_version}->{patch.header.target_version}: tensors are not at base version "
+                f"{patch.header.base_version}: " + "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""),
+                hint=f"load version {patch.header.base_version} (anchor plus chain) before applying this patch",
+            )
+    return {name: _decode_one(patch, e, tensors[name]) for name, e in patch.header.tensors.items()}
+
+
+def write_updates(tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate]) -> dict[str, SparseUpdate]:
+    """Write `updates` into `tensors` in place; returns the overwritten old values (for undo)."""
+    old = {}
+    for name, u in updates.items():
+        t = tensors[name]
+        flat = bits_view(t)
+        idx = u.indices.to(flat.device)
+        old[name] = SparseUpdate(u.indices, flat[idx].cpu().view(t.dtype))
+        flat[idx] = u.values.view(flat.dtype).to(flat.device)
+    return old
+
+
+def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> None:
+    """Raise DigestMismatchError naming every tensor in `digests` whose bytes do not match."""
+    bad = []
+    for name, want in digests.items():
+        if name not in tensors:
+            bad.append(f"tensor '{name}': missing, expected digest {want}")
+            continue
+        got = tensor_digest(tensors[name])
+        if got != want:
+            bad.append(f"tensor '{name}': digest {got}, expected {want}")
+    if bad:
+        raise DigestMismatchError("; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""), hint="reload from the newest anchor and replay the chain")
+
+
+def apply_patch(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True) -> dict[str, SparseUpdate]:
+    """Validate with `decode_patch`, write the target bits in place, then (if `verify`) check the
+    target digests; on a mismatch the old bits are restored and DigestMismatchError raised."""
+    updates = decode_patch(patch, tensors)
+    old = write_updates(tensors, updates)
+    if verify:
+        try:
+            verify_digests(tensors, {n: e.target_digest for n, e in patch.header.tensors.items()})
+        except DigestMismatchError as err:
+            write_updates(tensors, old)
+            raise DigestMismatchError(
+                f"patch {patch.header.base_version}->{patch.header.target_version} did not produce the target bits (undone): {err.message}",
+                hint="the patch is corrupt or was made from different weights; fetch it again or reload from an anchor",
+            ) from None
+    return updates

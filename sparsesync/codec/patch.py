@@ -1,0 +1,356 @@
+"""The sparse patch file: one safetensors file taking a model from version B to version B+k.
+
+Guarantee: `read_patch` accepts only files whose whole structure is valid (safetensors layout,
+metadata schema, format version, per-tensor encodings, stream names, dtypes, shapes and sizes);
+anything else raises PatchFormatError naming the bad field, and nothing is decompressed or
+allocated beyond the file itself. `encode_changes` output is deterministic (same changes, same
+bytes) and is a plain safetensors file any safetensors reader loads. Spec: docs/format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparsesync.codec import _container, _encodings
+from sparsesync.codec._container import Stream
+from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
+from sparsesync.errors import PatchFormatError, PatchMismatchError
+
+FORMAT_NAME = "sparsesync.patch"
+FORMAT_VERSION = 1
+_DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
+_META_KEYS = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest", "tensors"}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """The header's record of one tensor the patch touches."""
+
+    name: str
+    dtype: str  # safetensors dtype name of the tensor ("BF16", "F16", "F32", "F8_E4M3", ...)
+    shape: tuple[int, ...]
+    n_changed: int  # elements whose bits differ between base and target
+    positions: str  # position encoding ("raw_i32", "dense", ...; docs/format.md)
+    values: str  # value encoding ("raw", "delta", ...)
+    base_digest: str  # xxh3_64 hex of the tensor's bytes at the base version
+    target_digest: str  # same at the target version
+    position_params: dict[str, object] = field(default_factory=dict)
+    value_params: dict[str, object] = field(default_factory=dict)
+    streams: dict[str, str] = field(default_factory=dict)  # role -> safetensors key
+    stream_sizes: dict[str, int] = field(default_factory=dict)  # role -> bytes in the file
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def n_values(self) -> int:
+        """How many values the value streams hold: every element for `dense`, else n_changed."""
+        return self.numel if self.positions == "dense" else self.n_changed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.stream_sizes.values())
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    """Everything a patch says about itself; readable from the file's header alone."""
+
+    format_version: int
+    base_version: int
+    target_version: int
+    base_state_digest: str
+    target_state_digest: str
+    tensors: dict[str, TensorEntry]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A structurally valid patch file held in memory."""
+
+    header: PatchHeader
+    data: bytes
+    _streams: dict[str, Stream]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def stream(self, name: str, role: str) -> bytes:
+        """The raw bytes of one of tensor `name`'s streams."""
+        s = self._streams[self.header.tensors[name].streams[role]]
+        return self.data[s.start : s.end]
+
+
+def stream_key(name: str, role: str) -> str:
+    """The safetensors key of a tensor's stream: '<tensor name>::<role>'."""
+    return f"{name}::{role}"
+
+
+def ctx_for(entry: TensorEntry, base_bits=None) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
+    dtype = _container.ST_DTYPES[entry.dtype][0]
+    return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits)
+
+
+# ---------------------------------------------------------------------------- writing
+def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None) -> tuple[str, dict, dict, str, dict, dict]:
+    """Smallest (positions, values) encoding pair for one tensor's change."""
+    from sparsesync.codec import _select
+
+    base_full = None
+    if base is not None:
+        if tuple(base.shape) != tuple(change.shape) or base.dtype != change.dtype:
+            raise PatchMismatchError(
+                f"tensor '{ctx.name}': base is {base.dtype} {tuple(base.shape)}, expected {change.dtype} {change.shape}", hint="pass the base the changes were diffed against"
+            )
+        base_full = to_np_bits(bits_view(base))
+    return _select.choose(change, ctx, base_full)
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor's chosen encodings and streams, before digests and versions are attached."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    n_changed: int
+    positions: str
+    position_params: dict
+    values: str
+    value_params: dict
+    streams: dict[str, tuple[str, tuple[int, ...], bytes]]  # role -> (dtype, shape, bytes)
+
+
+def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, EncodedTensor]:
+    """Encode every non-empty change (the smallest encodings; see `encode_changes`)."""
+    out = {}
+    for name in sorted(changes):
+        ch = changes[name]
+        st = _container.st_dtype_name(ch.dtype)
+        if ch.indices.size == 0:
+            continue
+        ctx = _encodings.Ctx(name, st, np_uint_dtype(ch.dtype), ch.numel, ch.n_changed, None)
+        pos, pparams, pstreams, val, vparams, vstreams = _choose(ch, ctx, base.get(name) if base is not None else None)
+        out[name] = EncodedTensor(st, tuple(ch.shape), ch.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
+    return out
+
+
+def assemble_patch(
+    encoded: Mapping[str, EncodedTensor],
+    *,
+    base_version: int,
+    target_version: int,
+    base_digests: Mapping[str, str],
+    target_digests: Mapping[str, str],
+    base_state_digest: str,
+    target_state_digest: str,
+) -> bytes:
+    """The patch file from encoded tensors plus versions and digests."""
+    if not (type(base_version) is int and type(target_version) is int and 0 <= base_version < target_version):
+        raise PatchFormatError(f"versions {base_version} -> {target_version}, expected 0 <= base < target", hint="pass the published version numbers")
+    missing = sorted(n for n in encoded if n not in base_digests or n not in target_digests)
+    if missing:
+        raise PatchFormatError(f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes")
+    for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
+        (f"digest of '{n}'", dg) for n in encoded for dg in (base_digests[n], target_digests[n])
+    ]:
+        if not isinstance(d, str) or not _DIGEST_RE.match(d):
+            raise PatchFormatError(f"{what} {d!r}, expected 16 lowercase hex digits", hint="use codec.tensor_digest / codec.state_digest")
+    entries: dict[str, dict] = {}
+    streams: list[tuple[str, str, tuple[int, ...], bytes]] = []
+    for name in sorted(encoded):
+        e = encoded[name]
+        entries[name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "n_changed": e.n_changed,
+            "positions": e.positions,
+            "position_params": e.position_params,
+            "values": e.values,
+            "value_params": e.value_params,
+            "base_digest": base_digests[name],
+            "target_digest": target_digests[name],
+            "streams": {role: stream_key(name, role) for role in e.streams},
+        }
+        for role, (sdt, shape, data) in e.streams.items():
+            streams.append((stream_key(name, role), sdt, shape, data))
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "base_version": str(base_version),
+        "target_version": str(target_version),
+        "base_state_digest": base_state_digest,
+        "target_state_digest": target_state_digest,
+        "tensors": json.dumps(entries, separators=(",", ":"), ensure_ascii=False),
+    }
+    return _container.write_container(meta, streams)
+
+
+def encode_changes(
+    changes: Mapping[str, TensorChange],
+    *,
+    base_version: int,
+    target_version: int,
+    base_digests: Mapping[str, str],
+    target_digests: Mapping[str, str],
+    base_state_digest: str,
+    target_state_digest: str,
+    base: Mapping[str, torch.Tensor] | None = None,
+) -> bytes:
+    """The patch file's bytes for `changes` (from `diff_state` or `compose_changes`).
+
+    `base_digests`/`target_digests` must name every tensor in `changes` (other names are
+    ignored). Per tensor the smallest of the available encodings is chosen. With `base` (the
+    state the changes were diffed against) positions and values can be coded conditioned on
+    the base values, which is much smaller; without it only base-independent encodings are
+    used (e.g. for changes coalesced with `compose_changes`).
+    """
+    return assemble_patch(
+        encode_tensors(changes, base=base),
+        base_version=base_version,
+        target_version=target_version,
+        base_digests=base_digests,
+        target_digests=target_digests,
+        base_state_digest=base_state_digest,
+        target_state_digest=target_state_digest,
+    )
+
+
+# ---------------------------------------------------------------------------- reading
+def _fmt(msg: str) -> PatchFormatError:
+    return PatchFormatError(msg, hint="the file is not a sparsesync patch of a supported format version, or is corrupt; fetch it again")
+
+
+def _int_field(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fmt(f"{what} is {v!r:.80}, expected an integer in [{lo}, {hi}]")
+    return v
+
+
+def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
+    where = f"tensor '{name}'"
+    if not isinstance(raw, dict):
+        raise _fmt(f"{where}: entry is {type(raw).__name__}, expected an object")
+    need = {"dtype", "shape", "n_changed", "positions", "position_params", "values", "value_params", "base_digest", "target_digest", "streams"}
+    if set(raw) != need:
+        raise _fmt(f"{where}: entry fields {sorted(raw)}, expected {sorted(need)}")
+    dtype = raw["dtype"]
+    if dtype not in _container.ST_DTYPES or dtype in ("BOOL",):
+        raise _fmt(f"{where}: dtype {dtype!r}, expected one of {sorted(k for k in _container.ST_DTYPES if k != 'BOOL')}")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or len(shape) > _container.MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise _fmt(f"{where}: shape {shape!r:.80}, expected a list of at most {_container.MAX_NDIM} non-negative integers")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > _container.MAX_NUMEL:
+        raise _fmt(f"{where}: shape {shape} has {numel} elements, expected at most {_container.MAX_NUMEL}")
+    n_changed = _int_field(raw["n_changed"], f"{where}: n_changed", 1, max(numel, 1))
+    for key in ("base_digest", "target_digest"):
+        if not isinstance(raw[key], str) or not _DIGEST_RE.match(raw[key]):
+            raise _fmt(f"{where}: {key} {raw[key]!r:.40}, expected 16 lowercase hex digits")
+    pos, val = raw["positions"], raw["values"]
+    if pos not in _encodings.POSITIONS:
+        raise _fmt(f"{where}: position encoding {pos!r:.40}, expected one of {sorted(_encodings.POSITIONS)}")
+    if val not in _encodings.VALUES:
+        raise _fmt(f"{where}: value encoding {val!r:.40}, expected one of {sorted(_encodings.VALUES)}")
+    pparams, vparams, sroles = raw["position_params"], raw["value_params"], raw["streams"]
+    for what, p in (("position_params", pparams), ("value_params", vparams)):
+        if not isinstance(p, dict):
+            raise _fmt(f"{where}: {what} is {type(p).__name__}, expected an object")
+    if not isinstance(sroles, dict) or not all(isinstance(v, str) for v in sroles.values()):
+        raise _fmt(f"{where}: streams is {sroles!r:.80}, expected an object of role -> key")
+    entry = TensorEntry(name, dtype, tuple(shape), n_changed, pos, val, raw["base_digest"], raw["target_digest"], pparams, vparams, dict(sroles))
+    ctx = ctx_for(entry)
+    try:
+        layout = {**_encodings.POSITIONS[pos][2](pparams, ctx), **_encodings.VALUES[val][2](vparams, ctx, entry.n_values)}
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fmt(f"{where}: bad encoding parameters {pparams!r:.80} / {vparams!r:.80} ({e})") from None
+    if set(sroles) != set(layout):
+        raise _fmt(f"{where}: streams {sorted(sroles)}, expected {sorted(layout)} for encodings {pos}/{val}")
+    sizes = {}
+    for role, (sdt, sshape) in layout.items():
+        key = sroles[role]
+        if key != stream_key(name, role):
+            raise _fmt(f"{where}: stream '{role}' is named {key!r:.80}, expected {stream_key(name, role)!r}")
+        s = table.get(key)
+        if s is None:
+            raise _fmt(f"{where}: stream '{key}' is missing from the file")
+        if s.dtype != sdt or (sshape is not None and s.shape != sshape) or (sshape is None and len(s.shape) != 1):
+            raise _fmt(f"{where}: stream '{key}' is {s.dtype} {list(s.shape)}, expected {sdt} {list(sshape) if sshape is not None else '[n]'}")
+        sizes[role] = s.nbytes
+    return TensorEntry(name, dtype, tuple(shape), n_changed, pos, val, raw["base_digest"], raw["target_digest"], pparams, vparams, dict(sroles), sizes)
+
+
+def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
+    if meta.get("format") != FORMAT_NAME:
+        raise _fmt(f"metadata format {meta.get('format')!r:.40}, expected {FORMAT_NAME!r}")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise PatchFormatError(
+            f"patch format_version {meta.get('format_version')!r:.20}, expected {FORMAT_VERSION!r}", hint="upgrade sparsesync to read newer patches"
+        )
+    if set(meta) != _META_KEYS:
+        raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(_META_KEYS)}")
+    versions = []
+    for key in ("base_version", "target_version"):
+        if not re.fullmatch(r"0|[1-9][0-9]{0,17}", meta[key]):
+            raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected a non-negative decimal integer")
+        versions.append(int(meta[key]))
+    if versions[0] >= versions[1]:
+        raise _fmt(f"base_version {versions[0]} >= target_version {versions[1]}, expected base < target")
+    for key in ("base_state_digest", "target_state_digest"):
+        if not _DIGEST_RE.match(meta[key]):
+            raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
+    try:
+        raw = json.loads(meta["tensors"])
+    except json.JSONDecodeError as e:
+        raise _fmt(f"metadata tensors is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise _fmt(f"metadata tensors is a JSON {type(raw).__name__}, expected an object")
+    tensors = {name: _entry(name, raw[name], table) for name in sorted(raw)}
+    used = {k for e in tensors.values() for k in e.streams.values()}
+    extra = sorted(set(table) - used)
+    if extra:
+        raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
+    return PatchHeader(FORMAT_VERSION, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors)
+
+
+def header_length(first8: bytes) -> int:
+    """The header's length from a patch's first 8 bytes; read bytes [8, 8 + n) and `parse_header` them."""
+    return _container.header_length(first8)
+
+
+def parse_header(header_bytes: bytes) -> PatchHeader:
+    """A patch header from its JSON bytes alone (no data section needed, e.g. from a range read)."""
+    meta, table = _container.parse_header_json(header_bytes)
+    ends = [info.get("data_offsets", [0, 0])[-1] for info in table.values() if isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and info.get("data_offsets")]
+    data_len = max([e for e in ends if type(e) is int] or [0])
+    return _header(meta, _container.parse_streams(table, 0, data_len))
+
+
+def read_patch(data: bytes | bytearray | memoryview | os.PathLike | str) -> Patch:
+    """Read and structurally validate a patch (bytes, or a path to the file). Needs no base."""
+    if isinstance(data, (str, os.PathLike)):
+        with open(data, "rb") as f:
+            buf = f.read()
+    else:
+        buf = bytes(data)
+    meta, table = _container.parse_container(memoryview(buf))
+    return Patch(_header(meta, table), buf, table)
+
+
+def patch_stream_arrays(patch: Patch, name: str) -> dict[str, bytes]:
+    """All streams of tensor `name` by role (bytes)."""
+    return {role: patch.stream(name, role) for role in patch.header.tensors[name].streams}
+

@@ -1,0 +1,88 @@
+"""Every exception sparsesync raises on purpose.
+
+Each error carries what went wrong (naming the object: a tensor, a file, a URL, a version),
+and a `hint`: the action that fixes it. The CLI turns them into one clear line in one place
+(`sparsesync/cli/_errors.py`); library users can catch the classes below.
+
+Rule of thumb: raise the most specific class, put the bad value and what was expected into
+the message, and put the fix into `hint`.
+"""
+
+from __future__ import annotations
+
+
+class SparsesyncError(Exception):
+    """Base of every sparsesync error. `hint` says how to fix it (may be empty)."""
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+# ---------------------------------------------------------------------------- configuration
+class ConfigError(SparsesyncError):
+    """A configuration value or CLI argument is invalid."""
+
+
+# ---------------------------------------------------------------------------- patches
+class PatchError(SparsesyncError):
+    """Base for problems with a patch or anchor file."""
+
+
+class PatchFormatError(PatchError):
+    """The file is not a valid sparsesync patch (bad header, offsets, sizes, encodings, streams)."""
+
+
+class PatchMismatchError(PatchError):
+    """The patch is well-formed but does not fit the tensors it is applied to
+    (missing tensor, wrong shape or dtype, base digest mismatch). Nothing was written."""
+
+
+class DigestMismatchError(PatchError):
+    """Bytes do not match their recorded digest (after apply, or a stored object's bytes)."""
+
+
+# ---------------------------------------------------------------------------- stores
+class StoreError(SparsesyncError):
+    """Base for object-store failures. `url` names the store or object (never a token)."""
+
+    def __init__(self, message: str, *, url: str = "", hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.url = url
+
+
+class ObjectNotFoundError(StoreError):
+    """The object does not exist in the store."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store did not answer (or answered with transient errors) after all retries."""
+
+
+class StoreAuthError(StoreError):
+    """The store refused our credentials or we lack permission."""
+
+
+# ---------------------------------------------------------------------------- protocol
+class ProtocolError(SparsesyncError):
+    """Base for run-layout and commit-protocol problems."""
+
+
+class RunNotFoundError(ProtocolError):
+    """No committed version exists under the run URL."""
+
+
+class VersionNotFoundError(ProtocolError):
+    """The requested version is not committed (or no longer reachable after GC)."""
+
+
+class BrokenChainError(ProtocolError):
+    """No chain of committed objects leads from an anchor to the requested version."""
+
+
+class FencedWriterError(ProtocolError):
+    """Another writer with a newer epoch took over the run; this writer must stop."""

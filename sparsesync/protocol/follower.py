@@ -1,0 +1,257 @@
+"""The reader side: keep a replica's weights at the newest committed version of a run.
+
+Guarantees:
+- The engine (the `ApplyHook`) only ever receives fully verified versions. The follower
+  fetches, checks object digests, decodes and applies each patch to its own CPU mirror
+  (all-or-nothing, target digests and the commit's state digest verified) while the engine
+  keeps serving; only then does it call the hook, whose duration is the replica's pause.
+- A version number moves only after the hook returned. If the hook fails, the engine is
+  reloaded from the mirror (`load_full`).
+- Faults (missing or corrupt objects, broken chains, an unreachable store) never stop the
+  replica: the follower refetches, then falls back to the newest anchor that reaches the
+  newest version, and meanwhile keeps the last good version with state "degraded".
+
+New versions are found by polling the commit listing with backoff (cheap: one listing of
+`commits/`); stores that can push change notifications (`Store.wait_for_change`) wake it early.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from sparsesync.codec.apply import SparseUpdate
+from sparsesync.errors import (
+    DigestMismatchError,
+    ObjectNotFoundError,
+    PatchError,
+    ProtocolError,
+    SparsesyncError,
+    StoreError,
+)
+from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
+from sparsesync.protocol.layout import CommitRecord
+from sparsesync.protocol.run import Run, State, Step
+from sparsesync.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+# errors that mean "this object/path is bad": avoid it and re-plan (anchor fallback)
+_BAD_OBJECT = (DigestMismatchError, ObjectNotFoundError, PatchError, ProtocolError)
+
+
+class _NoHook:
+    """A follower with no engine: the mirror is the replica (CLI pull --follow, tests)."""
+
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+
+class Follower:
+    """Follows the run at `url` and drives `hook` (see module docstring)."""
+
+    def __init__(
+        self,
+        url: str | Store,
+        hook: ApplyHook | None = None,
+        *,
+        poll_interval: float = 1.0,
+        max_poll_interval: float = 15.0,
+    ) -> None:
+        self.store = open_store(url) if isinstance(url, str) else url
+        self.run = Run(self.store)
+        self.hook: ApplyHook = hook or _NoHook()
+        self.poll_interval = poll_interval
+        self.max_poll_interval = max_poll_interval
+        self.mirror: State = {}
+        self.digests: dict[str, str] = {}
+        self._mirror_version: int | None = None  # version the mirror holds (None: must reload)
+        self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
+        self._bad: set[str] = set()  # object keys that failed twice (planned around)
+        self._lock = threading.Lock()  # one sync at a time
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._status = FollowerStatus(
+            url=self.store.url, current_version=None, newest_version=None, lag=None, state="starting",
+            last_error=None, last_fetch_s=None, last_apply_s=None, last_apply_at=None,
+            versions_applied=0, anchor_loads=0,
+        )
+
+    # -- public API -------------------------------------------------------------------
+    @property
+    def current_version(self) -> int | None:
+        return self._status.current_version
+
+    def status(self) -> FollowerStatus:
+        with self._changed:
+            return FollowerStatus(**self._status.to_dict())
+
+    def sync_once(self) -> int | None:
+        """Bring the replica to the newest committed version; returns the version served.
+
+        Never raises for store or object faults: they are recorded in `status()` (state
+        "degraded") and the last good version stays in place.
+        """
+        with self._lock:
+            try:
+                commits = self.run.commits()
+            except StoreError as e:
+                self._degrade(e)
+                return self.current_version
+            if not commits:
+                self._set(newest_version=None, lag=None)
+                return self.current_version
+            newest = commits[-1]
+            self._set(newest_version=newest.version, lag=self._lag(newest.version))
+            if self._mirror_version == newest.version == self.current_version:
+                self._set(state="following", last_error=None)
+                return self.current_version
+            for _attempt in range(3):
+                try:
+                    steps = self.run.plan(newest, commits, current=self._mirror_version, avoid=self._bad)
+                    self._execute(steps)
+                    self._set(state="following", last_error=None, lag=self._lag(newest.version))
+                    break
+                except _BAD_OBJECT as e:
+                    key = getattr(e, "_sparsesync_key", None)
+                    log.warning("sync of %s failed: %s", self.store.url, e)
+                    if key is not None and key in self._suspect:
+                        self._bad.add(key)  # failed twice: avoid it, re-plan around it
+                    elif key is not None:
+                        self._suspect.add(key)  # first failure: refetch once
+                    self._degrade(e)
+                except SparsesyncError as e:  # store unreachable, engine failed to load
+                    self._degrade(e)
+                    break
+            return self.current_version
+
+    def start(self) -> None:
+        """Follow in a background thread until `stop()`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="sparsesync-follow", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self._set(state="stopped")
+
+    def wait_for_version(self, version: int, timeout: float) -> None:
+        """Block until the replica serves `version` or newer; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while (self._status.current_version or -1) < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"replica following {self.store.url} serves version {self._status.current_version}, "
+                        f"not {version}, after {timeout} s (last error: {self._status.last_error})"
+                    )
+                self._changed.wait(timeout=left)
+
+    # -- internals --------------------------------------------------------------------
+    def _loop(self) -> None:
+        interval = self.poll_interval
+        while not self._stop.is_set():
+            before = self.current_version
+            try:
+                self.sync_once()
+            except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
+                log.exception("follower of %s hit an unexpected error", self.store.url)
+                self._degrade(e)
+            moved = self.current_version != before
+            interval = self.poll_interval if moved else min(interval * 1.5, self.max_poll_interval)
+            self.store.wait_for_change(interval, self._stop)
+
+    def _execute(self, steps: list[Step]) -> None:
+        for step in steps:
+            rec = step.commit
+            t0 = time.perf_counter()
+            if step.kind == "anchor":
+                try:
+                    state, digests = self.run.fetch_anchor(rec)
+                except _BAD_OBJECT as e:
+                    e._sparsesync_key = rec.anchor[0].key  # type: ignore[attr-defined]
+                    raise
+                fetch_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self._call_hook(lambda: self.hook.load_full(rec.version, state), rec, state)
+                self.mirror, self.digests, self._mirror_version = state, digests, rec.version
+                self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
+            else:
+                updates = self._stage_delta(rec)
+                self._mirror_version = rec.version
+                fetch_s = time.perf_counter() - t0
+                full = {name: self.mirror[name] for name in updates}
+                t1 = time.perf_counter()
+                self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full), rec, self.mirror)
+                self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
+
+    def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
+        """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
+        assert rec.delta is not None
+        try:
+            patch = self.run.load_delta(rec, self.digests)  # writes nothing
+            digests = dict(self.digests)
+            try:
+                updates = self.run.apply_loaded(rec, patch, self.mirror, digests)
+            except DigestMismatchError:
+                self._mirror_version = None  # the mirror was written and is wrong: reload an anchor
+                raise
+        except _BAD_OBJECT as e:
+            e._sparsesync_key = rec.delta.key  # type: ignore[attr-defined]
+            raise
+        self.digests = digests
+        return updates
+
+    def _call_hook(self, fn, rec: CommitRecord, state: State) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
+            log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            try:
+                self.hook.load_full(rec.version, state)
+            except Exception as e2:  # noqa: BLE001
+                raise SparsesyncError(
+                    f"engine could not load version {rec.version} of {self.store.url}: {e2}",
+                    hint="the replica keeps its last state; check the engine logs",
+                ) from e2
+
+    def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
+        st = self._status
+        self._set(
+            current_version=rec.version,
+            last_fetch_s=fetch_s,
+            last_apply_s=apply_s,
+            last_apply_at=time.time(),
+            versions_applied=st.versions_applied + 1,
+            anchor_loads=st.anchor_loads + int(anchor),
+            lag=self._lag(st.newest_version),
+        )
+
+    def _lag(self, newest: int | None) -> int | None:
+        cur = self._status.current_version
+        return None if newest is None or cur is None else max(newest - cur, 0)
+
+    def _degrade(self, e: Exception) -> None:
+        self._set(state="degraded", last_error=str(e))
+
+    def _set(self, **kw: object) -> None:
+        with self._changed:
+            for k, v in kw.items():
+                setattr(self._status, k, v)
+            self._changed.notify_all()

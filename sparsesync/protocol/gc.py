@@ -1,0 +1,91 @@
+"""Retention: delete what no follower can need, never what the newest version's chain needs.
+
+Guarantees: the anchor that followers would cold-start from (the newest anchor from which a
+delta chain reaches the newest committed version) and every object of every version from
+the oldest kept anchor on stay in place. Deletion order keeps readers safe if gc dies
+midway: commit records that are not valid (fenced writers) first, then old commit records,
+then objects no remaining commit references. Objects of versions newer than the newest
+commit are never touched: they may belong to a writer that is uploading right now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparsesync.errors import ConfigError
+from sparsesync.protocol.layout import (
+    ANCHORS,
+    COMMITS,
+    DELTAS,
+    CommitRecord,
+    commit_key,
+    object_version,
+    parse_commit_key,
+)
+from sparsesync.protocol.run import Run
+from sparsesync.store import Store
+
+
+@dataclass
+class GcPlan:
+    """What `apply_gc` will delete, in order, and what it keeps."""
+
+    newest_version: int | None
+    oldest_kept_version: int | None
+    invalid_commits: list[str] = field(default_factory=list)
+    old_commits: list[str] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    kept_versions: list[int] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.invalid_commits or self.old_commits or self.objects)
+
+
+def plan_gc(store: Store, *, keep_anchors: int = 1) -> GcPlan:
+    """Compute what can go. Keeps the newest `keep_anchors` usable anchors and all after them."""
+    if keep_anchors < 1:
+        raise ConfigError(f"keep_anchors={keep_anchors}: must be >= 1 (the newest chain needs its anchor)")
+    run = Run(store)
+    listing = store.list("")
+    sizes = {o.key: o.size for o in listing}
+    commits = run.commits()
+    if not commits:
+        return GcPlan(newest_version=None, oldest_kept_version=None)
+    newest = commits[-1]
+    anchors = [c for c in reversed(commits) if c.has_anchor]
+    usable = [a for a in anchors if _reaches(a.version, newest, commits)]
+    kept_anchor_versions = [a.version for a in usable[:keep_anchors]]
+    keep_from = min(kept_anchor_versions) if kept_anchor_versions else commits[0].version
+    valid_keys = {k for k in sizes if k.startswith(COMMITS)} & {_key(c) for c in commits}
+    plan = GcPlan(newest_version=newest.version, oldest_kept_version=keep_from)
+    plan.invalid_commits = sorted(k for k in sizes if parse_commit_key(k) and k not in valid_keys)
+    kept = [c for c in commits if c.version >= keep_from]
+    plan.kept_versions = [c.version for c in kept]
+    plan.old_commits = sorted(_key(c) for c in commits if c.version < keep_from)
+    referenced = {ref.key for c in kept for ref in c.objects()}
+    for key in sizes:
+        if not key.startswith((ANCHORS, DELTAS)) or key in referenced:
+            continue
+        v = object_version(key)
+        if v is not None and v <= newest.version:
+            plan.objects.append(key)
+    plan.objects.sort()
+    plan.bytes_freed = sum(sizes[k] for k in plan.invalid_commits + plan.old_commits + plan.objects)
+    return plan
+
+
+def apply_gc(store: Store, plan: GcPlan) -> None:
+    """Delete what `plan` lists, in the safe order."""
+    for keys in (plan.invalid_commits, plan.old_commits, plan.objects):
+        if keys:
+            store.delete(keys)
+
+
+def _key(rec: CommitRecord) -> str:
+    return commit_key(rec.version, rec.epoch)
+
+
+def _reaches(start: int, target: CommitRecord, commits: list[CommitRecord]) -> bool:
+    return start == target.version or Run.chain(start, target.version, commits, set()) is not None

@@ -1,0 +1,56 @@
+"""What a replica plugs into the follower: the apply hook, and the status the follower reports.
+
+The follower keeps a verified CPU mirror of the weights in checkpoint coordinates (the names
+and shapes of the trainer's state dict). For each new version it fetches, verifies and decodes
+the patch while the replica keeps serving, applies it to the mirror (all-or-nothing, target
+digests verified), and only then calls the hook, which is the only step that touches the
+engine. If the hook raises, the follower reloads the engine from the mirror with `load_full`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+from sparsesync.codec.apply import SparseUpdate
+
+
+class ApplyHook(Protocol):
+    """Implemented by an inference engine (vLLM adapter, embedded transformers engine)."""
+
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace all weights (cold start, anchor fallback, recovery). Pauses the engine."""
+
+    def apply_sparse(
+        self,
+        version: int,
+        updates: Mapping[str, SparseUpdate],
+        full: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Apply one verified version: `updates` holds the changed elements per tensor (flat
+        indices and target values); `full` holds the complete new value of each touched tensor
+        (views of the mirror, read-only) for engines that reload whole tensors. The engine
+        pauses only for the in-place write and reports `version` from then on."""
+
+
+@dataclass
+class FollowerStatus:
+    """A follower's view of itself; served by replicas as their sync status."""
+
+    url: str
+    current_version: int | None  # version the engine serves (None before the first load)
+    newest_version: int | None  # newest committed version seen in the store
+    lag: int | None  # newest_version - current_version
+    state: str  # "starting" | "following" | "degraded" (serving last good version) | "stopped"
+    last_error: str | None
+    last_fetch_s: float | None  # fetch+verify+decode seconds of the last version
+    last_apply_s: float | None  # seconds the engine was paused for the last apply
+    last_apply_at: float | None  # unix time of the last successful apply
+    versions_applied: int
+    anchor_loads: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,393 @@
+"""The writer side: publish weight versions into a run without making training wait on the network.
+
+`Publisher.publish(state, step)` diffs against the last *published* version, encodes the
+patch, hands it to a background uploader and returns. The uploader writes the version's
+objects, checks that no newer writer has claimed the run, and writes the commit record last.
+
+When it blocks: `publish` runs diff+encode on the caller's thread, and on anchor versions
+also serializes the anchor to a local staging folder (about 1 s per GB). It never waits for
+the network: when `queue_size` versions are waiting to upload, the newest waiting delta is
+coalesced with the new one (B->N-1 and N-1->N become B->N; version N-1 is never committed).
+Memory: the diff snapshot (2 B/param for bf16) plus at most `queue_size` encoded deltas.
+
+Fencing: each Publisher claims a writer epoch (one higher than any seen) when it starts, and
+re-lists the claims before every commit; when a newer epoch exists it stops and raises
+FencedWriterError from the next `publish`/`flush`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.errors import (
+    ConfigError,
+    FencedWriterError,
+    PatchMismatchError,
+    RunNotFoundError,
+    SparsesyncError,
+    StoreUnavailableError,
+)
+from sparsesync.protocol.layout import (
+    WRITERS,
+    CommitRecord,
+    ObjectRef,
+    anchor_prefix,
+    commit_key,
+    delta_key,
+    new_uid,
+    parse_writer_key,
+    writer_key,
+)
+from sparsesync.protocol.run import Run, bytes_digest, file_digest
+from sparsesync.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PublisherConfig:
+    """How often anchors are written and how much may wait for upload."""
+
+    anchor_every: int = 50  # versions between periodic anchors (0: only the first one)
+    anchor_fraction: float = 0.5  # anchor when delta bytes since the last anchor exceed this x anchor bytes
+    queue_size: int = 4  # versions waiting for upload before deltas are coalesced
+    retry_backoff_s: float = 0.5  # first wait after a failed upload (doubles, max 30 s)
+    writer: str = ""  # writer id recorded in claims and commits; default host-pid
+
+    def validate(self) -> None:
+        if self.anchor_every < 0:
+            raise ConfigError(f"anchor_every={self.anchor_every}: must be >= 0")
+        if not 0 < self.anchor_fraction:
+            raise ConfigError(f"anchor_fraction={self.anchor_fraction}: must be > 0")
+        if self.queue_size < 1:
+            raise ConfigError(f"queue_size={self.queue_size}: must be >= 1")
+
+
+@dataclass
+class _Item:
+    """One version waiting to be uploaded."""
+
+    version: int
+    base_version: int | None
+    state_digest: str
+    base_state_digest: str | None
+    digests: dict[str, str]  # every tensor's digest at `version`
+    base_digests: dict[str, str] | None
+    changes: dict[str, TensorChange] | None
+    delta: bytes | None
+    anchor_dir: Path | None
+    metrics: dict[str, Any]
+    uid: str = field(default_factory=new_uid)
+
+
+class Publisher:
+    """Publishes versions of a state dict to the run at `url` (see module docstring)."""
+
+    def __init__(self, url: str | Store, config: PublisherConfig | None = None, **overrides: Any) -> None:
+        self.config = config or PublisherConfig()
+        for k, v in overrides.items():
+            if not hasattr(self.config, k):
+                raise ConfigError(f"unknown publisher option {k!r}")
+            setattr(self.config, k, v)
+        self.config.validate()
+        self.store = open_store(url, create=True) if isinstance(url, str) else url
+        self.run = Run(self.store)
+        self.writer = self.config.writer or f"{socket.gethostname()}-{os.getpid()}".replace("_", "-")
+        self._staging = Path(tempfile.mkdtemp(prefix="sparsesync-publish-"))
+        self._snapshot: Snapshot | None = None
+        self._pending: deque[_Item] = deque()
+        self._busy = False
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._last_anchor_version: int | None = None
+        self._anchor_bytes = 0
+        self._delta_bytes_since_anchor = 0
+        self.metrics: list[dict[str, Any]] = []  # one per committed version, in commit order
+        newest = self.run.newest()
+        self.committed_version: int | None = newest.version if newest else None
+        self._last_version = self.committed_version
+        self.epoch = self._claim_epoch()
+        self._thread = threading.Thread(target=self._upload_loop, name="sparsesync-upload", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------
+    def publish(self, state: Mapping[str, torch.Tensor], step: int | None = None) -> int:
+        """Publish `state` as version `step` (default: previous + 1). Returns the version.
+
+        Returns after diff+encode (and anchor serialization on anchor versions); the upload
+        happens in the background.
+        """
+        self._raise_background_error()
+        if self._closed:
+            raise ConfigError("publish() after close()")
+        version = step if step is not None else (self._last_version or 0) + 1
+        if self._last_version is not None and version <= self._last_version:
+            raise ConfigError(
+                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
+                hint="pass a larger step, or publish to a new run URL",
+            )
+        if self._snapshot is None:
+            t0 = time.perf_counter()
+            self._snapshot = Snapshot(state, version)
+            item = _Item(
+                version=version, base_version=None, state_digest=self._snapshot.state_digest,
+                base_state_digest=None, digests=dict(self._snapshot.digests), base_digests=None,
+                changes=None, delta=None, anchor_dir=None,
+                metrics={"snapshot_s": time.perf_counter() - t0},
+            )
+            self._write_anchor(item)
+        else:
+            base_digests = dict(self._snapshot.digests)
+            enc = self._snapshot.diff_encode(state, version)
+            item = _Item(
+                version=version, base_version=enc.base_version, state_digest=enc.target_state_digest,
+                base_state_digest=enc.base_state_digest, digests=dict(self._snapshot.digests),
+                base_digests=base_digests, changes=enc.changes, delta=enc.data, anchor_dir=None,
+                metrics=enc.stats.to_dict(),
+            )
+            self._delta_bytes_since_anchor += len(enc.data)
+            if self._anchor_due(version):
+                self._write_anchor(item)
+        self._last_version = version
+        self._enqueue(item)
+        return version
+
+    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue the run from its newest committed version, whose weights `state` holds.
+
+        The next `publish` is then a delta against that version instead of a fresh anchor.
+        Raises PatchMismatchError when `state` is not exactly that version.
+        """
+        if self._snapshot is not None:
+            raise ConfigError("resume() must come before the first publish()")
+        commits = self.run.commits()
+        if not commits:
+            raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
+        newest = commits[-1]
+        snap = Snapshot(state, newest.version)
+        if snap.state_digest != newest.state_digest:
+            raise PatchMismatchError(
+                f"the weights given to resume() have state digest {snap.state_digest}, but version "
+                f"{newest.version} of {self.store.url} has {newest.state_digest}",
+                hint="load the run's newest version first (`sparsesync pull`)",
+            )
+        self._snapshot = snap
+        anchors = [c for c in commits if c.has_anchor]
+        if anchors:
+            last = anchors[-1]
+            self._last_anchor_version = last.version
+            self._anchor_bytes = sum(o.size for o in last.anchor)
+            self._delta_bytes_since_anchor = sum(
+                c.delta.size for c in commits if c.delta is not None and c.version > last.version
+            )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every published version is committed (or raise the uploader's error)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while (self._pending or self._busy) and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise StoreUnavailableError(
+                        f"{len(self._pending) + self._busy} version(s) still uploading to {self.store.url} "
+                        f"after {timeout} s",
+                        url=self.store.url,
+                        hint="the store is slow or unreachable; the publisher keeps retrying",
+                    )
+                self._cv.wait(timeout=left if left is not None else 1.0)
+        self._raise_background_error()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the uploader and remove the staging folder."""
+        if self._closed:
+            return
+        try:
+            if self._error is None:
+                self.flush(timeout)
+        finally:
+            self._closed = True
+            with self._cv:
+                self._cv.notify_all()
+            self._thread.join(timeout=5)
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pending(self) -> int:
+        """Versions published but not yet committed."""
+        with self._cv:
+            return len(self._pending) + int(self._busy)
+
+    # -- internals --------------------------------------------------------------------
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _claim_epoch(self) -> int:
+        claims = [p for o in self.store.list(WRITERS) if (p := parse_writer_key(o.key))]
+        epoch = max((e for e, _w in claims), default=0) + 1
+        self.store.put(writer_key(epoch, self.writer), f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode())
+        return epoch
+
+    def _check_fence(self) -> None:
+        claims = [p for o in self.store.list(WRITERS) if (p := parse_writer_key(o.key))]
+        newer = [(e, w) for e, w in claims if e > self.epoch]
+        if newer:
+            e, w = max(newer)
+            raise FencedWriterError(
+                f"writer {self.writer!r} (epoch {self.epoch}) was fenced: writer {w!r} claimed epoch {e} "
+                f"of {self.store.url}",
+                hint="only one trainer may publish to a run; stop the other one or use a new run URL",
+            )
+
+    def _anchor_due(self, version: int) -> bool:
+        cfg = self.config
+        if self._last_anchor_version is None:
+            return True
+        if cfg.anchor_every and version - self._last_anchor_version >= cfg.anchor_every:
+            return True
+        return self._delta_bytes_since_anchor > cfg.anchor_fraction * max(self._anchor_bytes, 1)
+
+    def _write_anchor(self, item: _Item) -> None:
+        assert self._snapshot is not None
+        t0 = time.perf_counter()
+        d = self._staging / f"anchor-{item.version}-{item.uid}"
+        files = write_anchor(self._snapshot.state, d, version=item.version)
+        item.anchor_dir = d
+        self._anchor_bytes = sum(f.stat().st_size for f in files)
+        self._delta_bytes_since_anchor = 0
+        self._last_anchor_version = item.version
+        item.metrics["anchor_bytes"] = self._anchor_bytes
+        item.metrics["anchor_write_s"] = time.perf_counter() - t0
+
+    def _enqueue(self, item: _Item) -> None:
+        with self._cv:
+            if len(self._pending) >= self.config.queue_size:
+                item = self._coalesce(self._pending.pop(), item)
+            self._pending.append(item)
+            self._cv.notify_all()
+
+    def _coalesce(self, old: _Item, new: _Item) -> _Item:
+        """Merge two waiting versions into one delta old.base -> new.version."""
+        if old.changes is None or new.changes is None:
+            # `old` is the very first version (a bare anchor): the merge is an anchor of `new`
+            if old.anchor_dir:
+                shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            new.changes, new.delta, new.base_version = None, None, None
+            new.base_state_digest = new.base_digests = None
+            if new.anchor_dir is None:
+                self._write_anchor(new)
+            return new
+        changes = compose_changes(old.changes, new.changes)
+        assert old.base_digests is not None and old.base_version is not None
+        data = encode_changes(
+            changes,
+            base_version=old.base_version,
+            target_version=new.version,
+            base_digests={n: old.base_digests[n] for n in changes},
+            target_digests={n: new.digests[n] for n in changes},
+            base_state_digest=old.base_state_digest or "",
+            target_state_digest=new.state_digest,
+        )
+        if old.anchor_dir is not None:
+            shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            if new.anchor_dir is None:
+                self._write_anchor(new)
+        merged = _Item(
+            version=new.version, base_version=old.base_version, state_digest=new.state_digest,
+            base_state_digest=old.base_state_digest, digests=new.digests, base_digests=old.base_digests,
+            changes=changes, delta=data, anchor_dir=new.anchor_dir,
+            metrics={**new.metrics, "patch_bytes": len(data),
+                     "coalesced": old.metrics.get("coalesced", [old.version]) + [new.version]},
+        )
+        log.info("uploads lag: coalesced versions %s into %s->%s", merged.metrics["coalesced"],
+                 merged.base_version, merged.version)
+        return merged
+
+    def _upload_loop(self) -> None:
+        backoff = self.config.retry_backoff_s
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                item = self._pending.popleft()
+                self._busy = True
+            try:
+                while True:
+                    try:
+                        self._upload(item)
+                        backoff = self.config.retry_backoff_s
+                        break
+                    except StoreUnavailableError as e:
+                        if self._closed:
+                            raise
+                        log.warning("upload of version %d failed (%s); retrying in %.1f s", item.version, e, backoff)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 30.0)
+                        with self._cv:  # newer deltas may have queued: merge them in now
+                            # (only pure deltas: anchors are serialized on the publishing thread)
+                            if self._pending and _pure_delta(item) and _pure_delta(self._pending[0]):
+                                nxt = self._pending.popleft()
+                                item = self._coalesce(item, nxt)
+            except BaseException as e:  # noqa: BLE001 - fatal: surfaced from publish()/flush()
+                with self._cv:
+                    self._error = e if isinstance(e, SparsesyncError) else SparsesyncError(
+                        f"uploader of {self.store.url} failed: {e!r}")
+                    self._busy = False
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _upload(self, item: _Item) -> None:
+        t0 = time.perf_counter()
+        rec = CommitRecord(
+            version=item.version, epoch=self.epoch, writer=self.writer, state_digest=item.state_digest,
+            created_at=time.time(), base_version=item.base_version, base_state_digest=item.base_state_digest,
+        )
+        if item.delta is not None:
+            assert item.base_version is not None
+            key = delta_key(item.base_version, item.version, self.epoch, item.uid)
+            self.store.put(key, item.delta)
+            rec.delta = ObjectRef(key, len(item.delta), bytes_digest(item.delta))
+        if item.anchor_dir is not None:
+            prefix = anchor_prefix(item.version, self.epoch, item.uid)
+            files = sorted(item.anchor_dir.iterdir())
+            self.store.put_many([(prefix + f.name, f) for f in files])
+            rec.anchor = [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
+        self._check_fence()
+        rec.metrics = {**item.metrics, "version": item.version, "base_version": item.base_version,
+                       "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.delta else
+                       ("delta+anchor" if rec.anchor else "delta")}
+        self.store.put(commit_key(item.version, self.epoch), rec.to_json())
+        if item.anchor_dir is not None:
+            shutil.rmtree(item.anchor_dir, ignore_errors=True)
+        self.committed_version = item.version
+        self.metrics.append(rec.metrics)
+
+
+def _pure_delta(item: _Item) -> bool:
+    return item.delta is not None and item.anchor_dir is None

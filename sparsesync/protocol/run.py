@@ -1,0 +1,261 @@
+"""Reading a run: which versions are committed, how to reach one, and fetching verified objects.
+
+Guarantees: only committed versions (under the fencing rule of `layout.valid_commits`) are
+ever returned; every object's bytes are checked against the size and xxh3 digest recorded in
+its commit before anything parses them; `reconstruct` returns a state whose digest equals the
+commit's `state_digest` or raises.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from sparsesync.codec import Patch, apply_patch, load_anchor, read_patch, state_digest
+from sparsesync.codec.apply import SparseUpdate
+from sparsesync.errors import (
+    BrokenChainError,
+    DigestMismatchError,
+    ObjectNotFoundError,
+    PatchMismatchError,
+    ProtocolError,
+    RunNotFoundError,
+    VersionNotFoundError,
+)
+from sparsesync.protocol.layout import (
+    COMMITS,
+    CommitRecord,
+    ObjectRef,
+    valid_commits,
+)
+from sparsesync.store import Store, open_store
+
+State = dict[str, torch.Tensor]
+
+
+def bytes_digest(data: bytes) -> str:
+    """The digest commit records use for object bytes."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_digest(path: Path, chunk: int = 64 << 20) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan: load the anchor of `commit`, or apply its delta."""
+
+    kind: str  # "anchor" | "delta"
+    commit: CommitRecord
+
+
+class Run:
+    """A read view of the run rooted at a store. Commit records are cached (immutable)."""
+
+    def __init__(self, store: Store | str) -> None:
+        self.store = open_store(store) if isinstance(store, str) else store
+        self._records: dict[str, CommitRecord] = {}
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- commits ----------------------------------------------------------------------
+    def commits(self) -> list[CommitRecord]:
+        """Every valid committed version, oldest first (a fresh listing each call)."""
+        keys = [o.key for o in self.store.list(COMMITS)]
+        out = []
+        for _v, _e, key in valid_commits(keys):
+            rec = self._records.get(key)
+            if rec is None:
+                try:
+                    rec = CommitRecord.from_json(self.store.get(key), key)
+                except ObjectNotFoundError:
+                    continue  # listed but gone (gc raced us): not committed any more
+                self._records[key] = rec
+            out.append(rec)
+        return out
+
+    def newest(self) -> CommitRecord | None:
+        commits = self.commits()
+        return commits[-1] if commits else None
+
+    def commit(self, version: int | None, commits: list[CommitRecord] | None = None) -> CommitRecord:
+        """The commit of `version` (newest when None); raises RunNotFound/VersionNotFound."""
+        commits = self.commits() if commits is None else commits
+        if not commits:
+            raise RunNotFoundError(
+                f"no committed version under {self.url}",
+                hint="check the URL, or publish a first version with `sparsesync push`",
+            )
+        if version is None:
+            return commits[-1]
+        for rec in commits:
+            if rec.version == version:
+                return rec
+        have = ", ".join(str(c.version) for c in commits[-5:])
+        raise VersionNotFoundError(
+            f"version {version} is not committed under {self.url} (newest: {have})",
+            hint="run `sparsesync log URL` to list committed versions",
+        )
+
+    # -- planning ---------------------------------------------------------------------
+    def plan(
+        self,
+        target: CommitRecord,
+        commits: list[CommitRecord],
+        *,
+        current: int | None = None,
+        avoid: Iterable[str] = (),
+    ) -> list[Step]:
+        """Steps that bring a holder of `current` (None: nothing) to `target`.
+
+        Prefers the delta chain from `current`; otherwise the newest anchor at or before the
+        target from which a delta chain reaches it. Objects whose keys are in `avoid` (known
+        bad) are never used. Raises BrokenChainError when no path exists.
+        """
+        bad = set(avoid)
+        if current is not None:
+            if current == target.version:
+                return []
+            chain = self.chain(current, target.version, commits, bad)
+            if chain is not None:
+                return chain
+        for rec in reversed(commits):
+            if rec.version > target.version or not rec.has_anchor:
+                continue
+            if any(o.key in bad for o in rec.anchor):
+                continue
+            chain = self.chain(rec.version, target.version, commits, bad)
+            if chain is not None:
+                return [Step("anchor", rec), *chain]
+        raise BrokenChainError(
+            f"no anchor plus delta chain reaches version {target.version} under {self.url}"
+            + (f" from version {current}" if current is not None else ""),
+            hint="the trainer must publish a new anchor (restart it, or `sparsesync push` a full checkpoint)",
+        )
+
+    @staticmethod
+    def chain(start: int, target: int, commits: list[CommitRecord], bad: set[str]) -> list[Step] | None:
+        """The delta steps from version `start` to `target`, or None when the chain is broken."""
+        by_base: dict[int, list[CommitRecord]] = {}
+        for rec in commits:
+            if rec.delta is not None and rec.delta.key not in bad and rec.version <= target:
+                by_base.setdefault(rec.base_version, []).append(rec)  # type: ignore[arg-type]
+        steps: list[Step] = []
+        cur = start
+        while cur != target:
+            nxt = by_base.get(cur)
+            if not nxt:
+                return None
+            rec = max(nxt, key=lambda r: r.version)  # a coalesced delta skips ahead
+            steps.append(Step("delta", rec))
+            cur = rec.version
+        return steps
+
+    # -- objects ----------------------------------------------------------------------
+    def fetch(self, ref: ObjectRef) -> bytes:
+        """The object's bytes, checked against the size and digest its commit recorded."""
+        data = self.store.get(ref.key)
+        if len(data) != ref.size or bytes_digest(data) != ref.xxh3:
+            raise DigestMismatchError(
+                f"object {self.store.object_url(ref.key)} has {len(data)} bytes with digest "
+                f"{bytes_digest(data)}, expected {ref.size} bytes with digest {ref.xxh3}",
+                hint="the stored object is corrupt; followers fall back to an anchor",
+            )
+        return data
+
+    def fetch_anchor(self, rec: CommitRecord, workdir: Path | None = None) -> tuple[State, dict[str, str]]:
+        """Download, verify and load the anchor of `rec`: (state, per-tensor digests)."""
+        with tempfile.TemporaryDirectory(dir=workdir, prefix="sparsesync-anchor-") as tmp:
+            items = [(ref.key, Path(tmp) / Path(ref.key).name) for ref in rec.anchor]
+            self.store.get_many(items)
+            for ref, (_key, path) in zip(rec.anchor, items, strict=True):
+                size = path.stat().st_size
+                if size != ref.size or file_digest(path) != ref.xxh3:
+                    raise DigestMismatchError(
+                        f"anchor file {self.store.object_url(ref.key)} is corrupt "
+                        f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
+                        hint="the stored anchor is damaged; publish a new anchor",
+                    )
+            files = [p for _k, p in items if p.suffix == ".safetensors"]
+            state, info = load_anchor(files)
+        if info.version != rec.version or info.state_digest != rec.state_digest:
+            raise DigestMismatchError(
+                f"anchor of version {rec.version} under {self.url} holds version {info.version} "
+                f"with state digest {info.state_digest}, expected {rec.state_digest}"
+            )
+        return state, dict(info.digests)
+
+    def load_delta(self, rec: CommitRecord, digests: Mapping[str, str]) -> Patch:
+        """Fetch and check the delta of `rec` for a holder whose tensors have `digests`.
+
+        Checks the object's bytes, the patch structure, that the patch is the one the commit
+        names, and that it applies to the held state. Writes nothing.
+        """
+        assert rec.delta is not None
+        patch = read_patch(self.fetch(rec.delta))
+        h = patch.header
+        if (h.base_version, h.target_version) != (rec.base_version, rec.version) or (
+            h.target_state_digest != rec.state_digest
+        ):
+            raise ProtocolError(
+                f"delta {rec.delta.key} takes {h.base_version}->{h.target_version} "
+                f"(state {h.target_state_digest}), but its commit says "
+                f"{rec.base_version}->{rec.version} (state {rec.state_digest})"
+            )
+        held = state_digest(digests)
+        if held != h.base_state_digest:
+            raise PatchMismatchError(
+                f"delta {rec.delta.key} applies to state {h.base_state_digest}, but the weights held are {held}",
+                hint="the holder is not at the delta's base version; reload from an anchor",
+            )
+        return patch
+
+    @staticmethod
+    def apply_loaded(rec: CommitRecord, patch: Patch, state: State, digests: dict[str, str]) -> dict[str, SparseUpdate]:
+        """Apply a checked delta to `state` in place and update `digests`.
+
+        The codec validates everything before its first write; a DigestMismatchError from here
+        means `state` was written and is not the target: the caller must discard it.
+        """
+        updates = apply_patch(patch, state, verify=True)
+        digests.update({name: e.target_digest for name, e in patch.header.tensors.items()})
+        if state_digest(digests) != rec.state_digest:
+            raise DigestMismatchError(
+                f"after applying version {rec.version} the state digest is {state_digest(digests)}, "
+                f"expected {rec.state_digest}",
+                hint="the patch does not produce the committed version; reload from an anchor",
+            )
+        return updates
+
+    def reconstruct(
+        self,
+        version: int | None = None,
+        *,
+        on_step: Callable[[Step], None] | None = None,
+    ) -> tuple[CommitRecord, State, dict[str, str]]:
+        """Materialize a committed version (newest when None), bit-exact and verified."""
+        commits = self.commits()
+        target = self.commit(version, commits)
+        state: State = {}
+        digests: dict[str, str] = {}
+        for step in self.plan(target, commits):
+            if on_step:
+                on_step(step)
+            if step.kind == "anchor":
+                state, digests = self.fetch_anchor(step.commit)
+            else:
+                self.apply_loaded(step.commit, self.load_delta(step.commit, digests), state, digests)
+        return target, state, digests
+

@@ -1,0 +1,229 @@
+"""A folder on the local disk as an object store: the embedded default.
+
+Guarantees: a reader never sees a half-written object (every write goes to a hidden temp
+file in the same folder, is fsynced, then renamed into place); `put_new` is a real
+create-only write (`os.link` of the finished temp file fails if the key exists), so
+`has_create_only` is True; keys are validated so no key can escape the root. Temp files
+(`.sparsesync-tmp-*`) are never listed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from sparsesync.errors import ObjectNotFoundError, StoreAuthError, StoreError
+from sparsesync.store import retry
+from sparsesync.store._keys import check_key, check_prefix
+from sparsesync.store.base import ObjectInfo, Store
+
+_TMP = ".sparsesync-tmp-"
+_CHUNK = 8 << 20
+
+
+class LocalStore(Store):
+    """Objects are files under `root`; the key is the path relative to it."""
+
+    has_create_only = True
+
+    def __init__(self, root: str | Path, *, url: str | None = None, create: bool = False) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = url or str(self.root)
+        if create:
+            self._run("create", self.url, lambda: self.root.mkdir(parents=True, exist_ok=True))
+        elif self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"{self.url} is a file, not a folder", url=self.url,
+                             hint="point the store at a folder")
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.url!r})"
+
+    # -- helpers ------------------------------------------------------------------------
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key, self.url)
+
+    def _run(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
+        try:
+            return retry.call(fn, what=what, url=url, transient=retry.is_transient_os_error)
+        except FileNotFoundError as e:
+            raise ObjectNotFoundError(f"no object at {url}", url=url,
+                                      hint="check the key; the writer may not have committed it yet") from e
+        except PermissionError as e:
+            raise StoreAuthError(f"permission denied for {what} of {url}", url=url,
+                                 hint=f"give this user read/write access to {self.root}") from e
+        except NotADirectoryError as e:  # a parent of the key is an object, so the key cannot exist
+            raise ObjectNotFoundError(f"no object at {url}", url=url, hint="check the key") from e
+        except IsADirectoryError as e:
+            raise ObjectNotFoundError(f"{url} is a folder, not an object", url=url,
+                                      hint="name a file key, or list() the prefix") from e
+        except OSError as e:
+            raise StoreError(f"{what} of {url} failed: {retry.describe(e)}", url=url,
+                             hint="check free disk space and that the folder is writable") from e
+
+    def _write_temp(self, dest: Path, data: bytes | Path) -> Path:
+        tmp = dest.with_name(f"{_TMP}{uuid.uuid4().hex}-{dest.name}")
+        for attempt in range(5):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                out = open(tmp, "xb")
+                break
+            except FileNotFoundError:  # a concurrent delete pruned the emptied folder: make it again
+                if attempt == 4:
+                    raise
+        try:
+            with out:
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    out.write(data)
+                else:
+                    with open(data, "rb") as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    # -- writes -------------------------------------------------------------------------
+    def put(self, key: str, data: bytes | Path) -> None:
+        dest = self._path(key)
+        if not isinstance(data, (bytes, bytearray, memoryview)) and not Path(data).is_file():
+            raise StoreError(f"cannot upload {data} to {self.object_url(key)}: no such file",
+                             url=self.object_url(key), hint="pass bytes or an existing file")
+
+        def _put() -> None:
+            self._check_no_file_in_the_way(key)
+            tmp = self._write_temp(dest, data)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+        self._run("write", self.object_url(key), _put)
+
+    def _check_no_file_in_the_way(self, key: str) -> None:
+        """A folder cannot also be a file: 'a' and 'a/b' cannot both be objects here."""
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            if (self.root.joinpath(*parts[:i])).is_file():
+                raise StoreError(f"cannot write {self.object_url(key)}: object {'/'.join(parts[:i])!r} exists "
+                                 "where a folder is needed", url=self.object_url(key),
+                                 hint="on a local store a key cannot be both an object and a folder")
+        if (self.root / key).is_dir():
+            raise StoreError(f"cannot write {self.object_url(key)}: it is a folder of other objects",
+                             url=self.object_url(key),
+                             hint="on a local store a key cannot be both an object and a folder")
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        dest = self._path(key)
+
+        def _put_new() -> bool:
+            self._check_no_file_in_the_way(key)
+            tmp = self._write_temp(dest, data)
+            try:
+                os.link(tmp, dest)  # atomic create-only: fails with EEXIST if dest exists
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        return self._run("create-only write", self.object_url(key), _put_new)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        paths = [self._path(k) for k in keys]
+
+        def _delete() -> None:
+            for p in paths:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    continue
+                self._prune(p.parent)
+
+        self._run("delete", self.url, _delete)
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folders left empty by a delete, up to (not including) the root."""
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    return
+                raise
+            folder = folder.parent
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        return self._run("read", self.object_url(key), path.read_bytes)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise StoreError(f"bad range start={start} length={length} for {self.object_url(key)}",
+                             url=self.object_url(key), hint="start and length must be >= 0")
+        path = self._path(key)
+
+        def _read() -> bytes:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(length)
+
+        return self._run("range read", self.object_url(key), _read)
+
+    def get_file(self, key: str, dest: Path) -> None:
+        src = self._path(key)
+        dest = Path(dest)
+
+        def _copy() -> None:
+            if not src.is_file():
+                raise FileNotFoundError(str(src))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + f".part-{uuid.uuid4().hex[:8]}")
+            try:
+                with open(src, "rb") as i, open(tmp, "wb") as o:
+                    while chunk := i.read(_CHUNK):
+                        o.write(chunk)
+                os.replace(tmp, dest)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+        self._run("download", self.object_url(key), _copy)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        check_prefix(prefix, self.url)
+        # walk only the deepest folder the prefix names, then filter by plain string match
+        folder = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+
+        def _walk() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            if not folder.is_dir():
+                return out
+            for dirpath, _dirs, files in os.walk(folder):
+                rel_dir = os.path.relpath(dirpath, self.root)
+                for name in files:
+                    if name.startswith(_TMP):
+                        continue
+                    key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                    if not key.startswith(prefix):
+                        continue
+                    try:
+                        size = os.stat(os.path.join(dirpath, name)).st_size
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
+                    out.append(ObjectInfo(key, size))
+            out.sort(key=lambda o: o.key)
+            return out
+
+        return self._run("list", self.url + ("/" + prefix if prefix else ""), _walk)
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return self._run("stat", self.object_url(key), path.is_file)

@@ -1,0 +1,135 @@
+"""One retry-with-backoff helper shared by every store backend.
+
+Guarantee: a call either returns, raises the backend's own permanent error unchanged (the
+backend turns it into a `StoreError`), or, once transient failures (timeouts, dropped
+connections, 5xx, 429) have used up the policy's tries or time budget, raises
+`StoreUnavailableError` naming the URL and the last cause. Nothing here ever formats a
+credential: messages go through `redact`.
+
+The budget can be tuned without code through the environment:
+`SPARSESYNC_STORE_RETRY_S` (total seconds, default 60) and `SPARSESYNC_STORE_RETRY_TRIES`
+(tries, default 8); tests set them low to see `StoreUnavailableError` quickly.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from sparsesync.errors import StoreError, StoreUnavailableError
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+#: HTTP statuses worth retrying: timeouts, rate limits, server-side trouble
+TRANSIENT_HTTP_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: OS errors worth retrying (network filesystems, loopback races)
+_TRANSIENT_ERRNO = frozenset(
+    {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+     errno.ECONNABORTED, errno.EPIPE, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ESTALE}
+)
+_SECRET_PATTERNS = (
+    re.compile(r"hf_[A-Za-z0-9]{8,}"),
+    re.compile(r"(?i)(bearer\s+)[^\s'\",]+"),
+    re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)[^'\",}]+"),
+    re.compile(r"(?i)((?:x-amz-security-token|aws_secret_access_key|signature)=)[^&\s'\"]+"),
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a store keeps trying before it calls itself unavailable."""
+
+    tries: int = 8  # total attempts, the first included
+    deadline_s: float = 60.0  # total seconds across all attempts and sleeps
+    base_delay_s: float = 0.25  # first sleep; doubles each retry (full jitter down to half)
+    max_delay_s: float = 8.0  # cap of one sleep
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """The default policy, with `SPARSESYNC_STORE_RETRY_S` / `_TRIES` applied."""
+        p = cls()
+        deadline = float(os.environ.get("SPARSESYNC_STORE_RETRY_S", p.deadline_s))
+        tries = int(os.environ.get("SPARSESYNC_STORE_RETRY_TRIES", p.tries))
+        return cls(tries=max(1, tries), deadline_s=max(0.0, deadline),
+                   base_delay_s=min(p.base_delay_s, max(deadline / 8, 0.01)), max_delay_s=p.max_delay_s)
+
+    def delay(self, retry: int) -> float:
+        """Sleep before retry number `retry` (1-based), jittered into [d/2, d]."""
+        d = min(self.max_delay_s, self.base_delay_s * 2 ** (retry - 1))
+        return d * random.uniform(0.5, 1.0)
+
+
+def redact(text: str, secrets: tuple[str | None, ...] = ()) -> str:
+    """`text` with tokens, bearer headers, signatures and the given secret values masked."""
+    for s in secrets:
+        if s and len(s) >= 4:
+            text = text.replace(s, "***")
+    for pat in _SECRET_PATTERNS:
+        text = pat.sub(lambda m: (m.group(1) if m.lastindex else "") + "***", text)
+    return text
+
+
+def describe(exc: BaseException, secrets: tuple[str | None, ...] = ()) -> str:
+    """A one-line, credential-free description of an exception."""
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    if len(msg) > 300:
+        msg = msg[:300] + "..."
+    return redact(f"{type(exc).__name__}: {msg}", secrets)
+
+
+def is_transient_os_error(exc: BaseException) -> bool:
+    """Connection-level and timeout errors from the standard library."""
+    if isinstance(exc, (socket.timeout, TimeoutError, ConnectionError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
+
+
+def call(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    url: str,
+    transient: Callable[[BaseException], bool],
+    policy: RetryPolicy | None = None,
+    secrets: tuple[str | None, ...] = (),
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run `fn`, retrying while `transient(exc)` says the failure may pass.
+
+    `what` names the operation for messages ("upload", "list"); `url` the store or object.
+    `StoreError`s raised by `fn` pass through untouched; other permanent errors are re-raised
+    unchanged for the backend to translate.
+    """
+    policy = policy or RetryPolicy.from_env()
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except StoreError:
+            raise
+        except Exception as e:
+            if not transient(e):
+                raise
+            elapsed = time.monotonic() - start
+            pause = policy.delay(attempt)
+            if attempt >= policy.tries or elapsed + pause > policy.deadline_s:
+                raise StoreUnavailableError(
+                    f"{what} {url} failed after {attempt} tries in {elapsed:.1f}s: {describe(e, secrets)}",
+                    url=url,
+                    hint="the store did not answer; check the network and the endpoint, then retry "
+                    "- SPARSESYNC_STORE_RETRY_S raises the time budget",
+                ) from e
+            log.warning("%s %s: %s; retry %d/%d in %.2fs", what, url, describe(e, secrets),
+                        attempt, policy.tries - 1, pause)
+            sleep(pause)
