@@ -258,8 +258,13 @@ time.sleep(600)
 '''
 
 
-def test_writer_killed_mid_upload_leaves_no_torn_version(store_url, tmp_path):
+def test_writer_killed_mid_upload_leaves_no_torn_version(store_url, store_backend):
     import signal
+
+    import pytest
+
+    if store_backend == "hf":
+        pytest.skip("hf_xet's file-backed test CAS can be opened by one process only; the writer runs in its own")
     import subprocess
     import sys
 

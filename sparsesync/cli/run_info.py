@@ -98,8 +98,8 @@ def inspect(
     for col in ("tensor", "dtype", "shape", "changed", "positions", "values", "base digest", "target digest"):
         t.add_column(col)
     for name, e in header.tensors.items():
-        t.add_row(name, str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", str(e.pos_encoding),
-                  str(e.val_encoding), e.base_digest, e.target_digest)
+        t.add_row(name, str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", e.positions,
+                  e.values, e.base_digest, e.target_digest)
     console.print(t)
 
 

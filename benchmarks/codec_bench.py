@@ -1,0 +1,178 @@
+"""Codec benchmark: patch size and throughput on realistic RL deltas, side by side with a
+plain TRL-style extraction (torch nonzero + gather + safetensors save) in the same run.
+
+    nice .venv/bin/python benchmarks/codec_bench.py                 # 0.6B params (needs ~5 GB RAM)
+    nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
+
+Reports, per training mode (fp32 master weights / pure bf16) and learning rate: density, bytes
+per changed element for TRL's prototype encodings (int32 index + bf16 = 6 B; uint16 gap + bf16
+= 4 B), the position entropy bound (per tensor; and conditioned on the base's exponent), ours;
+diff+encode and decode+apply throughput in GB of model weights per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
+
+from sparsesync.codec import Snapshot, apply_patch, read_patch  # noqa: E402
+from sparsesync.codec._encodings import key_of  # noqa: E402
+
+
+def _h(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-300, 1 - 1e-16)
+    return -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+
+
+def entropy_bounds(base: dict[str, torch.Tensor], changes: dict) -> tuple[float, float, float]:
+    """Bits (position entropy per tensor, same conditioned on the base's 7-bit magnitude key,
+    value-delta entropy per tensor), summed over tensors."""
+    pos = cond = val = 0.0
+    for name, ch in changes.items():
+        numel = ch.numel
+        pos += numel * float(_h(np.array(ch.n_changed / numel)))
+        bits = base[name].reshape(-1).view(torch.int16 if base[name].element_size() == 2 else torch.int32).numpy()
+        bits = bits.view(np.uint16 if bits.itemsize == 2 else np.uint32)
+        tot = np.bincount(key_of(bits), minlength=128)
+        chg = np.bincount(key_of(ch.base_bits), minlength=128)
+        m = tot > 0
+        cond += float((tot[m] * _h(chg[m] / tot[m])).sum())
+        d = ch.target_bits.astype(np.int64) - ch.base_bits.astype(np.int64)
+        _, c = np.unique(d, return_counts=True)
+        p = c / c.sum()
+        val += float(-(c * np.log2(p)).sum())
+    return pos, cond, val
+
+
+def trl_extract(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> bytes:
+    """The plain baseline: bitwise compare, nonzero, gather, save int32 indices + bf16 values."""
+    out = {}
+    for name, b in base.items():
+        t = target[name]
+        ib, it = b.reshape(-1).view(torch.int16 if b.element_size() == 2 else torch.int32), t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+        idx = torch.nonzero(ib != it).squeeze(1)
+        if idx.numel():
+            out[name + ".indices"] = idx.to(torch.int32)
+            out[name + ".values"] = t.reshape(-1)[idx]
+    return st_save(out)
+
+
+def trl_apply(data: bytes, tensors: dict[str, torch.Tensor]) -> None:
+    d = st_load(data)
+    for key, idx in d.items():
+        if key.endswith(".indices"):
+            name = key[: -len(".indices")]
+            tensors[name].view(-1)[idx.long()] = d[name + ".values"]
+
+
+def run(params: float, lrs: list[float], modes: list[str], seed: int) -> list[dict]:
+    shapes = qwen_like_shapes(params)
+    base = make_weights(shapes, seed)
+    n_params = sum(t.numel() for t in base.values())
+    model_gb = sum(t.numel() * t.element_size() for t in base.values()) / 1e9
+    print(f"model: {n_params / 1e6:.1f}M params, {model_gb:.2f} GB bf16, {len(base)} tensors, torch threads {torch.get_num_threads()}", flush=True)
+    rows = []
+    for mode in modes:
+        for lr in lrs:
+            target = step(base, lr, master=(mode == "master"), seed=seed + 1)
+            gc.collect()
+            # ours: diff + encode (the snapshot is the writer's copy of the base)
+            snap = Snapshot(base, 0)
+            t0 = time.perf_counter()
+            enc = snap.diff_encode(target, 1)
+            t_ours = time.perf_counter() - t0
+            # TRL-style extraction in the same run
+            t0 = time.perf_counter()
+            trl = trl_extract(base, target)
+            t_trl = time.perf_counter() - t0
+            del target
+            n = enc.stats.n_changed
+            pos_b, cond_b, val_b = entropy_bounds(base, enc.changes)
+            gaps16 = 0
+            for ch in enc.changes.values():
+                g = np.diff(ch.indices, prepend=0)
+                gaps16 += int((g >= 65536).sum())
+            # decode + apply (ours, with base and target digest checks), and the TRL-style apply
+            work = {k: v.clone() for k, v in base.items()}
+            t0 = time.perf_counter()
+            patch = read_patch(enc.data)
+            apply_patch(patch, work, verify=True)
+            t_apply = time.perf_counter() - t0
+            ok = all(torch.equal(work[k].view(torch.uint8), snap.state[k].view(torch.uint8)) for k in work)
+            work2 = {k: v.clone() for k, v in base.items()}
+            t0 = time.perf_counter()
+            trl_apply(trl, work2)
+            t_trl_apply = time.perf_counter() - t0
+            del work, work2
+            sizes: dict[str, int] = {}
+            for e in patch.header.tensors.values():
+                for role, sz in e.stream_sizes.items():
+                    kind = "positions" if role in ("indices", "gaps", "gaps_escape", "gaps_low", "bitmap") else "values"
+                    sizes[kind] = sizes.get(kind, 0) + sz
+            header = len(enc.data) - sum(sizes.values())
+            row = {
+                "mode": mode,
+                "lr": lr,
+                "density": n / n_params,
+                "n_changed": n,
+                "trl_int32_bf16_B": (len(trl)) / n,
+                "trl_gap16_bf16_B": (4 * n + 6 * gaps16) / n,
+                "pos_entropy_B": pos_b / 8 / n,
+                "pos_entropy_cond_exp_B": cond_b / 8 / n,
+                "value_entropy_B": val_b / 8 / n,
+                "ours_B": len(enc.data) / n,
+                "ours_positions_B": sizes.get("positions", 0) / n,
+                "ours_values_B": sizes.get("values", 0) / n,
+                "ours_header_B": header / n,
+                "diff_encode_GBps": model_gb / t_ours,
+                "diff_s": enc.stats.diff_s,
+                "encode_s": enc.stats.encode_s,
+                "trl_extract_GBps": model_gb / t_trl,
+                "decode_apply_s": t_apply,
+                "decode_apply_GBps": model_gb / t_apply,
+                "trl_apply_s": t_trl_apply,
+                "bit_exact": ok,
+            }
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            del snap, enc, patch, trl
+            gc.collect()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=0.6e9, help="model size in parameters (default 0.6e9)")
+    ap.add_argument("--lrs", default="1e-6,3e-6,1e-5", help="comma-separated AdamW learning rates")
+    ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args()
+    rows = run(a.params, [float(x) for x in a.lrs.split(",")], a.modes.split(","), a.seed)
+    hdr = f"{'mode':7} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} {'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} {'TRL apply s':>11}"
+    print(hdr)
+    for r in rows:
+        print(
+            f"{r['mode']:7} {r['lr']:7.0e} {r['density']:8.4f} {r['trl_int32_bf16_B']:6.2f} {r['trl_gap16_bf16_B']:6.2f} {r['pos_entropy_B']:7.3f} {r['pos_entropy_cond_exp_B']:7.3f} "
+            f"{r['ours_B']:6.3f} {r['ours_positions_B']:5.2f} {r['ours_values_B']:5.2f} {r['ours_header_B']:5.2f} {r['diff_encode_GBps']:9.2f} {r['trl_extract_GBps']:8.2f} {r['decode_apply_s']:7.2f} {r['trl_apply_s']:11.2f}"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    _ = io
+
+
+if __name__ == "__main__":
+    main()
