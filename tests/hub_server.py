@@ -15,6 +15,9 @@ Fault knobs (all thread-safe, all cleared by `heal()`):
 - `stale_listing()` / `fresh_listing()`: tree and paths-info answer from a snapshot of the
   bucket contents taken when `stale_listing()` was called (resolve stays fresh).
 - `fail_batch_path(path, times=1)`: the batch route reports that path as failed.
+- `events_enabled`: serve the bucket events feed (`GET .../events`, server-sent events:
+  `ready`, then `changes` batches with integer cursors; `?cursor=N` replays after N). Off by
+  default: the route answers 501, as on deployments without live follow.
 - `tokens`: when a set, requests must carry `Authorization: Bearer <one of them>` (401 else).
 `requests` records every request (method, path, JSON body, whether it carried a token).
 
@@ -108,6 +111,10 @@ class HubServer:
         self._fault_mode = "status"
         self._snapshot: dict[str, dict[str, StoredFile]] | None = None
         self._batch_failures: dict[str, int] = {}
+        self.events_enabled = False
+        self._events: list[tuple[str, dict[str, Any]]] = []  # (bucket id, change), cursor = index + 1
+        self._events_cv = threading.Condition(self.lock)
+        self._stopping = False
         self.proxy: TcpProxy | None = None
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -141,6 +148,9 @@ class HubServer:
         return self.proxy.url if self.proxy is not None else self.url
 
     def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._events_cv.notify_all()
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
@@ -184,6 +194,8 @@ class HubServer:
             self._down_until = 0.0
             self._snapshot = None
             self._batch_failures.clear()
+            self.events_enabled = False
+            self._events_cv.notify_all()
         if self.proxy is not None:
             self.proxy.restore()
 
@@ -218,6 +230,11 @@ class HubServer:
             if time.monotonic() < self._down_until:
                 return self._fault_mode
         return None
+
+    def _emit(self, bucket_id: str, change: dict[str, Any]) -> None:
+        """Record one file change for the events feed (caller holds `lock`)."""
+        self._events.append((bucket_id, change))
+        self._events_cv.notify_all()
 
     def _listing(self, bucket_id: str) -> dict[str, StoredFile]:
         if self._snapshot is not None:
@@ -351,8 +368,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, {"accessToken": "local-cas-token", "exp": exp, "casUrl": hub.cas_url},
                               {"X-Xet-Cas-Url": hub.cas_url, "X-Xet-Access-Token": "local-cas-token",
                                "X-Xet-Token-Expiration": str(exp)})
-        if op == "events":
-            return self._error(501, "live follow is not available on this test server")
+        if op == "events" and self.command == "GET":
+            return self._events(bid, query)
         return self._error(405, f"{self.command} not allowed on {path}")
 
     # -- routes ---------------------------------------------------------------------------
@@ -427,12 +444,56 @@ class _Handler(BaseHTTPRequestHandler):
                 with hub.lock:
                     hub.buckets[bid].files[path] = StoredFile(op["xetHash"], len(data),
                                                               (op.get("mtime") or now * 1000) / 1000, now)
+                    hub._emit(bid, {"path": path, "op": "add", "size": len(data), "xetHash": op["xetHash"]})
             elif kind == "deleteFile":
                 with hub.lock:
-                    hub.buckets[bid].files.pop(path, None)
+                    if hub.buckets[bid].files.pop(path, None) is not None:
+                        hub._emit(bid, {"path": path, "op": "delete"})
             else:
                 failed.append({"path": path, "error": f"unknown operation {kind!r}"})
         self._send(422 if failed and len(failed) == len(ops) else 200, {"failed": failed})
+
+    def _events(self, bid: str, query: dict[str, list[str]]) -> None:
+        hub = self.hub
+        if not hub.events_enabled:
+            return self._error(501, "live follow is not available on this test server")
+        with hub.lock:
+            cursor = len(hub._events)
+        if query.get("cursor"):
+            try:
+                cursor = max(0, min(int(query["cursor"][0]), cursor))
+            except ValueError:
+                return self._error(400, "bad cursor")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        if self._record is not None:
+            self._record.status = 200
+
+        def send(event: str, data: dict[str, Any]) -> None:
+            self.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+            self.wfile.flush()
+
+        try:
+            send("ready", {"cursor": str(cursor)})
+            while True:
+                with hub.lock:
+                    if len(hub._events) <= cursor and not hub._stopping and hub.events_enabled:
+                        hub._events_cv.wait(timeout=1.0)
+                    if hub._stopping or not hub.events_enabled:
+                        return
+                    batch = [c for b, c in hub._events[cursor:] if b == bid]
+                    cursor = len(hub._events)
+                if batch:
+                    send("changes", {"cursor": str(cursor), "changes": batch})
+                else:
+                    self.wfile.write(b": ping\n\n")
+                    self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            return
 
     def _resolve(self, bid: str, path: str) -> None:
         hub = self.hub

@@ -66,6 +66,7 @@ class Follower:
         max_poll_interval: float = 15.0,
     ) -> None:
         self.store = open_store(url) if isinstance(url, str) else url
+        self._owns_store = isinstance(url, str)
         self.run = Run(self.store)
         self.hook: ApplyHook = hook or _NoHook()
         self.poll_interval = poll_interval
@@ -148,6 +149,8 @@ class Follower:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._owns_store:
+            self.store.close()  # e.g. ends the HF bucket events feed
         self._set(state="stopped")
 
     def wait_for_version(self, version: int, timeout: float) -> None:

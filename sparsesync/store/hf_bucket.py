@@ -12,6 +12,10 @@ How each operation maps onto the Hub:
   one round trip, good for commit records and safetensors header peeks.
 - get_file / get_many: `download_bucket_files` (Xet, parallel, whole files).
 - exists: `get_bucket_paths_info`; list: `list_bucket_tree(recursive=True)`; delete: batch.
+- wait_for_change: the bucket events feed (`GET /api/buckets/{id}/events`, server-sent events)
+  through huggingface_hub's live-follow client, started on first use; any change under the
+  prefix wakes the waiter. Where the Hub does not serve the feed (or the token may not read
+  it) the client gives up and waiting degrades to a plain sleep, so callers keep polling.
 
 Guarantees: buckets are created only when asked (`create=True`) and then private unless
 `private=False`; there is no create-only write on the Hub (`has_create_only` is False, last
@@ -21,7 +25,10 @@ writer wins); listings may be stale, callers re-list. huggingface_hub retries 42
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +39,8 @@ from sparsesync.errors import ConfigError, ObjectNotFoundError, StoreAuthError, 
 from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 _BATCH_RESENDS = 2
@@ -53,6 +62,10 @@ class HfBucketStore(Store):
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/")
         self._token = token  # None: huggingface_hub looks it up (HF_TOKEN, then the login file) per call
         self._api = HfApi(endpoint=self.endpoint, token=token)
+        self._changed = threading.Event()
+        self._feed: Any = None  # huggingface_hub BucketFollower, started by the first wait_for_change
+        self._feed_lock = threading.Lock()
+        self._closed = False
         if create:
             self._ensure_bucket(private)
 
@@ -303,6 +316,51 @@ class HfBucketStore(Store):
         full = self._full(key)
         return self._call("stat", self.object_url(key),
                           lambda: any(i.path == full for i in self._api.get_bucket_paths_info(self.bucket_id, [full])))
+
+    # -- change feed --------------------------------------------------------------------
+    @property
+    def events_active(self) -> bool:
+        """Whether the bucket events feed is being followed right now (else: plain polling)."""
+        feed = self._feed
+        return bool(feed and feed.is_alive() and feed.subscribed)
+
+    def wait_for_change(self, timeout: float, stop: threading.Event) -> None:
+        self._start_feed()
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._changed.wait(min(left, 0.1)):
+                self._changed.clear()
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        feed, self._feed = self._feed, None
+        if feed:
+            feed.stop()
+
+    def _start_feed(self) -> None:
+        with self._feed_lock:
+            if self._feed is not None or self._closed:
+                return
+            try:  # huggingface_hub's reference client of the feed (not public API: optional)
+                from huggingface_hub._bucket_live_follow import BucketFollower
+            except ImportError:  # pragma: no cover - older huggingface_hub: polling only
+                self._feed = False
+                return
+            root = f"{self.prefix}/" if self.prefix else ""
+
+            def on_changes(changes: list[Any]) -> None:
+                if any(c.path.startswith(root) for c in changes):
+                    self._changed.set()
+
+            self._feed = BucketFollower(
+                endpoint=self.endpoint, bucket_id=self.bucket_id, token=self._token,
+                on_changes=on_changes, on_reconcile=self._changed.set, is_alive=lambda: not self._closed,
+            )
+            self._feed.start()
 
 
 # -- classification -----------------------------------------------------------------------
