@@ -2,20 +2,25 @@
 
 Sparse sync (sparsesync's publisher and followers) side by side with syncing the full
 checkpoint through the same store in the same run, with 1, 4 and 8 followers, on the local
-store and on S3 over loopback (moto's server). Followers run in their own processes, as
-replicas do. Also reports how long the trainer was blocked per step and the bytes it uploaded.
+store, on S3 over loopback (moto's server), and on S3 behind a link limited to
+`--link-mbit` per connection ("s3-wan": what a replica in another region sees; a loopback
+TCP proxy paces the bytes). Followers run in their own processes, as replicas do. Also
+reports how long the trainer was blocked per step and the bytes it uploaded.
 
-    .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, both stores
+    .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, all stores
     .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -183,8 +188,11 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=0.6e9)
     ap.add_argument("--followers", default="1,4,8")
     ap.add_argument("--versions", type=int, default=4, help="versions per measurement (the first is the start)")
-    ap.add_argument("--store", default="local,s3", help="local, s3 or both")
+    ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
+    ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
+    ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
     shapes = model_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; "
@@ -200,9 +208,15 @@ def main() -> None:
             import boto3
             from moto.server import ThreadedMotoServer
 
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
             host, port = server.get_host_and_port()
+            if kind == "s3-wan":
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from tests.tcp_proxy import TcpProxy
+
+                proxy = TcpProxy(host, port, rate=args.link_mbit * 1e6 / 8).start()
+                host, port = "127.0.0.1", proxy.port
             env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
             os.environ.update(env)
@@ -211,7 +225,7 @@ def main() -> None:
         for nf in [int(x) for x in args.followers.split(",")]:
             res = bench(base, nf, shapes, args.versions, env)
             s, f = res["sparse"], res["full"]
-            rows.append((kind, nf, s, f))
+            rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
             print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
                   f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
                   f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
@@ -219,6 +233,9 @@ def main() -> None:
         if server:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"params": n, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

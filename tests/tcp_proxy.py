@@ -8,6 +8,8 @@ client at `proxy.url`. It knows nothing about HTTP: it pipes bytes, and on comma
 - `drop_next(n)`: cuts every open connection, then accepts and immediately resets the next
   n connections (clients see "connection reset" / "server closed the connection").
 - `restore()`: ends both faults.
+`rate` (bytes per second per connection and direction, None: unlimited) makes it a slow link,
+as a cross-region HTTPS connection is (benchmarks use it; tests leave it off).
 `connections` counts connections accepted (dropped ones included).
 """
 
@@ -22,8 +24,9 @@ import time
 class TcpProxy:
     """127.0.0.1:<port> -> target_host:target_port, with refuse/drop switches."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, *, rate: float | None = None) -> None:
         self.target = (target_host, target_port)
+        self.rate = rate
         self.port = 0
         self.connections = 0
         self._lock = threading.Lock()
@@ -144,9 +147,15 @@ class TcpProxy:
             threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        sent, t0 = 0, time.monotonic()
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
+                if self.rate:
+                    sent += len(data)
+                    ahead = sent / self.rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
         except OSError:
             pass
         finally:
