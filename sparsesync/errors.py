@@ -86,3 +86,12 @@ class BrokenChainError(ProtocolError):
 
 class FencedWriterError(ProtocolError):
     """Another writer with a newer epoch took over the run; this writer must stop."""
+
+
+# ---------------------------------------------------------------------------- deploy
+class DeployError(SparsesyncError):
+    """Rendering or creating a Space failed. `space_id` names the Space (never a token)."""
+
+    def __init__(self, message: str, *, space_id: str = "", hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.space_id = space_id

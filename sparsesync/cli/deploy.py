@@ -7,6 +7,41 @@ Space secret.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
 app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True)
+
+
+@app.command("env")
+def env(
+    space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME.")],
+    hardware: Annotated[str, typer.Option(help="Space hardware flavor (cpu-basic, cpu-upgrade, ...).")] = "cpu-basic",
+    public: Annotated[bool, typer.Option("--public", help="Make the Space public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folder and print the plan; no network.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder.")] = None,
+    task: Annotated[str, typer.Option(help="Default task of the server: wordle or repeat.")] = "wordle",
+    max_sessions: Annotated[int, typer.Option(help="Concurrent live sessions at most.")] = 256,
+    idle_timeout: Annotated[float, typer.Option(help="Seconds before an idle session is evicted.")] = 300.0,
+    region: Annotated[Optional[str], typer.Option(help="Hub region of the Space: us or eu.")] = None,
+) -> None:
+    """Render the environment-server Space (env_space/) and create or update it on the Hub."""
+    import tempfile
+
+    from sparsesync.deploy.env import env_space_spec
+    from sparsesync.deploy.space import apply, plan, render
+
+    spec = env_space_spec(space, hardware=hardware, private=not public, region=region, task=task,
+                          max_sessions=max_sessions, idle_timeout_s=idle_timeout)
+    folder = render(spec, out if out is not None else Path(tempfile.mkdtemp(prefix="sparsesync-env-space-")))
+    the_plan = plan(spec, folder)
+    typer.echo(f"rendered {folder}")
+    typer.echo(the_plan.describe())
+    if dry_run:
+        env_vars = " ".join(f"{k}={v}" for k, v in sorted(spec.variables.items()))
+        typer.echo(f"dry run: nothing sent. Boot it locally: cd {folder} && {env_vars} python -m env_space")
+        return
+    url = apply(the_plan)
+    typer.echo(f"deployed {url}")

@@ -1,0 +1,42 @@
+"""`python -m env_space [--host H] [--port P] ...`: serve the environment with uvicorn.
+
+Every flag has an environment variable (see config.py and README.md); flags win. The process
+exits 2 with one line on stderr when a setting is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from env_space.config import ServerConfig
+from env_space.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m env_space", description="Serve the sparsesync RL environment.")
+    p.add_argument("--host", help="bind address (ENV_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (ENV_PORT or PORT, default 8000)")
+    p.add_argument("--task", dest="default_task", help="default task: wordle|repeat (ENV_TASK)")
+    p.add_argument("--max-sessions", type=int, help="live HTTP sessions at most (ENV_MAX_SESSIONS)")
+    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, help="seconds (ENV_IDLE_TIMEOUT_S)")
+    p.add_argument("--max-body-bytes", type=int, help="request size limit (ENV_MAX_BODY_BYTES)")
+    p.add_argument("--log-level", help="uvicorn log level (ENV_LOG_LEVEL)")
+    args = p.parse_args(argv)
+    try:
+        config = ServerConfig.from_env(**vars(args))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from env_space.server import build_app
+
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                ws_max_size=config.max_body_bytes, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

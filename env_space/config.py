@@ -1,0 +1,80 @@
+"""Server settings: defaults, overridden by environment variables, overridden by CLI flags.
+
+Guarantee: `ServerConfig.from_env()` validates every value at start-up and raises `ConfigError`
+naming the variable, the bad value and what is expected; a server never starts half-configured.
+
+| variable            | default     | meaning                                                       |
+|---------------------|-------------|---------------------------------------------------------------|
+| ENV_TASK            | wordle      | task of a /reset that names none: `wordle` or `repeat`        |
+| ENV_MAX_SESSIONS    | 256         | live HTTP sessions at most (and /ws connections at most)      |
+| ENV_IDLE_TIMEOUT_S  | 300         | a live session untouched this long is evicted                 |
+| ENV_MAX_BODY_BYTES  | 65536       | larger request bodies (and /ws messages) are refused with 413 |
+| ENV_HOST            | 127.0.0.1   | bind address (the Space image sets 0.0.0.0)                   |
+| ENV_PORT / PORT     | 8000        | bind port                                                     |
+| ENV_LOG_LEVEL       | warning     | uvicorn log level                                             |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from env_space import TASKS
+from env_space.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    default_task: str = "wordle"  # ENV_TASK
+    max_sessions: int = 256  # ENV_MAX_SESSIONS
+    idle_timeout_s: float = 300.0  # ENV_IDLE_TIMEOUT_S
+    max_body_bytes: int = 65536  # ENV_MAX_BODY_BYTES
+    host: str = "127.0.0.1"  # ENV_HOST
+    port: int = 8000  # ENV_PORT (or PORT, as Spaces and PaaS set it)
+    log_level: str = "warning"  # ENV_LOG_LEVEL
+
+    def __post_init__(self) -> None:
+        if self.default_task not in TASKS:
+            raise ConfigError(f"ENV_TASK={self.default_task!r} is not a task", hint=f"use one of: {', '.join(TASKS)}")
+        if self.max_sessions < 1:
+            raise ConfigError(f"ENV_MAX_SESSIONS={self.max_sessions}: must be >= 1")
+        if self.idle_timeout_s <= 0:
+            raise ConfigError(f"ENV_IDLE_TIMEOUT_S={self.idle_timeout_s}: must be > 0")
+        if self.max_body_bytes < 256:
+            raise ConfigError(f"ENV_MAX_BODY_BYTES={self.max_body_bytes}: must be >= 256")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"ENV_PORT={self.port}: must be a TCP port (0-65535)")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        """Defaults < environment variables < `overrides` (None values in overrides are ignored)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        spec = {"default_task": ("ENV_TASK", str), "max_sessions": ("ENV_MAX_SESSIONS", int),
+                "idle_timeout_s": ("ENV_IDLE_TIMEOUT_S", float), "max_body_bytes": ("ENV_MAX_BODY_BYTES", int),
+                "host": ("ENV_HOST", str), "port": ("ENV_PORT", int), "log_level": ("ENV_LOG_LEVEL", str)}
+        if "ENV_PORT" not in env and "PORT" in env:
+            spec["port"] = ("PORT", int)
+        for name, (var, typ) in spec.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = typ(raw)
+            except ValueError:
+                raise ConfigError(f"{var}={raw!r} is not a valid {typ.__name__}") from None
+        known = {f.name for f in fields(cls)}
+        for k, v in overrides.items():
+            if k not in known:
+                raise ConfigError(f"unknown setting {k!r}", hint=f"use one of: {', '.join(sorted(known))}")
+            if v is not None:
+                values[k] = v
+        return replace(cls(), **values)
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as the environment variables that reproduce them."""
+        return {"ENV_TASK": self.default_task, "ENV_MAX_SESSIONS": str(self.max_sessions),
+                "ENV_IDLE_TIMEOUT_S": f"{self.idle_timeout_s:g}", "ENV_MAX_BODY_BYTES": str(self.max_body_bytes),
+                "ENV_HOST": self.host, "ENV_PORT": str(self.port), "ENV_LOG_LEVEL": self.log_level}

@@ -1,0 +1,238 @@
+"""The FastAPI app: OpenEnv's `create_app`, plus HTTP sessions, limits and clear errors.
+
+What comes from OpenEnv unchanged: `GET /health`, `/schema`, `/metadata`, `WS /ws` (one
+persistent `TaskEnvironment` per connection, capped at ENV_MAX_SESSIONS, idle timeout
+ENV_IDLE_TIMEOUT_S), the MCP and task routes. So OpenEnv's `EnvClient`, and TRL through it,
+drive this server unchanged.
+
+What this module replaces: OpenEnv's HTTP `POST /reset`, `POST /step` and `GET /state` build a
+fresh environment per request, so a plain-HTTP episode cannot last past one call. Here they keep
+the same request and response shapes and add a session id:
+
+- `POST /reset` `{"seed"?: int>=0, "task"?: "wordle"|"repeat", "episode_id"?: str,
+  "session_id"?: str}` -> `{"observation": {...,"prompt": str,...}, "reward": null, "done": false,
+  "session_id": str}`. Without `session_id` it opens a new session (503 when all are taken).
+- `POST /step` `{"action": {"text": str}, "session_id": str}` -> `{"observation", "reward",
+  "done", "session_id"}`. The id may instead come in the `X-Session-Id` header.
+- `GET /state?session_id=...` (or the header) -> the episode's `EpisodeState`.
+- `DELETE /sessions/{id}` frees a session; `GET /sessions` reports live/finished counts.
+
+Guarantees: every refusal is a 4xx (503 when full) with `{"detail", "error", "hint"}` (see
+errors.py); bodies over ENV_MAX_BODY_BYTES get 413 before any parsing; handlers never block (the
+session store's critical sections are microseconds), so no request hangs another.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+from fastapi import Body, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.types import ConcurrencyConfig, ResetRequest, ResetResponse, StepRequest, StepResponse
+from pydantic import Field, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from env_space.config import ServerConfig
+from env_space.environment import TaskEnvironment
+from env_space.errors import (
+    EnvError,
+    MalformedActionError,
+    MalformedRequestError,
+    MissingSessionError,
+    PayloadTooLargeError,
+)
+from env_space.models import EpisodeState, TextAction, TextObservation
+from env_space.sessions import SessionStore
+
+SESSION_HEADER = "X-Session-Id"
+log = logging.getLogger("env_space")
+
+
+# -- wire models: OpenEnv's, plus the session id ------------------------------------------------
+class SessionResetRequest(ResetRequest):
+    task: str | None = Field(default=None, description="'wordle' or 'repeat'; default: the server's ENV_TASK.")
+    session_id: str | None = Field(default=None, max_length=64,
+                                   description="Reuse this session for the new episode; omit for a new session.")
+
+
+class SessionStepRequest(StepRequest):
+    session_id: str | None = Field(default=None, max_length=64,
+                                   description="The session returned by /reset (or send the X-Session-Id header).")
+
+
+class SessionResetResponse(ResetResponse):
+    session_id: str = Field(description="Send this with every /step of the episode.")
+
+
+class SessionStepResponse(StepResponse):
+    session_id: str
+
+
+def _wire(obs: TextObservation, session_id: str) -> dict[str, Any]:
+    """OpenEnv's serialization (observation without reward/done, those beside it) plus the id."""
+    return {"observation": obs.model_dump(exclude={"reward", "done"}), "reward": obs.reward,
+            "done": obs.done, "session_id": session_id}
+
+
+def _session_id(body_id: str | None, header_id: str | None) -> str:
+    if body_id and header_id and body_id != header_id:
+        raise MissingSessionError(f"session_id {body_id!r} in the body differs from {SESSION_HEADER} {header_id!r}",
+                                  hint="send one of them")
+    sid = body_id or header_id
+    if not sid:
+        raise MissingSessionError("no session_id", hint=f"send the session_id from POST /reset in the body "
+                                                        f"or the {SESSION_HEADER} header")
+    return sid
+
+
+def _describe(errors: list[Any], drop: int = 0) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ())[drop:]) or "body"
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+# -- body size limit (pure ASGI, so it runs before any parsing) ---------------------------------
+class BodyLimitMiddleware:
+    """Refuse HTTP bodies over `max_bytes` with 413, by Content-Length or while streaming."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await _send_error(send, EnvError(f"bad Content-Length {length!r}"))
+                return
+            if declared > self.max_bytes:
+                await _send_error(send, self._too_large(declared))
+                return
+        # buffer the (small, bounded) body so a chunked upload cannot exceed the limit either
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await _send_error(send, self._too_large(size, at_least=True))
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLargeError:
+        what = f"more than {self.max_bytes}" if at_least else str(size)
+        return PayloadTooLargeError(f"request body of {what} bytes exceeds the limit of {self.max_bytes} bytes",
+                                    hint="send a shorter action, or raise ENV_MAX_BODY_BYTES on the server")
+
+
+async def _send_error(send: Send, err: EnvError) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- the app -------------------------------------------------------------------------------------
+def build_app(config: ServerConfig | None = None) -> FastAPI:
+    """The environment server's ASGI app for `config` (default: from environment variables)."""
+    config = config or ServerConfig.from_env()
+    make_env = functools.partial(TaskEnvironment, default_task=config.default_task)
+    app = create_app(
+        make_env, TextAction, TextObservation, env_name="sparsesync_env", state_cls=EpisodeState,
+        concurrency_config=ConcurrencyConfig(max_concurrent_envs=config.max_sessions,
+                                             session_timeout=config.idle_timeout_s),
+        mode="simulation",
+    )
+    # OpenEnv's stateless HTTP episode routes give way to the session-aware ones below
+    replaced = {("/reset", "POST"), ("/step", "POST"), ("/state", "GET")}
+    app.router.routes[:] = [r for r in app.router.routes if not (
+        isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods))]
+    store = SessionStore(make_env, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s)
+    app.state.store = store
+    app.state.config = config
+
+    @app.post("/reset", response_model=SessionResetResponse, tags=["Environment Control"])
+    async def reset(req: SessionResetRequest = Body(default_factory=SessionResetRequest),
+                    x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)) -> dict[str, Any]:
+        """Start an episode: in a new session, or in `session_id` if given. Returns the session id."""
+        sid, obs = store.reset(session_id=req.session_id or x_session_id, seed=req.seed, task=req.task,
+                               episode_id=req.episode_id)
+        return _wire(obs, sid)
+
+    @app.post("/step", response_model=SessionStepResponse, tags=["Environment Control"])
+    async def step(request: SessionStepRequest,
+                   x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)) -> dict[str, Any]:
+        """Act in the session's episode: `{"action": {"text": ...}, "session_id": ...}`."""
+        sid = _session_id(request.session_id, x_session_id)
+        try:
+            action = TextAction.model_validate(request.action)
+        except ValidationError as e:
+            raise MalformedActionError(f"malformed action: {_describe(e.errors())}",
+                                       hint='send {"action": {"text": "<your reply>"}}') from None
+        return _wire(store.step(sid, action), sid)
+
+    @app.get("/state", response_model=EpisodeState, tags=["State Management"])
+    async def state(session_id: str | None = None,
+                    x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)) -> EpisodeState:
+        """The episode state of a session (`?session_id=` or the X-Session-Id header)."""
+        return store.state(_session_id(session_id, x_session_id))
+
+    @app.delete("/sessions/{session_id}", tags=["Environment Control"])
+    async def close_session(session_id: str) -> dict[str, str]:
+        """Forget a session and free its slot."""
+        store.close(session_id)
+        return {"closed": session_id}
+
+    @app.get("/sessions", tags=["Environment Info"])
+    async def sessions() -> dict[str, float | int]:
+        """How many HTTP sessions are live (holding a slot) and finished, and the limits."""
+        return store.stats()
+
+    @app.exception_handler(EnvError)
+    async def _env_error(_: Request, exc: EnvError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = MalformedRequestError(f"malformed request: {_describe(list(exc.errors()))}",
+                                   hint="see GET /schema and the /docs page for the request shapes")
+        return JSONResponse(err.body(), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug, not bad input
+        log.exception("unexpected error")
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}", "error": "internal", "hint": ""},
+                            status_code=500)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    return app

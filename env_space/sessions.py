@@ -1,0 +1,159 @@
+"""HTTP sessions: a bounded, thread-safe table from session id to its own `TaskEnvironment`.
+
+OpenEnv's `create_app` keeps state only per WebSocket; its HTTP /reset and /step build a fresh
+environment per request. This store gives plain HTTP clients persistent episodes keyed by a
+session id, which the server hands out on /reset.
+
+Guarantees:
+- Isolation: each session owns one environment instance; every operation on the table and on a
+  session's environment runs under one lock, so concurrent requests never see or change another
+  session's state, and two concurrent steps on one session are applied one after the other.
+- Bounded: at most `max_sessions` *live* sessions (episode not yet over). A session whose episode
+  ended frees its slot at once but stays readable (/state, and a 409 that says so on /step)
+  among the last `remember` finished sessions; /reset with its id starts a new episode in it.
+- Idle timeout: a live session untouched for `idle_timeout_s` is evicted (before refusing a new
+  one, and at most once a second otherwise); later requests for it get 410, not a silent reset.
+- Full means a `CapacityError` (503 with Retry-After), never a wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from env_space.environment import TaskEnvironment
+from env_space.errors import (
+    CapacityError,
+    EpisodeFinishedError,
+    SessionExpiredError,
+    UnknownSessionError,
+)
+from env_space.models import EpisodeState, TextAction, TextObservation
+
+
+@dataclass
+class _Session:
+    env: TaskEnvironment
+    last_used: float
+
+
+class SessionStore:
+    """Session id -> environment, with a cap on live sessions and an idle timeout."""
+
+    def __init__(self, make_env: Callable[[], TaskEnvironment], *, max_sessions: int,
+                 idle_timeout_s: float, remember: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._make_env = make_env
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._remember = remember
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: dict[str, _Session] = {}
+        self._finished: OrderedDict[str, _Session] = OrderedDict()  # episode over; no slot held
+        self._expired: OrderedDict[str, float] = OrderedDict()  # id -> when evicted
+        self._last_reap = 0.0
+
+    # -- public API -----------------------------------------------------------------------
+    def reset(self, *, session_id: str | None = None, seed: int | None = None, task: str | None = None,
+              episode_id: str | None = None) -> tuple[str, TextObservation]:
+        """Start an episode: in a new session, or in `session_id` (which must exist)."""
+        with self._lock:
+            now = self._clock()
+            self._maybe_reap(now)
+            if session_id is None:
+                sess = _Session(env=self._make_env(), last_used=now)
+                session_id = uuid.uuid4().hex
+                sess.env.session_id = session_id
+                self._claim_slot(session_id, now)
+            else:
+                sess = self._lookup(session_id, now)
+                if session_id not in self._live:
+                    self._claim_slot(session_id, now)
+            obs = sess.env.reset(seed=seed, episode_id=episode_id, task=task)  # may raise: nothing changed yet
+            sess.last_used = now
+            self._finished.pop(session_id, None)
+            self._live[session_id] = sess
+            return session_id, obs
+
+    def step(self, session_id: str, action: TextAction) -> TextObservation:
+        with self._lock:
+            now = self._clock()
+            sess = self._lookup(session_id, now)
+            if session_id not in self._live:
+                st = sess.env.state
+                raise EpisodeFinishedError(
+                    f"session {session_id}: episode {st.episode_id} has ended after {st.step_count} steps",
+                    hint="POST /reset (with this session_id to reuse it) for a new episode")
+            obs = sess.env.step(action)
+            sess.last_used = now
+            if sess.env.done:
+                del self._live[session_id]
+                self._remember_finished(session_id, sess)
+            return obs
+
+    def state(self, session_id: str) -> EpisodeState:
+        with self._lock:
+            return self._lookup(session_id, self._clock()).env.state
+
+    def close(self, session_id: str) -> None:
+        """Forget a session (frees its slot if live). Unknown ids raise `UnknownSessionError`."""
+        with self._lock:
+            if self._live.pop(session_id, None) is None and self._finished.pop(session_id, None) is None:
+                raise UnknownSessionError(f"unknown session {session_id!r}", hint="nothing to close")
+
+    def stats(self) -> dict[str, float | int]:
+        with self._lock:
+            return {"live_sessions": len(self._live), "finished_sessions": len(self._finished),
+                    "max_sessions": self.max_sessions, "idle_timeout_s": self.idle_timeout_s}
+
+    # -- helpers (call with the lock held) --------------------------------------------------
+    def _lookup(self, session_id: str, now: float) -> _Session:
+        sess = self._live.get(session_id) or self._finished.get(session_id)
+        if sess is not None and session_id in self._live and now - sess.last_used > self.idle_timeout_s:
+            self._evict(session_id, now)
+            sess = None
+        if sess is None:
+            if session_id in self._expired:
+                raise SessionExpiredError(
+                    f"session {session_id!r} expired after {self.idle_timeout_s:g} s idle",
+                    hint="POST /reset without a session_id for a new session")
+            raise UnknownSessionError(
+                f"unknown session {session_id!r}",
+                hint="use the session_id returned by POST /reset (it may have been closed)")
+        return sess
+
+    def _claim_slot(self, session_id: str, now: float) -> None:
+        if len(self._live) >= self.max_sessions:
+            self._reap(now)
+        if len(self._live) >= self.max_sessions:
+            raise CapacityError(
+                f"all {self.max_sessions} sessions are in use",
+                hint="retry later, finish or DELETE /sessions/<id> idle sessions, or raise ENV_MAX_SESSIONS")
+
+    def _maybe_reap(self, now: float) -> None:
+        if now - self._last_reap >= 1.0:
+            self._reap(now)
+
+    def _reap(self, now: float) -> None:
+        self._last_reap = now
+        stale = [sid for sid, s in self._live.items() if now - s.last_used > self.idle_timeout_s]
+        for sid in stale:
+            self._evict(sid, now)
+
+    def _evict(self, session_id: str, now: float) -> None:
+        self._live.pop(session_id, None)
+        self._finished.pop(session_id, None)
+        self._expired[session_id] = now
+        while len(self._expired) > self._remember:
+            self._expired.popitem(last=False)
+
+    def _remember_finished(self, session_id: str, sess: _Session) -> None:
+        self._finished[session_id] = sess
+        self._finished.move_to_end(session_id)
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
