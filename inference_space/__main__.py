@@ -1,0 +1,102 @@
+"""Start a replica: `python -m inference_space --model DIR --bucket URL --engine embedded|vllm`.
+
+Every flag has an environment variable (used by the Space, where the flags are not set); a
+flag wins over its variable. See inference_space/README.md for the table. Exits with one
+clear line (and status 2) when the configuration is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from inference_space.replica import ReplicaConfig
+from sparsesync.errors import SparsesyncError
+
+ENV = {  # flag -> environment variable
+    "model": "SPARSESYNC_MODEL",
+    "bucket": "SPARSESYNC_BUCKET",
+    "run": "SPARSESYNC_RUN",
+    "engine": "SPARSESYNC_ENGINE",
+    "host": "HOST",
+    "port": "PORT",
+    "poll_interval": "SPARSESYNC_POLL_INTERVAL",
+    "served_model_name": "SPARSESYNC_SERVED_MODEL_NAME",
+    "kv_cache_mib": "SPARSESYNC_KV_CACHE_MIB",
+    "gpu_memory_utilization": "SPARSESYNC_GPU_MEMORY_UTILIZATION",
+    "log_level": "SPARSESYNC_LOG_LEVEL",
+}
+
+
+def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> tuple[ReplicaConfig, str]:
+    """Flags, then environment variables, then defaults; returns (config, log level)."""
+    env = dict(os.environ if environ is None else environ)
+    p = argparse.ArgumentParser(prog="python -m inference_space", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model folder (transformers/safetensors) [SPARSESYNC_MODEL]")
+    p.add_argument("--bucket", help="run URL to follow: folder, file://, s3://, hf://buckets/NS/NAME/PREFIX [SPARSESYNC_BUCKET]")
+    p.add_argument("--run", help="run name, appended to the bucket URL as a path segment [SPARSESYNC_RUN]")
+    p.add_argument("--engine", choices=["embedded", "vllm"], help="inference engine (default embedded) [SPARSESYNC_ENGINE]")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; the Space uses 0.0.0.0) [HOST]")
+    p.add_argument("--port", type=int, help="port (default 8000) [PORT]")
+    p.add_argument("--poll-interval", type=float, help="seconds between commit listings (default 1) [SPARSESYNC_POLL_INTERVAL]")
+    p.add_argument("--served-model-name", help="model name reported by the API [SPARSESYNC_SERVED_MODEL_NAME]")
+    p.add_argument("--kv-cache-mib", type=int, help="vLLM KV cache size in MiB (default 192) [SPARSESYNC_KV_CACHE_MIB]")
+    p.add_argument("--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]")
+    p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
+    args = vars(p.parse_args(argv))
+    for key, var in ENV.items():
+        if args.get(key) in (None, "") and env.get(var):
+            args[key] = env[var]
+    if not args.get("model"):
+        raise SparsesyncError("no model given", hint="pass --model DIR or set SPARSESYNC_MODEL")
+    engine = args.get("engine") or "embedded"
+    if engine not in ("embedded", "vllm"):
+        raise SparsesyncError(f"engine '{engine}': expected 'embedded' or 'vllm'", hint="set SPARSESYNC_ENGINE=embedded|vllm")
+    bucket = args.get("bucket") or None
+    if bucket and args.get("run"):
+        bucket = bucket.rstrip("/") + "/" + str(args["run"]).strip("/")
+    try:
+        cfg = ReplicaConfig(
+            model=str(args["model"]),
+            bucket=bucket,
+            engine=engine,
+            host=args.get("host") or "127.0.0.1",
+            port=int(args.get("port") or 8000),
+            poll_interval=float(args.get("poll_interval") or 1.0),
+            served_model_name=args.get("served_model_name") or None,
+            kv_cache_mib=int(args.get("kv_cache_mib") or 192),
+            gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
+        )
+    except ValueError as e:
+        raise SparsesyncError(f"bad configuration value: {e}", hint="check the flags and SPARSESYNC_* variables") from e
+    return cfg, str(args.get("log_level") or "INFO").upper()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, level = parse_config(argv)
+    except SparsesyncError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from inference_space.replica import build_replica
+    from inference_space.server import create_app
+
+    try:
+        replica = build_replica(cfg)
+    except SparsesyncError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        uvicorn.run(create_app(replica), host=cfg.host, port=cfg.port, log_level=level.lower())
+    finally:
+        replica.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

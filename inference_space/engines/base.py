@@ -1,0 +1,278 @@
+"""The small interface every inference engine behind a replica implements.
+
+An engine generates completions (token ids, per-token logprobs of the sampled tokens, finish
+reason) and is the follower's `ApplyHook`. Guarantee (the in-flight policy): generation and
+weight updates never overlap. The engine holds one gate; a weight update waits for the batch
+that is running to finish, blocks new batches while it writes (that is the replica's pause),
+then lets them run on the new weights. So a completion is produced by exactly one weight
+version, and the `weight_version` it reports is the version that produced every one of its
+tokens. Updates are preferred over new batches (a steady stream of requests cannot starve
+them).
+
+Every update is validated against the engine's checkpoint layout (names, shapes, dtypes,
+index ranges, value counts, finite values) before any engine code sees it
+(`WeightUpdateError`). Logprobs are those of the model's raw distribution (log-softmax of the
+unprocessed logits, vLLM's default "raw_logprobs"), one per sampled token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from sparsesync.codec.apply import SparseUpdate
+from sparsesync.errors import ConfigError, WeightUpdateError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (OpenAI completion fields)."""
+
+    max_tokens: int = 16  # completion tokens at most
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass, (0, 1]
+    n: int = 1  # completions per prompt
+    seed: int | None = None  # makes sampling reproducible on one engine and version
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+
+    def validate(self) -> None:
+        if not 1 <= self.max_tokens <= 1 << 20:
+            raise ConfigError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ConfigError(f"temperature={self.temperature}: must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not 1 <= self.n <= 256:
+            raise ConfigError(f"n={self.n}: must be in [1, 256]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop={self.stop!r}: stop strings must be non-empty strings")
+
+
+@dataclass
+class Completion:
+    """One completion and everything an RL trainer needs from it."""
+
+    index: int
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token_ids[i]) under the weights of `weight_version`
+    finish_reason: FinishReason
+    weight_version: int | None  # None: the weights from --model, before any bucket version
+
+
+@dataclass
+class PauseStats:
+    """How long generation was blocked by weight updates."""
+
+    count: int = 0
+    last_ms: float | None = None
+    mean_ms: float | None = None
+    max_ms: float | None = None
+    last_wait_ms: float | None = None  # time the last update waited for the running batch
+    total_ms: float = 0.0
+
+    def add(self, pause_ms: float, wait_ms: float) -> None:
+        self.count += 1
+        self.total_ms += pause_ms
+        self.last_ms = pause_ms
+        self.mean_ms = self.total_ms / self.count
+        self.max_ms = pause_ms if self.max_ms is None else max(self.max_ms, pause_ms)
+        self.last_wait_ms = wait_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Gate:
+    """One batch at a time, or one update; waiting updates go before waiting batches."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._updates_waiting = 0
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        with self._cond:
+            while self._busy or self._updates_waiting:
+                self._cond.wait()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def update(self) -> Iterator[float]:
+        """Yields the seconds spent waiting for the running batch."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._updates_waiting += 1
+            try:
+                while self._busy:
+                    self._cond.wait()
+            finally:
+                self._updates_waiting -= 1
+            self._busy = True
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the engine expects of one checkpoint tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Engine(ABC):
+    """An inference engine that follows a run (see the module docstring for its guarantees)."""
+
+    name: str = "engine"
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._gate = _Gate()
+        self._version: int | None = None
+        self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
+        self.pauses = PauseStats()
+
+    # -- generation ---------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir.name
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt token ids for a chat (with the generation prompt appended)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Completion]:
+        """`params.n` completions of one prompt, all from one weight version."""
+        params.validate()
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        with self._gate.batch():
+            version = self._version
+            outs = self._generate(ids, params)
+        for c in outs:
+            c.weight_version = version
+        return outs
+
+    @abstractmethod
+    def _generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        """Runs under the gate (no update can happen meanwhile); weight_version is set by the caller."""
+
+    # -- the ApplyHook ------------------------------------------------------------------
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace every weight with `tensors` (checkpoint names), then serve `version`."""
+        self._validate_full(tensors)
+        with self._gate.update() as waited_s:
+            t0 = time.perf_counter()
+            self._load_full(version, tensors)
+            self._version = version
+            self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        """Write the changed elements of one verified version in place, then serve `version`."""
+        self._validate_sparse(updates, full)
+        with self._gate.update() as waited_s:
+            t0 = time.perf_counter()
+            self._apply_sparse(version, updates, full)
+            self._version = version
+            self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    @abstractmethod
+    def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the engine serves, in checkpoint coordinates (CPU copies)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export its weights")
+
+    def close(self) -> None:
+        """Release the engine (threads, memory)."""
+
+    # -- validation (before the engine sees anything) -----------------------------------
+    def _spec(self, name: str) -> TensorSpec:
+        spec = self._specs.get(name)
+        if spec is None:
+            raise WeightUpdateError(
+                f"tensor '{name}': not a weight of the model in {self.model_dir}",
+                hint="the run was published from a different model; start the replica with that model",
+            )
+        return spec
+
+    def _validate_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        missing = sorted(set(self._specs) - set(tensors))
+        problems = [f"tensor '{n}': missing" for n in missing[:5]]
+        for name, t in tensors.items():
+            spec = self._spec(name)
+            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}")
+        if problems:
+            raise WeightUpdateError("full load rejected: " + "; ".join(problems), hint="publish the model the replica serves")
+
+    def _validate_sparse(self, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        problems = []
+        for name, upd in updates.items():
+            spec = self._spec(name)
+            f = full.get(name)
+            if f is None:
+                problems.append(f"tensor '{name}': no full value given")
+            elif tuple(f.shape) != spec.shape or f.dtype != spec.dtype:
+                problems.append(f"tensor '{name}': {f.dtype} {list(f.shape)}, expected {spec.dtype} {list(spec.shape)}")
+            idx, val = upd.indices, upd.values
+            if idx.dtype != torch.int64 or idx.dim() != 1 or val.dim() != 1 or idx.numel() != val.numel():
+                problems.append(f"tensor '{name}': indices must be 1-D int64 with one value each")
+                continue
+            if val.dtype != spec.dtype:
+                problems.append(f"tensor '{name}': values are {val.dtype}, expected {spec.dtype}")
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= spec.numel):
+                problems.append(f"tensor '{name}': index outside [0, {spec.numel})")
+            if val.is_floating_point() and val.numel() and not bool(torch.isfinite(val).all()):
+                problems.append(f"tensor '{name}': non-finite values")
+        if problems:
+            raise WeightUpdateError("sparse update rejected: " + "; ".join(problems), hint="the patch does not fit this model")

@@ -1,0 +1,108 @@
+"""A replica: one engine plus the follower that keeps it at the newest committed version.
+
+Guarantees:
+- Until the first version is committed (or when no bucket is configured), the engine serves
+  the weights from `--model` and reports weight_version null. As soon as a version exists, the
+  follower loads the newest anchor into the engine, then applies each delta in place.
+- Fetch, verify and decode run on the follower's thread while the engine keeps generating; the
+  engine is paused only inside the hook (see `engines.base` for the in-flight policy).
+- A replica whose sync fails (anchor fallback, store unreachable, bad patch, engine failure)
+  keeps serving its last good version; `status()` then says state "degraded" with the error.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from inference_space.engines import Engine
+from sparsesync.errors import ConfigError
+from sparsesync.protocol.follower import Follower
+
+
+@dataclass
+class ReplicaConfig:
+    """Everything a replica is started with (CLI flags or environment variables)."""
+
+    model: str  # model folder the engine starts from (and whose layout the run must match)
+    bucket: str | None = None  # run URL to follow (folder, file://, s3://, hf://buckets/...); None: serve --model only
+    engine: str = "embedded"  # "embedded" | "vllm"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    poll_interval: float = 1.0  # seconds between commit listings (backs off to 15 s when idle)
+    served_model_name: str | None = None  # the `model` name reported by the API (default: folder name)
+    kv_cache_mib: int = 192  # vLLM only: KV cache size (CPU, or GPU when gpu_memory_utilization unset)
+    gpu_memory_utilization: float | None = None  # vLLM on GPU: fraction of memory instead of kv_cache_mib
+
+
+class Replica:
+    """An engine following a run (see module docstring)."""
+
+    def __init__(self, engine: Engine, bucket: str | None = None, *, poll_interval: float = 1.0, served_model_name: str | None = None) -> None:
+        self.engine = engine
+        self.bucket = bucket
+        self.model_name = served_model_name or engine.model_name
+        self.follower: Follower | None = Follower(bucket, hook=engine, poll_interval=poll_interval) if bucket else None
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        if self.follower is not None:
+            self.follower.start()
+
+    def stop(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+
+    def close(self) -> None:
+        self.stop()
+        self.engine.close()
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.engine.weight_version
+
+    def status(self) -> dict[str, Any]:
+        """The sync status served at /sync: the follower's view plus the engine's pauses."""
+        if self.follower is not None:
+            st = self.follower.status().to_dict()
+        else:
+            st = {
+                "url": None, "current_version": None, "newest_version": None, "lag": None,
+                "state": "static", "last_error": None, "last_fetch_s": None, "last_apply_s": None,
+                "last_apply_at": None, "versions_applied": 0, "anchor_loads": 0,
+            }
+        p = self.engine.pauses
+        st.update(
+            serving_version=self.engine.weight_version,
+            engine=self.engine.name,
+            model=self.model_name,
+            pause_count=p.count,
+            pause_last_ms=p.last_ms,
+            pause_mean_ms=p.mean_ms,
+            pause_max_ms=p.max_ms,
+            pause_last_wait_ms=p.last_wait_ms,
+            uptime_s=time.time() - self.started_at,
+        )
+        return st
+
+
+def build_replica(cfg: ReplicaConfig) -> Replica:
+    """Load the engine for `cfg` and attach a follower (not started)."""
+    from inference_space.engines import make_engine
+
+    model = cfg.model
+    if not Path(model).is_dir():
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+            raise ConfigError(f"model {model!r} is neither a folder nor a Hub model id", hint="pass --model DIR or NS/NAME")
+        from huggingface_hub import snapshot_download
+
+        model = snapshot_download(model)  # HF_TOKEN from the environment (a Space secret) if private
+    cfg = replace(cfg, model=model)
+    kwargs: dict[str, Any] = {}
+    if cfg.engine == "vllm":
+        kwargs = {"kv_cache_memory_bytes": cfg.kv_cache_mib << 20, "gpu_memory_utilization": cfg.gpu_memory_utilization}
+    engine = make_engine(cfg.engine, cfg.model, **kwargs)
+    return Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)

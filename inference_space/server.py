@@ -1,0 +1,167 @@
+"""The replica's HTTP API: OpenAI-compatible completions that carry what an RL trainer needs.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /sync.
+Every choice carries `prompt_token_ids`, `token_ids`, `logprobs.token_logprobs` (log p of each
+sampled token under the weights that produced it, raw distribution) and `weight_version` (the
+version that produced every token of it; null before the first bucket version). Malformed
+requests get 422 (schema) or 400 (values the engine refuses) with a message naming the field;
+nothing a client sends can stop the follower. Generation runs in FastAPI's thread pool, so
+/health and /sync answer while a batch runs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from inference_space.engines import Completion, SamplingParams
+from inference_space.replica import Replica
+from sparsesync.errors import ConfigError, EngineError
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1, le=1 << 20)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=256)
+    seed: int | None = None
+    logprobs: int | bool | None = None  # the sampled tokens' logprobs are always returned
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.n, self.seed, stop, self.ignore_eos)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(..., description="text, or prompt token ids")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+
+
+def _choice(c: Completion) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "prompt_token_ids": c.prompt_token_ids,
+        "token_ids": c.token_ids,
+        "logprobs": {"tokens": c.token_ids, "token_logprobs": c.logprobs},
+        "weight_version": c.weight_version,
+    }
+
+
+def _usage(outs: list[Completion]) -> dict[str, int]:
+    prompt = len(outs[0].prompt_token_ids) if outs else 0
+    completion = sum(len(c.token_ids) for c in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _version_of(outs: list[Completion]) -> int | None:
+    versions = {c.weight_version for c in outs}
+    return versions.pop() if len(versions) == 1 else None
+
+
+def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
+    """The FastAPI app serving `replica`; starts its follower on startup when `manage_lifecycle`."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        if manage_lifecycle:
+            replica.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                replica.stop()
+
+    app = FastAPI(title="sparsesync inference replica", lifespan=lifespan)
+    app.state.replica = replica
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"error": {"message": "; ".join(problems), "type": "invalid_request_error"}})
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"error": {"message": exc.detail, "type": "invalid_request_error"}})
+
+    def _run(prompt: str | list[int], req: _Sampling) -> list[Completion]:
+        try:
+            return replica.engine.generate(prompt, req.params())
+        except ConfigError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
+        except EngineError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest) -> dict[str, Any]:
+        outs = _run(req.prompt, req)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": replica.model_name,
+            "weight_version": _version_of(outs),
+            "choices": [_choice(c) for c in outs],
+            "usage": _usage(outs),
+        }
+
+    @app.post("/v1/chat/completions")
+    def chat(req: ChatRequest) -> dict[str, Any]:
+        try:
+            ids = replica.engine.apply_chat_template([m.model_dump() for m in req.messages])
+        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+            raise HTTPException(status_code=400, detail=f"cannot apply the chat template: {e}") from e
+        outs = _run(ids, req)
+        choices = []
+        for c in outs:
+            ch = _choice(c)
+            ch["message"] = {"role": "assistant", "content": ch.pop("text")}
+            choices.append(ch)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": replica.model_name,
+            "weight_version": _version_of(outs),
+            "choices": choices,
+            "usage": _usage(outs),
+        }
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": replica.model_name, "object": "model", "owned_by": "sparsesync", "weight_version": replica.weight_version}],
+        }
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        st = replica.status()
+        return {"status": "ok", "engine": st["engine"], "weight_version": st["serving_version"], "state": st["state"]}
+
+    @app.get("/sync")
+    def sync() -> dict[str, Any]:
+        return replica.status()
+
+    return app

