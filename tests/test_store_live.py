@@ -57,3 +57,38 @@ def test_live_private_bucket_roundtrip(tmp_path: Path, monkeypatch: pytest.Monke
             store.get("deltas/a.safetensors")
     finally:
         api.delete_bucket(bucket_id, missing_ok=True)
+
+
+def test_live_publish_and_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole protocol against the live Hub: 3 versions published, followed bit-exactly."""
+    import torch
+    from huggingface_hub import HfApi
+
+    from sparsesync.protocol.follower import Follower
+    from sparsesync.protocol.publisher import Publisher
+    from tests.test_protocol import RecordingHook
+    from tests.weights import assert_bit_equal, make_state, train_step
+
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    api = HfApi()
+    bucket_id = f"{api.whoami()['name']}/sparsesync-live-{uuid.uuid4().hex[:8]}"
+    url = f"hf://buckets/{bucket_id}/run"
+    try:
+        g = torch.Generator().manual_seed(0)
+        state = make_state(0)
+        hook = RecordingHook()
+        with Publisher(url) as pub:
+            for v in range(1, 4):
+                pub.publish(state, v)
+                pub.flush()
+                state = train_step(state, g) if v < 3 else state
+        follower = Follower(url, hook, poll_interval=0.5)
+        follower.start()
+        try:
+            follower.wait_for_version(3, timeout=120)  # listings may lag writes on the live Hub
+        finally:
+            follower.stop()
+        assert_bit_equal(hook.weights, state)
+        assert api.bucket_info(bucket_id).private
+    finally:
+        api.delete_bucket(bucket_id, missing_ok=True)
