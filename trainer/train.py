@@ -1,0 +1,323 @@
+"""The asynchronous GRPO loop: rollout threads fill the buffer while the learner trains and
+publishes every k optimizer steps through the sparsesync publisher.
+
+    python -m trainer --config trainer.toml
+
+Data flow: rollout workers (threads, trainer/rollout.py) ask the replicas for completions and
+the environment for rewards, and put scored groups into the bounded buffer. The learner takes
+`groups_per_step` groups (staleness bound applied against the newest *published* version),
+takes one optimizer step on the GRPO loss, and every `publish_every` steps hands a cast copy
+of the weights to `Publisher.publish`, which diffs and encodes on this thread and uploads in
+the background. Replicas follow the bucket on their own; nothing but the bucket carries weights.
+
+Precision: on CPU the master weights are fp32 by default and the replicas get a bf16 cast
+(`publish_dtype`); on GPU the parameters are bf16 (`master_dtype = "auto"`). The first version
+published (version 0) is the weights as loaded, so replicas started from the same model folder
+already hold it bit for bit (they report version None until they apply version 0).
+
+Guarantees: the config is validated before anything starts; every published version is the
+exact `publish_dtype` cast of the learner's parameters after that optimizer step (its state
+digest is `TrainResult.state_digest` for the last one); a failure anywhere (rollouts dead,
+publisher fenced or its store unreachable past the flush timeout) stops the loop with a
+`SparsesyncError` after stopping the rollout threads and the publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.errors import ConfigError, PatchMismatchError, TrainerError
+from sparsesync.protocol.publisher import Publisher
+from trainer.buffer import BufferClosed, Group, RolloutBuffer
+from trainer.config import TrainerConfig
+from trainer.grpo import Batch, grpo_loss, token_logprobs
+from trainer.metrics import MetricsLogger
+from trainer.replicas import ReplicaPool
+from trainer.rollout import RolloutWorkers, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    steps: list[dict[str, Any]]  # the per-step metric records (as logged)
+    commits: list[dict[str, Any]]  # the publisher's per-version metrics, in commit order
+    final_version: int  # newest published (and committed) version
+    state_digest: str  # sparsesync state digest of the final published weights
+    full_bytes: int  # size of one full copy of the published weights
+    buffer: dict[str, Any] = field(default_factory=dict)  # rollout buffer counters
+    replicas: dict[str, Any] = field(default_factory=dict)  # per-replica request counters
+    wall_s: float = 0.0
+
+
+def resolve_precision(cfg: TrainerConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """(device, master dtype, publish dtype) for this machine."""
+    m = cfg.model
+    if m.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[model] device = 'cuda' but no CUDA device is visible", hint="set device = 'auto' or 'cpu'")
+    device = torch.device("cuda" if m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if m.master_dtype == "auto":
+        master = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        master = _DTYPES[m.master_dtype]
+    return device, master, _DTYPES[m.publish_dtype]
+
+
+def auth_headers(cfg: TrainerConfig) -> dict[str, str] | None:
+    """The Authorization header for private replicas / env (the token comes from the environment only)."""
+    var = cfg.rollout.auth_token_env
+    if not var:
+        return None
+    token = os.environ.get(var)
+    if not token:
+        raise ConfigError(f"[rollout] auth_token_env = {var!r}, but the environment variable {var} is not set",
+                          hint=f"export {var}=<token with read access to the Spaces>, or set auth_token_env = \"\"")
+    return {"Authorization": f"Bearer {token}"}
+
+
+def load_policy(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The model from a local folder or the Hub, in `dtype` on `device`, in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype, revision=cfg.model.revision)
+    except OSError as e:
+        raise ConfigError(f"[model] path = {cfg.model.path!r}: cannot load a model from it ({e})",
+                          hint="pass a folder with config.json + safetensors, or a Hub model id (needs network)") from e
+    model.to(device)
+    model.train()
+    return model
+
+
+def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights replicas receive: every state-dict tensor cast to `dtype`, contiguous, on CPU."""
+    return {name: t.detach().to(dtype=dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+
+
+class _StatusPoller:
+    """Polls every replica's /sync in the background so the learner never waits on it."""
+
+    def __init__(self, pool: ReplicaPool, interval_s: float = 1.0) -> None:
+        self.pool = pool
+        self.interval_s = interval_s
+        self.latest: dict[str, dict[str, Any] | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="replica-status", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.latest = self.pool.sync_status()
+            self._stop.wait(self.interval_s)
+
+
+class AsyncGRPOTrainer:
+    """Runs one training job described by a `TrainerConfig` (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        *,
+        logger: MetricsLogger | None = None,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.logger = logger
+        self.on_step = on_step
+        self.device, self.master_dtype, self.publish_dtype = resolve_precision(cfg)
+        self.headers = auth_headers(cfg)
+        self.version = -1  # newest published version (-1: none yet)
+
+    def run(self) -> TrainResult:
+        """Train for `optim.steps` steps; returns the result after the last version is committed."""
+        cfg, o = self.cfg, self.cfg.optim
+        t_start = time.time()
+        torch.manual_seed(o.seed)
+        model = load_policy(cfg, self.device, self.master_dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        r = cfg.rollout
+        pool = ReplicaPool(r.replicas, timeout_s=r.request_timeout_s, cooldown_s=r.replica_cooldown_s,
+                           headers=self.headers)
+        buffer = RolloutBuffer(o.buffer_groups, max_staleness=o.max_staleness, policy=o.stale_policy)
+        workers = RolloutWorkers(
+            buffer, pool, r.env_url, task=r.task, workers=r.workers, seed=o.seed,
+            params=SamplingParams(r.group_size, r.max_tokens, r.temperature, r.top_p),
+            request_timeout_s=r.request_timeout_s, headers=self.headers,
+        )
+        poller = _StatusPoller(pool)
+        publisher: Publisher | None = None
+        logger = self.logger or MetricsLogger(
+            total_steps=o.steps, jsonl=cfg.log.jsonl or None, progress=cfg.log.progress,
+            trackio_project=cfg.log.trackio_project, log_every=cfg.log.log_every, config=cfg.to_dict(),
+        )
+        records: list[dict[str, Any]] = []
+        n_commits_seen = 0
+        try:
+            publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
+                                  anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size)
+            state = publish_state(model, self.publish_dtype)
+            full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            self.version = self._first_version(publisher, state)
+            initial_version = self.version
+            workers.initial_version = initial_version
+            workers.start()
+            poller.start()
+            t_prev = time.time()
+            for step in range(1, o.steps + 1):
+                t0 = time.time()
+                groups = self._take(buffer, workers, o.groups_per_step)
+                t_wait = time.time() - t0
+                batch, staleness, rewards = self._batch(groups)
+                t1 = time.time()
+                logp = token_logprobs(model, batch)
+                loss, stats = grpo_loss(logp, batch, clip_low=o.clip_low, clip_high=o.clip_high, is_cap=o.is_cap)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm or float("inf")))
+                opt.step()
+                t_train = time.time() - t1
+                t2 = time.time()
+                if step % cfg.sync.publish_every == 0 or step == o.steps:
+                    state = publish_state(model, self.publish_dtype)
+                    self.version = publisher.publish(state, self.version + 1)
+                t_publish = time.time() - t2
+                # per-version sync metrics arrive as the uploader commits
+                new_commits = publisher.metrics[n_commits_seen:]
+                n_commits_seen += len(new_commits)
+                for m in new_commits:
+                    logger.log_event("commit", {"full_bytes": full_bytes, **m})
+                now = time.time()
+                n_samples = sum(len(g.samples) for g in groups)
+                rec: dict[str, Any] = {
+                    "step": step,
+                    "version": self.version,
+                    "reward": sum(rewards) / len(rewards),
+                    "reward_max": max(rewards),
+                    "staleness_mean": sum(staleness) / len(staleness),
+                    "staleness_max": max(staleness),
+                    "loss": stats.loss,
+                    "clip_frac": stats.clip_frac,
+                    "ratio_mean": stats.ratio_mean,
+                    "kl_behaviour": stats.kl_behaviour,
+                    "stale_weight_mean": stats.stale_weight_mean,
+                    "grad_norm": grad_norm,
+                    "samples": n_samples,
+                    "tokens": stats.tokens,
+                    "samples_per_s": n_samples / max(now - t_prev, 1e-6),
+                    "tokens_per_s": stats.tokens / max(now - t_prev, 1e-6),
+                    "groups_generated": workers.groups_played,
+                    "dropped_stale": buffer.stats.dropped_stale,
+                    "wait_s": t_wait,
+                    "train_s": t_train,
+                    "publish_s": t_publish,
+                    "step_s": now - t0,
+                    "full_bytes": full_bytes,
+                    **_sync_fields(publisher.metrics),
+                    **_replica_fields(poller.latest),
+                }
+                t_prev = now
+                records.append(rec)
+                logger.log_step(rec)
+                if self.on_step is not None:
+                    self.on_step(rec)
+            publisher.flush(cfg.sync.flush_timeout_s)
+            for m in publisher.metrics[n_commits_seen:]:
+                logger.log_event("commit", {"full_bytes": full_bytes, **m})
+            final_digest = state_digest(tensor_digests(state))
+            return TrainResult(
+                steps=records, commits=list(publisher.metrics), final_version=self.version,
+                state_digest=final_digest, full_bytes=full_bytes,
+                buffer=dict(vars(buffer.stats)),
+                replicas={u: {"requests": s.requests, "failures": s.failures, "last_error": s.last_error}
+                          for u, s in pool.stats.items()},
+                wall_s=time.time() - t_start,
+            )
+        finally:
+            poller.stop()
+            workers.stop()
+            pool.close()
+            try:
+                if publisher is not None:
+                    publisher.close(timeout=cfg.sync.flush_timeout_s)
+            except Exception as e:  # noqa: BLE001 - do not mask the error that ended the run
+                log.warning("publisher did not close cleanly: %s", e)
+            if self.logger is None:
+                logger.close()
+
+    # -- internals --------------------------------------------------------------------
+    def _first_version(self, publisher: Publisher, state: dict[str, torch.Tensor]) -> int:
+        """Publish the starting weights as version 0, or continue a run that already holds them."""
+        if publisher.committed_version is None:
+            return publisher.publish(state, 0)
+        try:
+            publisher.resume(state)
+        except PatchMismatchError as e:
+            raise ConfigError(
+                f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run whose newest version "
+                f"({publisher.committed_version}) is not the weights at [model] path",
+                hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights "
+                     "(`sparsesync pull`)",
+            ) from e
+        return publisher.committed_version
+
+    def _take(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int) -> list[Group]:
+        """`n` groups from the buffer, checking on the workers while waiting."""
+        while True:
+            try:
+                return buffer.take(n, self.version, timeout=2.0)
+            except TimeoutError:
+                workers.check()
+            except BufferClosed:
+                workers.check()
+                raise TrainerError("the rollout buffer was stopped while the learner waited") from None
+
+    def _batch(self, groups: list[Group]) -> tuple[Batch, list[int], list[float]]:
+        samples = [s for g in groups for s in g.samples]
+        staleness = [max(self.version - s.version, 0) for s in samples]
+        batch = Batch.build(
+            [s.prompt_ids for s in samples], [s.completion_ids for s in samples], [s.logprobs for s in samples],
+            [s.advantage for s in samples], [s.stale for s in samples], device=self.device,
+        )
+        return batch, staleness, [s.reward for s in samples]
+
+
+def _sync_fields(commits: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sync metrics of the newest committed delta (None before the first delta)."""
+    for m in reversed(commits):
+        if "patch_bytes" in m:
+            return {"sync_version": m.get("version"), "sync_bytes": m["patch_bytes"],
+                    "density": m.get("density"), "n_changed": m.get("n_changed"), "upload_s": m.get("upload_s")}
+    return {"sync_version": None, "sync_bytes": None, "density": None, "n_changed": None, "upload_s": None}
+
+
+def _replica_fields(status: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """lag/<i>, version/<i>, pause_s/<i> of each replica (i = its index in the config)."""
+    out: dict[str, Any] = {}
+    for i, (_url, st) in enumerate(status.items()):
+        st = st or {}
+        out[f"lag/{i}"] = st.get("lag")
+        out[f"replica_version/{i}"] = st.get("current_version")
+        out[f"pause_s/{i}"] = st.get("last_apply_s")
+    return out
