@@ -16,9 +16,11 @@ Guarantees (on top of `base.Engine`'s):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,21 @@ log = logging.getLogger(__name__)
 # names of fused vLLM modules -> the checkpoint modules they pack (Llama/Qwen/Mistral family);
 # replaced by the model's own `packed_modules_mapping` when vLLM exposes one
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+@contextlib.contextmanager
+def _flask_proxies_resolvable() -> Iterator[None]:
+    """vLLM 0.32's CPU kernel registration scans every attribute of every imported module with
+    `hasattr(value, "__dict__")`; flask's context proxies (`flask.request`, `current_app`)
+    raise RuntimeError there outside a request, which kills the engine start whenever flask
+    was imported first (moto's S3 server in our tests does; so may a user's app). Inside a
+    throwaway request context those proxies resolve and the scan passes them by."""
+    flask = sys.modules.get("flask")
+    if flask is None:
+        yield
+        return
+    with flask.Flask("sparsesync-vllm-start").test_request_context():
+        yield
 
 
 def _packed_mapping(worker: Any) -> dict[str, list[str]]:
@@ -106,7 +123,8 @@ class VllmEngine(Engine):
             kw["gpu_memory_utilization"] = gpu_memory_utilization
         kw.update(llm_kwargs)
         try:
-            self.llm = LLM(**kw)
+            with _flask_proxies_resolvable():
+                self.llm = LLM(**kw)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; name the model
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
         self.llm.init_weight_transfer_engine({"init_info": {}})
