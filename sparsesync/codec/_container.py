@@ -77,8 +77,8 @@ def parse_header_json(header_bytes: bytes) -> tuple[dict[str, str], dict[str, di
     """The `__metadata__` (str -> str) and the raw tensor table of a safetensors header."""
     try:
         obj = json.loads(bytes(header_bytes).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PatchFormatError(f"header is not UTF-8 JSON: {e}", hint="the file is corrupt or not a safetensors file") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON syntax, ints over 4300 digits
+        raise PatchFormatError(f"header is not UTF-8 JSON: {type(e).__name__}: {str(e):.200}", hint="the file is corrupt or not a safetensors file") from None
     if not isinstance(obj, dict):
         raise PatchFormatError(f"header is a JSON {type(obj).__name__}, expected an object", hint="the file is corrupt")
     meta = obj.pop("__metadata__", {})

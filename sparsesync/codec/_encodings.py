@@ -1,4 +1,4 @@
-"""Position and value encodings of one tensor's changes (see docs/format.md, "Encodings").
+"""Position and value encodings of one tensor's changes (spec: docs/format.md, "Positions" and "Values").
 
 Guarantee: for every encoding, `decode_*(encode_*(x)) == x` exactly, and every decoder either
 returns arrays of exactly the size the header implies or raises PatchFormatError; compressed
@@ -14,6 +14,7 @@ import constriction
 import numpy as np
 import zstandard
 
+from sparsesync.codec._classes import RankSelect, class_bitmaps, class_of, key_of  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
 _MAX_WINDOW = 1 << 27  # zstd window a hostile frame may ask for (our frames use far less)
@@ -78,104 +79,6 @@ def check_indices(ctx: Ctx, idx: np.ndarray) -> np.ndarray:
     return idx
 
 
-# ---------------------------------------------------------------------------- class bitmaps
-# Elements are grouped by the magnitude of their base value: key = top 7 magnitude bits (for
-# bf16/fp32 the top 7 exponent bits, for fp16 5 exponent + 2 mantissa bits, for fp8 all of it).
-# Thresholds t_1 < ... < t_{K-1} in [1, 127] split keys into K classes: class c holds keys in
-# [t_c, t_{c+1}). Both sides compute class bitmaps from the base; the canonical order inside a
-# class is the flat order.
-
-_POP8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-_SEL8 = np.zeros((256, 8), dtype=np.uint8)
-for _v in range(256):
-    _bits = [b for b in range(8) if _v >> b & 1]
-    _SEL8[_v, : len(_bits)] = _bits
-_POOL_CHUNK = 1 << 24  # elements per worker task when building masks
-
-
-def _pool():  # noqa: ANN202
-    from concurrent.futures import ThreadPoolExecutor
-
-    global _POOL_EXEC
-    try:
-        return _POOL_EXEC
-    except NameError:
-        import os
-
-        _POOL_EXEC = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="sparsesync-codec")
-        return _POOL_EXEC
-
-
-def key_of(bits: np.ndarray) -> np.ndarray:
-    """The 7-bit magnitude key of each element's bits (uint8)."""
-    w = bits.dtype.itemsize
-    return ((bits >> (8 * w - 8)) & 0x7F).astype(np.uint8)
-
-
-def class_of(bits: np.ndarray, thresholds: list[int]) -> np.ndarray:
-    """Class index of each element (uint8) for the given thresholds."""
-    return np.searchsorted(np.asarray(thresholds, dtype=np.uint8), key_of(bits), side="right").astype(np.uint8)
-
-
-def _below_masks_chunk(bits: np.ndarray, limits: list[int], out: list[np.ndarray], start: int) -> None:
-    w = bits.dtype.itemsize
-    mag2 = np.left_shift(bits, bits.dtype.type(1))  # drops the sign bit: 2 * magnitude
-    for lim, o in zip(limits, out):
-        o[start // 8 : start // 8 + (bits.size + 7) // 8] = np.packbits(mag2 < bits.dtype.type(lim), bitorder="little")
-    del w
-
-
-def class_bitmaps(base: np.ndarray, thresholds: list[int]) -> list[np.ndarray]:
-    """Per class, a packed little-endian bitmap (uint64 words) of its members in `base`."""
-    n = base.size
-    w = base.dtype.itemsize
-    nbytes = (n + 63) // 64 * 8
-    limits = [t << (8 * w - 7) for t in thresholds]  # key < t  <=>  2 * magnitude < t << (8w - 7)
-    below = [np.zeros(nbytes, dtype=np.uint8) for _ in limits]
-    if limits:
-        step = _POOL_CHUNK
-        futs = [_pool().submit(_below_masks_chunk, base[s : s + step], limits, below, s) for s in range(0, n, step)]
-        for f in futs:
-            f.result()
-    valid = np.zeros(nbytes, dtype=np.uint8)
-    valid[: n // 8] = 0xFF
-    if n % 8:
-        valid[n // 8] = (1 << (n % 8)) - 1
-    words = [b.view("<u8") for b in below] + [valid.view("<u8")]
-    out, prev = [], None
-    for cur in words:  # class c = below(t_{c+1}) & ~below(t_c)
-        out.append(cur if prev is None else cur & ~prev)
-        prev = cur
-    return out
-
-
-class RankSelect:
-    """Rank and select over a packed bitmap of uint64 words."""
-
-    def __init__(self, words: np.ndarray) -> None:
-        self.words = words
-        self.pop = np.bitwise_count(words).astype(np.int64)
-        self.cum = np.cumsum(self.pop)  # inclusive
-        self.total = int(self.cum[-1]) if self.cum.size else 0
-
-    def rank(self, i: np.ndarray) -> np.ndarray:
-        """Number of set bits before each position in `i`."""
-        wi = i >> 6
-        low = (np.uint64(1) << (i & 63).astype(np.uint64)) - np.uint64(1)
-        return self.cum[wi] - self.pop[wi] + np.bitwise_count(self.words[wi] & low).astype(np.int64)
-
-    def select(self, r: np.ndarray) -> np.ndarray:
-        """Position of the r-th set bit (0-based) for each r (all r < total)."""
-        wi = np.searchsorted(self.cum, r, side="right")
-        k = r - (self.cum[wi] - self.pop[wi])
-        by = self.words[wi].view(np.uint8).reshape(-1, 8)
-        pc = np.cumsum(_POP8[by], axis=1, dtype=np.int64)
-        j = (pc <= k[:, None]).sum(axis=1)
-        before = np.where(j > 0, pc[np.arange(j.size), np.maximum(j - 1, 0)], 0)
-        bit = _SEL8[by[np.arange(j.size), j], k - before]
-        return wi * 64 + j * 8 + bit.astype(np.int64)
-
-
 # ---------------------------------------------------------------------------- entropy coding
 def _model(counts: list[int]) -> constriction.stream.model.Categorical:
     c = np.asarray(counts, dtype=np.float64)
@@ -204,21 +107,17 @@ def _escape_cost(hist: np.ndarray, raw_bits: int) -> tuple[float, int]:
     """(estimated bits, alphabet size E) minimizing entropy + raw escapes + header, from a
     histogram of values clipped at MAX_ALPHABET."""
     n = float(hist.sum())
-    best = (np.inf, 1)
     c = hist.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        clogc = np.where(c > 0, c * np.log2(np.maximum(c, 1)), 0.0)
+    clogc = c * np.log2(np.maximum(c, 1.0))  # 0 where c == 0
     cum_clogc = np.concatenate([[0.0], np.cumsum(clogc)])
     tail = n - np.concatenate([[0.0], np.cumsum(c)])
-    for e in _ESC_CHOICES:
-        esc = tail[e]
-        ent = n * np.log2(n) - cum_clogc[e] - (esc * np.log2(esc) if esc > 0 else 0.0) if n > 0 else 0.0
-        bits = ent + esc * raw_bits + 24 * (e + 1)
-        if bits < best[0]:
-            best = (float(bits), int(e))
-        if esc == 0:
-            break
-    return best
+    esc = np.maximum(tail[_ESC_CHOICES], 0.0)
+    ent = n * np.log2(max(n, 1.0)) - cum_clogc[_ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)) if n > 0 else np.zeros(esc.size)
+    bits = ent + esc * raw_bits + 24.0 * (_ESC_CHOICES + 1)
+    zero = np.flatnonzero(esc == 0)  # larger alphabets than the first without escapes cannot help
+    last = int(zero[0]) if zero.size else esc.size - 1
+    i = int(np.argmin(bits[: last + 1]))
+    return float(bits[i]), int(_ESC_CHOICES[i])
 
 
 def symbols_with_escape(x: np.ndarray, raw_bits: int, e: int | None = None) -> tuple[np.ndarray, list[int], np.ndarray, float]:
@@ -251,14 +150,15 @@ class AnsReader:
         if len(data) % 4:
             raise _bad(ctx, f"stream '{role}' has {len(data)} bytes, expected a multiple of 4")
         try:
-            self.coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, dtype="<u4").astype(np.uint32)) if data else None
+            # an empty stream is the coder's initial state: certain symbols encode to nothing
+            self.coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, dtype="<u4").astype(np.uint32))
         except Exception as e:  # constriction rejects malformed data with ValueError
             raise _bad(ctx, f"stream '{role}' is not valid ANS data ({e})") from None
 
     def decode(self, counts: list[int], n: int) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=np.int32)
-        if self.coder is None or sum(counts) == 0:
+        if sum(counts) == 0:
             raise _bad(self.ctx, f"stream '{self.role}' has no model or data for {n} coded symbols")
         try:
             out = np.asarray(self.coder.decode(_model(counts), n), dtype=np.int32)
@@ -269,7 +169,7 @@ class AnsReader:
         return out
 
     def finish(self) -> None:
-        if self.coder is not None and not self.coder.is_empty():
+        if not self.coder.is_empty():
             raise _bad(self.ctx, f"stream '{self.role}' has data left after the last symbol")
 
 
@@ -347,10 +247,33 @@ def _gaps_enc(idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.
         segments.append((sym, counts))
         escapes.append(esc.astype("<u8"))
         if k and r.size:
-            lows.append((((g & ((1 << k) - 1))[:, None] >> np.arange(k, dtype=np.int64)) & 1).astype(np.uint8).ravel())
+            lows.append(_low_bits(g, k))
     low_bits = np.concatenate(lows) if lows else np.zeros(0, dtype=np.uint8)
     streams = {"gaps": ans_encode(segments), "gaps_escape": b"".join(e.tobytes() for e in escapes), "gaps_low": np.packbits(low_bits, bitorder="little").tobytes()}
-    return {"thresholds": thresholds, "classes": classes}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b}
+    # the ANS stream is always present (empty when the symbols are certain); the others only when non-empty
+    return {"thresholds": thresholds, "classes": classes}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "gaps"}
+
+
+def _width(k: int) -> int:
+    """Bytes of the smallest unsigned integer holding k bits (1, 2, 4 or 8)."""
+    return 1 if k <= 8 else 2 if k <= 16 else 4 if k <= 32 else 8
+
+
+def _low_bits(g: np.ndarray, k: int) -> np.ndarray:
+    """The low k bits of each gap, least significant first, one bit per uint8 (flattened)."""
+    w = _width(k)
+    by = (g & ((1 << k) - 1)).astype(f"<u{w}").view(np.uint8).reshape(g.size, w)
+    return np.unpackbits(by, axis=1, bitorder="little")[:, :k].ravel()
+
+
+def _from_low_bits(packed: bytes, off: int, n: int, k: int) -> np.ndarray:
+    """Inverse of `_low_bits`: n integers (int64) of k bits each, starting at bit `off` of the
+    little-endian bit stream `packed`. Reads a 64-bit window at each value's first byte."""
+    buf = np.frombuffer(bytes(packed) + b"\0" * 8, dtype=np.uint8)
+    windows = np.ndarray((buf.size - 7,), dtype="<u8", buffer=buf.data, strides=(1,))  # unaligned u64 at every byte
+    bit = off + np.arange(n, dtype=np.int64) * k
+    v = windows[bit >> 3] >> (bit & 7).astype(np.uint64)
+    return (v & np.uint64((1 << k) - 1)).astype(np.int64)
 
 
 def _best_k(g: np.ndarray) -> tuple[int, np.ndarray, list[int], np.ndarray]:
@@ -359,15 +282,16 @@ def _best_k(g: np.ndarray) -> tuple[int, np.ndarray, list[int], np.ndarray]:
     if g.size == 0:
         return 0, np.zeros(0, dtype=np.int32), [1, 0], g
     base = int(np.floor(np.log2(float(g.mean()) + 1.0)))
+    gs = g[:: max(1, g.size >> 16)]  # k is chosen on a sample (size only, never correctness)
     best = None
     for k in range(max(0, base - 3), min(_MAX_K, base) + 1):
-        hist = np.bincount(np.minimum(g >> k, MAX_ALPHABET), minlength=MAX_ALPHABET + 1)
+        hist = np.bincount(np.minimum(gs >> k, MAX_ALPHABET), minlength=MAX_ALPHABET + 1)
         bits, e = _escape_cost(hist, 64)
-        bits += k * g.size
+        bits += k * gs.size
         if best is None or bits < best[0]:
             best = (bits, k, e)
-    _, k, e = best
-    sym, counts, esc, _ = symbols_with_escape(g >> k, 64, e)
+    _, k, _ = best
+    sym, counts, esc, _ = symbols_with_escape(g >> k, 64)
     return k, sym, counts, esc
 
 
@@ -398,7 +322,6 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     esc_data = streams.get("gaps_escape", b"")
     if len(esc_data) != 8 * sum(n_esc):
         raise _bad(ctx, f"stream 'gaps_escape' has {len(esc_data)} bytes, expected {8 * sum(n_esc)}")
-    low_bits = np.unpackbits(np.frombuffer(low_data, dtype=np.uint8), count=n_low, bitorder="little")
     bitmaps = class_bitmaps(ctx.base_bits(None), thresholds) if thresholds else None
     out, off_e, off_l = [], 0, 0
     for c, (sym, counts, n, k, ne) in enumerate(zip(syms, cs, ns, ks, n_esc)):
@@ -408,8 +331,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
             raise _bad(ctx, f"gap quotient {int(q.max())} in class {c} exceeds the tensor's {ctx.numel} elements")
         g = q.astype(np.int64) << k
         if k:
-            bits = low_bits[off_l : off_l + n * k].reshape(n, k).astype(np.int64)
-            g += bits @ (np.int64(1) << np.arange(k, dtype=np.int64))
+            g += _from_low_bits(low_data, off_l, n, k)
             off_l += n * k
         if g.size and float(g.astype(np.float64).sum()) + g.size >= ctx.numel + 1:
             raise _bad(ctx, f"gaps in class {c} run past the tensor's {ctx.numel} elements")
@@ -421,7 +343,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
             r = rs.select(r)
         out.append(r)
     idx = np.concatenate(out) if len(out) > 1 else out[0]
-    return np.sort(idx) if len(out) > 1 else idx
+    return np.sort(idx, kind="stable") if len(out) > 1 else idx  # stable = timsort: merges the sorted runs
 
 
 def _gaps_layout(p: dict, c: Ctx) -> dict:
@@ -487,16 +409,19 @@ def _delta_enc(base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[
     magnitude (escapes raw)."""
     thresholds = thresholds or []
     zz = zigzag_delta(base, target)
-    cls = class_of(base, thresholds) if thresholds else None
+    parts = [zz]
+    if thresholds:  # one stable sort groups the elements by class, keeping position order inside
+        cls = class_of(base, thresholds)
+        bounds = np.cumsum(np.bincount(cls, minlength=len(thresholds) + 1))[:-1]
+        parts = np.split(zz[np.argsort(cls, kind="stable")], bounds)
     segs, counts_all, escs = [], [], []
-    for c in range(len(thresholds) + 1):
-        part = zz if cls is None else zz[cls == c]
+    for part in parts:
         sym, counts, esc, _ = symbols_with_escape(part.astype(np.uint64), 8 * ctx.np_bits.itemsize)
         segs.append((sym, counts))
         counts_all.append(counts)
         escs.append(esc.astype(np.dtype(f"<u{ctx.np_bits.itemsize}")))
     streams = {"delta": ans_encode(segs), "delta_escape": b"".join(e.tobytes() for e in escs)}
-    return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b}
+    return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "delta"}
 
 
 def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ctx) -> np.ndarray:
@@ -508,20 +433,28 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
         raise _bad(ctx, f"delta counts for {len(counts_all) if isinstance(counts_all, list) else '?'} classes, expected {len(thresholds) + 1}")
     counts_all = [_check_counts(ctx, c, "delta") for c in counts_all]
     base = ctx.base_bits(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx)
-    cls = class_of(base, thresholds) if thresholds else np.zeros(base.size, dtype=np.uint8)
+    order, sizes = None, [base.size]
+    if thresholds:  # class segments come class by class, in position order inside each class
+        cls = class_of(base, thresholds)
+        sizes = np.bincount(cls, minlength=len(thresholds) + 1).tolist()
+        order = np.argsort(cls, kind="stable")
     reader = AnsReader(ctx, "delta", streams.get("delta", b""))
-    out = np.empty(base.size, dtype=np.uint64)
     esc_data, off, w = streams.get("delta_escape", b""), 0, ctx.np_bits.itemsize
-    for c, counts in enumerate(counts_all):
-        sel = cls == c
-        n = int(sel.sum())
+    parts = []
+    for counts, n in zip(counts_all, sizes):
         sym = reader.decode(counts, n)
         ne = n_escapes(sym, counts)
-        out[sel] = _escapes(ctx, "delta_escape", esc_data[off : off + ne * w], sym, counts, w)
+        parts.append(_escapes(ctx, "delta_escape", esc_data[off : off + ne * w], sym, counts, w))
         off += ne * w
     reader.finish()
     if off != len(esc_data):
         raise _bad(ctx, f"stream 'delta_escape' has {len(esc_data)} bytes, expected {off}")
+    grouped = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if order is None:
+        out = grouped
+    else:
+        out = np.empty(base.size, dtype=np.uint64)
+        out[order] = grouped
     if out.size and int(out.max()) >> (8 * w):
         raise _bad(ctx, f"delta value {int(out.max())} does not fit {8 * w} bits")
     return unzigzag_add(base, out)

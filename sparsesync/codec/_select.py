@@ -14,11 +14,21 @@ from sparsesync.codec import _encodings as E
 from sparsesync.codec.diff import TensorChange
 
 MIN_CLASSED_NUMEL = 4096  # below this, class bitmaps cost more header than they save
-_HIST_SAMPLE = 1 << 20  # base elements sampled for the class-threshold search
+_HIST_SAMPLE = 1 << 18  # base elements sampled for the class-threshold search
 
 
 def _size(streams: dict) -> int:
     return sum(len(b) for _, _, b in streams.values())
+
+
+def _sample(x: np.ndarray) -> np.ndarray:
+    """About _HIST_SAMPLE elements of x in 64 evenly spaced contiguous blocks (cache friendly,
+    deterministic)."""
+    if x.size <= _HIST_SAMPLE:
+        return x
+    block = _HIST_SAMPLE // 64
+    starts = np.linspace(0, x.size - block, 64).astype(np.int64)
+    return np.concatenate([x[s : s + block] for s in starts])
 
 
 def _xlogx_cost(t: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -33,8 +43,7 @@ def _xlogx_cost(t: np.ndarray, c: np.ndarray) -> np.ndarray:
 def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
     """Class thresholds on the 7-bit magnitude key minimizing the position entropy (DP over
     contiguous key ranges); a class is added only when it saves more than `min_gain`."""
-    step = max(1, base_full.size // _HIST_SAMPLE)
-    tot = np.bincount(E.key_of(base_full[::step]), minlength=128).astype(np.float64) * step
+    tot = np.bincount(E.key_of(_sample(base_full)), minlength=128).astype(np.float64) * (base_full.size / max(1, min(base_full.size, _HIST_SAMPLE)))
     chg = np.bincount(E.key_of(base_at_idx), minlength=128).astype(np.float64)
     nz = np.flatnonzero(tot + chg)
     lo, hi = int(nz[0]), int(nz[-1]) + 1
@@ -76,7 +85,7 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
             thresholds = choose_thresholds(base_full, ch.base_bits)
         pp, ps = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full)
         pos_cands.append((_size(ps) + 60 * (len(thresholds) + 1), "gaps", pp, ps))
-        if n * 64 >= numel:
+        if n * 16 >= numel:  # a bitmap costs >= H(n/numel) bits per element: only dense tensors
             pp, ps = E._bitmap_enc(idx, ctx)
             pos_cands.append((_size(ps), "bitmap", pp, ps))
     psize, pname, pparams, pstreams = min(pos_cands, key=lambda c: c[0])
@@ -94,10 +103,13 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
             vp, vs = E._raw_val_enc(ch.base_bits, ch.target_bits, ctx)
             if _size(vs) < best[0]:
                 best = (_size(vs), "dense", {}, {}, "raw", vp, vs)
-        if base_full is not None:
-            tgt = base_full.copy()
-            tgt[idx] = ch.target_bits
-            vp, vs = E._delta_enc(base_full, tgt, ctx)
+        if base_full is not None or n == numel:  # every element changed: the change carries the whole base
+            if base_full is None:
+                full, tgt = ch.base_bits, ch.target_bits
+            else:
+                full, tgt = base_full, base_full.copy()
+                tgt[idx] = ch.target_bits
+            vp, vs = E._delta_enc(full, tgt, ctx)
             if _size(vs) + 20 < best[0]:
                 best = (_size(vs) + 20, "dense", {}, {}, "delta", vp, vs)
     return best[1:]

@@ -111,7 +111,7 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
         meta = _shard_meta(p)
         try:
             shard_digests = json.loads(meta.get("sparsesync.digests", ""))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             raise _bad(p, "metadata 'sparsesync.digests' missing or not JSON") from None
         if not isinstance(shard_digests, dict) or not all(isinstance(v, str) for v in shard_digests.values()):
             raise _bad(p, "metadata 'sparsesync.digests' is not a map of name -> digest")
@@ -142,7 +142,7 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
         try:
             index = json.loads(index_paths[0].read_text())
             imeta, wmap = index["metadata"], index["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError, KeyError, TypeError) as e:  # ValueError covers JSON and UTF-8 errors
             raise _bad(index_paths[0], f"not a valid index ({e})") from None
         if set(wmap) != set(state) or {Path(f).name for f in wmap.values()} != {p.name for p in shards}:
             raise _bad(index_paths[0], "weight_map does not match the shards' tensors (a shard is missing or extra)")

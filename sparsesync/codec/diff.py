@@ -8,7 +8,9 @@ the only full-size data is what the caller passes in.
 
 How: the slice is viewed as 64-bit words (4 bf16 lanes), words are compared and `nonzero` runs
 over the words, then only the changed words are resolved into lanes. `nonzero` is the slow step
-on CPU, and this runs it over a quarter as many elements for bf16.
+on CPU, and this runs it over a quarter as many elements for bf16. On CPU the same steps run in
+numpy (its `flatnonzero` and fancy indexing are 3-4x faster than torch's on this kind of CPU);
+on CUDA they run in torch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparsesync.codec import _parallel
 from sparsesync.errors import PatchMismatchError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,6 +92,31 @@ def check_compatible(base: Mapping[str, torch.Tensor], target: Mapping[str, torc
         )
 
 
+def _changed_slice_np(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_changed_slice` for CPU slices as numpy arrays of the same unsigned dtype."""
+    lanes = 8 // a.itemsize
+    n = a.size
+    nw = n // lanes if lanes > 1 else 0
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    start = 0
+    if nw and a.ctypes.data % 8 == 0 and b.ctypes.data % 8 == 0:
+        wa, wb = a[: nw * lanes].view(np.uint64), b[: nw * lanes].view(np.uint64)
+        wi = np.flatnonzero(wa != wb)
+        if wi.size:
+            la, lb = wa[wi].view(a.dtype), wb[wi].view(a.dtype)  # changed words, as lanes
+            fi = np.flatnonzero(la != lb)  # row-major: keeps the flat order sorted
+            parts.append((wi[fi // lanes] * lanes + fi % lanes, la[fi], lb[fi]))
+        start = nw * lanes
+    if start < n:
+        pos = np.flatnonzero(a[start:] != b[start:])
+        parts.append((pos + start, a[start:][pos], b[start:][pos]))
+    if not parts:
+        return np.zeros(0, dtype=np.int64), a[:0].copy(), b[:0].copy()
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+
+
 def _changed_slice(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Changed positions (int64, relative to the slice, sorted) and base/target bits of two slices."""
     esize = a.element_size()
@@ -146,6 +174,7 @@ def diff_state(
     pending: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     pending_bytes = 0
     results: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    cpu_jobs: list[tuple[str, int, np.ndarray, np.ndarray]] = []  # (name, start, base bits, target bits)
 
     def flush() -> None:
         nonlocal pending, pending_bytes
@@ -175,8 +204,17 @@ def diff_state(
         step = max(8, (chunk_bytes // esize) // 8 * 8)
         for start in range(0, a.numel(), step):
             sa, sb = a[start : start + step], b[start : start + step]
-            if sb.device != sa.device:  # e.g. live weights on GPU, snapshot on CPU: move one slice
+            moved = sb.device != sa.device
+            if moved:  # e.g. live weights on GPU, snapshot on CPU: move one slice
                 sb = sb.to(sa.device)
+            if sa.device.type == "cpu":
+                if moved or not (bt.is_contiguous() and tt.is_contiguous()):  # temporaries: compare now, keep only the changes
+                    i_np, a_np, b_np = _changed_slice_np(to_np_bits(sa), to_np_bits(sb))
+                    if i_np.size:
+                        results.setdefault(name, []).append((i_np + start, a_np, b_np))
+                else:  # views of the caller's tensors: compared on the thread pool below
+                    cpu_jobs.append((name, start, to_np_bits(sa), to_np_bits(sb)))
+                continue
             idx, va, vb = _changed_slice(sa, sb)
             if idx.device.type == "cpu" and idx.numel() == 0:
                 continue
@@ -185,6 +223,10 @@ def diff_state(
             if pending_bytes >= chunk_bytes:
                 flush()
     flush()
+    cpu_out = _parallel.map_ordered(lambda j: _changed_slice_np(j[2], j[3]), cpu_jobs)
+    for (name, start, _, _), (i_np, a_np, b_np) in zip(cpu_jobs, cpu_out):  # in (tensor, slice) order
+        if i_np.size:
+            results.setdefault(name, []).append((i_np + start, a_np, b_np))
 
     for name in base:
         parts = [p for p in results.get(name, []) if p[0].size]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparsesync.codec import _container, _encodings
+from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.errors import PatchFormatError, PatchMismatchError
@@ -133,17 +133,19 @@ class EncodedTensor:
 
 
 def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, EncodedTensor]:
-    """Encode every non-empty change (the smallest encodings; see `encode_changes`)."""
-    out = {}
-    for name in sorted(changes):
+    """Encode every non-empty change (the smallest encodings; see `encode_changes`). Tensors
+    are encoded on the codec's thread pool; the result does not depend on it."""
+    def one(name: str) -> EncodedTensor:
         ch = changes[name]
         st = _container.st_dtype_name(ch.dtype)
-        if ch.indices.size == 0:
-            continue
         ctx = _encodings.Ctx(name, st, np_uint_dtype(ch.dtype), ch.numel, ch.n_changed, None)
         pos, pparams, pstreams, val, vparams, vstreams = _choose(ch, ctx, base.get(name) if base is not None else None)
-        out[name] = EncodedTensor(st, tuple(ch.shape), ch.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
-    return out
+        return EncodedTensor(st, tuple(ch.shape), ch.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
+
+    # biggest first keeps both threads busy to the end; the result is keyed by name (order-free)
+    names = sorted((n for n in changes if changes[n].indices.size), key=lambda n: (-changes[n].numel, n))
+    encoded = dict(zip(names, _parallel.map_ordered(one, names)))
+    return {n: encoded[n] for n in sorted(encoded)}
 
 
 def assemble_patch(
@@ -275,7 +277,7 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
     ctx = ctx_for(entry)
     try:
         layout = {**_encodings.POSITIONS[pos][2](pparams, ctx), **_encodings.VALUES[val][2](vparams, ctx, entry.n_values)}
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # hostile params (e.g. counts [])
         raise _fmt(f"{where}: bad encoding parameters {pparams!r:.80} / {vparams!r:.80} ({e})") from None
     if set(sroles) != set(layout):
         raise _fmt(f"{where}: streams {sorted(sroles)}, expected {sorted(layout)} for encodings {pos}/{val}")
@@ -314,8 +316,8 @@ def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
             raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
     try:
         raw = json.loads(meta["tensors"])
-    except json.JSONDecodeError as e:
-        raise _fmt(f"metadata tensors is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # ValueError: JSON syntax, ints over 4300 digits
+        raise _fmt(f"metadata tensors is not JSON ({type(e).__name__}: {str(e):.200})") from None
     if not isinstance(raw, dict):
         raise _fmt(f"metadata tensors is a JSON {type(raw).__name__}, expected an object")
     tensors = {name: _entry(name, raw[name], table) for name in sorted(raw)}

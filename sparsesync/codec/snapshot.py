@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sparsesync.codec.diff import TensorChange, bits_view, diff_state
+from sparsesync.codec.diff import TensorChange, bits_view, diff_state, to_np_bits
 from sparsesync.codec.digest import state_digest, tensor_digest
 from sparsesync.codec.patch import assemble_patch, encode_tensors
 
@@ -106,9 +106,11 @@ class Snapshot:
         """Write the target bits of `changes` into the snapshot and refresh the touched digests."""
         for name, ch in changes.items():
             flat = bits_view(self.state[name])
-            idx = torch.from_numpy(ch.indices).to(flat.device)
-            vals = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
-            flat[idx] = vals
+            if flat.device.type == "cpu":  # numpy's scatter is several times faster than torch's on CPU
+                to_np_bits(flat)[ch.indices] = ch.target_bits
+            else:
+                idx = torch.from_numpy(ch.indices).to(flat.device)
+                flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
             self.digests[name] = tensor_digest(self.state[name])
         if changes:
             self.state_digest = state_digest(self.digests)

@@ -1,0 +1,41 @@
+"""Thread pools for the codec's CPU work (per-tensor encode/decode, diff slices, mask chunks).
+
+Guarantee: `map_ordered(fn, items)` returns exactly `[fn(x) for x in items]` (same order, same
+values) or raises the exception of the first failing item in input order; parallelism only
+changes speed. numpy releases the GIL in its heavy kernels, so independent tensors overlap on
+a multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
+inner one (chunks of that tensor) without deadlock. `SPARSESYNC_CODEC_THREADS=1` runs serially.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+
+
+def workers() -> int:
+    """Threads per pool: SPARSESYNC_CODEC_THREADS, else the CPU count, at most 4."""
+    env = os.environ.get("SPARSESYNC_CODEC_THREADS", "")
+    return max(1, int(env)) if env.isdigit() else max(1, min(4, os.cpu_count() or 1))
+
+
+def pool(kind: str) -> ThreadPoolExecutor:
+    """The shared pool `kind` ("tensors" for whole tensors, "chunks" for pieces of one tensor)."""
+    p = _POOLS.get(kind)
+    if p is None:
+        p = _POOLS.setdefault(kind, ThreadPoolExecutor(max_workers=workers(), thread_name_prefix=f"sparsesync-codec-{kind}"))
+    return p
+
+
+def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors") -> list[R]:
+    """`[fn(x) for x in items]`, run on pool `kind` when there is more than one item."""
+    if len(items) <= 1 or workers() == 1:
+        return [fn(x) for x in items]
+    return list(pool(kind).map(fn, items))
