@@ -278,20 +278,35 @@ def _from_low_bits(packed: bytes, off: int, n: int, k: int) -> np.ndarray:
 
 def _best_k(g: np.ndarray) -> tuple[int, np.ndarray, list[int], np.ndarray]:
     """Remainder bits k (near log2 of the mean gap) minimizing the coded size; returns
-    (k, quotient symbols, counts, escaped quotients)."""
+    (k, quotient symbols, counts, escaped quotients). The candidates' histograms all come from
+    one fine histogram (bins merge by shifting), so the search is a single pass."""
     if g.size == 0:
         return 0, np.zeros(0, dtype=np.int32), [1, 0], g
     base = int(np.floor(np.log2(float(g.mean()) + 1.0)))
+    sampled = g.size >> 16 > 1
     gs = g[:: max(1, g.size >> 16)]  # k is chosen on a sample (size only, never correctness)
+    k0, k1 = max(0, base - 3), min(_MAX_K, base)
+    span = k1 - k0
+    top = MAX_ALPHABET << span
+    fine = np.bincount(np.minimum(gs >> k0, top), minlength=top + 1)
     best = None
-    for k in range(max(0, base - 3), min(_MAX_K, base) + 1):
-        hist = np.bincount(np.minimum(gs >> k, MAX_ALPHABET), minlength=MAX_ALPHABET + 1)
+    for k in range(k0, k1 + 1):
+        j = k - k0
+        hist = fine if j == 0 else np.bincount(np.minimum(np.arange(top + 1) >> j, MAX_ALPHABET), weights=fine, minlength=MAX_ALPHABET + 1)
+        if j == 0 and span:
+            hist = np.bincount(np.minimum(np.arange(top + 1), MAX_ALPHABET), weights=fine, minlength=MAX_ALPHABET + 1)
+        hist = hist.astype(np.int64)
         bits, e = _escape_cost(hist, 64)
         bits += k * gs.size
         if best is None or bits < best[0]:
-            best = (bits, k, e)
-    _, k, _ = best
-    sym, counts, esc, _ = symbols_with_escape(g >> k, 64)
+            best = (bits, k, e, hist)
+    _, k, e, hist = best
+    q = g >> k
+    if sampled:
+        return (k, *symbols_with_escape(q, 64)[:3])
+    sym = np.minimum(q, e).astype(np.int32)
+    counts = [int(c) for c in hist[:e]] + [int(hist[e:].sum())]
+    esc = q[q >= e] if counts[-1] else q[:0]
     return k, sym, counts, esc
 
 
@@ -340,7 +355,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
             rs = RankSelect(bitmaps[c])
             if r.size and r[-1] >= rs.total:
                 raise _bad(ctx, f"rank {int(r[-1])} in class {c}, expected < {rs.total} (the class's members in the base)")
-            r = rs.select(r)
+            r = rs.select_sorted(r)
         out.append(r)
     idx = np.concatenate(out) if len(out) > 1 else out[0]
     return np.sort(idx, kind="stable") if len(out) > 1 else idx  # stable = timsort: merges the sorted runs
