@@ -226,6 +226,9 @@ def main() -> None:
             res = bench(base, nf, shapes, args.versions, env)
             s, f = res["sparse"], res["full"]
             rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
+            if args.json:  # after every cell: a crash later keeps what was measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({"params": n, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
             print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
                   f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
                   f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
@@ -233,9 +236,6 @@ def main() -> None:
         if server:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"params": n, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
