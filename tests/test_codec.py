@@ -709,22 +709,3 @@ def test_target_digest_is_verified_after_apply():
     assert_bit_equal(work, target)
     verify_digests(work, tensor_digests(target))
 
-
-# ---------------------------------------------------------------------------- compiled kernels
-@pytest.mark.parametrize("density", [0.001, 0.05, 0.5, 1.0])
-def test_compiled_select_equals_numpy_select(density, monkeypatch):
-    """The optional numba walk (`select_sorted`) and the numpy fallback give the same positions,
-    so a machine without numba decodes every patch identically."""
-    from sparsesync.codec import _jit
-    from sparsesync.codec._classes import RankSelect
-
-    rng = np.random.default_rng(7)
-    bits_ = rng.random(64 * 500) < density
-    rs = RankSelect(np.packbits(bits_, bitorder="little").view("<u8"))
-    ranks = np.sort(rng.choice(rs.total, size=min(rs.total, 3000), replace=False)).astype(np.int64)
-    expected = np.flatnonzero(bits_)[ranks]
-    assert np.array_equal(rs.select(ranks), expected)
-    assert np.array_equal(rs.select_sorted(ranks), expected)
-    monkeypatch.setattr(_jit, "_KERNELS", None)  # as on a machine without numba
-    monkeypatch.setattr(_jit, "_TRIED", True)
-    assert np.array_equal(rs.select_sorted(ranks), expected)

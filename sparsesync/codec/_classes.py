@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsesync.codec import _jit, _parallel
+from sparsesync.codec import _parallel
 
 
 # Elements are grouped by the magnitude of their base value: key = top 7 magnitude bits (for
@@ -90,14 +90,6 @@ class RankSelect:
         low = (np.uint64(1) << (i & 63).astype(np.uint64)) - np.uint64(1)
         return self.cum[wi] - self.pop[wi] + np.bitwise_count(self.words[wi] & low).astype(np.int64)
 
-    def select_sorted(self, r: np.ndarray) -> np.ndarray:
-        """`select(r)` for strictly increasing r (all < total): one linear walk when the compiled
-        kernel is available."""
-        k = _jit.kernels() if r.size >= 256 else None
-        if k is None:
-            return self.select(r)
-        return k["select_sorted"](self.words, self.cum, self.pop, _SEL8_I64, _POP8_I64, r.astype(np.int64, copy=False), np.empty(r.size, dtype=np.int64))
-
     def select(self, r: np.ndarray) -> np.ndarray:
         """Position of the r-th set bit (0-based) for each r (all r < total). In-word select is
         SWAR: per-byte popcounts, their prefix sums by one multiply, the byte found by comparing
@@ -120,4 +112,3 @@ class RankSelect:
 _U1, _U2, _U4, _U8 = (np.uint64(v) for v in (1, 2, 4, 8))
 _M1, _M2, _M4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _L8, _H8, _FF = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080), np.uint64(0xFF)
-_SEL8_I64, _POP8_I64 = _SEL8.astype(np.int64), _POP8.astype(np.int64)

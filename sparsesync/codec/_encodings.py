@@ -355,7 +355,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
             rs = RankSelect(bitmaps[c])
             if r.size and r[-1] >= rs.total:
                 raise _bad(ctx, f"rank {int(r[-1])} in class {c}, expected < {rs.total} (the class's members in the base)")
-            r = rs.select_sorted(r)
+            r = rs.select(r)
         out.append(r)
     idx = np.concatenate(out) if len(out) > 1 else out[0]
     return np.sort(idx, kind="stable") if len(out) > 1 else idx  # stable = timsort: merges the sorted runs
