@@ -7,12 +7,17 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from sparsesync.cli._errors import fail
 
 console = Console(highlight=False)
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -55,13 +60,14 @@ def log(
         return
     if not rows:
         fail(f"no committed version under {url}", "check the URL, or publish with `sparsesync push`")
-    t = Table(title=f"{url}: {len(rows)} committed version(s)")
-    for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff s", "encode s", "upload s"):
-        t.add_column(col, justify="right" if col not in ("kind",) else "left")
+    console.print(f"{url}: {len(rows)} committed version(s); diff, enc(ode), up(load) in seconds", soft_wrap=True)
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))  # compact: fits 80 columns
+    for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff", "enc", "up"):
+        t.add_column(col, justify="right" if col not in ("kind",) else "left", no_wrap=True)
     for r in rows:
         t.add_row(
             str(r["version"]), "" if r["base_version"] is None else str(r["base_version"]), r["kind"] or "",
-            "" if r["n_changed"] is None else f"{r['n_changed']:,}",
+            "" if r["n_changed"] is None else _fmt_count(r["n_changed"]),
             "" if r["density"] is None else f"{r['density']:.3%}",
             _fmt_bytes(r["patch_bytes"]), _fmt_bytes(r["anchor_bytes"]),
             _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
