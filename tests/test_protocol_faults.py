@@ -131,7 +131,6 @@ def test_gc_dry_run_plan_deletes_nothing(tmp_path):
     before = [(o.key, o.size) for o in store.list("")]
     plan = plan_gc(store, keep_anchors=1)
     assert not plan.empty
-    time.sleep(0.01)
     assert [(o.key, o.size) for o in store.list("")] == before
 
 
@@ -162,9 +161,7 @@ def test_hf_events_feed_wakes_followers_polling_is_the_fallback(hub_server, monk
                 state = train_step(state, g)
                 pub.publish(state, 2)
                 pub.flush()
-                t0 = time.monotonic()
                 follower.wait_for_version(2, timeout=20)  # far sooner than the 60 s poll interval
-                assert time.monotonic() - t0 < 20
                 assert_bit_equal(hook.weights, state)
             finally:
                 follower.stop()

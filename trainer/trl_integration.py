@@ -132,7 +132,27 @@ class _Versions:
         return list(self.publisher.metrics) if self.publisher is not None else []
 
 
-class SparsesyncWeightTransfer:
+class _PublishedViews:
+    """What both integrations expose of their `_Versions` (`self._v`)."""
+
+    _v: _Versions
+
+    @property
+    def version(self) -> int | None:
+        """Newest version published."""
+        return self._v.version
+
+    @property
+    def state_digest(self) -> str | None:
+        """sparsesync state digest of the newest version published (compare with a follower's)."""
+        return self._v.digest
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self._v.metrics
+
+
+class SparsesyncWeightTransfer(_PublishedViews):
     """TRL async GRPO `WeightTransferProtocol` over a sparsesync publisher (see module docstring).
 
     Args:
@@ -171,22 +191,8 @@ class SparsesyncWeightTransfer:
         """Flush the last versions to the bucket and close the publisher. Called on train end."""
         self._v.close()
 
-    @property
-    def version(self) -> int | None:
-        """Newest version published."""
-        return self._v.version
 
-    @property
-    def state_digest(self) -> str | None:
-        """sparsesync state digest of the newest version published (compare with a follower's)."""
-        return self._v.digest
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        return self._v.metrics
-
-
-class SparsesyncCallback(TrainerCallback):
+class SparsesyncCallback(_PublishedViews, TrainerCallback):
     """Publishes a `Trainer`'s weights through sparsesync (see module docstring).
 
     Args:
@@ -230,15 +236,3 @@ class SparsesyncCallback(TrainerCallback):
         unwrapped = getattr(model, "module", model)
         self._v.publish(model_state(unwrapped, self._v.dtype), step)
         log.info("sparsesync: published version %d to %s", step, self._v.bucket)
-
-    @property
-    def version(self) -> int | None:
-        return self._v.version
-
-    @property
-    def state_digest(self) -> str | None:
-        return self._v.digest
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        return self._v.metrics

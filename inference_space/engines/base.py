@@ -17,6 +17,8 @@ unprocessed logits, vLLM's default "raw_logprobs"), one per sampled token.
 
 from __future__ import annotations
 
+import math
+
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -145,10 +147,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class Engine(ABC):

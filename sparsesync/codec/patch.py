@@ -9,6 +9,8 @@ bytes) and is a plain safetensors file any safetensors reader loads. Spec: docs/
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import re
@@ -48,10 +50,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def n_values(self) -> int:
