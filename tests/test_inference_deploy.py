@@ -59,6 +59,8 @@ def test_dry_run_renders_a_space_that_boots_and_follows_a_local_bucket(tiny, tmp
     assert "sdk: docker" in card and "app_port: 7860" in card and "replica (sparsesync replica)" in card
     assert "transformers==" in (out / "requirements.txt").read_text()
 
+    assert not list(out.rglob("*.so")), "compiled files must not travel: the image compiles the codec itself"
+    subprocess.run([sys.executable, "sparsesync/codec/_build.py"], cwd=out, check=True, capture_output=True)  # as the Dockerfile does
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(SPARSESYNC_MODEL="model", SPARSESYNC_BUCKET=str(bucket), SPARSESYNC_ENGINE="embedded", PORT=str(port),

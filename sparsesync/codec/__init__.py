@@ -6,6 +6,14 @@ infinities, subnormals); a patch that does not fit, or a malformed file, raises 
 first byte of any tensor is written. The format is specified in docs/format.md.
 """
 
+try:
+    from sparsesync.codec import _native  # noqa: F401 - the C passes every codec module uses
+except ImportError as e:  # a source tree that was never built
+    raise ImportError(
+        f"sparsesync's compiled codec (sparsesync/codec/_native.c) is not built ({e}). Install sparsesync with pip "
+        "(`pip install -e .` in a checkout; it needs a C compiler), or compile it in place: python sparsesync/codec/_build.py"
+    ) from None
+
 from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
 from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests
 from sparsesync.codec.diff import TensorChange, compose_changes, diff_state

@@ -14,7 +14,8 @@ import constriction
 import numpy as np
 import zstandard
 
-from sparsesync.codec._classes import RankSelect, class_bitmaps, class_of, key_of  # noqa: F401 - key_of re-exported
+from sparsesync.codec import _native
+from sparsesync.codec._classes import class_of, class_ranks, class_select, key_of  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
 _MAX_WINDOW = 1 << 27  # zstd window a hostile frame may ask for (our frames use far less)
@@ -103,34 +104,25 @@ def _entropy_bits(c: np.ndarray) -> float:
 _ESC_CHOICES = np.array([1, 2, 4, 8, 16, 32, 64])
 
 
-def _escape_cost(hist: np.ndarray, raw_bits: int) -> tuple[float, int]:
-    """(estimated bits, alphabet size E) minimizing entropy + raw escapes + header, from a
-    histogram of values clipped at MAX_ALPHABET."""
-    n = float(hist.sum())
-    c = hist.astype(np.float64)
+def _escape_costs(hists: np.ndarray, raw_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `hists` (histograms of values clipped at MAX_ALPHABET, shape (rows, 65)):
+    (estimated bits, alphabet size E) minimizing entropy + raw escapes + header."""
+    c = hists.astype(np.float64)
+    rows = c.shape[0]
+    n = c.sum(axis=1, keepdims=True)
+    zero = np.zeros((rows, 1))
     clogc = c * np.log2(np.maximum(c, 1.0))  # 0 where c == 0
-    cum_clogc = np.concatenate([[0.0], np.cumsum(clogc)])
-    tail = n - np.concatenate([[0.0], np.cumsum(c)])
-    esc = np.maximum(tail[_ESC_CHOICES], 0.0)
-    ent = n * np.log2(max(n, 1.0)) - cum_clogc[_ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)) if n > 0 else np.zeros(esc.size)
+    cum_clogc = np.concatenate([zero, np.cumsum(clogc, axis=1)], axis=1)
+    tail = n - np.concatenate([zero, np.cumsum(c, axis=1)], axis=1)
+    esc = np.maximum(tail[:, _ESC_CHOICES], 0.0)
+    ent = np.where(n > 0, n * np.log2(np.maximum(n, 1.0)) - cum_clogc[:, _ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)), 0.0)
     bits = ent + esc * raw_bits + 24.0 * (_ESC_CHOICES + 1)
-    zero = np.flatnonzero(esc == 0)  # larger alphabets than the first without escapes cannot help
-    last = int(zero[0]) if zero.size else esc.size - 1
-    i = int(np.argmin(bits[: last + 1]))
-    return float(bits[i]), int(_ESC_CHOICES[i])
-
-
-def symbols_with_escape(x: np.ndarray, raw_bits: int, e: int | None = None) -> tuple[np.ndarray, list[int], np.ndarray, float]:
-    """Map non-negative ints to symbols 0..E (E = escape: the value goes raw to an escape stream),
-    E chosen to minimize the coded size. Returns (symbols int32, counts of length E + 1,
-    escaped values, estimated bits including ~3 header bytes per count)."""
-    hist = np.bincount(np.minimum(x, MAX_ALPHABET).astype(np.intp), minlength=MAX_ALPHABET + 1)
-    bits, best_e = _escape_cost(hist, raw_bits)
-    e = best_e if e is None else e
-    big = x >= e
-    sym = np.minimum(x, e).astype(np.int32)
-    counts = [int(c) for c in hist[:e]] + [int(hist[e:].sum())]
-    return sym, counts, x[big], bits
+    # larger alphabets than the first without escapes cannot help
+    no_esc = esc == 0
+    last = np.where(no_esc.any(axis=1), np.argmax(no_esc, axis=1), esc.shape[1] - 1)
+    bits = np.where(np.arange(esc.shape[1]) <= last[:, None], bits, np.inf)
+    i = np.argmin(bits, axis=1)
+    return bits[np.arange(rows), i], _ESC_CHOICES[i]
 
 
 def ans_encode(segments: list[tuple[np.ndarray, list[int]]]) -> bytes:
@@ -173,27 +165,6 @@ class AnsReader:
             raise _bad(self.ctx, f"stream '{self.role}' has data left after the last symbol")
 
 
-def _escapes(ctx: Ctx, role: str, data: bytes, sym: np.ndarray, counts: list[int], width: int) -> np.ndarray:
-    """Replace escape symbols (the last symbol of the model) by the raw values in `data`
-    (little-endian, `width` bytes each)."""
-    e = len(counts) - 1
-    out = sym.astype(np.uint64)
-    esc = sym == e
-    n_esc = int(esc.sum())
-    if len(data) != n_esc * width:
-        raise _bad(ctx, f"stream '{role}' holds {len(data)} bytes, expected {n_esc * width} for {n_esc} escaped values")
-    if n_esc:
-        raw = np.frombuffer(data, dtype=np.dtype(f"<u{width}")).astype(np.uint64)
-        if raw.min() < e:
-            raise _bad(ctx, f"stream '{role}' escapes value {int(raw.min())}, expected >= {e}")
-        out[esc] = raw
-    return out
-
-
-def n_escapes(sym: np.ndarray, counts: list[int]) -> int:
-    return int((sym == len(counts) - 1).sum())
-
-
 # ---------------------------------------------------------------------------- positions
 # Each: encode(indices, ctx) -> (params, {role: StreamOut}); decode(params, streams, ctx) -> int64 indices
 # `layout(params, ctx)` -> {role: (dtype, shape or None for any 1-D)} checked when the file is read.
@@ -234,80 +205,71 @@ def _gaps_enc(idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.
     if thresholds:
         if base_at_idx is None or base_full is None:
             raise ValueError("class-conditioned gaps need the base")
-        cls = class_of(base_at_idx, thresholds)
-        bitmaps = class_bitmaps(base_full, thresholds)
-        ranks = [RankSelect(bitmaps[c]).rank(idx[cls == c]) for c in range(len(thresholds) + 1)]
+        ranks = class_ranks(base_full, thresholds, idx, class_of(base_at_idx, thresholds))
     else:
         ranks = [idx]
-    classes, segments, escapes, lows = [], [], [], []
-    for r in ranks:
-        g = np.diff(r, prepend=-1) - 1
-        k, sym, counts, esc = _best_k(g)
+    ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]
+    params = _gap_params(ranks)
+    classes, segments, escapes = [], [], []
+    low = np.zeros((sum(r.size * k for r, (k, _) in zip(ranks, params)) + 7) // 8 + 8, dtype=np.uint8)  # + 8: room for 64-bit writes
+    off = 0
+    for r, (k, e) in zip(ranks, params):
+        sym, esc, hist = np.empty(r.size, dtype=np.int32), np.empty(r.size, dtype=np.uint64), np.empty(e + 1, dtype=np.int64)
+        n_esc = _native.gap_symbols(r, k, e, sym, esc, hist, low, off)
+        off += r.size * k
+        counts = [int(c) for c in hist] if r.size else [1, 0]  # an empty class: any valid model
         classes.append({"n": int(r.size), "k": k, "counts": counts})
         segments.append((sym, counts))
-        escapes.append(esc.astype("<u8"))
-        if k and r.size:
-            lows.append(_low_bits(g, k))
-    low_bits = np.concatenate(lows) if lows else np.zeros(0, dtype=np.uint8)
-    streams = {"gaps": ans_encode(segments), "gaps_escape": b"".join(e.tobytes() for e in escapes), "gaps_low": np.packbits(low_bits, bitorder="little").tobytes()}
+        escapes.append(esc[:n_esc])
+    streams = {"gaps": ans_encode(segments), "gaps_escape": b"".join(e.astype("<u8").tobytes() for e in escapes), "gaps_low": low[: (off + 7) // 8].tobytes()}
     # the ANS stream is always present (empty when the symbols are certain); the others only when non-empty
     return {"thresholds": thresholds, "classes": classes}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "gaps"}
 
 
-def _width(k: int) -> int:
-    """Bytes of the smallest unsigned integer holding k bits (1, 2, 4 or 8)."""
-    return 1 if k <= 8 else 2 if k <= 16 else 4 if k <= 32 else 8
-
-
-def _low_bits(g: np.ndarray, k: int) -> np.ndarray:
-    """The low k bits of each gap, least significant first, one bit per uint8 (flattened)."""
-    w = _width(k)
-    by = (g & ((1 << k) - 1)).astype(f"<u{w}").view(np.uint8).reshape(g.size, w)
-    return np.unpackbits(by, axis=1, bitorder="little")[:, :k].ravel()
-
-
-def _from_low_bits(packed: bytes, off: int, n: int, k: int) -> np.ndarray:
-    """Inverse of `_low_bits`: n integers (int64) of k bits each, starting at bit `off` of the
-    little-endian bit stream `packed`. Reads a 64-bit window at each value's first byte."""
-    buf = np.frombuffer(bytes(packed) + b"\0" * 8, dtype=np.uint8)
-    windows = np.ndarray((buf.size - 7,), dtype="<u8", buffer=buf.data, strides=(1,))  # unaligned u64 at every byte
-    bit = off + np.arange(n, dtype=np.int64) * k
-    v = windows[bit >> 3] >> (bit & 7).astype(np.uint64)
-    return (v & np.uint64((1 << k) - 1)).astype(np.int64)
-
-
-def _best_k(g: np.ndarray) -> tuple[int, np.ndarray, list[int], np.ndarray]:
-    """Remainder bits k (near log2 of the mean gap) minimizing the coded size; returns
-    (k, quotient symbols, counts, escaped quotients). The candidates' histograms all come from
-    one fine histogram (bins merge by shifting), so the search is a single pass."""
-    if g.size == 0:
-        return 0, np.zeros(0, dtype=np.int32), [1, 0], g
-    base = int(np.floor(np.log2(float(g.mean()) + 1.0)))
-    sampled = g.size >> 16 > 1
-    gs = g[:: max(1, g.size >> 16)]  # k is chosen on a sample (size only, never correctness)
-    k0, k1 = max(0, base - 3), min(_MAX_K, base)
-    span = k1 - k0
-    top = MAX_ALPHABET << span
-    fine = np.bincount(np.minimum(gs >> k0, top), minlength=top + 1)
-    best = None
-    for k in range(k0, k1 + 1):
-        j = k - k0
-        hist = fine if j == 0 else np.bincount(np.minimum(np.arange(top + 1) >> j, MAX_ALPHABET), weights=fine, minlength=MAX_ALPHABET + 1)
-        if j == 0 and span:
-            hist = np.bincount(np.minimum(np.arange(top + 1), MAX_ALPHABET), weights=fine, minlength=MAX_ALPHABET + 1)
-        hist = hist.astype(np.int64)
-        bits, e = _escape_cost(hist, 64)
-        bits += k * gs.size
-        if best is None or bits < best[0]:
-            best = (bits, k, e, hist)
-    _, k, e, hist = best
-    q = g >> k
-    if sampled:
-        return (k, *symbols_with_escape(q, 64)[:3])
-    sym = np.minimum(q, e).astype(np.int32)
-    counts = [int(c) for c in hist[:e]] + [int(hist[e:].sum())]
-    esc = q[q >= e] if counts[-1] else q[:0]
-    return k, sym, counts, esc
+def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
+    """Per class (its sorted ranks; gap i = r[i] - r[i - 1] - 1): (remainder bits k near log2
+    of the mean gap, alphabet size e of the quotients) minimizing the coded size. Each class's
+    candidate histograms come from one fine histogram (bins merge by shifting); the costs of
+    all classes' candidates are evaluated together. k is chosen on every step-th gap of large
+    classes (size only, never correctness); their e then comes from all quotients."""
+    rows, plans = [], []
+    for r in ranks:
+        if r.size == 0:
+            plans.append(None)
+            continue
+        mean = float(int(r[-1]) + 1 - r.size) / r.size  # the gaps sum to r[-1] + 1 - n
+        base = int(np.floor(np.log2(mean + 1.0)))
+        step = max(1, r.size >> 16)
+        n_sample = (r.size + step - 1) // step
+        k0, k1 = max(0, base - 3), min(_MAX_K, base)
+        span = k1 - k0
+        top = MAX_ALPHABET << span
+        fine = np.empty(top + 1, dtype=np.int64)
+        _native.gap_hist(r, step, k0, top, fine)
+        shifts = np.arange(span + 1)  # row j: histogram of the quotients for k = k0 + j
+        bins = shifts[:, None] * (MAX_ALPHABET + 1) + np.minimum(np.arange(top + 1)[None, :] >> shifts[:, None], MAX_ALPHABET)
+        hists = np.bincount(bins.ravel(), weights=np.tile(fine, span + 1), minlength=(span + 1) * (MAX_ALPHABET + 1)).reshape(span + 1, MAX_ALPHABET + 1).astype(np.int64)
+        plans.append((k0, n_sample, sum(len(h) for h in rows), len(hists), step > 1))
+        rows.append(hists)
+    bits, es = _escape_costs(np.concatenate(rows), 64) if rows else (None, None)
+    out: list[tuple[int, int]] = []
+    resample: list[int] = []
+    for plan in plans:
+        if plan is None:
+            out.append((0, 1))
+            continue
+        k0, n_sample, r0, nk, sampled = plan
+        j = int(np.argmin(bits[r0 : r0 + nk] + (k0 + np.arange(nk)) * n_sample))  # first of equal costs: smallest k
+        if sampled:
+            resample.append(len(out))
+        out.append((k0 + j, int(es[r0 + j])))
+    if resample:
+        full = np.empty((len(resample), MAX_ALPHABET + 1), dtype=np.int64)
+        for row, i in zip(full, resample):
+            _native.gap_hist(ranks[i], 1, out[i][0], MAX_ALPHABET, row)
+        for i, e in zip(resample, _escape_costs(full, 64)[1]):
+            out[i] = (out[i][0], int(e))
+    return out
 
 
 def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
@@ -330,35 +292,36 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     low_data = streams.get("gaps_low", b"")
     if len(low_data) != (n_low + 7) // 8:
         raise _bad(ctx, f"stream 'gaps_low' has {len(low_data)} bytes, expected {(n_low + 7) // 8}")
+    low_padded = bytes(low_data) + b"\0" * 8  # unpack_low reads 64-bit windows
     reader = AnsReader(ctx, "gaps", streams["gaps"])
     syms = [reader.decode(c, n) for c, n in zip(cs, ns)]
     reader.finish()
-    n_esc = [n_escapes(s, c) for s, c in zip(syms, cs)]
-    esc_data = streams.get("gaps_escape", b"")
-    if len(esc_data) != 8 * sum(n_esc):
-        raise _bad(ctx, f"stream 'gaps_escape' has {len(esc_data)} bytes, expected {8 * sum(n_esc)}")
-    bitmaps = class_bitmaps(ctx.base_bits(None), thresholds) if thresholds else None
+    raw_esc = streams.get("gaps_escape", b"")
+    if len(raw_esc) % 8:
+        raise _bad(ctx, f"stream 'gaps_escape' has {len(raw_esc)} bytes, expected a multiple of 8")
+    esc_data = np.frombuffer(raw_esc, dtype="<u8")
     out, off_e, off_l = [], 0, 0
-    for c, (sym, counts, n, k, ne) in enumerate(zip(syms, cs, ns, ks, n_esc)):
-        q = _escapes(ctx, "gaps_escape", esc_data[off_e : off_e + 8 * ne], sym, counts, 8)
-        off_e += 8 * ne
-        if q.size and int(q.max()) >= (ctx.numel >> k) + 1:
-            raise _bad(ctx, f"gap quotient {int(q.max())} in class {c} exceeds the tensor's {ctx.numel} elements")
-        g = q.astype(np.int64) << k
-        if k:
-            g += _from_low_bits(low_data, off_l, n, k)
-            off_l += n * k
-        if g.size and float(g.astype(np.float64).sum()) + g.size >= ctx.numel + 1:
-            raise _bad(ctx, f"gaps in class {c} run past the tensor's {ctx.numel} elements")
-        r = np.cumsum(g + 1) - 1
-        if bitmaps is not None:
-            rs = RankSelect(bitmaps[c])
-            if r.size and r[-1] >= rs.total:
-                raise _bad(ctx, f"rank {int(r[-1])} in class {c}, expected < {rs.total} (the class's members in the base)")
-            r = rs.select(r)
+    for c, (sym, counts, n, k) in enumerate(zip(syms, cs, ns, ks)):
+        r = np.empty(n, dtype=np.int64)
+        status, off_e = _native.gap_ranks(sym, len(counts) - 1, esc_data, off_e, k, low_padded, off_l, ctx.numel, r)
+        if status:
+            raise _bad(ctx, {
+                1: f"stream 'gaps_escape' has {esc_data.size * 8} bytes, too few for the escape symbols of class {c}",
+                2: f"stream 'gaps_escape' escapes a value below the alphabet size {len(counts) - 1} in class {c}",
+                3: f"a gap quotient in class {c} exceeds the tensor's {ctx.numel} elements",
+                4: f"gaps in class {c} run past the tensor's {ctx.numel} elements",
+            }[status])
+        off_l += n * k
         out.append(r)
-    idx = np.concatenate(out) if len(out) > 1 else out[0]
-    return np.sort(idx, kind="stable") if len(out) > 1 else idx  # stable = timsort: merges the sorted runs
+    if off_e != esc_data.size:
+        raise _bad(ctx, f"stream 'gaps_escape' has {esc_data.size * 8} bytes, expected {off_e * 8}")
+    if not thresholds:
+        return out[0]
+    idx, bad = class_select(ctx.base_bits(None), thresholds, out)
+    if bad >= 0:
+        members = int((class_of(ctx.base_bits(None), thresholds) == bad).sum())
+        raise _bad(ctx, f"rank {int(out[bad][-1])} in class {bad}, expected < {members} (the class's members in the base)")
+    return idx
 
 
 def _gaps_layout(p: dict, c: Ctx) -> dict:
@@ -404,38 +367,24 @@ def _raw_val_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: 
     return np.frombuffer(streams["values"], dtype=ctx.np_bits.newbyteorder("<")).astype(ctx.np_bits)
 
 
-def zigzag_delta(base: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """zigzag((target - base) mod 2^w as a signed w-bit int), as unsigned w-bit ints."""
-    ut = base.dtype
-    d = (target - base).view(np.dtype(f"i{ut.itemsize}"))  # wraps mod 2^w
-    bits = 8 * ut.itemsize
-    return ((d << 1) ^ (d >> (bits - 1))).view(ut)
-
-
-def unzigzag_add(base: np.ndarray, zz: np.ndarray) -> np.ndarray:
-    ut = base.dtype
-    zz = zz.astype(ut)
-    d = (zz >> ut.type(1)) ^ (np.zeros_like(zz) - (zz & ut.type(1)))
-    return base + d  # wraps mod 2^w
-
-
 def _delta_enc(base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[int] | None = None) -> tuple[dict, dict[str, StreamOut]]:
     """Wrapped, zigzagged difference of the bit patterns, ANS coded per class of the base
-    magnitude (escapes raw)."""
+    magnitude (escapes raw); classes in order, position order inside each class."""
     thresholds = thresholds or []
-    zz = zigzag_delta(base, target)
-    parts = [zz]
-    if thresholds:  # one stable sort groups the elements by class, keeping position order inside
-        cls = class_of(base, thresholds)
-        bounds = np.cumsum(np.bincount(cls, minlength=len(thresholds) + 1))[:-1]
-        parts = np.split(zz[np.argsort(cls, kind="stable")], bounds)
-    segs, counts_all, escs = [], [], []
-    for part in parts:
-        sym, counts, esc, _ = symbols_with_escape(part.astype(np.uint64), 8 * ctx.np_bits.itemsize)
-        segs.append((sym, counts))
-        counts_all.append(counts)
-        escs.append(esc.astype(np.dtype(f"<u{ctx.np_bits.itemsize}")))
-    streams = {"delta": ans_encode(segs), "delta_escape": b"".join(e.tobytes() for e in escs)}
+    w, n_cls = ctx.np_bits.itemsize, len(thresholds) + 1
+    base, target = np.ascontiguousarray(base), np.ascontiguousarray(target)
+    cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
+    hist = np.empty((n_cls, MAX_ALPHABET + 1), dtype=np.int64)
+    _native.delta_hist(base, target, w, cls, n_cls, hist)
+    es = _escape_costs(hist, 8 * w)[1].astype(np.int64)
+    counts_all = [[int(c) for c in h[:e]] + [int(h[e:].sum())] for h, e in zip(hist, es)]
+    sizes = hist.sum(axis=1)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    esc_offsets = np.concatenate([[0], np.cumsum([c[-1] for c in counts_all])]).astype(np.int64)
+    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(int(esc_offsets[-1]), dtype=ctx.np_bits.newbyteorder("<"))
+    _native.delta_symbols(base, target, w, cls, n_cls, es, offsets, esc_offsets, sym, esc)
+    segs = [(sym[offsets[c] : offsets[c + 1]], counts_all[c]) for c in range(n_cls)]
+    streams = {"delta": ans_encode(segs), "delta_escape": esc.tobytes()}
     return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "delta"}
 
 
@@ -447,32 +396,25 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     if not isinstance(counts_all, list) or len(counts_all) != len(thresholds) + 1:
         raise _bad(ctx, f"delta counts for {len(counts_all) if isinstance(counts_all, list) else '?'} classes, expected {len(thresholds) + 1}")
     counts_all = [_check_counts(ctx, c, "delta") for c in counts_all]
-    base = ctx.base_bits(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx)
-    order, sizes = None, [base.size]
-    if thresholds:  # class segments come class by class, in position order inside each class
-        cls = class_of(base, thresholds)
-        sizes = np.bincount(cls, minlength=len(thresholds) + 1).tolist()
-        order = np.argsort(cls, kind="stable")
+    base = np.ascontiguousarray(ctx.base_bits(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx))
+    n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
+    cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
+    sizes = np.bincount(cls, minlength=n_cls).tolist() if thresholds else [base.size]
     reader = AnsReader(ctx, "delta", streams.get("delta", b""))
-    esc_data, off, w = streams.get("delta_escape", b""), 0, ctx.np_bits.itemsize
-    parts = []
-    for counts, n in zip(counts_all, sizes):
-        sym = reader.decode(counts, n)
-        ne = n_escapes(sym, counts)
-        parts.append(_escapes(ctx, "delta_escape", esc_data[off : off + ne * w], sym, counts, w))
-        off += ne * w
+    syms = [reader.decode(counts, n) for counts, n in zip(counts_all, sizes)]
     reader.finish()
-    if off != len(esc_data):
-        raise _bad(ctx, f"stream 'delta_escape' has {len(esc_data)} bytes, expected {off}")
-    grouped = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    if order is None:
-        out = grouped
-    else:
-        out = np.empty(base.size, dtype=np.uint64)
-        out[order] = grouped
-    if out.size and int(out.max()) >> (8 * w):
-        raise _bad(ctx, f"delta value {int(out.max())} does not fit {8 * w} bits")
-    return unzigzag_add(base, out)
+    sym = np.concatenate(syms) if len(syms) > 1 else syms[0]
+    es = np.array([len(c) - 1 for c in counts_all], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    esc_data = streams.get("delta_escape", b"")
+    out = np.empty(base.size, dtype=base.dtype)
+    status = _native.delta_values(base, w, cls, n_cls, sym, offsets, es, esc_data, out)
+    if status == 100:
+        n_esc = sum(int((s == e).sum()) for s, e in zip(syms, es))
+        raise _bad(ctx, f"stream 'delta_escape' has {len(esc_data)} bytes, expected {n_esc * w} for {n_esc} escaped values")
+    if status >= 200:
+        raise _bad(ctx, f"stream 'delta_escape' escapes a value below the alphabet size {int(es[status - 200])} in class {status - 200}")
+    return out
 
 
 def _delta_layout(p: dict, c: Ctx, n: int) -> dict:

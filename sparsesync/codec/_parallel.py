@@ -1,9 +1,9 @@
 """Thread pools for the codec's CPU work (per-tensor encode/decode, diff slices, mask chunks).
 
 Guarantee: `map_ordered(fn, items)` returns exactly `[fn(x) for x in items]` (same order, same
-values) or raises the exception of the first failing item in input order; parallelism only
-changes speed. numpy releases the GIL in its heavy kernels, so independent tensors overlap on
-a multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
+values) or raises the exception of the first failing item in input order; `map_settled`
+runs every item and hands failures back in place; parallelism only changes speed. The codec's C passes and numpy's heavy kernels release the GIL, so independent
+tensors overlap on a multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
 inner one (chunks of that tensor) without deadlock. `SPARSESYNC_CODEC_THREADS=1` runs serially.
 """
 
@@ -39,3 +39,16 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors")
     if len(items) <= 1 or workers() == 1:
         return [fn(x) for x in items]
     return list(pool(kind).map(fn, items))
+
+
+def map_settled(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors") -> list[R | Exception]:
+    """Like `map_ordered`, but every item runs to completion and a failing item's exception is
+    returned in its place (the caller decides which failure to report)."""
+
+    def settle(x: T) -> R | Exception:
+        try:
+            return fn(x)
+        except Exception as e:  # noqa: BLE001 - handed back to the caller, who raises it
+            return e
+
+    return map_ordered(settle, items, kind)

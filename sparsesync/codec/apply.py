@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
-from sparsesync.codec.diff import bits_view, to_np_bits
+from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import tensor_digest
 from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
@@ -59,7 +59,7 @@ def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
         if idx is None:
             return to_np_bits(flat)
         if flat.device.type == "cpu":
-            return to_np_bits(flat)[idx]  # numpy's gather is several times faster than torch's on CPU
+            return take_bits(to_np_bits(flat), idx)
         return to_np_bits(flat[torch.from_numpy(idx).to(flat.device)])
 
     ctx = ctx_for(e, base_bits)
@@ -106,25 +106,34 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
                 hint=f"load version {patch.header.base_version} (anchor plus chain) before applying this patch",
             )
     names = list(patch.header.tensors)  # sorted: the first failing tensor in name order is reported
-    decoded = _parallel.map_ordered(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), names)
-    return dict(zip(names, decoded))
+    # biggest first keeps both threads busy to the end; errors are still raised in name order
+    order = sorted(names, key=lambda n: (-patch.header.tensors[n].numel, n))
+    results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order)
+    by_name = dict(zip(order, results))
+    for n in names:
+        if isinstance(by_name[n], BaseException):
+            raise by_name[n]
+    return {n: by_name[n] for n in names}
 
 
 def write_updates(tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate]) -> dict[str, SparseUpdate]:
-    """Write `updates` into `tensors` in place; returns the overwritten old values (for undo)."""
-    old = {}
-    for name, u in updates.items():
-        t = tensors[name]
+    """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
+    returns the overwritten old values (for undo)."""
+
+    def one(name: str) -> SparseUpdate:
+        u, t = updates[name], tensors[name]
         flat = bits_view(t)
-        if flat.device.type == "cpu":  # numpy's gather/scatter are several times faster than torch's on CPU
-            bits, idx_np = to_np_bits(flat), u.indices.numpy()
-            old[name] = SparseUpdate(u.indices, torch.from_numpy(bits[idx_np]).view(flat.dtype).view(t.dtype))
-            bits[idx_np] = u.values.view(flat.dtype).numpy().view(bits.dtype)
-            continue
+        if flat.device.type == "cpu":
+            bits = to_np_bits(flat)
+            old = put_bits(bits, u.indices.numpy(), u.values.view(flat.dtype).numpy().view(bits.dtype), keep_old=True)
+            return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype))
         idx = u.indices.to(flat.device)
-        old[name] = SparseUpdate(u.indices, flat[idx].cpu().view(t.dtype))
+        old_vals = flat[idx].cpu().view(t.dtype)
         flat[idx] = u.values.view(flat.dtype).to(flat.device)
-    return old
+        return SparseUpdate(u.indices, old_vals)
+
+    names = list(updates)
+    return dict(zip(names, _parallel.map_ordered(one, names)))
 
 
 def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 SPACE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 KEY_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-DEFAULT_IGNORE = ("__pycache__", "*.pyc", "*.pyo", ".DS_Store", ".pytest_cache")
+DEFAULT_IGNORE = ("__pycache__", "*.pyc", "*.pyo", "*.so", ".DS_Store", ".pytest_cache")  # *.so: compiled by the image itself
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1149 @@
+/* sparsesync.codec._native: the codec's passes over whole tensors and over every changed
+ * element, in C.
+ *
+ * Guarantee: each function computes exactly what its numpy definition in
+ * tests/test_codec_native.py computes (the tests compare them on every element width); it
+ * never reads or writes outside the buffers it is given (every length and index is checked
+ * here, whatever the caller passed, before the first write), and it releases the GIL while it
+ * runs, so the codec's threads overlap on several cores. Buffers come in through the buffer
+ * protocol (numpy arrays, bytes); nothing here allocates Python objects in the hot loops.
+ * Built by setup.py (the definition is in _build.py).
+ *
+ *   diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)
+ *       Bitwise compare of two element arrays (`width` bytes per element). Writes the flat
+ *       indices plus `offset` (int64) and both sides' bits of changed elements from element
+ *       `start` on, in order, until the outputs are full; returns how many it wrote and where
+ *       to resume.
+ *   class_ranks(base, width, thresholds, idx, offsets, out_rank) -> None
+ *       For sorted changed indices `idx`: the rank of each among the members of its class of
+ *       the base magnitude (see docs/format.md, "Classes of the base magnitude"), written
+ *       grouped by class (class c from offsets[c] on, in index order).
+ *   class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> int
+ *       The inverse: ranks grouped by class (strictly increasing inside a class) to the sorted
+ *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
+ *       Uses BMI2's pdep where the CPU has it (hw=0: the portable path, for tests).
+ *   classes(bits, width, thresholds, out) -> None
+ *       The class (uint8) of each element: how many thresholds its magnitude key reaches.
+ *   key_hist(base, width, starts, block, out) -> None
+ *       Histogram (int64[128]) of the magnitude keys of the elements in [s, s + block) for s in starts.
+ *   thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]
+ *       The class thresholds of `_select.choose_thresholds` from its two key histograms (float64[128]).
+ *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
+ *       Gather and scatter of elements at int64 indices; put checks every index before the
+ *       first write, and saves the overwritten elements into `old` (if not empty).
+ *   pack_low(out, bit_offset, values, k) / unpack_low(data, bit_offset, k, out) -> None
+ *       The low k bits of int64 values, least significant first, as a little-endian bit stream.
+ *   gap_hist(ranks, step, shift, top, hist) / gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped
+ *   gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)
+ *       Encoder and decoder of one class's gaps (docs/format.md, "gaps"; gap i = ranks[i] -
+ *       ranks[i - 1] - 1): quotient g >> k as a symbol (escaped raw at >= e), remainder as k raw
+ *       bits; the decoder turns them back into ranks and checks escapes, quotients and the
+ *       running rank against the tensor's size. gap_hist counts every step-th gap >> shift,
+ *       clipped at top.
+ *   delta_hist(base, target, width, cls, K, hist) / delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc)
+ *   delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> status
+ *       Encoder and decoder of the `delta` values: zigzag of the wrapped bit-pattern difference,
+ *       grouped by class (position order inside a class), symbols >= e escaped raw (width bytes).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h> /* _pdep_u64, used only where the CPU has BMI2 */
+#endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the patch format is little-endian; this file reads it with native loads"
+#endif
+
+#define MAXC 8 /* classes (MAX_CLASSES in _encodings.py) */
+
+static uint8_t SEL8[256][8]; /* SEL8[b][k]: position of the k-th set bit of byte b */
+
+static inline int popc(uint64_t x) { return __builtin_popcountll(x); }
+
+static inline int select64(uint64_t w, int k) {
+    int sh = 0;
+    for (;;) {
+        int pc = popc(w & 0xff);
+        if (k < pc) break;
+        k -= pc;
+        w >>= 8;
+        sh += 8;
+    }
+    return sh + SEL8[w & 0xff][k];
+}
+
+/* The 7-bit magnitude keys of up to 64 elements (the top byte of each, sign dropped). */
+static inline __attribute__((always_inline)) void keys64(const uint8_t *p, int w, int64_t start, int cnt, uint8_t *keys) {
+    const uint8_t *q = p + start * w + (w - 1);
+#ifdef __SSE2__
+    if (cnt == 64 && (w == 2 || w == 4)) {
+        const __m128i low7 = _mm_set1_epi8(0x7f);
+        const uint8_t *s = p + start * w;
+        for (int j = 0; j < 64; j += 16) {
+            __m128i k;
+            if (w == 2) { /* 2 x 8 halfwords -> their high bytes */
+                __m128i v0 = _mm_loadu_si128((const __m128i *)(s + 2 * j)), v1 = _mm_loadu_si128((const __m128i *)(s + 2 * j + 16));
+                k = _mm_packus_epi16(_mm_srli_epi16(v0, 8), _mm_srli_epi16(v1, 8));
+            } else { /* 4 x 4 words -> their top bytes */
+                __m128i v0 = _mm_srli_epi32(_mm_loadu_si128((const __m128i *)(s + 4 * j)), 24);
+                __m128i v1 = _mm_srli_epi32(_mm_loadu_si128((const __m128i *)(s + 4 * j + 16)), 24);
+                __m128i v2 = _mm_srli_epi32(_mm_loadu_si128((const __m128i *)(s + 4 * j + 32)), 24);
+                __m128i v3 = _mm_srli_epi32(_mm_loadu_si128((const __m128i *)(s + 4 * j + 48)), 24);
+                k = _mm_packus_epi16(_mm_packs_epi32(v0, v1), _mm_packs_epi32(v2, v3));
+            }
+            _mm_storeu_si128((__m128i *)(keys + j), _mm_and_si128(k, low7));
+        }
+        return;
+    }
+#endif
+    int j = 0;
+    for (; j < cnt; j++) keys[j] = q[(int64_t)j * w] & 0x7f;
+    for (; j < 64; j++) keys[j] = 0;
+}
+
+/* Bit j set iff keys[j] >= t (keys and t in 0..127). */
+static inline uint64_t mask_ge(const uint8_t *keys, int t) {
+#ifdef __SSE2__
+    __m128i tv = _mm_set1_epi8((char)(t - 1));
+    uint64_t m = 0;
+    for (int q = 0; q < 4; q++) {
+        __m128i k = _mm_loadu_si128((const __m128i *)(keys + 16 * q));
+        m |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpgt_epi8(k, tv)) << (16 * q);
+    }
+    return m;
+#else
+    uint64_t m = 0;
+    for (int j = 0; j < 64; j++) m |= (uint64_t)(keys[j] >= t) << j;
+    return m;
+#endif
+}
+
+/* Class membership masks of the block at `start` (cnt elements): m[c] for c in 0..nt. */
+static inline __attribute__((always_inline)) void class_masks(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
+    uint8_t keys[64];
+    keys64(p, w, start, cnt, keys);
+    uint64_t valid = cnt == 64 ? ~0ULL : ((1ULL << cnt) - 1);
+    uint64_t prev = valid; /* elements with key >= t_c (t_0 = 0) */
+    for (int c = 0; c < nt; c++) {
+        uint64_t ge = mask_ge(keys, thr[c]) & valid;
+        m[c] = prev & ~ge;
+        prev = ge;
+    }
+    m[nt] = prev;
+}
+
+#define DISPATCH_WIDTH(w, CALL) \
+    switch (w) {                \
+    case 1: CALL(1); break;     \
+    case 2: CALL(2); break;     \
+    case 4: CALL(4); break;     \
+    default: CALL(8); break;    \
+    }
+
+/* ------------------------------------------------------------------------ class_ranks */
+static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+    int64_t cum[MAXC] = {0};
+    uint64_t m[MAXC];
+    uint8_t cls[128]; /* class of each key */
+    for (int key = 0, c = 0; key < 128; key++) {
+        while (c < nt && key >= thr[c]) c++;
+        cls[key] = (uint8_t)c;
+    }
+    int64_t i = 0;
+    for (int64_t start = 0; start < n && i < nidx; start += 64) {
+        int cnt = n - start < 64 ? (int)(n - start) : 64;
+        class_masks(p, w, start, cnt, thr, nt, m);
+        while (i < nidx && idx[i] < start + cnt) {
+            uint64_t bit = 1ULL << (idx[i] - start);
+            int c = cls[p[idx[i] * w + (w - 1)] & 0x7f];
+            if (wr[c] >= off[c + 1]) return 0;
+            out[wr[c]++] = cum[c] + popc(m[c] & (bit - 1));
+            i++;
+        }
+        for (int c = 0; c <= nt; c++) cum[c] += popc(m[c]);
+    }
+    for (int c = 0; c <= nt; c++)
+        if (wr[c] != off[c + 1]) return 0;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------ class_select */
+/* Each class's target ranks as a bitmap over the class's members (B[c], two zero words of
+ * padding); per block, the bits for the block's members of class c are deposited onto the
+ * block's mask of class c: with BMI2's pdep where the CPU has it, else bit by bit. */
+static inline uint64_t window64(const uint64_t *b, int64_t bit) {
+    int64_t wi = bit >> 6;
+    int sh = (int)(bit & 63);
+    return sh ? (b[wi] >> sh) | (b[wi + 1] << (64 - sh)) : b[wi];
+}
+
+static inline uint64_t deposit_sw(uint64_t bits, uint64_t m) {
+    uint64_t r = 0;
+    while (bits) {
+        r |= 1ULL << select64(m, __builtin_ctzll(bits));
+        bits &= bits - 1;
+    }
+    return r;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("bmi2"))) static inline uint64_t deposit_hw(uint64_t bits, uint64_t m) { return _pdep_u64(bits, m); }
+#endif
+
+static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out,
+                                                          uint64_t (*deposit)(uint64_t, uint64_t)) {
+    int64_t cum[MAXC] = {0};
+    uint64_t m[MAXC];
+    int64_t o = 0;
+    int live = 0;
+    for (int c = 0; c <= nt; c++) live += lim[c] > 0;
+    for (int64_t start = 0; start < n && live; start += 64) {
+        int cnt = n - start < 64 ? (int)(n - start) : 64;
+        class_masks(p, w, start, cnt, thr, nt, m);
+        uint64_t sel = 0;
+        for (int c = 0; c <= nt; c++) {
+            int pc = popc(m[c]);
+            if (cum[c] < lim[c]) {
+                uint64_t bits = window64(B[c], cum[c]);
+                if (pc < 64) bits &= (1ULL << pc) - 1;
+                sel |= deposit(bits, m[c]);
+                live -= cum[c] + pc >= lim[c];
+            }
+            cum[c] += pc;
+        }
+        while (sel && o < n_out) {
+            out[o++] = start + __builtin_ctzll(sel);
+            sel &= sel - 1;
+        }
+    }
+    for (int c = 0; c <= nt; c++)
+        if (cum[c] < lim[c]) return c;
+    return -1;
+}
+
+static int select_sw(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_sw)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return -1;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("bmi2"))) static int select_hw(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return -1;
+}
+#endif
+
+/* ------------------------------------------------------------------------ diff */
+static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
+    switch (w) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
+    switch (w) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
+
+static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, const uint8_t *b, int w, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
+    const int lanes = 8 / w;
+    const int64_t nw_end = n / lanes * lanes; /* elements covered by whole 8-byte words */
+    int64_t k = 0, e = start;
+    while (e < n && k < cap) {
+        if (e % lanes == 0 && e < nw_end && k + lanes <= cap) {
+            /* scan words until one differs, then resolve its lanes */
+            while (e < nw_end) {
+                uint64_t x, y;
+                memcpy(&x, a + e * w, 8);
+                memcpy(&y, b + e * w, 8);
+                if (x != y) break;
+                e += lanes;
+            }
+            if (e < nw_end) { /* room for every lane: write each, keep the changed (no branches) */
+                for (int l = 0; l < lanes; l++, e++) {
+                    uint64_t x = load_w(a, w, e), y = load_w(b, w, e);
+                    oi[k] = base + e;
+                    store_w(oa, w, k, x);
+                    store_w(ob, w, k, y);
+                    k += x != y;
+                }
+            }
+            continue;
+        }
+        if (memcmp(a + e * w, b + e * w, w)) { /* unaligned head, tail, or nearly full outputs */
+            oi[k] = base + e;
+            memcpy(oa + k * w, a + e * w, w);
+            memcpy(ob + k * w, b + e * w, w);
+            k++;
+        }
+        e++;
+    }
+    *next = e;
+    return k;
+}
+
+/* ------------------------------------------------------------------------ thresholds */
+static double xlogx_cost(double t, double c) { /* bits to code c changes among t elements */
+    t = t > c ? t : c;
+    double p = t > 0 ? c / t : 0.0;
+    double h = -((p > 0 ? p * log2(p) : 0.0) + (p < 1 ? (1 - p) * log2(1 - p) : 0.0));
+    return t * h;
+}
+
+/* ------------------------------------------------------------------------ Python glue */
+static int check_width(int w) {
+    if (w != 1 && w != 2 && w != 4 && w != 8) {
+        PyErr_Format(PyExc_ValueError, "element width %d, expected 1, 2, 4 or 8", w);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_thresholds(Py_buffer *tb, int *thr, int *nt) {
+    if (tb->len >= MAXC) {
+        PyErr_Format(PyExc_ValueError, "%zd thresholds, expected fewer than %d", tb->len, MAXC);
+        return -1;
+    }
+    const uint8_t *t = tb->buf;
+    for (Py_ssize_t i = 0; i < tb->len; i++) {
+        if (t[i] < 1 || t[i] > 127 || (i && t[i] <= t[i - 1])) {
+            PyErr_SetString(PyExc_ValueError, "thresholds must be increasing integers in [1, 127]");
+            return -1;
+        }
+        thr[i] = t[i];
+    }
+    *nt = (int)tb->len;
+    return 0;
+}
+
+/* offsets: int64[nt + 2], non-decreasing from 0 to total (class c owns [offsets[c], offsets[c+1])) */
+static int parse_offsets(Py_buffer *ob, int nt, int64_t total, int64_t *off) {
+    if (ob->len != (Py_ssize_t)sizeof(int64_t) * (nt + 2)) {
+        PyErr_Format(PyExc_ValueError, "offsets hold %zd bytes, expected %d int64", ob->len, nt + 2);
+        return -1;
+    }
+    memcpy(off, ob->buf, sizeof(int64_t) * (nt + 2));
+    if (off[0] != 0 || off[nt + 1] != total) goto bad;
+    for (int c = 0; c <= nt; c++)
+        if (off[c + 1] < off[c]) goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "offsets must rise from 0 to the number of elements");
+    return -1;
+}
+
+static PyObject *py_diff_into(PyObject *self, PyObject *args) {
+    Py_buffer a, b, oi, oa, ob;
+    int w;
+    long long start, base;
+    if (!PyArg_ParseTuple(args, "y*y*iLLw*w*w*", &a, &b, &w, &start, &base, &oi, &oa, &ob)) return NULL;
+    PyObject *res = NULL;
+    if (check_width(w) < 0) goto done;
+    if (a.len != b.len || a.len % w) {
+        PyErr_Format(PyExc_ValueError, "sides hold %zd and %zd bytes, expected equal multiples of %d", a.len, b.len, w);
+        goto done;
+    }
+    int64_t n = a.len / w;
+    int64_t cap = oi.len / 8;
+    if (oa.len / w < cap) cap = oa.len / w;
+    if (ob.len / w < cap) cap = ob.len / w;
+    if (start < 0 || start > n) {
+        PyErr_Format(PyExc_ValueError, "start %lld outside 0..%lld", start, (long long)n);
+        goto done;
+    }
+    int64_t k = 0, next = start;
+    Py_BEGIN_ALLOW_THREADS
+#define CALL(W) k = diff_w(a.buf, b.buf, W, n, start, base, cap, oi.buf, oa.buf, ob.buf, &next)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("LL", (long long)k, (long long)next);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&oi);
+    PyBuffer_Release(&oa);
+    PyBuffer_Release(&ob);
+    return res;
+}
+
+static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
+    Py_buffer base, tb, ib, ob, outb;
+    int w;
+    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*", &base, &w, &tb, &ib, &ob, &outb)) return NULL;
+    PyObject *res = NULL;
+    int thr[MAXC], nt;
+    int64_t off[MAXC + 1];
+    if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
+    int64_t n = base.len / w, nidx = ib.len / 8;
+    if (base.len % w || ib.len % 8 || outb.len != ib.len) {
+        PyErr_SetString(PyExc_ValueError, "class_ranks: base, idx or out has the wrong size");
+        goto done;
+    }
+    if (parse_offsets(&ob, nt, nidx, off) < 0) goto done;
+    const int64_t *idx = ib.buf;
+    for (int64_t i = 0; i < nidx; i++) {
+        if (idx[i] < 0 || idx[i] >= n || (i && idx[i] <= idx[i - 1])) {
+            PyErr_Format(PyExc_ValueError, "class_ranks: index %lld at %lld out of range or order", (long long)idx[i], (long long)i);
+            goto done;
+        }
+    }
+    int64_t wr[MAXC + 1];
+    memcpy(wr, off, sizeof(int64_t) * (nt + 2));
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+#define CALL(W) ok = ranks_w(base.buf, W, n, thr, nt, idx, nidx, wr, off, outb.buf)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    Py_END_ALLOW_THREADS
+    if (!ok) { /* a class held more or fewer changed elements than the offsets gave it */
+        PyErr_SetString(PyExc_ValueError, "class_ranks: offsets do not match the classes of the changed elements");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static PyObject *py_class_select(PyObject *self, PyObject *args) {
+    Py_buffer base, tb, rb, ob, outb;
+    int w, hw = -1;
+    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &rb, &ob, &outb, &hw)) return NULL;
+    PyObject *res = NULL;
+    int thr[MAXC], nt;
+    int64_t off[MAXC + 1];
+    if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
+    int64_t n = base.len / w, nr = rb.len / 8;
+    if (base.len % w || rb.len % 8 || outb.len != rb.len) {
+        PyErr_SetString(PyExc_ValueError, "class_select: base, ranks or out has the wrong size");
+        goto done;
+    }
+    if (parse_offsets(&ob, nt, nr, off) < 0) goto done;
+    const int64_t *r = rb.buf;
+    for (int c = 0; c <= nt; c++) {
+        for (int64_t i = off[c]; i < off[c + 1]; i++) {
+            if (r[i] < 0 || (i > off[c] && r[i] <= r[i - 1])) {
+                PyErr_Format(PyExc_ValueError, "class_select: rank %lld in class %d is negative or not increasing", (long long)r[i], c);
+                goto done;
+            }
+        }
+    }
+    uint64_t *B[MAXC] = {NULL};
+    int64_t lim[MAXC];
+    for (int c = 0; c <= nt; c++) {
+        lim[c] = off[c + 1] > off[c] ? r[off[c + 1] - 1] + 1 : 0; /* ranks are increasing: the last is the largest */
+        if (lim[c] > n) { /* more members than the tensor has elements: certainly past the class */
+            res = PyLong_FromLong(c);
+            goto free_b;
+        }
+        B[c] = PyMem_RawCalloc((size_t)((lim[c] + 63) >> 6) + 2, 8);
+        if (!B[c]) {
+            PyErr_NoMemory();
+            goto free_b;
+        }
+        for (int64_t i = off[c]; i < off[c + 1]; i++) B[c][r[i] >> 6] |= 1ULL << (r[i] & 63);
+    }
+    int bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (hw != 0 && __builtin_cpu_supports("bmi2"))
+        bad = select_hw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+    else
+#endif
+        bad = select_sw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(bad);
+free_b:
+    for (int c = 0; c <= nt; c++) PyMem_RawFree(B[c]);
+done:
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static PyObject *py_key_hist(PyObject *self, PyObject *args) {
+    Py_buffer base, sb, outb;
+    int w;
+    long long block;
+    if (!PyArg_ParseTuple(args, "y*iy*Lw*", &base, &w, &sb, &block, &outb)) return NULL;
+    PyObject *res = NULL;
+    if (check_width(w) < 0) goto done;
+    int64_t n = base.len / w, ns = sb.len / 8;
+    if (base.len % w || sb.len % 8 || outb.len != 128 * 8 || block < 0) {
+        PyErr_SetString(PyExc_ValueError, "key_hist: base, starts, block or out has the wrong size");
+        goto done;
+    }
+    const int64_t *st = sb.buf;
+    for (int64_t i = 0; i < ns; i++) {
+        if (st[i] < 0 || st[i] + block > n) {
+            PyErr_Format(PyExc_ValueError, "key_hist: block at %lld runs past %lld elements", (long long)st[i], (long long)n);
+            goto done;
+        }
+    }
+    int64_t *h = outb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t h4[4][128] = {{0}}; /* four counters break the store-to-load chain of repeated keys */
+    const uint8_t *p = (const uint8_t *)base.buf + (w - 1);
+    for (int64_t i = 0; i < ns; i++) {
+        int64_t j = st[i], e = st[i] + block;
+        for (; j + 4 <= e; j += 4) {
+            h4[0][p[j * w] & 0x7f]++;
+            h4[1][p[(j + 1) * w] & 0x7f]++;
+            h4[2][p[(j + 2) * w] & 0x7f]++;
+            h4[3][p[(j + 3) * w] & 0x7f]++;
+        }
+        for (; j < e; j++) h4[0][p[j * w] & 0x7f]++;
+    }
+    for (int k = 0; k < 128; k++) h[k] = h4[0][k] + h4[1][k] + h4[2][k] + h4[3][k];
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static PyObject *py_thresholds_dp(PyObject *self, PyObject *args) {
+    Py_buffer tb, cb;
+    int kmax;
+    double min_gain;
+    if (!PyArg_ParseTuple(args, "y*y*id", &tb, &cb, &kmax, &min_gain)) return NULL;
+    PyObject *res = NULL;
+    if (tb.len != 128 * 8 || cb.len != 128 * 8 || kmax < 1 || kmax > MAXC) {
+        PyErr_SetString(PyExc_ValueError, "thresholds_dp: expected two float64[128] histograms and 1..8 classes");
+        goto done;
+    }
+    const double *tot = tb.buf, *chg = cb.buf;
+    int lo = -1, hi = -1;
+    for (int i = 0; i < 128; i++)
+        if (tot[i] + chg[i] != 0) {
+            if (lo < 0) lo = i;
+            hi = i + 1;
+        }
+    res = PyList_New(0);
+    if (!res || lo < 0) goto done;
+    int B = hi - lo;
+    double ct[129], cc[129], dp[MAXC][129];
+    int back[MAXC][129];
+    double(*cost)[129] = PyMem_RawMalloc(sizeof(double) * 129 * 129);
+    if (!cost) {
+        Py_CLEAR(res);
+        PyErr_NoMemory();
+        goto done;
+    }
+    ct[0] = cc[0] = 0;
+    for (int i = 0; i < B; i++) {
+        ct[i + 1] = ct[i] + tot[lo + i];
+        cc[i + 1] = cc[i] + chg[lo + i];
+    }
+    for (int a = 0; a <= B; a++)
+        for (int b = 0; b <= B; b++) cost[a][b] = b > a ? xlogx_cost(ct[b] - ct[a], cc[b] - cc[a]) : INFINITY;
+    for (int b = 0; b <= B; b++) dp[0][b] = cost[0][b];
+    for (int k = 1; k < kmax; k++) {
+        for (int b = 0; b <= B; b++) {
+            double best = INFINITY;
+            int arg = 0;
+            for (int a = 0; a <= B; a++) {
+                double v = dp[k - 1][a] + cost[a][b];
+                if (v < best) {
+                    best = v;
+                    arg = a;
+                }
+            }
+            dp[k][b] = best;
+            back[k - 1][b] = arg;
+        }
+    }
+    int best_k = 0;
+    for (int k = 1; k < kmax; k++)
+        if (dp[k][B] < dp[best_k][B] * (1 - min_gain)) best_k = k;
+    PyMem_RawFree(cost);
+    int cuts[MAXC], nc = 0, b = B;
+    for (int k = best_k; k > 0; k--) {
+        int a = back[k - 1][b];
+        cuts[nc++] = lo + a;
+        b = a;
+    }
+    for (int i = nc - 1; i >= 0; i--) { /* backtracking yields them in decreasing order */
+        if (cuts[i] < 1 || cuts[i] > 127) continue;
+        PyObject *v = PyLong_FromLong(cuts[i]);
+        if (!v || PyList_Append(res, v) < 0) {
+            Py_XDECREF(v);
+            Py_CLEAR(res);
+            goto done;
+        }
+        Py_DECREF(v);
+    }
+done:
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&cb);
+    return res;
+}
+
+static int low_bounds(Py_ssize_t len, long long off, int64_t n, int k) {
+    if (k < 1 || k > 56 || off < 0 || n < 0 || (off + (long long)n * k + 7) / 8 + 8 > len) {
+        PyErr_SetString(PyExc_ValueError, "low bits: k outside 1..56 or the bit stream is too short (it needs 8 bytes of padding)");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_pack_low(PyObject *self, PyObject *args) {
+    Py_buffer outb, vb;
+    long long off;
+    int k;
+    if (!PyArg_ParseTuple(args, "w*Ly*i", &outb, &off, &vb, &k)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = vb.len / 8;
+    if (vb.len % 8 == 0 && low_bounds(outb.len, off, n, k) == 0) {
+        uint8_t *o = outb.buf;
+        const int64_t *v = vb.buf;
+        const uint64_t mask = (1ULL << k) - 1;
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t i = 0; i < n; i++) {
+            long long bit = off + (long long)i * k;
+            uint64_t word;
+            memcpy(&word, o + (bit >> 3), 8);
+            word |= ((uint64_t)v[i] & mask) << (bit & 7);
+            memcpy(o + (bit >> 3), &word, 8);
+        }
+        Py_END_ALLOW_THREADS
+        res = Py_None;
+        Py_INCREF(res);
+    } else if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "pack_low: values must be int64");
+    }
+    PyBuffer_Release(&outb);
+    PyBuffer_Release(&vb);
+    return res;
+}
+
+static PyObject *py_unpack_low(PyObject *self, PyObject *args) {
+    Py_buffer db, outb;
+    long long off;
+    int k;
+    if (!PyArg_ParseTuple(args, "y*Liw*", &db, &off, &k, &outb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = outb.len / 8;
+    if (outb.len % 8 == 0 && low_bounds(db.len, off, n, k) == 0) {
+        const uint8_t *d = db.buf;
+        int64_t *o = outb.buf;
+        const uint64_t mask = (1ULL << k) - 1;
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t i = 0; i < n; i++) {
+            long long bit = off + (long long)i * k;
+            uint64_t word;
+            memcpy(&word, d + (bit >> 3), 8);
+            o[i] = (int64_t)((word >> (bit & 7)) & mask);
+        }
+        Py_END_ALLOW_THREADS
+        res = Py_None;
+        Py_INCREF(res);
+    } else if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "unpack_low: out must be int64");
+    }
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static int check_idx(const int64_t *idx, int64_t n_idx, int64_t n) {
+    for (int64_t i = 0; i < n_idx; i++) {
+        if ((uint64_t)idx[i] >= (uint64_t)n) {
+            PyErr_Format(PyExc_IndexError, "index %lld at %lld, expected 0 <= index < %lld", (long long)idx[i], (long long)i, (long long)n);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define COPY_LOOP(W, DST_EXPR, SRC_EXPR) \
+    for (int64_t i = 0; i < ni; i++) memcpy(DST_EXPR, SRC_EXPR, W)
+
+static PyObject *py_take(PyObject *self, PyObject *args) {
+    Py_buffer src, ib, outb;
+    int w;
+    if (!PyArg_ParseTuple(args, "y*iy*w*", &src, &w, &ib, &outb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = src.len / (w > 0 ? w : 1), ni = ib.len / 8;
+    if (check_width(w) < 0) goto done;
+    if (src.len % w || ib.len % 8 || outb.len != ni * w) {
+        PyErr_SetString(PyExc_ValueError, "take: src, idx or out has the wrong size");
+        goto done;
+    }
+    const int64_t *idx = ib.buf;
+    if (check_idx(idx, ni, n) < 0) goto done;
+    const uint8_t *sp = src.buf;
+    uint8_t *op = outb.buf;
+    Py_BEGIN_ALLOW_THREADS
+#define CALL(W) COPY_LOOP(W, op + i * W, sp + idx[i] * W)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static PyObject *py_put(PyObject *self, PyObject *args) {
+    Py_buffer dst, ib, vb, oldb;
+    int w;
+    if (!PyArg_ParseTuple(args, "w*iy*y*w*", &dst, &w, &ib, &vb, &oldb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = dst.len / (w > 0 ? w : 1), ni = ib.len / 8;
+    if (check_width(w) < 0) goto done;
+    if (dst.len % w || ib.len % 8 || vb.len != ni * w || (oldb.len && oldb.len != ni * w)) {
+        PyErr_SetString(PyExc_ValueError, "put: dst, idx, values or old has the wrong size");
+        goto done;
+    }
+    const int64_t *idx = ib.buf;
+    if (check_idx(idx, ni, n) < 0) goto done;
+    uint8_t *dp = dst.buf, *op = oldb.buf;
+    const uint8_t *vp = vb.buf;
+    int keep = oldb.len > 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (keep) {
+#define CALL(W) COPY_LOOP(W, op + i * W, dp + idx[i] * W)
+        DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    }
+#define CALL(W) COPY_LOOP(W, dp + idx[i] * W, vp + i * W)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&oldb);
+    return res;
+}
+
+/* ------------------------------------------------------------------------ gaps and deltas */
+static inline void put_low(uint8_t *o, long long bit, uint64_t v) {
+    uint64_t word;
+    memcpy(&word, o + (bit >> 3), 8);
+    word |= v << (bit & 7);
+    memcpy(o + (bit >> 3), &word, 8);
+}
+
+static inline uint64_t get_low(const uint8_t *d, long long bit, uint64_t mask) {
+    uint64_t word;
+    memcpy(&word, d + (bit >> 3), 8);
+    return (word >> (bit & 7)) & mask;
+}
+
+/* gap i of a class: ranks[i] - ranks[i - 1] - 1, with ranks[-1] = -1 */
+static inline uint64_t gap_at(const int64_t *r, int64_t i) { return (uint64_t)(r[i] - (i ? r[i - 1] : -1) - 1); }
+
+static PyObject *py_gap_hist(PyObject *self, PyObject *args) {
+    Py_buffer rb, hb;
+    long long step;
+    int shift;
+    long long top;
+    if (!PyArg_ParseTuple(args, "y*LiLw*", &rb, &step, &shift, &top, &hb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = rb.len / 8;
+    if (rb.len % 8 || step < 1 || shift < 0 || shift > 63 || top < 0 || hb.len != (top + 1) * 8) {
+        PyErr_SetString(PyExc_ValueError, "gap_hist: bad sizes, step, shift or top");
+        goto done;
+    }
+    const int64_t *r = rb.buf;
+    int64_t *hist = hb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    memset(hist, 0, (top + 1) * 8);
+    for (int64_t i = 0; i < n; i += step) {
+        uint64_t q = gap_at(r, i) >> shift;
+        hist[q < (uint64_t)top ? q : (uint64_t)top]++;
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&hb);
+    return res;
+}
+
+static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
+    Py_buffer gb, sb, eb, hb, lb;
+    int k, e;
+    long long loff;
+    if (!PyArg_ParseTuple(args, "y*iiw*w*w*w*L", &gb, &k, &e, &sb, &eb, &hb, &lb, &loff)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = gb.len / 8;
+    if (gb.len % 8 || k < 0 || k > 56 || e < 1 || e > 64 || sb.len != n * 4 || eb.len != n * 8 || hb.len != (e + 1) * 8) {
+        PyErr_SetString(PyExc_ValueError, "gap_symbols: bad sizes, k or e");
+        goto done;
+    }
+    if (k && (loff < 0 || (loff + (long long)n * k + 7) / 8 + 8 > lb.len)) {
+        PyErr_SetString(PyExc_ValueError, "gap_symbols: the low-bit stream is too short (it needs 8 bytes of padding)");
+        goto done;
+    }
+    const int64_t *r = gb.buf;
+    int32_t *sym = sb.buf;
+    uint64_t *esc = eb.buf;
+    int64_t *hist = hb.buf, ne = 0;
+    uint8_t *low = lb.buf;
+    const uint64_t mask = k ? (1ULL << k) - 1 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    memset(hist, 0, (e + 1) * 8);
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t v = gap_at(r, i), q = v >> k;
+        int s = q < (uint64_t)e ? (int)q : e;
+        sym[i] = s;
+        hist[s]++;
+        if (s == e) esc[ne++] = q;
+        if (k) put_low(low, loff + (long long)i * k, v & mask);
+    }
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLongLong(ne);
+done:
+    PyBuffer_Release(&gb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&lb);
+    return res;
+}
+
+/* -> (status, next escape): status 0 ok, 1 the escape stream ran out, 2 an escaped value below e,
+ * 3 a quotient past the tensor, 4 ranks run past the tensor. Escapes are read from esc[esc_off:]. */
+static PyObject *py_gap_ranks(PyObject *self, PyObject *args) {
+    Py_buffer sb, eb, lb, ob;
+    int e, k;
+    long long eoff, loff, numel;
+    if (!PyArg_ParseTuple(args, "y*iy*Liy*LLw*", &sb, &e, &eb, &eoff, &k, &lb, &loff, &numel, &ob)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = sb.len / 4, n_esc = eb.len / 8;
+    if (sb.len % 4 || eb.len % 8 || ob.len != n * 8 || k < 0 || k > 56 || e < 1 || numel < 0 || eoff < 0 || eoff > n_esc) {
+        PyErr_SetString(PyExc_ValueError, "gap_ranks: bad sizes, offsets, k or e");
+        goto done;
+    }
+    if (k && (loff < 0 || (loff + (long long)n * k + 7) / 8 + 8 > lb.len)) {
+        PyErr_SetString(PyExc_ValueError, "gap_ranks: the low-bit stream is too short (it needs 8 bytes of padding)");
+        goto done;
+    }
+    const int32_t *sym = sb.buf;
+    const uint64_t *esc = eb.buf;
+    const uint8_t *low = lb.buf;
+    int64_t *out = ob.buf;
+    const uint64_t mask = k ? (1ULL << k) - 1 : 0, qmax = (uint64_t)numel >> k;
+    int status = 0;
+    int64_t j = eoff;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t r = -1;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t q = (uint64_t)sym[i];
+        if (sym[i] == e) {
+            if (j >= n_esc) { status = 1; break; }
+            q = esc[j++];
+            if (q < (uint64_t)e) { status = 2; break; }
+        }
+        if (q > qmax) { status = 3; break; }
+        uint64_t g = (q << k) | (k ? get_low(low, loff + (long long)i * k, mask) : 0);
+        r += (int64_t)g + 1; /* q <= numel >> k keeps g < 2 * numel: no overflow */
+        if (r >= numel) { status = 4; break; }
+        out[i] = r;
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("iL", status, (long long)j);
+done:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&ob);
+    return res;
+}
+
+/* zigzag of (t - b) mod 2^(8w) read as a signed w-byte integer */
+static inline uint64_t zigzag_w(uint64_t b, uint64_t t, int w) {
+    int bits = 8 * w;
+    uint64_t m = bits == 64 ? ~0ULL : (1ULL << bits) - 1;
+    uint64_t d = (t - b) & m;
+    uint64_t sign = (d >> (bits - 1)) & 1;
+    return ((d << 1) & m) ^ (sign ? m : 0);
+}
+
+static inline uint64_t unzigzag_add_w(uint64_t b, uint64_t z, int w) {
+    int bits = 8 * w;
+    uint64_t m = bits == 64 ? ~0ULL : (1ULL << bits) - 1;
+    uint64_t d = (z >> 1) ^ (0 - (z & 1));
+    return (b + d) & m;
+}
+
+static int delta_common(Py_buffer *bb, Py_buffer *cb, int w, int K, int64_t *n) {
+    if (check_width(w) < 0) return -1;
+    if (K < 1 || K > MAXC || bb->len % w) {
+        PyErr_SetString(PyExc_ValueError, "delta: bad width, class count or base size");
+        return -1;
+    }
+    *n = bb->len / w;
+    if (cb->len != (K > 1 ? *n : 0)) {
+        PyErr_SetString(PyExc_ValueError, "delta: classes must hold one byte per element (none for one class)");
+        return -1;
+    }
+    const uint8_t *cls = cb->buf;
+    for (int64_t i = 0; i < cb->len; i++)
+        if (cls[i] >= K) {
+            PyErr_SetString(PyExc_ValueError, "delta: class index out of range");
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
+    Py_buffer bb, tb, cb, hb;
+    int w, K;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iw*", &bb, &tb, &w, &cb, &K, &hb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n;
+    if (delta_common(&bb, &cb, w, K, &n) < 0) goto done;
+    if (tb.len != bb.len || hb.len != K * 65 * 8) {
+        PyErr_SetString(PyExc_ValueError, "delta_hist: target or hist has the wrong size");
+        goto done;
+    }
+    const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
+    int64_t *hist = hb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    memset(hist, 0, K * 65 * 8);
+#define CALL(W)                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                              \
+        uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);                \
+        hist[(K > 1 ? cls[i] : 0) * 65 + (z < 64 ? z : 64)]++;                     \
+    }
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&hb);
+    return res;
+}
+
+static int parse_es(Py_buffer *eb, int K, int64_t *es) {
+    if (eb->len != K * 8) {
+        PyErr_SetString(PyExc_ValueError, "delta: one alphabet size per class expected");
+        return -1;
+    }
+    memcpy(es, eb->buf, K * 8);
+    for (int c = 0; c < K; c++)
+        if (es[c] < 1 || es[c] > 64) {
+            PyErr_SetString(PyExc_ValueError, "delta: alphabet sizes must be in 1..64");
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
+    Py_buffer bb, tb, cb, eb, ob, xb, sb, zb;
+    int w, K;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iy*y*y*w*w*", &bb, &tb, &w, &cb, &K, &eb, &ob, &xb, &sb, &zb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n, es[MAXC], off[MAXC + 1], xoff[MAXC + 1];
+    if (delta_common(&bb, &cb, w, K, &n) < 0 || parse_es(&eb, K, es) < 0) goto done;
+    if (tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || xb.len != (K + 1) * 8) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: target, offsets or sym has the wrong size");
+        goto done;
+    }
+    memcpy(xoff, xb.buf, (K + 1) * 8);
+    if (xoff[0] != 0 || xoff[K] * w != zb.len) {
+        PyErr_SetString(PyExc_ValueError, "delta_symbols: escape offsets do not match the escape buffer");
+        goto done;
+    }
+    const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
+    int32_t *sym = sb.buf;
+    uint8_t *esc = zb.buf;
+    int64_t so[MAXC], eo[MAXC];
+    memcpy(so, off, K * 8);
+    memcpy(eo, xoff, K * 8);
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+#define CALL(W)                                                                   \
+    for (int64_t i = 0; i < n; i++) {                                             \
+        int c = K > 1 ? cls[i] : 0;                                               \
+        uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);               \
+        if (so[c] >= off[c + 1]) { ok = 0; break; }                               \
+        if (z >= (uint64_t)es[c]) {                                               \
+            if (eo[c] >= xoff[c + 1]) { ok = 0; break; }                          \
+            store_w(esc, W, eo[c]++, z);                                          \
+            sym[so[c]++] = (int32_t)es[c];                                        \
+        } else {                                                                  \
+            sym[so[c]++] = (int32_t)z;                                            \
+        }                                                                         \
+    }
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    for (int c = 0; c < K; c++) ok &= so[c] == off[c + 1] && eo[c] == xoff[c + 1];
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "delta_symbols: offsets do not match the classes or escapes");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&zb);
+    return res;
+}
+
+/* status: -1 ok, 100: the escape symbols do not match the escape stream's length, 200 + c: class c escapes a value below e */
+static PyObject *py_delta_values(PyObject *self, PyObject *args) {
+    Py_buffer bb, cb, sb, ob, eb, zb, outb;
+    int w, K;
+    if (!PyArg_ParseTuple(args, "y*iy*iy*y*y*y*w*", &bb, &w, &cb, &K, &sb, &ob, &eb, &zb, &outb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n, es[MAXC], off[MAXC + 1];
+    if (delta_common(&bb, &cb, w, K, &n) < 0 || parse_es(&eb, K, es) < 0) goto done;
+    if (sb.len != n * 4 || outb.len != bb.len || parse_offsets(&ob, K - 1, n, off) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_values: sym or out has the wrong size");
+        goto done;
+    }
+    const uint8_t *b = bb.buf, *cls = cb.buf, *esc = zb.buf;
+    const int32_t *sym = sb.buf;
+    uint8_t *out = outb.buf;
+    int64_t n_esc = zb.len / w, so[MAXC], eo[MAXC];
+    int status = -1;
+    Py_BEGIN_ALLOW_THREADS
+    /* where each class's escapes start: classes come in order, each escape once per escape symbol */
+    int64_t acc = 0;
+    for (int c = 0; c < K; c++) {
+        eo[c] = acc;
+        for (int64_t i = off[c]; i < off[c + 1]; i++) acc += sym[i] == es[c];
+        so[c] = off[c];
+    }
+    if (acc != n_esc || zb.len % w) status = 100;
+    if (status < 0) {
+#define CALL(W)                                                                   \
+        for (int64_t i = 0; i < n; i++) {                                         \
+            int c = K > 1 ? cls[i] : 0;                                           \
+            uint64_t z = (uint64_t)sym[so[c]++];                                  \
+            if (z == (uint64_t)es[c]) {                                           \
+                z = load_w(esc, W, eo[c]++);                                      \
+                if (z < (uint64_t)es[c]) { status = 200 + c; break; }             \
+            }                                                                     \
+            store_w(out, W, i, unzigzag_add_w(load_w(b, W, i), z, W));            \
+        }
+        DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    }
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(status);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&zb);
+    PyBuffer_Release(&outb);
+    return res;
+}
+
+static PyObject *py_classes(PyObject *self, PyObject *args) {
+    Py_buffer bb, tb, ob;
+    int w;
+    if (!PyArg_ParseTuple(args, "y*iy*w*", &bb, &w, &tb, &ob)) return NULL;
+    PyObject *res = NULL;
+    int thr[MAXC], nt;
+    if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
+    int64_t n = bb.len / w;
+    if (bb.len % w || ob.len != n) {
+        PyErr_SetString(PyExc_ValueError, "classes: bits or out has the wrong size");
+        goto done;
+    }
+    uint8_t lut[128];
+    for (int key = 0, c = 0; key < 128; key++) {
+        while (c < nt && key >= thr[c]) c++;
+        lut[key] = (uint8_t)c;
+    }
+    const uint8_t *p = (const uint8_t *)bb.buf + (w - 1);
+    uint8_t *o = ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n; i++) o[i] = lut[p[i * w] & 0x7f];
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&ob);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)"},
+    {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank) -> None"},
+    {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class (hw=0: no BMI2)"},
+    {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
+    {"key_hist", py_key_hist, METH_VARARGS, "key_hist(base, width, starts, block, out) -> None"},
+    {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
+    {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
+    {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
+    {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
+    {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
+    {"gap_ranks", py_gap_ranks, METH_VARARGS, "gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)"},
+    {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist) -> None"},
+    {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc) -> None"},
+    {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
+    {"pack_low", py_pack_low, METH_VARARGS, "pack_low(out, bit_offset, values, k) -> None"},
+    {"unpack_low", py_unpack_low, METH_VARARGS, "unpack_low(data, bit_offset, k, out) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "The codec's full-tensor passes in C (see the file's header).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    for (int v = 0; v < 256; v++) {
+        int k = 0;
+        for (int b = 0; b < 8; b++)
+            if (v >> b & 1) SEL8[v][k++] = (uint8_t)b;
+    }
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,276 @@
+"""The codec's C passes (sparsesync/codec/_native.c) against plain numpy definitions of the
+same results, on every element width, at the edges (empty input, partial 64-element blocks,
+full outputs), and on their rejections: a bad argument raises, and nothing is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparsesync.codec import _native
+from sparsesync.codec._classes import class_of, class_ranks, class_select
+from sparsesync.codec.diff import _changed_slice_np, put_bits, take_bits
+
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _bits(rng: np.random.Generator, n: int, width: int) -> np.ndarray:
+    return rng.integers(0, np.iinfo(UINT[width]).max, n, dtype=UINT[width], endpoint=True)
+
+
+def _flip(rng: np.random.Generator, a: np.ndarray, density: float) -> np.ndarray:
+    b = a.copy()
+    pos = np.flatnonzero(rng.random(a.size) < density)
+    b[pos] ^= (rng.integers(1, 256, pos.size)).astype(a.dtype)  # a non-zero low byte: always a change
+    return b
+
+
+# ---------------------------------------------------------------------------- diff
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 1001])
+@pytest.mark.parametrize("density", [0.0, 0.05, 1.0])
+def test_diff_into_matches_numpy_and_resumes_when_outputs_fill(width, n, density):
+    rng = np.random.default_rng(n * 10 + width)
+    a = _bits(rng, n, width)
+    b = _flip(rng, a, density)
+    want = np.flatnonzero(a != b)
+    got, start = [], 0
+    while start < n:  # outputs of 3 elements: the pass stops and resumes many times
+        oi, oa, ob = np.empty(3, np.int64), np.empty(3, a.dtype), np.empty(3, a.dtype)
+        k, start = _native.diff_into(a, b, width, start, 1000, oi, oa, ob)
+        assert 0 <= k <= 3
+        assert np.array_equal(oa[:k], a[oi[:k] - 1000]) and np.array_equal(ob[:k], b[oi[:k] - 1000])
+        got.append(oi[:k] - 1000)
+    assert np.array_equal(np.concatenate(got) if got else np.zeros(0, np.int64), want)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.5, 1.0])
+def test_changed_slice_grows_its_outputs(density):
+    rng = np.random.default_rng(1)
+    a = _bits(rng, 300_001, 2)
+    b = _flip(rng, a, density)
+    idx, va, vb = _changed_slice_np(a, b, 7)
+    want = np.flatnonzero(a != b)
+    assert np.array_equal(idx, want + 7) and np.array_equal(va, a[want]) and np.array_equal(vb, b[want])
+
+
+def test_diff_into_rejects_mismatched_sides():
+    a = np.zeros(8, np.uint16)
+    out = np.empty(8, np.int64), np.empty(8, np.uint16), np.empty(8, np.uint16)
+    with pytest.raises(ValueError, match="expected equal multiples"):
+        _native.diff_into(a, np.zeros(9, np.uint16), 2, 0, 0, *out)
+    with pytest.raises(ValueError, match="element width 3"):
+        _native.diff_into(a, a, 3, 0, 0, *out)
+    with pytest.raises(ValueError, match="start 9"):
+        _native.diff_into(a, a, 2, 9, 0, *out)
+
+
+# ---------------------------------------------------------------------------- classes
+def _ref_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray) -> list[np.ndarray]:
+    cls = class_of(base, thresholds)
+    return [(np.cumsum(cls == c) - 1)[idx[cls[idx] == c]] for c in range(len(thresholds) + 1)]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 5000])
+@pytest.mark.parametrize("hw", [0, -1])  # the portable deposit, and BMI2's pdep where the CPU has it
+def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
+    rng = np.random.default_rng(width * 1000 + n)
+    base = _bits(rng, n, width)
+    for thresholds in ([], [64], [20, 40, 100], [1, 2, 3, 4, 5, 6, 127]):
+        for density in (0.0, 0.02, 0.5, 1.0):
+            idx = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+            ranks = class_ranks(base, thresholds, idx, class_of(base[idx], thresholds))
+            for got, want in zip(ranks, _ref_ranks(base, thresholds, idx), strict=True):
+                assert np.array_equal(got, want)
+            off = np.concatenate([[0], np.cumsum([r.size for r in ranks])]).astype(np.int64)
+            out = np.empty(idx.size, np.int64)
+            assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw) == -1
+            assert np.array_equal(out, idx)
+
+
+@pytest.mark.parametrize("hw", [0, -1])
+def test_class_select_names_the_class_whose_ranks_run_past_its_members(hw):
+    base = np.arange(1000, dtype=np.uint16) << 8  # keys 0..127 repeating: with threshold 64, about half in each class
+    members = int((class_of(base, [64]) == 1).sum())
+    _, bad = class_select(base, [64], [np.array([0, 5], np.int64), np.array([3, members], np.int64)])
+    assert bad == 1
+    idx, bad = class_select(base, [64], [np.array([0, 5], np.int64), np.array([3, members - 1], np.int64)])
+    assert bad == -1 and idx.size == 4
+
+
+def test_class_passes_reject_bad_arguments():
+    base = np.zeros(100, np.uint16)
+    out = np.empty(2, np.int64)
+    with pytest.raises(ValueError, match="thresholds must be increasing"):
+        _native.class_select(base, 2, bytes([5, 5]), np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64), out)
+    with pytest.raises(ValueError, match="negative or not increasing"):
+        _native.class_select(base, 2, b"", np.array([1, 1], np.int64), np.array([0, 2], np.int64), out)
+    with pytest.raises(ValueError, match="offsets must rise"):
+        _native.class_select(base, 2, b"", np.array([0, 1], np.int64), np.array([0, 3], np.int64), out)
+    with pytest.raises(ValueError, match="offsets do not match"):  # idx 3 is in class 0, offsets put it in class 1
+        _native.class_ranks(base, 2, bytes([64]), np.array([3], np.int64), np.array([0, 0, 1], np.int64), np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="out of range or order"):
+        _native.class_ranks(base, 2, b"", np.array([100], np.int64), np.array([0, 1], np.int64), np.empty(1, np.int64))
+
+
+def test_class_of_counts_the_thresholds_each_key_reaches():
+    rng = np.random.default_rng(2)
+    for width in (1, 2, 4, 8):
+        bits = _bits(rng, 1000, width)
+        keys = np.ascontiguousarray(bits).view(np.uint8)[width - 1 :: width] & 0x7F
+        for thresholds in ([], [1], [30, 31, 120], [1, 2, 3, 4, 5, 6, 127]):
+            assert np.array_equal(class_of(bits, thresholds), np.searchsorted(thresholds, keys, side="right"))
+
+
+def test_key_hist_matches_numpy_over_the_blocks():
+    rng = np.random.default_rng(3)
+    for width in (1, 2, 4, 8):
+        base = _bits(rng, 10_000, width)
+        starts = np.array([0, 17, 9000], np.int64)
+        hist = np.empty(128, np.int64)
+        _native.key_hist(base, width, starts, 1000, hist)
+        keys = np.concatenate([base[s : s + 1000] for s in starts]).view(np.uint8)[width - 1 :: width] & 0x7F
+        assert np.array_equal(hist, np.bincount(keys, minlength=128))
+        with pytest.raises(ValueError, match="runs past"):
+            _native.key_hist(base, width, np.array([9500], np.int64), 1000, hist)
+
+
+def _ref_thresholds(tot: np.ndarray, chg: np.ndarray, max_classes: int, min_gain: float) -> list[int]:
+    """The DP over contiguous key ranges, in numpy (what `thresholds_dp` computes)."""
+
+    def cost_of(t: np.ndarray, c: np.ndarray) -> np.ndarray:
+        t = np.maximum(t, c)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(t > 0, c / t, 0.0)
+            h = -(np.where(p > 0, p * np.log2(p), 0.0) + np.where(p < 1, (1 - p) * np.log2(1 - p), 0.0))
+        return t * h
+
+    nz = np.flatnonzero(tot + chg)
+    lo, hi = int(nz[0]), int(nz[-1]) + 1
+    ct, cc = np.concatenate([[0.0], np.cumsum(tot[lo:hi])]), np.concatenate([[0.0], np.cumsum(chg[lo:hi])])
+    a, b = np.meshgrid(np.arange(hi - lo + 1), np.arange(hi - lo + 1), indexing="ij")
+    cost = np.where(b > a, cost_of(ct[b] - ct[a], cc[b] - cc[a]), np.inf)
+    dp, back = [cost[0]], []
+    for _ in range(1, max_classes):
+        total = dp[-1][:, None] + cost
+        back.append(np.argmin(total, axis=0))
+        dp.append(np.min(total, axis=0))
+    best = 0
+    for k in range(1, max_classes):
+        if dp[k][hi - lo] < dp[best][hi - lo] * (1 - min_gain):
+            best = k
+    cuts, j = [], hi - lo
+    for k in range(best, 0, -1):
+        j = int(back[k - 1][j])
+        cuts.append(lo + j)
+    return sorted(t for t in cuts if 1 <= t <= 127)
+
+
+def test_thresholds_dp_matches_the_numpy_dp():
+    rng = np.random.default_rng(4)
+    for case in range(60):
+        lo, hi = sorted(rng.integers(0, 128, 2))
+        tot = np.zeros(128)
+        tot[lo : hi + 1] = rng.integers(0, 10_000, hi - lo + 1) * (1.0 + case % 3)
+        chg = np.minimum(tot, np.round(tot * rng.random(128) ** 3))
+        for classes in (1, 2, 4, 8):
+            assert _native.thresholds_dp(tot, chg, classes, 0.02) == _ref_thresholds(tot, chg, classes, 0.02)
+
+
+# ---------------------------------------------------------------------------- gaps and deltas
+def test_low_bits_round_trip_and_bounds():
+    rng = np.random.default_rng(5)
+    for k in (1, 7, 13, 48):
+        v = rng.integers(0, 1 << 62, 1000, dtype=np.int64)
+        buf = np.zeros((3 + 1000 * k + 7) // 8 + 8, np.uint8)
+        _native.pack_low(buf, 3, v, k)
+        out = np.empty(1000, np.int64)
+        _native.unpack_low(buf.tobytes(), 3, k, out)
+        assert np.array_equal(out, v & ((1 << k) - 1))
+        with pytest.raises(ValueError, match="too short"):
+            _native.pack_low(buf[:-9], 3, v, k)
+
+
+def _ref_gap_symbols(r: np.ndarray, k: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q = (np.diff(r, prepend=-1) - 1) >> k
+    return np.minimum(q, e).astype(np.int32), q[q >= e].astype(np.uint64), np.bincount(np.minimum(q, e), minlength=e + 1)
+
+
+@pytest.mark.parametrize("k,e", [(0, 1), (0, 64), (3, 4), (9, 2)])
+def test_gap_symbols_match_numpy_and_gap_ranks_inverts_them(k, e):
+    rng = np.random.default_rng(k * 100 + e)
+    numel = 1 << 20
+    r = np.sort(rng.choice(numel, 5000, replace=False)).astype(np.int64)
+    sym, esc, hist = np.empty(r.size, np.int32), np.empty(r.size, np.uint64), np.empty(e + 1, np.int64)
+    low = np.zeros((r.size * k + 7) // 8 + 8, np.uint8)
+    n_esc = _native.gap_symbols(r, k, e, sym, esc, hist, low, 0)
+    want_sym, want_esc, want_hist = _ref_gap_symbols(r, k, e)
+    assert np.array_equal(sym, want_sym) and np.array_equal(esc[:n_esc], want_esc) and np.array_equal(hist, want_hist)
+    out = np.empty(r.size, np.int64)
+    assert _native.gap_ranks(sym, e, esc[:n_esc], 0, k, low, 0, numel, out) == (0, n_esc)
+    assert np.array_equal(out, r)
+    # rejections: the status names what is wrong, and the escape stream is read no further than needed
+    if n_esc:
+        assert _native.gap_ranks(sym, e, esc[: n_esc - 1], 0, k, low, 0, numel, out)[0] == 1  # escapes run out
+        small = esc[:n_esc].copy()
+        small[0] = e - 1
+        assert _native.gap_ranks(sym, e, small, 0, k, low, 0, numel, out)[0] == 2  # an escape below e
+    assert _native.gap_ranks(sym, e, esc[:n_esc], 0, k, low, 0, int(r[-1]), out)[0] in (3, 4)  # past a smaller tensor
+
+
+def _ref_zigzag(b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    bits = 8 * b.itemsize
+    d = (t - b).view(np.dtype(f"i{b.itemsize}"))
+    return ((d << 1) ^ (d >> (bits - 1))).view(b.dtype).astype(np.uint64)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("thresholds", [[], [40, 90]])
+def test_delta_passes_match_numpy_and_invert(width, thresholds):
+    rng = np.random.default_rng(width)
+    n = 3001
+    base = _bits(rng, n, width)
+    target = base + rng.integers(-3, 4, n).astype(base.dtype)  # small deltas (wrapping), some escapes below
+    target[::97] = _bits(rng, target[::97].size, width)
+    n_cls = len(thresholds) + 1
+    cls = class_of(base, thresholds) if thresholds else np.zeros(0, np.uint8)
+    zz = _ref_zigzag(base, target)
+    hist = np.empty((n_cls, 65), np.int64)
+    _native.delta_hist(base, target, width, cls, n_cls, hist)
+    full_cls = cls if thresholds else np.zeros(n, np.uint8)
+    for c in range(n_cls):
+        assert np.array_equal(hist[c], np.bincount(np.minimum(zz[full_cls == c], 64).astype(np.intp), minlength=65))
+    es = np.array([5, 64, 1][:n_cls], np.int64)
+    sizes = hist.sum(axis=1)
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    n_esc = [int(hist[c, es[c]:].sum()) for c in range(n_cls)]
+    xoff = np.concatenate([[0], np.cumsum(n_esc)]).astype(np.int64)
+    sym, esc = np.empty(n, np.int32), np.empty(int(xoff[-1]), base.dtype)
+    _native.delta_symbols(base, target, width, cls, n_cls, es, off, xoff, sym, esc)
+    grouped = zz[np.argsort(full_cls, kind="stable")]
+    group_e = np.repeat(es, sizes)
+    assert np.array_equal(sym, np.minimum(grouped, group_e).astype(np.int32))
+    assert np.array_equal(esc.astype(np.uint64), grouped[grouped >= group_e])
+    out = np.empty_like(base)
+    assert _native.delta_values(base, width, cls, n_cls, sym, off, es, esc.tobytes(), out) == -1
+    assert np.array_equal(out, target)
+    assert _native.delta_values(base, width, cls, n_cls, sym, off, es, esc.tobytes()[:-width], out) == 100
+    if esc.size:
+        bad = esc.copy()
+        bad[0] = 0
+        assert _native.delta_values(base, width, cls, n_cls, sym, off, es, bad.tobytes(), out) >= 200
+
+
+# ---------------------------------------------------------------------------- gather / scatter
+def test_take_and_put_check_every_index_before_writing():
+    dst = np.arange(100, dtype=np.uint16)
+    before = dst.copy()
+    assert np.array_equal(take_bits(dst, np.array([5, 99, 0])), [5, 99, 0])
+    with pytest.raises(IndexError, match="index 100"):
+        put_bits(dst, np.array([1, 2, 100]), np.array([7, 7, 7], np.uint16))
+    assert np.array_equal(dst, before)  # nothing written
+    with pytest.raises(IndexError, match="index -1"):
+        take_bits(dst, np.array([-1]))
+    old = put_bits(dst, np.array([1, 2]), np.array([7, 8], np.uint16), keep_old=True)
+    assert np.array_equal(old, [1, 2]) and dst[1] == 7 and dst[2] == 8
