@@ -1,9 +1,10 @@
-"""Thread pools for the codec's CPU work (per-tensor encode/decode, diff slices, mask chunks).
+"""Thread pools for the codec's CPU work (per-tensor encode/decode, diff slices).
 
 Guarantee: `map_ordered(fn, items)` returns exactly `[fn(x) for x in items]` (same order, same
-values) or raises the exception of the first failing item in input order; `map_settled`
-runs every item and hands failures back in place; parallelism only changes speed. The codec's C passes and numpy's heavy kernels release the GIL, so independent
-tensors overlap on a multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
+values) or raises the exception of the first failing item in input order; `map_settled` runs
+every item and hands failures back in place; parallelism only changes speed. The codec's C
+passes and numpy's heavy kernels release the GIL, so independent tensors overlap on a
+multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
 inner one (chunks of that tensor) without deadlock. `SPARSESYNC_CODEC_THREADS=1` runs serially.
 """
 
