@@ -6,9 +6,11 @@ bucket backend (real huggingface_hub + hf_xet against tests/hub_server.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.errors import FencedWriterError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.layout import COMMITS, DELTAS
 from sparsesync.protocol.publisher import Publisher
@@ -178,6 +180,67 @@ def test_second_writer_fences_the_first(store_url):
     f = Follower(store_url)
     assert f.sync_once() == 2
     assert_bit_equal(f.mirror, state2)
+
+
+def test_publishers_starting_together_never_share_an_epoch(store_url):
+    """Eight publishers claim the run in the same instant. Where the store has create-only
+    writes each gets its own epoch; without them (HF buckets) equal epochs are ordered by
+    writer id, so exactly one of them is not fenced."""
+    import threading
+
+    store = open_store(store_url, create=True)
+    barrier = threading.Barrier(8)
+    pubs: list[Publisher] = []
+
+    def start(i: int) -> None:
+        barrier.wait()
+        pubs.append(Publisher(store_url, writer=f"trainer-{i}"))
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    claims = sorted((p.epoch, p.writer) for p in pubs)
+    if store.has_create_only:
+        assert len({e for e, _ in claims}) == 8, claims
+    top = max(claims)
+    for p in pubs:
+        try:
+            p._check_fence()
+            assert (p.epoch, p.writer) == top, "only the newest claim may commit"
+        except FencedWriterError:
+            assert (p.epoch, p.writer) != top
+        p.close()
+
+
+def test_an_epoch_reserved_but_not_yet_claimed_is_skipped(store_url):
+    """A writer that reserved epoch 1 with its create-only lock and died before writing its
+    claim: the next writer takes epoch 2, and never waits on the dead one."""
+    from sparsesync.protocol.layout import epoch_lock_key
+
+    store = open_store(store_url, create=True)
+    if not store.has_create_only:
+        pytest.skip("no create-only writes on this backend: epochs are not reserved")
+    assert store.put_new(epoch_lock_key(1), b"dead-writer")
+    with Publisher(store_url, writer="next") as p:
+        assert p.epoch == 2
+        p.publish(make_state(3), 1)
+
+
+def test_writers_sharing_an_epoch_are_ordered_by_id(store_url):
+    """Without create-only writes two writers may claim the same epoch: the one with the
+    smaller id stops at its next commit, loudly."""
+    from sparsesync.protocol.layout import writer_key
+
+    store = open_store(store_url, create=True)
+    p = Publisher(store_url, writer="trainer-a")
+    store.put(writer_key(p.epoch, "trainer-b"), b"{}")  # the same epoch, claimed in the same instant
+    p.publish(make_state(6), 1)
+    with pytest.raises(FencedWriterError, match="trainer-b"):
+        p.flush()
+    p.close()
+    assert Run(store).commits() == []
 
 
 def test_fenced_commit_written_anyway_is_ignored(store_url):

@@ -2,6 +2,7 @@
 
 A run is everything under one URL prefix:
 
+    writers/e000003.lock                               epoch 3 reserved (create-only, where the store has it)
     writers/e000003-<writer>.json                      a writer's claim of epoch 3
     anchors/v0000000040-e000003-<uid>/model*.safetensors   full snapshot of version 40 (+ index)
     deltas/v0000000040-v0000000041-e000003-<uid>.safetensors  patch 40 -> 41
@@ -30,6 +31,7 @@ COMMITS = "commits/"
 MAX_COMMIT_BYTES = 64 << 20  # a commit record larger than this is refused (hostile bucket)
 
 _COMMIT_RE = re.compile(r"^commits/v(\d{10})-e(\d{6})\.json$")
+_LOCK_RE = re.compile(r"^writers/e(\d{6})\.lock$")
 _WRITER_RE = re.compile(r"^writers/e(\d{6})-([A-Za-z0-9_.-]+)\.json$")
 _DELTA_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+\.safetensors$")
 _ANCHOR_RE = re.compile(r"^anchors/v(\d{10})-e(\d{6})-[0-9a-f]+/")
@@ -60,6 +62,17 @@ def parse_commit_key(key: str) -> tuple[int, int] | None:
     """(version, epoch) of a commit-record key, or None if `key` is not one."""
     m = _COMMIT_RE.match(key)
     return (int(m[1]), int(m[2])) if m else None
+
+
+def epoch_lock_key(epoch: int) -> str:
+    """The create-only object that reserves `epoch` for one writer (stores with create-only writes)."""
+    return f"{WRITERS}e{epoch:06d}.lock"
+
+
+def parse_epoch_lock_key(key: str) -> int | None:
+    """The epoch an epoch-lock key reserves, or None."""
+    m = _LOCK_RE.match(key)
+    return int(m[1]) if m else None
 
 
 def parse_writer_key(key: str) -> tuple[int, str] | None:

@@ -10,15 +10,17 @@ the network: when `queue_size` versions are waiting to upload, the newest waitin
 coalesced with the new one (B->N-1 and N-1->N become B->N; version N-1 is never committed).
 Memory: the diff snapshot (2 B/param for bf16) plus at most `queue_size` encoded deltas.
 
-Fencing: each Publisher claims a writer epoch (one higher than any seen) when it starts, and
-re-lists the claims before every commit; when a newer epoch exists it stops and raises
-FencedWriterError from the next `publish`/`flush`.
+Fencing: each Publisher claims a writer epoch (one higher than any seen; reserved with a
+create-only write where the store has one, so no two writers share an epoch there) when it
+starts, and re-lists the claims before every commit; when a newer claim exists (ordered by
+epoch, then writer id) it stops and raises FencedWriterError from the next `publish`/`flush`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -49,6 +51,8 @@ from sparsesync.protocol.layout import (
     commit_key,
     delta_key,
     new_uid,
+    epoch_lock_key,
+    parse_epoch_lock_key,
     parse_writer_key,
     writer_key,
 )
@@ -56,6 +60,7 @@ from sparsesync.protocol.run import Run, bytes_digest, file_digest
 from sparsesync.store import Store, open_store
 
 log = logging.getLogger(__name__)
+_CLAIM_TRIES = 100  # epochs tried before giving up on a run that other writers keep claiming
 
 
 @dataclass
@@ -66,7 +71,7 @@ class PublisherConfig:
     anchor_fraction: float = 0.5  # anchor when delta bytes since the last anchor exceed this x anchor bytes
     queue_size: int = 4  # versions waiting for upload before deltas are coalesced
     retry_backoff_s: float = 0.5  # first wait after a failed upload (doubles, max 30 s)
-    writer: str = ""  # writer id recorded in claims and commits; default host-pid
+    writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
 
     def validate(self) -> None:
         if self.anchor_every < 0:
@@ -106,7 +111,8 @@ class Publisher:
         self.config.validate()
         self.store = open_store(url, create=True) if isinstance(url, str) else url
         self.run = Run(self.store)
-        self.writer = self.config.writer or f"{socket.gethostname()}-{os.getpid()}".replace("_", "-")
+        # host-pid-random: unique even for two publishers in one process (it breaks epoch ties, see _check_fence)
+        self.writer = self.config.writer or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}".replace("_", "-")
         self._staging = Path(tempfile.mkdtemp(prefix="sparsesync-publish-"))
         self._snapshot: Snapshot | None = None
         self._pending: deque[_Item] = deque()
@@ -243,15 +249,32 @@ class Publisher:
         if self._error is not None:
             raise self._error
 
+    def _claims(self) -> tuple[list[tuple[int, str]], set[int]]:
+        """(epoch, writer) claims and the epochs reserved by create-only locks, listed afresh."""
+        keys = [o.key for o in self.store.list(WRITERS)]
+        return [p for k in keys if (p := parse_writer_key(k))], {e for k in keys if (e := parse_epoch_lock_key(k)) is not None}
+
     def _claim_epoch(self) -> int:
-        claims = [p for o in self.store.list(WRITERS) if (p := parse_writer_key(o.key))]
-        epoch = max((e for e, _w in claims), default=0) + 1
-        self.store.put(writer_key(epoch, self.writer), f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode())
-        return epoch
+        """Claim the epoch after every one seen. Where the store has create-only writes, an epoch
+        is first reserved with a create-only lock object, so no two writers ever share one; a
+        lost race moves on to the next epoch. Elsewhere two writers starting in the same instant
+        may claim the same epoch; `_check_fence` then orders them by (epoch, writer) and the
+        smaller one stops at its next commit."""
+        for _ in range(_CLAIM_TRIES):
+            claims, locks = self._claims()
+            epoch = max([e for e, _w in claims] + list(locks), default=0) + 1
+            if self.store.has_create_only and not self.store.put_new(epoch_lock_key(epoch), self.writer.encode()):
+                continue  # another writer reserved this epoch after our listing
+            self.store.put(writer_key(epoch, self.writer), f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode())
+            return epoch
+        raise StoreUnavailableError(
+            f"could not claim a writer epoch of {self.store.url}: {_CLAIM_TRIES} epochs in a row were taken by other writers",
+            hint="only one trainer may publish to a run; stop the others or use a new run URL",
+        )
 
     def _check_fence(self) -> None:
-        claims = [p for o in self.store.list(WRITERS) if (p := parse_writer_key(o.key))]
-        newer = [(e, w) for e, w in claims if e > self.epoch]
+        claims, _ = self._claims()
+        newer = [(e, w) for e, w in claims if (e, w) > (self.epoch, self.writer)]
         if newer:
             e, w = max(newer)
             raise FencedWriterError(
