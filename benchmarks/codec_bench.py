@@ -11,8 +11,8 @@ per changed element for TRL's prototype encodings (int32 index + bf16 = 6 B; uin
 = 4 B), the position entropy bound (per tensor; and conditioned on the base's exponent), ours;
 diff+encode and decode+apply throughput in GB of model weights per second.
 
-Timings are the best of --reps runs, ours and the TRL-style extraction interleaved, so that
-load from other processes on a shared machine skews neither side. The writer's snapshot (its
+Timings are the best of --reps runs (medians are in the JSON too), ours and the TRL-style
+extraction interleaved, so that load from other processes on a shared machine skews neither side. The writer's snapshot (its
 full copy of the base) exists before the timer starts, as it does in training. Decode+apply
 is split into read+decode+validate (including the base digest check), the in-place write, and
 the target digest verification; `decode_apply_s` is their sum (what `apply_patch` does).
@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,7 +88,7 @@ def trl_apply(data: bytes, tensors: dict[str, torch.Tensor]) -> None:
             tensors[name].view(-1)[idx.long()] = d[name + ".values"]
 
 
-def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int = 2) -> list[dict]:
+def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int = 3) -> list[dict]:
     shapes = qwen_like_shapes(params)
     base = make_weights(shapes, seed)
     n_params = sum(t.numel() for t in base.values())
@@ -101,19 +102,22 @@ def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int 
             # ours: diff + encode (the snapshot is the writer's copy of the base), interleaved with
             # the TRL-style extraction; best of `reps`
             t_ours = t_trl = float("inf")
+            all_ours, all_trl = [], []
             for _ in range(reps):
                 snap = Snapshot(base, 0)
                 gc.collect()
                 t0 = time.perf_counter()
                 enc = snap.diff_encode(target, 1)
                 dt = time.perf_counter() - t0
+                all_ours.append(dt)
                 if dt < t_ours:  # the diff/encode split of the best run
                     t_ours, stats = dt, enc.stats
                 trl = None
                 gc.collect()
                 t0 = time.perf_counter()
                 trl = trl_extract(base, target)
-                t_trl = min(t_trl, time.perf_counter() - t0)
+                all_trl.append(time.perf_counter() - t0)
+                t_trl = min(t_trl, all_trl[-1])
             del target
             n = enc.stats.n_changed
             pos_b, cond_b, val_b = entropy_bounds(base, enc.changes)
@@ -170,6 +174,8 @@ def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int 
                 "diff_s": stats.diff_s,
                 "encode_s": stats.encode_s,
                 "trl_extract_s": t_trl,
+                "diff_encode_median_s": statistics.median(all_ours),
+                "trl_extract_median_s": statistics.median(all_trl),
                 "trl_extract_GBps": model_gb / t_trl,
                 "decode_apply_s": t_apply,
                 "decode_validate_s": t_dec,
@@ -193,7 +199,7 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
     ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=2, help="timed repetitions (best is reported)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is reported; medians in the JSON)")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codec_bench.json", help="write the rows here")
     a = ap.parse_args()
     t_start = time.perf_counter()
@@ -210,6 +216,13 @@ def main() -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
+    print(f"{'mode':7} {'lr':>7} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'TRL apply':>9}")
+    for r in rows:
+        print(
+            f"{r['mode']:7} {r['lr']:7.0e} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
+            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['trl_apply_s']:9.2f}"
+        )
     print(f"wrote {a.json}")
 
 
