@@ -5,7 +5,9 @@ checkpoint through the same store in the same run, with 1, 4 and 8 followers, on
 store, on S3 over loopback (moto's server), and on S3 behind a link limited to
 `--link-mbit` per connection ("s3-wan": what a replica in another region sees; a loopback
 TCP proxy paces the bytes). Followers run in their own processes, as replicas do. Also
-reports how long the trainer was blocked per step and the bytes it uploaded.
+reports how long the trainer was blocked per step and the bytes it uploaded. Each version is
+one AdamW step at `--lr` with fp32 master weights on realistic bf16 weights (the codec
+benchmark's generator, benchmarks/_codec_data.py: about 1.6% of elements change at 1e-6).
 
     .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, all stores
     .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
@@ -27,48 +29,8 @@ from pathlib import Path
 
 import torch
 
-HIDDEN, INTER, LAYERS, VOCAB = 1024, 3072, 28, 151936  # Qwen3-0.6B-like
-
-
-def model_shapes(params: float) -> dict[str, tuple[int, ...]]:
-    """Qwen3-0.6B-shaped tensors, with the number of layers and vocab scaled to `params`."""
-    per_layer = {
-        "self_attn.q_proj.weight": (2048, HIDDEN), "self_attn.k_proj.weight": (1024, HIDDEN),
-        "self_attn.v_proj.weight": (1024, HIDDEN), "self_attn.o_proj.weight": (HIDDEN, 2048),
-        "mlp.gate_proj.weight": (INTER, HIDDEN), "mlp.up_proj.weight": (INTER, HIDDEN),
-        "mlp.down_proj.weight": (HIDDEN, INTER), "input_layernorm.weight": (HIDDEN,),
-        "post_attention_layernorm.weight": (HIDDEN,),
-    }
-    layer_params = sum(torch.Size(s).numel() for s in per_layer.values())
-    full = LAYERS * layer_params + VOCAB * HIDDEN
-    scale = params / full
-    layers = max(1, round(LAYERS * scale))
-    vocab = max(1024, int(VOCAB * scale))
-    shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,)}
-    for i in range(layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
-    return shapes
-
-
-def make_master(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        else:
-            out[name] = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
-    return out
-
-
-def rl_step(master: dict[str, torch.Tensor], g: torch.Generator, lr: float = 3e-6) -> None:
-    """An Adam-like step on fp32 master weights: every element moves by about lr."""
-    for t in master.values():
-        t.add_(torch.randn(t.shape, generator=g), alpha=-lr)
-
-
-def bf16(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to(torch.bfloat16) for k, v in master.items()}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402 - the codec benchmark's realistic AdamW deltas
 
 
 # -- followers (each in its own process) ---------------------------------------------------
@@ -119,7 +81,7 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict) -> None
         results.put((v, time.time()))
 
 
-def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict) -> dict:  # type: ignore[no-untyped-def]
+def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, lr: float) -> dict:  # type: ignore[no-untyped-def]
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -131,12 +93,11 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict) 
     for mode in ("sparse", "full"):
         url = f"{store_url.rstrip('/')}/{mode}-{n_followers}-{time.time_ns()}"
         store = open_store(url, create=True)
-        g = torch.Generator().manual_seed(1)
-        master = make_master(shapes)
+        state = make_weights(shapes, seed=0)
         pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9) if mode == "sparse" else None
         # version 1: the starting point every follower loads before timing starts
         if pub:
-            pub.publish(bf16(master), 1)
+            pub.publish(state, 1)
             pub.flush()
         ready, results = ctx.Queue(), ctx.Queue()
         target = _sparse_follower if mode == "sparse" else _full_follower
@@ -149,8 +110,7 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict) 
             ready.get(timeout=600)
         lags, blocked, uploaded = [], [], 0
         for v in range(2, n_versions + 1):
-            rl_step(master, g)
-            state = bf16(master)
+            state = step(state, lr, master=True, seed=v)  # one AdamW step with fp32 master weights
             t_call = time.time()
             if pub:
                 pub.publish(state, v)
@@ -188,15 +148,16 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=0.6e9)
     ap.add_argument("--followers", default="1,4,8")
     ap.add_argument("--versions", type=int, default=4, help="versions per measurement (the first is the start)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of each step (fp32 master weights)")
     ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
     ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
-    shapes = model_shapes(args.params)
+    shapes = qwen_like_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes.values())
-    print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; "
-          f"{args.versions - 1} timed versions per cell (median reported)")
+    print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with fp32 "
+          f"master weights; {args.versions - 1} timed versions per cell (median reported)")
     rows = []
     for kind in args.store.split(","):
         env: dict[str, str] = {}
@@ -223,12 +184,12 @@ def main() -> None:
             boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
             base = "s3://bench/runs"
         for nf in [int(x) for x in args.followers.split(",")]:
-            res = bench(base, nf, shapes, args.versions, env)
+            res = bench(base, nf, shapes, args.versions, env, args.lr)
             s, f = res["sparse"], res["full"]
             rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
             if args.json:  # after every cell: a crash later keeps what was measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"params": n, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
+                Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
             print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
                   f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
                   f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
