@@ -21,7 +21,7 @@
  *   class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> int
  *       The inverse: ranks grouped by class (strictly increasing inside a class) to the sorted
  *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
- *       Uses BMI2's pdep where the CPU has it (hw=0: the portable path, for tests).
+ *       Uses BMI2's pdep where the CPU has a fast one (hw=0: the portable path, for tests).
  *   classes(bits, width, thresholds, out) -> None
  *       The class (uint8) of each element: how many thresholds its magnitude key reaches.
  *   key_hist(base, width, starts, block, out) -> None
@@ -470,7 +470,8 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     int bad = -1;
     Py_BEGIN_ALLOW_THREADS
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (hw != 0 && __builtin_cpu_supports("bmi2"))
+    /* pdep is microcoded (hundreds of cycles) on AMD before Zen 3: the portable path is faster there */
+    if (hw != 0 && __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2"))
         bad = select_hw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else
 #endif
