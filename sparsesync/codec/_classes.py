@@ -41,7 +41,8 @@ def class_of(bits: np.ndarray, thresholds: list[int]) -> np.ndarray:
     return out
 
 
-def _offsets(sizes: list[int] | np.ndarray) -> np.ndarray:
+def offsets(sizes: list[int] | np.ndarray) -> np.ndarray:
+    """Start of each group and the total (int64, len(sizes) + 1) for groups of `sizes` laid end to end."""
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
@@ -49,7 +50,7 @@ def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, cls: n
     """Per class c: the rank of each changed element of class c (`cls`, from `class_of` of the
     base at `idx`) among all members of class c in `base`, in index order. `idx`: sorted, unique."""
     k = len(thresholds) + 1
-    off = _offsets(np.bincount(cls, minlength=k))
+    off = offsets(np.bincount(cls, minlength=k))
     out = np.empty(idx.size, dtype=np.int64)
     _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(idx, dtype=np.int64), off, out)
     return np.split(out, off[1:-1])
@@ -59,7 +60,7 @@ def class_select(base: np.ndarray, thresholds: list[int], ranks: list[np.ndarray
     """Inverse of `class_ranks`: (sorted flat indices, -1), or (empty, c) when class c's ranks
     run past its members in `base`. Ranks must be non-negative and strictly increasing inside
     each class (ValueError otherwise)."""
-    off = _offsets([r.size for r in ranks])
+    off = offsets([r.size for r in ranks])
     flat = np.concatenate(ranks).astype(np.int64, copy=False) if ranks else np.zeros(0, dtype=np.int64)
     out = np.empty(flat.size, dtype=np.int64)
     bad = _native.class_select(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(flat), off, out)

@@ -15,7 +15,7 @@ import numpy as np
 import zstandard
 
 from sparsesync.codec import _native
-from sparsesync.codec._classes import class_of, class_ranks, class_select, key_of  # noqa: F401 - key_of re-exported
+from sparsesync.codec._classes import class_of, class_ranks, class_select, key_of, offsets  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
 _MAX_WINDOW = 1 << 27  # zstd window a hostile frame may ask for (our frames use far less)
@@ -198,14 +198,17 @@ def _check_thresholds(ctx: Ctx, t: object) -> list[int]:
     return t
 
 
-def _gaps_enc(idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.ndarray | None, base_full: np.ndarray | None) -> tuple[dict, dict[str, StreamOut]]:
+def _gaps_enc(
+    idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.ndarray | None, base_full: np.ndarray | None, cls: np.ndarray | None = None
+) -> tuple[dict, dict[str, StreamOut]]:
     """Gap coding, optionally per class of the base magnitude: within each class, the ranks of
     the changed elements among the class members are gap coded; gap = q * 2^k + low, q entropy
-    coded (ANS, escapes raw), low as k raw bits."""
+    coded (ANS, escapes raw), low as k raw bits. `cls`: `class_of(base_at_idx, thresholds)`
+    when the caller has it."""
     if thresholds:
         if base_at_idx is None or base_full is None:
             raise ValueError("class-conditioned gaps need the base")
-        ranks = class_ranks(base_full, thresholds, idx, class_of(base_at_idx, thresholds))
+        ranks = class_ranks(base_full, thresholds, idx, class_of(base_at_idx, thresholds) if cls is None else cls)
     else:
         ranks = [idx]
     ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]
@@ -292,7 +295,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     low_data = streams.get("gaps_low", b"")
     if len(low_data) != (n_low + 7) // 8:
         raise _bad(ctx, f"stream 'gaps_low' has {len(low_data)} bytes, expected {(n_low + 7) // 8}")
-    low_padded = bytes(low_data) + b"\0" * 8  # unpack_low reads 64-bit windows
+    low_padded = bytes(low_data) + b"\0" * 8  # gap_ranks reads 64-bit windows
     reader = AnsReader(ctx, "gaps", streams["gaps"])
     syms = [reader.decode(c, n) for c, n in zip(cs, ns)]
     reader.finish()
@@ -367,23 +370,27 @@ def _raw_val_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: 
     return np.frombuffer(streams["values"], dtype=ctx.np_bits.newbyteorder("<")).astype(ctx.np_bits)
 
 
-def _delta_enc(base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[int] | None = None) -> tuple[dict, dict[str, StreamOut]]:
+def _delta_enc(
+    base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[int] | None = None, cls: np.ndarray | None = None
+) -> tuple[dict, dict[str, StreamOut]]:
     """Wrapped, zigzagged difference of the bit patterns, ANS coded per class of the base
-    magnitude (escapes raw); classes in order, position order inside each class."""
+    magnitude (escapes raw); classes in order, position order inside each class. `cls`:
+    `class_of(base, thresholds)` when the caller has it."""
     thresholds = thresholds or []
     w, n_cls = ctx.np_bits.itemsize, len(thresholds) + 1
     base, target = np.ascontiguousarray(base), np.ascontiguousarray(target)
-    cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
+    if not thresholds:
+        cls = np.zeros(0, dtype=np.uint8)
+    elif cls is None:
+        cls = class_of(base, thresholds)
     hist = np.empty((n_cls, MAX_ALPHABET + 1), dtype=np.int64)
     _native.delta_hist(base, target, w, cls, n_cls, hist)
     es = _escape_costs(hist, 8 * w)[1].astype(np.int64)
     counts_all = [[int(c) for c in h[:e]] + [int(h[e:].sum())] for h, e in zip(hist, es)]
-    sizes = hist.sum(axis=1)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    esc_offsets = np.concatenate([[0], np.cumsum([c[-1] for c in counts_all])]).astype(np.int64)
-    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(int(esc_offsets[-1]), dtype=ctx.np_bits.newbyteorder("<"))
-    _native.delta_symbols(base, target, w, cls, n_cls, es, offsets, esc_offsets, sym, esc)
-    segs = [(sym[offsets[c] : offsets[c + 1]], counts_all[c]) for c in range(n_cls)]
+    off, esc_off = offsets(hist.sum(axis=1)), offsets([c[-1] for c in counts_all])
+    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(int(esc_off[-1]), dtype=ctx.np_bits.newbyteorder("<"))
+    _native.delta_symbols(base, target, w, cls, n_cls, es, off, esc_off, sym, esc)
+    segs = [(sym[off[c] : off[c + 1]], counts_all[c]) for c in range(n_cls)]
     streams = {"delta": ans_encode(segs), "delta_escape": esc.tobytes()}
     return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "delta"}
 
@@ -405,10 +412,9 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     reader.finish()
     sym = np.concatenate(syms) if len(syms) > 1 else syms[0]
     es = np.array([len(c) - 1 for c in counts_all], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     esc_data = streams.get("delta_escape", b"")
     out = np.empty(base.size, dtype=base.dtype)
-    status = _native.delta_values(base, w, cls, n_cls, sym, offsets, es, esc_data, out)
+    status = _native.delta_values(base, w, cls, n_cls, sym, offsets(sizes), es, esc_data, out)
     if status == 100:
         n_esc = sum(int((s == e).sum()) for s, e in zip(syms, es))
         raise _bad(ctx, f"stream 'delta_escape' has {len(esc_data)} bytes, expected {n_esc * w} for {n_esc} escaped values")

@@ -31,7 +31,6 @@
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
- *   pack_low(out, bit_offset, values, k) / unpack_low(data, bit_offset, k, out) -> None
  *       The low k bits of int64 values, least significant first, as a little-endian bit stream.
  *   gap_hist(ranks, step, shift, top, hist) / gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped
  *   gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)
@@ -309,6 +308,15 @@ static double xlogx_cost(double t, double c) { /* bits to code c changes among t
 }
 
 /* ------------------------------------------------------------------------ Python glue */
+static void release(Py_buffer **bufs, size_t n) {
+    for (size_t i = 0; i < n; i++) PyBuffer_Release(bufs[i]);
+}
+#define RELEASE(...)                                          \
+    do {                                                      \
+        Py_buffer *bufs_[] = {__VA_ARGS__};                   \
+        release(bufs_, sizeof bufs_ / sizeof bufs_[0]);       \
+    } while (0)
+
 static int check_width(int w) {
     if (w != 1 && w != 2 && w != 4 && w != 8) {
         PyErr_Format(PyExc_ValueError, "element width %d, expected 1, 2, 4 or 8", w);
@@ -377,12 +385,19 @@ static PyObject *py_diff_into(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("LL", (long long)k, (long long)next);
 done:
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&oi);
-    PyBuffer_Release(&oa);
-    PyBuffer_Release(&ob);
+    RELEASE(&a, &b, &oi, &oa, &ob);
     return res;
+}
+
+/* What class_ranks and class_select share: base bits of `w` bytes, thresholds, an int64 array
+ * `vals` grouped by class at `off`, and an int64 output as long as `vals`. */
+static int check_class_args(const char *fn, Py_buffer *base, int w, Py_buffer *tb, Py_buffer *vals, Py_buffer *ob, Py_buffer *outb, int *thr, int *nt, int64_t *off) {
+    if (check_width(w) < 0 || parse_thresholds(tb, thr, nt) < 0) return -1;
+    if (base->len % w || vals->len % 8 || outb->len != vals->len) {
+        PyErr_Format(PyExc_ValueError, "%s: base, indices or out has the wrong size", fn);
+        return -1;
+    }
+    return parse_offsets(ob, *nt, vals->len / 8, off);
 }
 
 static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
@@ -392,13 +407,8 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     int thr[MAXC], nt;
     int64_t off[MAXC + 1];
-    if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
+    if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off) < 0) goto done;
     int64_t n = base.len / w, nidx = ib.len / 8;
-    if (base.len % w || ib.len % 8 || outb.len != ib.len) {
-        PyErr_SetString(PyExc_ValueError, "class_ranks: base, idx or out has the wrong size");
-        goto done;
-    }
-    if (parse_offsets(&ob, nt, nidx, off) < 0) goto done;
     const int64_t *idx = ib.buf;
     for (int64_t i = 0; i < nidx; i++) {
         if (idx[i] < 0 || idx[i] >= n || (i && idx[i] <= idx[i - 1])) {
@@ -421,11 +431,7 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&base);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&outb);
+    RELEASE(&base, &tb, &ib, &ob, &outb);
     return res;
 }
 
@@ -436,13 +442,8 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     int thr[MAXC], nt;
     int64_t off[MAXC + 1];
-    if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
+    if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off) < 0) goto done;
     int64_t n = base.len / w, nr = rb.len / 8;
-    if (base.len % w || rb.len % 8 || outb.len != rb.len) {
-        PyErr_SetString(PyExc_ValueError, "class_select: base, ranks or out has the wrong size");
-        goto done;
-    }
-    if (parse_offsets(&ob, nt, nr, off) < 0) goto done;
     const int64_t *r = rb.buf;
     for (int c = 0; c <= nt; c++) {
         for (int64_t i = off[c]; i < off[c + 1]; i++) {
@@ -481,11 +482,7 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
 free_b:
     for (int c = 0; c <= nt; c++) PyMem_RawFree(B[c]);
 done:
-    PyBuffer_Release(&base);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&outb);
+    RELEASE(&base, &tb, &rb, &ob, &outb);
     return res;
 }
 
@@ -527,9 +524,7 @@ static PyObject *py_key_hist(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&base);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&outb);
+    RELEASE(&base, &sb, &outb);
     return res;
 }
 
@@ -605,75 +600,7 @@ static PyObject *py_thresholds_dp(PyObject *self, PyObject *args) {
         Py_DECREF(v);
     }
 done:
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&cb);
-    return res;
-}
-
-static int low_bounds(Py_ssize_t len, long long off, int64_t n, int k) {
-    if (k < 1 || k > 56 || off < 0 || n < 0 || (off + (long long)n * k + 7) / 8 + 8 > len) {
-        PyErr_SetString(PyExc_ValueError, "low bits: k outside 1..56 or the bit stream is too short (it needs 8 bytes of padding)");
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *py_pack_low(PyObject *self, PyObject *args) {
-    Py_buffer outb, vb;
-    long long off;
-    int k;
-    if (!PyArg_ParseTuple(args, "w*Ly*i", &outb, &off, &vb, &k)) return NULL;
-    PyObject *res = NULL;
-    int64_t n = vb.len / 8;
-    if (vb.len % 8 == 0 && low_bounds(outb.len, off, n, k) == 0) {
-        uint8_t *o = outb.buf;
-        const int64_t *v = vb.buf;
-        const uint64_t mask = (1ULL << k) - 1;
-        Py_BEGIN_ALLOW_THREADS
-        for (int64_t i = 0; i < n; i++) {
-            long long bit = off + (long long)i * k;
-            uint64_t word;
-            memcpy(&word, o + (bit >> 3), 8);
-            word |= ((uint64_t)v[i] & mask) << (bit & 7);
-            memcpy(o + (bit >> 3), &word, 8);
-        }
-        Py_END_ALLOW_THREADS
-        res = Py_None;
-        Py_INCREF(res);
-    } else if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "pack_low: values must be int64");
-    }
-    PyBuffer_Release(&outb);
-    PyBuffer_Release(&vb);
-    return res;
-}
-
-static PyObject *py_unpack_low(PyObject *self, PyObject *args) {
-    Py_buffer db, outb;
-    long long off;
-    int k;
-    if (!PyArg_ParseTuple(args, "y*Liw*", &db, &off, &k, &outb)) return NULL;
-    PyObject *res = NULL;
-    int64_t n = outb.len / 8;
-    if (outb.len % 8 == 0 && low_bounds(db.len, off, n, k) == 0) {
-        const uint8_t *d = db.buf;
-        int64_t *o = outb.buf;
-        const uint64_t mask = (1ULL << k) - 1;
-        Py_BEGIN_ALLOW_THREADS
-        for (int64_t i = 0; i < n; i++) {
-            long long bit = off + (long long)i * k;
-            uint64_t word;
-            memcpy(&word, d + (bit >> 3), 8);
-            o[i] = (int64_t)((word >> (bit & 7)) & mask);
-        }
-        Py_END_ALLOW_THREADS
-        res = Py_None;
-        Py_INCREF(res);
-    } else if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "unpack_low: out must be int64");
-    }
-    PyBuffer_Release(&db);
-    PyBuffer_Release(&outb);
+    RELEASE(&tb, &cb);
     return res;
 }
 
@@ -713,9 +640,7 @@ static PyObject *py_take(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&outb);
+    RELEASE(&src, &ib, &outb);
     return res;
 }
 
@@ -748,10 +673,7 @@ static PyObject *py_put(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&vb);
-    PyBuffer_Release(&oldb);
+    RELEASE(&dst, &ib, &vb, &oldb);
     return res;
 }
 
@@ -796,8 +718,7 @@ static PyObject *py_gap_hist(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&rb);
-    PyBuffer_Release(&hb);
+    RELEASE(&rb, &hb);
     return res;
 }
 
@@ -835,11 +756,7 @@ static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     res = PyLong_FromLongLong(ne);
 done:
-    PyBuffer_Release(&gb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&eb);
-    PyBuffer_Release(&hb);
-    PyBuffer_Release(&lb);
+    RELEASE(&gb, &sb, &eb, &hb, &lb);
     return res;
 }
 
@@ -885,10 +802,7 @@ static PyObject *py_gap_ranks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("iL", status, (long long)j);
 done:
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&eb);
-    PyBuffer_Release(&lb);
-    PyBuffer_Release(&ob);
+    RELEASE(&sb, &eb, &lb, &ob);
     return res;
 }
 
@@ -954,10 +868,7 @@ static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&hb);
+    RELEASE(&bb, &tb, &cb, &hb);
     return res;
 }
 
@@ -1023,14 +934,7 @@ static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&eb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&zb);
+    RELEASE(&bb, &tb, &cb, &eb, &ob, &xb, &sb, &zb);
     return res;
 }
 
@@ -1077,13 +981,7 @@ static PyObject *py_delta_values(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     res = PyLong_FromLong(status);
 done:
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&cb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&eb);
-    PyBuffer_Release(&zb);
-    PyBuffer_Release(&outb);
+    RELEASE(&bb, &cb, &sb, &ob, &eb, &zb, &outb);
     return res;
 }
 
@@ -1112,9 +1010,7 @@ static PyObject *py_classes(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&ob);
+    RELEASE(&bb, &tb, &ob);
     return res;
 }
 
@@ -1133,8 +1029,6 @@ static PyMethodDef methods[] = {
     {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist) -> None"},
     {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc) -> None"},
     {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
-    {"pack_low", py_pack_low, METH_VARARGS, "pack_low(out, bit_offset, values, k) -> None"},
-    {"unpack_low", py_unpack_low, METH_VARARGS, "unpack_low(data, bit_offset, k, out) -> None"},
     {NULL, NULL, 0, NULL},
 };
 

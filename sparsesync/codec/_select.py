@@ -66,10 +66,12 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
     # candidates: (size, name, build() -> (params, streams)); raw forms are sized without building them
     pos_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [(n * (4 if raw_pos == "raw_i32" else 8), raw_pos, lambda: E.POSITIONS[raw_pos][0](idx, ctx))]
     thresholds: list[int] = []
+    cls = None
     if n < numel:
         if base_full is not None and numel >= MIN_CLASSED_NUMEL and n >= 16:
             thresholds = choose_thresholds(base_full, ch.base_bits)
-        gp, gs = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full)
+        cls = E.class_of(ch.base_bits, thresholds) if thresholds else None  # shared by gaps and delta
+        gp, gs = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full, cls)
         pos_cands.append((_size(gs) + 60 * (len(thresholds) + 1), "gaps", lambda: (gp, gs)))
         # a bitmap costs >= H(n/numel) bits per element: only dense tensors, and only where
         # compressing a sample of it says it may beat the best so far
@@ -80,7 +82,7 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
 
     raw_values = lambda: E._raw_val_enc(ch.base_bits, ch.target_bits, ctx)  # noqa: E731
     val_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [(n * w, "raw", raw_values)]
-    dp, ds = E._delta_enc(ch.base_bits, ch.target_bits, ctx, thresholds)
+    dp, ds = E._delta_enc(ch.base_bits, ch.target_bits, ctx, thresholds, cls)
     val_cands.append((_size(ds) + 20 * (len(thresholds) + 1), "delta", lambda: (dp, ds)))
     vsize, vname, vbuild = min(val_cands, key=lambda c: c[0])
     best = (psize + vsize, pname, pbuild, vname, vbuild)
