@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,7 +279,7 @@ def test_golden_bytes_pin_the_format():
     n = header_length(data[:8])
     header = json.loads(data[8 : 8 + n])
     meta = header.pop("__metadata__")
-    assert meta["format"] == "sparsesync.patch" and meta["format_version"] == "1"
+    assert meta["format"] == "sparsesync.patch" and meta["format_version"] == "2"
     assert (meta["base_version"], meta["target_version"]) == ("7", "8")
     entry = json.loads(meta["tensors"])["w"]
     assert (entry["positions"], entry["values"], entry["n_changed"]) == ("bitmap", "raw", 3)
@@ -299,8 +300,46 @@ def test_golden_bytes_raw_interop_form():
     assert (len(data), xxhash.xxh3_64_hexdigest(data)) == GOLDEN_RAW
 
 
-GOLDEN = (640, "261bf33defb75a75")
-GOLDEN_RAW = (636, "8ea0d392426a61d5")
+GOLDEN = (640, "58ab88c91a764d75")
+GOLDEN_RAW = (636, "2a0c0b2a3a0f66ca")
+
+
+def test_golden_bytes_entropy_coded_streams():
+    """Pins format 2's rANS streams (`gaps` and `delta`): 4 states then the words."""
+    base = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -0.0, 8.0, 0.25] * 4, dtype=torch.bfloat16)
+    tgt = base.clone()
+    bits(tgt)[[1, 4, 5, 9, 10, 17, 30]] += torch.tensor([1, -1, 1, 1, 2, -1, 1], dtype=torch.int16)
+    ch = diff_state({"w": base}, {"w": tgt})["w"]
+    data = _forced(ch, base, "gaps", "delta", [])
+    patch = read_patch(data)
+    assert patch.stream("x", "gaps").hex() == GOLDEN_GAPS
+    assert patch.stream("x", "delta").hex() == GOLDEN_DELTA
+    upd = decode_patch(patch, {"x": base})["x"]
+    assert torch.equal(bits(upd.values), bits(tgt)[ch.indices])
+
+
+GOLDEN_GAPS = "609bd4fa0000000068a295e6040000008cab95e60400000050a82eb300000000"  # 7 symbols: 4 states, no words yet
+GOLDEN_DELTA = "9bb6432006000000108018200600000082b2f087010000009fa4fbdf00000000"
+
+
+def test_format_1_patches_still_apply():
+    """A patch written by format 1's encoder (constriction's ANS; tests/data/format_v1) applies bit-exactly."""
+    from safetensors.torch import load_file
+
+    d = Path(__file__).parent / "data" / "format_v1"
+    base, target = load_file(d / "base.safetensors"), load_file(d / "target.safetensors")
+    patch = read_patch(d / "patch.safetensors")
+    assert patch.header.format_version == 1
+    assert {(e.positions, e.values) for e in patch.header.tensors.values()} == {("gaps", "delta"), ("dense", "delta")}
+    assert any(e.position_params.get("thresholds") for e in patch.header.tensors.values())
+    work = _clone(base)
+    apply_patch(patch, work)
+    assert_bit_equal(work, target)
+    s, e = _span(patch.data, "w::gaps")  # a flipped word in a format 1 stream is still caught
+    bad = bytearray(patch.data)
+    bad[s + 2] ^= 0x10
+    with pytest.raises(SparsesyncError):
+        apply_patch(read_patch(bytes(bad)), _clone(base))
 
 
 # ---------------------------------------------------------------------------- anchors
@@ -681,9 +720,9 @@ def test_reject_bad_encoding_parameters():
 def test_reject_unknown_format_version():
     data = _golden_patch()
     base = {"w": torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -0.0, 8.0, 0.25], dtype=torch.bfloat16)}
-    for v in ("2", "0", "1.0", ""):
+    for v in ("3", "0", "1.0", "2 ", ""):
         bad = _edit_header(data, lambda h, v=v: h["__metadata__"].update(format_version=v))
-        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected 1")
+        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected one of 1, 2")
         assert "upgrade sparsesync" in err.hint
         with pytest.raises(PatchFormatError, match="format_version"):
             parse_header(bad[8 : 8 + header_length(bad[:8])])

@@ -71,32 +71,56 @@ def _ref_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray) -> list
     return [(np.cumsum(cls == c) - 1)[idx[cls[idx] == c]] for c in range(len(thresholds) + 1)]
 
 
+HW = [0, 1, 2]  # portable; BMI2's pdep; AVX-512BW class masks (each run where the CPU has it)
+
+
+def _need(hw: int) -> None:
+    if hw not in _native.hw_levels():
+        pytest.skip(f"this CPU lacks HW level {hw} (has {_native.hw_levels()})")
+
+
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 5000])
-@pytest.mark.parametrize("hw", [0, -1])  # the portable deposit, and BMI2's pdep where the CPU has it
+@pytest.mark.parametrize("hw", HW)
 def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
+    _need(hw)
     rng = np.random.default_rng(width * 1000 + n)
     base = _bits(rng, n, width)
     for thresholds in ([], [64], [20, 40, 100], [1, 2, 3, 4, 5, 6, 127]):
         for density in (0.0, 0.02, 0.5, 1.0):
             idx = np.flatnonzero(rng.random(n) < density).astype(np.int64)
-            ranks = class_ranks(base, thresholds, idx, class_of(base[idx], thresholds))
-            for got, want in zip(ranks, _ref_ranks(base, thresholds, idx), strict=True):
-                assert np.array_equal(got, want)
-            off = np.concatenate([[0], np.cumsum([r.size for r in ranks])]).astype(np.int64)
+            want = _ref_ranks(base, thresholds, idx)
+            off = np.concatenate([[0], np.cumsum([r.size for r in want])]).astype(np.int64)
+            flat = np.empty(idx.size, np.int64)
+            _native.class_ranks(base, width, bytes(thresholds), idx, off, flat, hw)
+            ranks = np.split(flat, off[1:-1])
+            for got, w in zip(ranks, want, strict=True):
+                assert np.array_equal(got, w)
             out = np.empty(idx.size, np.int64)
             assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw) == -1
             assert np.array_equal(out, idx)
 
 
-@pytest.mark.parametrize("hw", [0, -1])
+def test_hw_levels_start_portable_and_unknown_levels_are_refused():
+    levels = _native.hw_levels()
+    assert levels == list(range(len(levels))) and 1 <= len(levels) <= 3
+    base, idx = np.zeros(64, np.uint16), np.array([1], np.int64)
+    with pytest.raises(ValueError, match="hw level 7"):
+        _native.class_ranks(base, 2, b"", idx, np.array([0, 1], np.int64), np.empty(1, np.int64), 7)
+    with pytest.raises(ValueError, match="hw level -2"):
+        _native.class_select(base, 2, b"", idx, np.array([0, 1], np.int64), np.empty(1, np.int64), -2)
+
+
+@pytest.mark.parametrize("hw", HW)
 def test_class_select_names_the_class_whose_ranks_run_past_its_members(hw):
+    _need(hw)
     base = np.arange(1000, dtype=np.uint16) << 8  # keys 0..127 repeating: with threshold 64, about half in each class
     members = int((class_of(base, [64]) == 1).sum())
-    _, bad = class_select(base, [64], [np.array([0, 5], np.int64), np.array([3, members], np.int64)])
-    assert bad == 1
+    off, out = np.array([0, 2, 4], np.int64), np.empty(4, np.int64)
+    assert _native.class_select(base, 2, bytes([64]), np.array([0, 5, 3, members], np.int64), off, out, hw) == 1
+    assert _native.class_select(base, 2, bytes([64]), np.array([0, 5, 3, members - 1], np.int64), off, out, hw) == -1
     idx, bad = class_select(base, [64], [np.array([0, 5], np.int64), np.array([3, members - 1], np.int64)])
-    assert bad == -1 and idx.size == 4
+    assert bad == -1 and np.array_equal(idx, out)
 
 
 def test_class_passes_reject_bad_arguments():
@@ -256,6 +280,183 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
 
 
 # ---------------------------------------------------------------------------- gather / scatter
+_ESC_CHOICES = np.array([1, 2, 4, 8, 16, 32, 64])
+
+
+def _ref_escape_costs(hists: np.ndarray, raw_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy definition of `_native.escape_costs`: per row, entropy of the values below E
+    plus raw escapes plus 24 bits per model count, over E in _ESC_CHOICES up to the first E
+    without escapes; the first minimum."""
+    c = hists.astype(np.float64)
+    rows = c.shape[0]
+    n = c.sum(axis=1, keepdims=True)
+    zero = np.zeros((rows, 1))
+    cum_clogc = np.concatenate([zero, np.cumsum(c * np.log2(np.maximum(c, 1.0)), axis=1)], axis=1)
+    tail = n - np.concatenate([zero, np.cumsum(c, axis=1)], axis=1)
+    esc = np.maximum(tail[:, _ESC_CHOICES], 0.0)
+    ent = np.where(n > 0, n * np.log2(np.maximum(n, 1.0)) - cum_clogc[:, _ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)), 0.0)
+    bits = ent + esc * raw_bits + 24.0 * (_ESC_CHOICES + 1)
+    no_esc = esc == 0
+    last = np.where(no_esc.any(axis=1), np.argmax(no_esc, axis=1), esc.shape[1] - 1)
+    bits = np.where(np.arange(esc.shape[1]) <= last[:, None], bits, np.inf)
+    i = np.argmin(bits, axis=1)
+    return bits[np.arange(rows), i], _ESC_CHOICES[i]
+
+
+@pytest.mark.parametrize("raw_bits", [8, 16, 64])
+def test_escape_costs_match_numpy(raw_bits):
+    rng = np.random.default_rng(raw_bits)
+    rows = [np.zeros(65, np.int64), np.eye(65, dtype=np.int64)[0] * 5, np.eye(65, dtype=np.int64)[64] * 3]
+    for scale in (1, 10, 1000, 10**7):  # geometric-ish histograms, as gaps and deltas have, and noise
+        rows += [np.round(scale * rng.random() * np.exp(-np.arange(65) * rng.uniform(0.05, 3))).astype(np.int64) for _ in range(40)]
+        rows += [rng.integers(0, scale + 1, 65) for _ in range(10)]
+    hists = np.stack(rows)
+    bits, es = np.empty(len(rows)), np.empty(len(rows), np.int64)
+    _native.escape_costs(hists, float(raw_bits), bits, es)
+    want_bits, want_es = _ref_escape_costs(hists, raw_bits)
+    assert np.array_equal(es, want_es)
+    assert np.allclose(bits, want_bits, rtol=1e-12, atol=1e-9)
+    with pytest.raises(ValueError, match="rows of 65"):
+        _native.escape_costs(hists[:, :64].copy(), 8.0, bits, es)
+    with pytest.raises(ValueError, match=r"counts must be in \[0, 2\^52\)"):
+        _native.escape_costs(-hists[1:2], 8.0, bits[:1], es[:1])
+
+
+# ---------------------------------------------------------------------------- rANS (format 2)
+RANS_L, PROB_BITS, WAYS = 1 << 31, 14, 4
+
+
+def _ref_quantize(counts: list[int]) -> tuple[list[int], list[int]]:
+    """docs/format.md, "Entropy coding": frequencies summing to 2^14, zero exactly where the count is."""
+    m, total = 1 << PROB_BITS, sum(counts)
+    freq = [0 if c == 0 else max(1, c * m // total) for c in counts]
+    big = max(range(len(freq)), key=lambda s: (freq[s], -s))  # the first largest
+    freq[big] += m - sum(freq)
+    return freq, [sum(freq[:s]) for s in range(len(freq))]
+
+
+def _ref_rans_encode(segments: list[tuple[list[int], list[int]]]) -> bytes:
+    syms = [(s, counts) for sym, counts in segments for s in sym]
+    x, words = [RANS_L] * WAYS, []
+    for i in reversed(range(len(syms))):
+        s, counts = syms[i]
+        freq, start = _ref_quantize(counts)
+        j, f = i % WAYS, freq[s]
+        if x[j] >= ((RANS_L >> PROB_BITS) << 32) * f:
+            words.append(x[j] & 0xFFFFFFFF)
+            x[j] >>= 32
+        x[j] = (x[j] // f << PROB_BITS) + x[j] % f + start[s]
+    if not words and x == [RANS_L] * WAYS:
+        return b""
+    return b"".join(v.to_bytes(8, "little") for v in x) + b"".join(w.to_bytes(4, "little") for w in reversed(words))
+
+
+def _ref_rans_decode(data: bytes, models: list[tuple[list[int], int]]) -> list[list[int]]:
+    x = [int.from_bytes(data[8 * j : 8 * j + 8], "little") for j in range(WAYS)] if data else [RANS_L] * WAYS
+    pos, i, out = 8 * WAYS if data else 0, 0, []
+    for counts, n in models:
+        freq, start = _ref_quantize(counts) if n else ([], [])
+        seg = []
+        for _ in range(n):
+            j, slot = i % WAYS, x[i % WAYS] & ((1 << PROB_BITS) - 1)
+            s = max(t for t in range(len(freq)) if freq[t] and start[t] <= slot)
+            x[j] = freq[s] * (x[j] >> PROB_BITS) + slot - start[s]
+            if x[j] < RANS_L:
+                x[j] = (x[j] << 32) | int.from_bytes(data[pos : pos + 4], "little")
+                pos += 4
+            seg.append(s)
+            i += 1
+        out.append(seg)
+    assert pos == len(data) and x == [RANS_L] * WAYS
+    return out
+
+
+def _rans_case(rng: np.random.Generator, sizes: list[int]) -> list[tuple[np.ndarray, list[int]]]:
+    segs = []
+    for n in sizes:
+        k = int(rng.integers(2, 66))
+        p = rng.dirichlet(np.full(k, rng.choice([0.05, 1.0])))  # skewed or flat models
+        sym = rng.choice(k, n, p=p).astype(np.int32)
+        counts = np.bincount(sym, minlength=k).tolist() if n else [1] + [0] * (k - 1)
+        segs.append((sym, counts))
+    return segs
+
+
+def _rans(segs: list[tuple[np.ndarray, list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    counts = np.array([c for _, cs in segs for c in cs], np.int64)
+    cofs = np.cumsum([0] + [len(cs) for _, cs in segs]).astype(np.int64)
+    sofs = np.cumsum([0] + [s.size for s, _ in segs]).astype(np.int64)
+    sym = np.concatenate([s for s, _ in segs]) if segs else np.zeros(0, np.int32)
+    return sym, sofs, counts, cofs
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [1], [3, 0, 5], [2000], [7, 1, 0, 1500, 33], [4, 4, 4, 4]])
+def test_rans_matches_the_reference_coder_and_inverts(sizes):
+    rng = np.random.default_rng(sum(sizes) + len(sizes))
+    for _ in range(3):
+        segs = _rans_case(rng, sizes)
+        sym, sofs, counts, cofs = _rans(segs)
+        data = _native.rans_encode(sym, sofs, counts, cofs)
+        assert data == _ref_rans_encode([(s.tolist(), cs) for s, cs in segs])
+        out = np.full(sym.size, -1, np.int32)
+        assert _native.rans_decode(data, counts, cofs, sofs, out) == 0
+        assert np.array_equal(out, sym)
+        assert [list(x) for x in _ref_rans_decode(data, [(cs, s.size) for s, cs in segs])] == [s.tolist() for s, _ in segs]
+
+
+def test_rans_size_is_near_the_entropy_and_certain_symbols_cost_nothing():
+    rng = np.random.default_rng(5)
+    segs = _rans_case(rng, [200_000, 50_000])
+    sym, sofs, counts, cofs = _rans(segs)
+    ent = sum(-(c * np.log2(c / c.sum())).sum() for c in (np.array(cs)[np.array(cs) > 0] for _, cs in segs)) / 8
+    assert ent <= len(_native.rans_encode(sym, sofs, counts, cofs)) <= ent * 1.002 + 64
+    certain = np.full(1000, 3, np.int32)
+    assert _native.rans_encode(certain, np.array([0, 1000], np.int64), np.array([0, 0, 0, 9, 0], np.int64), np.array([0, 5], np.int64)) == b""
+
+
+def test_rans_decode_rejects_every_damaged_stream():
+    rng = np.random.default_rng(9)
+    segs = _rans_case(rng, [300, 41])
+    sym, sofs, counts, cofs = _rans(segs)
+    data = _native.rans_encode(sym, sofs, counts, cofs)
+    out = np.empty(sym.size, np.int32)
+
+    def status(d: bytes) -> int:
+        return _native.rans_decode(d, counts, cofs, sofs, out)
+
+    assert status(data[:-1]) == 1 and status(data[:20]) == 1 and status(data + b"\0") == 1
+    assert status(data[:-4]) == 3 and status(b"") == 3  # words run out
+    assert status(data + b"\0" * 4) == 4  # a word left over
+    assert status(b"\xff" * 8 + data[8:]) == 2  # state 0 past its range
+    assert status((1).to_bytes(8, "little") + data[8:]) == 2  # state 0 below it
+    for pos in range(0, len(data), 3):  # any flipped byte: never a crash, never a silent pass with the same symbols
+        bad = bytearray(data)
+        bad[pos] ^= 0x5A
+        out[:] = -1
+        st = status(bytes(bad))
+        assert st != 0 or not np.array_equal(out, sym)
+        assert out.min() >= -1 and out.max() < 65
+    empty = np.array([0, 0, 0], np.int64)
+    assert _native.rans_decode(data, np.zeros(4, np.int64), np.array([0, 2, 4], np.int64), np.array([0, 1, 1], np.int64), np.empty(1, np.int32)) == 5
+    assert _native.rans_decode(b"", counts, cofs, empty, np.empty(0, np.int32)) == 0
+
+
+def test_rans_rejects_bad_arguments():
+    sym, sofs, counts, cofs = _rans([(np.array([0, 1, 5], np.int32), [1, 1, 0, 0, 0, 0])])
+    with pytest.raises(ValueError, match="outside its model or has a zero count"):
+        _native.rans_encode(sym, sofs, counts, cofs)  # symbol 5 has count 0
+    with pytest.raises(ValueError, match="outside its model"):
+        _native.rans_encode(np.array([6], np.int32), np.array([0, 1], np.int64), np.ones(6, np.int64), np.array([0, 6], np.int64))
+    with pytest.raises(ValueError, match="malformed"):
+        _native.rans_encode(sym, np.array([0, 2], np.int64), counts, cofs)  # offsets end before the symbols do
+    with pytest.raises(ValueError, match="malformed"):
+        _native.rans_encode(sym, sofs, np.ones(66, np.int64), np.array([0, 66], np.int64))  # 66 symbols
+    with pytest.raises(ValueError, match="malformed"):
+        _native.rans_decode(b"", np.array([1, -1], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
+    with pytest.raises(ValueError, match="malformed"):
+        _native.rans_decode(b"", np.array([1, 1 << 40], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
+
+
 def test_take_and_put_check_every_index_before_writing():
     dst = np.arange(100, dtype=np.uint16)
     before = dst.copy()

@@ -9,6 +9,8 @@ base magnitude".
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from sparsesync.codec import _native
@@ -43,7 +45,7 @@ def class_of(bits: np.ndarray, thresholds: list[int]) -> np.ndarray:
 
 def offsets(sizes: list[int] | np.ndarray) -> np.ndarray:
     """Start of each group and the total (int64, len(sizes) + 1) for groups of `sizes` laid end to end."""
-    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return np.fromiter(itertools.accumulate(sizes, initial=0), dtype=np.int64, count=len(sizes) + 1)
 
 
 def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, cls: np.ndarray) -> list[np.ndarray]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import constriction
 import numpy as np
 import zstandard
 
@@ -36,6 +35,7 @@ class Ctx:
     numel: int
     n_changed: int
     base_bits: Callable[[np.ndarray | None], np.ndarray]  # base bits at indices (None: whole tensor)
+    format_version: int = 2  # of the patch being read: picks the entropy decoder
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -81,9 +81,15 @@ def check_indices(ctx: Ctx, idx: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- entropy coding
-def _model(counts: list[int]) -> constriction.stream.model.Categorical:
-    c = np.asarray(counts, dtype=np.float64)
-    return constriction.stream.model.Categorical(c / c.sum(), perfect=False)
+# Format 2: rANS in C (`_native.rans_encode` / `rans_decode`, GIL released, 4 interleaved
+# states); format 1 (read only): constriction's AnsCoder. Spec: docs/format.md, "Entropy coding".
+_RANS_STATUS = {
+    1: "has {n} bytes, expected 0, or 32 plus a multiple of 4",
+    2: "starts with an invalid coder state",
+    3: "ends before its last symbol",
+    4: "has data left after the last symbol",
+    5: "has no model for its coded symbols",
+}
 
 
 def _check_counts(ctx: Ctx, counts: object, what: str) -> list[int]:
@@ -96,73 +102,75 @@ def _check_counts(ctx: Ctx, counts: object, what: str) -> list[int]:
     return counts
 
 
-def _entropy_bits(c: np.ndarray) -> float:
-    c = c[c > 0].astype(np.float64)
-    return float(-(c * np.log2(c / c.sum())).sum()) if c.size else 0.0
-
-
-_ESC_CHOICES = np.array([1, 2, 4, 8, 16, 32, 64])
-
-
 def _escape_costs(hists: np.ndarray, raw_bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `hists` (histograms of values clipped at MAX_ALPHABET, shape (rows, 65)):
-    (estimated bits, alphabet size E) minimizing entropy + raw escapes + header."""
-    c = hists.astype(np.float64)
-    rows = c.shape[0]
-    n = c.sum(axis=1, keepdims=True)
-    zero = np.zeros((rows, 1))
-    clogc = c * np.log2(np.maximum(c, 1.0))  # 0 where c == 0
-    cum_clogc = np.concatenate([zero, np.cumsum(clogc, axis=1)], axis=1)
-    tail = n - np.concatenate([zero, np.cumsum(c, axis=1)], axis=1)
-    esc = np.maximum(tail[:, _ESC_CHOICES], 0.0)
-    ent = np.where(n > 0, n * np.log2(np.maximum(n, 1.0)) - cum_clogc[:, _ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)), 0.0)
-    bits = ent + esc * raw_bits + 24.0 * (_ESC_CHOICES + 1)
-    # larger alphabets than the first without escapes cannot help
-    no_esc = esc == 0
-    last = np.where(no_esc.any(axis=1), np.argmax(no_esc, axis=1), esc.shape[1] - 1)
-    bits = np.where(np.arange(esc.shape[1]) <= last[:, None], bits, np.inf)
-    i = np.argmin(bits, axis=1)
-    return bits[np.arange(rows), i], _ESC_CHOICES[i]
+    (estimated bits, alphabet size E in {1, 2, 4, ..., 64}) minimizing entropy + raw escapes +
+    header (one C pass, `_native.escape_costs`)."""
+    hists = np.ascontiguousarray(hists, dtype=np.int64)
+    bits, es = np.empty(hists.shape[0]), np.empty(hists.shape[0], dtype=np.int64)
+    _native.escape_costs(hists, float(raw_bits), bits, es)
+    return bits, es
+
+
+def _models(models: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(counts of every segment concatenated, their offsets, the segments' symbol offsets)."""
+    counts = np.array([c for cs, _ in models for c in cs], dtype=np.int64)
+    return counts, offsets([len(cs) for cs, _ in models]), offsets([n for _, n in models])
 
 
 def ans_encode(segments: list[tuple[np.ndarray, list[int]]]) -> bytes:
-    """ANS-code segments of symbols, each with its own categorical model (decoded in order)."""
-    coder = constriction.stream.stack.AnsCoder()
-    for sym, counts in reversed(segments):
-        if sym.size:
-            coder.encode_reverse(sym, _model(counts))
-    return coder.get_compressed().astype("<u4").tobytes()
+    """Entropy-code segments of symbols, each with its own model (its exact symbol counts);
+    `ans_decode` returns them in this order."""
+    counts, cofs, sofs = _models([(c, s.size) for s, c in segments])
+    sym = np.concatenate([s for s, _ in segments]).astype(np.int32, copy=False) if segments else np.zeros(0, np.int32)
+    return _native.rans_encode(sym, sofs, counts, cofs)
 
 
-class AnsReader:
-    """Decodes segments in the order `ans_encode` got them; errors become PatchFormatError."""
+def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> list[np.ndarray]:
+    """The symbols of stream `role`: one int32 array per (counts, n) segment, in order.
+    Anything that does not decode exactly (and to the end) is PatchFormatError."""
+    if ctx.format_version == 1:
+        return _ans_decode_v1(ctx, role, data, models)
+    for counts, n in models:
+        if n and sum(counts) == 0:
+            raise _bad(ctx, f"stream '{role}' has no model or data for {n} coded symbols")
+    counts, cofs, sofs = _models(models)
+    out = np.empty(int(sofs[-1]), dtype=np.int32)
+    status = _native.rans_decode(data, counts, cofs, sofs, out)
+    if status:
+        raise _bad(ctx, f"stream '{role}' " + _RANS_STATUS[status].format(n=len(data)))
+    return np.split(out, sofs[1:-1])
 
-    def __init__(self, ctx: Ctx, role: str, data: bytes) -> None:
-        self.ctx, self.role = ctx, role
-        if len(data) % 4:
-            raise _bad(ctx, f"stream '{role}' has {len(data)} bytes, expected a multiple of 4")
-        try:
-            # an empty stream is the coder's initial state: certain symbols encode to nothing
-            self.coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, dtype="<u4").astype(np.uint32))
-        except Exception as e:  # constriction rejects malformed data with ValueError
-            raise _bad(ctx, f"stream '{role}' is not valid ANS data ({e})") from None
 
-    def decode(self, counts: list[int], n: int) -> np.ndarray:
+def _ans_decode_v1(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> list[np.ndarray]:
+    """Format 1: constriction's AnsCoder (32-bit words) with its leaky 24-bit Categorical models."""
+    import constriction
+
+    if len(data) % 4:
+        raise _bad(ctx, f"stream '{role}' has {len(data)} bytes, expected a multiple of 4")
+    try:
+        # an empty stream is the coder's initial state: certain symbols encode to nothing
+        coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, dtype="<u4").astype(np.uint32))
+    except Exception as e:  # constriction rejects malformed data with ValueError
+        raise _bad(ctx, f"stream '{role}' is not valid ANS data ({e})") from None
+    out = []
+    for counts, n in models:
         if n == 0:
-            return np.zeros(0, dtype=np.int32)
+            out.append(np.zeros(0, dtype=np.int32))
+            continue
         if sum(counts) == 0:
-            raise _bad(self.ctx, f"stream '{self.role}' has no model or data for {n} coded symbols")
+            raise _bad(ctx, f"stream '{role}' has no model or data for {n} coded symbols")
+        c = np.asarray(counts, dtype=np.float64)
         try:
-            out = np.asarray(self.coder.decode(_model(counts), n), dtype=np.int32)
+            sym = np.asarray(coder.decode(constriction.stream.model.Categorical(c / c.sum(), perfect=False), n), dtype=np.int32)
         except Exception as e:
-            raise _bad(self.ctx, f"stream '{self.role}' does not decode ({e})") from None
-        if out.size != n or (out.size and (out.min() < 0 or out.max() >= len(counts))):
-            raise _bad(self.ctx, f"stream '{self.role}' decoded to symbols outside the model")
-        return out
-
-    def finish(self) -> None:
-        if not self.coder.is_empty():
-            raise _bad(self.ctx, f"stream '{self.role}' has data left after the last symbol")
+            raise _bad(ctx, f"stream '{role}' does not decode ({e})") from None
+        if sym.size != n or (sym.size and (sym.min() < 0 or sym.max() >= len(counts))):
+            raise _bad(ctx, f"stream '{role}' decoded to symbols outside the model")
+        out.append(sym)
+    if not coder.is_empty():
+        raise _bad(ctx, f"stream '{role}' has data left after the last symbol")
+    return out
 
 
 # ---------------------------------------------------------------------------- positions
@@ -296,9 +304,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     if len(low_data) != (n_low + 7) // 8:
         raise _bad(ctx, f"stream 'gaps_low' has {len(low_data)} bytes, expected {(n_low + 7) // 8}")
     low_padded = bytes(low_data) + b"\0" * 8  # gap_ranks reads 64-bit windows
-    reader = AnsReader(ctx, "gaps", streams["gaps"])
-    syms = [reader.decode(c, n) for c, n in zip(cs, ns)]
-    reader.finish()
+    syms = ans_decode(ctx, "gaps", streams["gaps"], list(zip(cs, ns)))
     raw_esc = streams.get("gaps_escape", b"")
     if len(raw_esc) % 8:
         raise _bad(ctx, f"stream 'gaps_escape' has {len(raw_esc)} bytes, expected a multiple of 8")
@@ -407,9 +413,7 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
     sizes = np.bincount(cls, minlength=n_cls).tolist() if thresholds else [base.size]
-    reader = AnsReader(ctx, "delta", streams.get("delta", b""))
-    syms = [reader.decode(counts, n) for counts, n in zip(counts_all, sizes)]
-    reader.finish()
+    syms = ans_decode(ctx, "delta", streams.get("delta", b""), list(zip(counts_all, sizes)))
     sym = np.concatenate(syms) if len(syms) > 1 else syms[0]
     es = np.array([len(c) - 1 for c in counts_all], dtype=np.int64)
     esc_data = streams.get("delta_escape", b"")

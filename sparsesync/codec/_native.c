@@ -14,14 +14,27 @@
  *       indices plus `offset` (int64) and both sides' bits of changed elements from element
  *       `start` on, in order, until the outputs are full; returns how many it wrote and where
  *       to resume.
- *   class_ranks(base, width, thresholds, idx, offsets, out_rank) -> None
+ *   class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None
  *       For sorted changed indices `idx`: the rank of each among the members of its class of
  *       the base magnitude (see docs/format.md, "Classes of the base magnitude"), written
  *       grouped by class (class c from offsets[c] on, in index order).
  *   class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> int
  *       The inverse: ranks grouped by class (strictly increasing inside a class) to the sorted
  *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
- *       Uses BMI2's pdep where the CPU has a fast one (hw=0: the portable path, for tests).
+ *   hw_levels() -> list[int]
+ *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
+ *       AMD Zen 1/2), 2 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
+ *       default: the best level); every level gives the same result (the tests run them all).
+ *   rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes
+ *   rans_decode(data, counts, count_offsets, segment_offsets, out) -> status
+ *       The entropy coder of format 2 (docs/format.md, "Entropy coding": rANS, 4 interleaved
+ *       states, 14-bit frequencies quantized from each segment's integer counts). The decoder
+ *       reads only inside `data`, writes only `out`, and returns 0, or the reason the stream
+ *       is invalid (wrong length, bad state, too short, data left, no model).
+ *   escape_costs(hists, raw_bits, out_bits, out_e) -> None
+ *       Per row of `hists` (int64, rows x 65: counts of values 0..63 and of values >= 64):
+ *       the alphabet size E in {1, 2, 4, ..., 64} minimizing entropy + raw escapes + header
+ *       bits, and those bits (`_encodings._escape_costs`; its numpy definition is in the tests).
  *   classes(bits, width, thresholds, out) -> None
  *       The class (uint8) of each element: how many thresholds its magnitude key reaches.
  *   key_hist(base, width, starts, block, out) -> None
@@ -53,8 +66,15 @@
 #include <emmintrin.h>
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h> /* _pdep_u64, used only where the CPU has BMI2 */
+#include <immintrin.h> /* BMI2 and AVX-512, used only where the CPU has them (see HW levels) */
+#define SS_X86 1
+#define T512 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
 #endif
+
+/* HW levels: which instructions a pass may use. Each level computes the same result; tests run
+ * every level the CPU has (`hw_levels()`), and callers get the best one (hw=-1). */
+enum { HW_PORTABLE = 0, HW_BMI2 = 1, HW_AVX512 = 2 };
+static int HW_BEST = HW_PORTABLE;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the patch format is little-endian; this file reads it with native loads"
 #endif
@@ -137,6 +157,70 @@ static inline __attribute__((always_inline)) void class_masks(const uint8_t *p, 
     m[nt] = prev;
 }
 
+typedef void (*masks_fn)(const uint8_t *, int, int64_t, int, const int *, int, uint64_t *);
+
+#ifdef SS_X86
+/* The same masks with AVX-512BW: compare (bits & magnitude) >= threshold << (8 * w - 8) on
+ * whole lanes, 64 bytes at a time (a 64-element block is 1, 2, 4 or 8 vectors). */
+T512 static inline __attribute__((always_inline)) void class_masks_512(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
+    if (cnt != 64) {
+        class_masks(p, w, start, cnt, thr, nt, m);
+        return;
+    }
+    const uint8_t *s = p + start * w;
+    uint64_t prev = ~0ULL;
+    switch (w) {
+    case 1: {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512(s), _mm512_set1_epi8(0x7f));
+        for (int c = 0; c < nt; c++) {
+            uint64_t ge = _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)thr[c]));
+            m[c] = prev & ~ge;
+            prev = ge;
+        }
+        break;
+    }
+    case 2: {
+        const __m512i mag = _mm512_set1_epi16(0x7fff);
+        __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(s), mag), v1 = _mm512_and_si512(_mm512_loadu_si512(s + 64), mag);
+        for (int c = 0; c < nt; c++) {
+            __m512i t = _mm512_set1_epi16((short)(thr[c] << 8));
+            uint64_t ge = (uint64_t)_mm512_cmpge_epu16_mask(v0, t) | (uint64_t)_mm512_cmpge_epu16_mask(v1, t) << 32;
+            m[c] = prev & ~ge;
+            prev = ge;
+        }
+        break;
+    }
+    case 4: {
+        const __m512i mag = _mm512_set1_epi32(0x7fffffff);
+        __m512i v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm512_and_si512(_mm512_loadu_si512(s + 64 * j), mag);
+        for (int c = 0; c < nt; c++) {
+            __m512i t = _mm512_set1_epi32((int)((uint32_t)thr[c] << 24));
+            uint64_t ge = 0;
+            for (int j = 0; j < 4; j++) ge |= (uint64_t)_mm512_cmpge_epu32_mask(v[j], t) << (16 * j);
+            m[c] = prev & ~ge;
+            prev = ge;
+        }
+        break;
+    }
+    default: {
+        const __m512i mag = _mm512_set1_epi64(0x7fffffffffffffffLL);
+        __m512i v[8];
+        for (int j = 0; j < 8; j++) v[j] = _mm512_and_si512(_mm512_loadu_si512(s + 64 * j), mag);
+        for (int c = 0; c < nt; c++) {
+            __m512i t = _mm512_set1_epi64((long long)((uint64_t)thr[c] << 56));
+            uint64_t ge = 0;
+            for (int j = 0; j < 8; j++) ge |= (uint64_t)_mm512_cmpge_epu64_mask(v[j], t) << (8 * j);
+            m[c] = prev & ~ge;
+            prev = ge;
+        }
+        break;
+    }
+    }
+    m[nt] = prev;
+}
+#endif
+
 #define DISPATCH_WIDTH(w, CALL) \
     switch (w) {                \
     case 1: CALL(1); break;     \
@@ -146,7 +230,7 @@ static inline __attribute__((always_inline)) void class_masks(const uint8_t *p, 
     }
 
 /* ------------------------------------------------------------------------ class_ranks */
-static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out, masks_fn masks) {
     int64_t cum[MAXC] = {0};
     uint64_t m[MAXC];
     uint8_t cls[128]; /* class of each key */
@@ -157,7 +241,7 @@ static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w
     int64_t i = 0;
     for (int64_t start = 0; start < n && i < nidx; start += 64) {
         int cnt = n - start < 64 ? (int)(n - start) : 64;
-        class_masks(p, w, start, cnt, thr, nt, m);
+        masks(p, w, start, cnt, thr, nt, m);
         while (i < nidx && idx[i] < start + cnt) {
             uint64_t bit = 1ULL << (idx[i] - start);
             int c = cls[p[idx[i] * w + (w - 1)] & 0x7f];
@@ -171,6 +255,22 @@ static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w
         if (wr[c] != off[c + 1]) return 0;
     return 1;
 }
+
+static int ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return 0;
+}
+
+#ifdef SS_X86
+T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_512)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return 0;
+}
+#endif
 
 /* ------------------------------------------------------------------------ class_select */
 /* Each class's target ranks as a bitmap over the class's members (B[c], two zero words of
@@ -191,12 +291,12 @@ static inline uint64_t deposit_sw(uint64_t bits, uint64_t m) {
     return r;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SS_X86
 __attribute__((target("bmi2"))) static inline uint64_t deposit_hw(uint64_t bits, uint64_t m) { return _pdep_u64(bits, m); }
 #endif
 
 static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out,
-                                                          uint64_t (*deposit)(uint64_t, uint64_t)) {
+                                                          uint64_t (*deposit)(uint64_t, uint64_t), masks_fn masks) {
     int64_t cum[MAXC] = {0};
     uint64_t m[MAXC];
     int64_t o = 0;
@@ -204,7 +304,7 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
     for (int c = 0; c <= nt; c++) live += lim[c] > 0;
     for (int64_t start = 0; start < n && live; start += 64) {
         int cnt = n - start < 64 ? (int)(n - start) : 64;
-        class_masks(p, w, start, cnt, thr, nt, m);
+        masks(p, w, start, cnt, thr, nt, m);
         uint64_t sel = 0;
         for (int c = 0; c <= nt; c++) {
             int pc = popc(m[c]);
@@ -227,15 +327,22 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
 }
 
 static int select_sw(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_sw)
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_sw, class_masks)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("bmi2"))) static int select_hw(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw)
+#ifdef SS_X86
+__attribute__((target("bmi2"))) static int select_bmi2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return -1;
+}
+
+T512 static int select_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
@@ -307,6 +414,185 @@ static double xlogx_cost(double t, double c) { /* bits to code c changes among t
     return t * h;
 }
 
+/* ------------------------------------------------------------------------ escape costs */
+#define ALPHA 64 /* MAX_ALPHABET in _encodings.py: values >= ALPHA escape */
+static const int ESC_CHOICES[] = {1, 2, 4, 8, 16, 32, 64};
+#define N_ESC_CHOICES 7
+
+static void escape_costs_row(const int64_t *h, double raw_bits, double *out_bits, int64_t *out_e) {
+    double cum_clogc[ALPHA + 2], tail[ALPHA + 2], n = 0, cum = 0;
+    for (int j = 0; j <= ALPHA; j++) n += (double)h[j]; /* integers below 2^53: exact in any order */
+    cum_clogc[0] = 0;
+    tail[0] = n;
+    for (int j = 0; j <= ALPHA; j++) {
+        double c = (double)h[j];
+        cum_clogc[j + 1] = cum_clogc[j] + c * log2(c > 1.0 ? c : 1.0);
+        cum += c;
+        tail[j + 1] = n - cum;
+    }
+    double best = INFINITY;
+    int best_i = 0;
+    for (int i = 0; i < N_ESC_CHOICES; i++) {
+        int e = ESC_CHOICES[i];
+        double esc = tail[e] > 0 ? tail[e] : 0.0;
+        double ent = n > 0 ? n * log2(n > 1.0 ? n : 1.0) - cum_clogc[e] - esc * log2(esc > 1.0 ? esc : 1.0) : 0.0;
+        double bits = ent + esc * raw_bits + 24.0 * (e + 1);
+        if (bits < best) {
+            best = bits;
+            best_i = i;
+        }
+        if (esc == 0) break; /* larger alphabets than the first without escapes cannot help */
+    }
+    *out_bits = best;
+    *out_e = ESC_CHOICES[best_i];
+}
+
+/* ------------------------------------------------------------------------ rANS (format 2) */
+/* Range ANS with a 64-bit state in [RANS_L, RANS_L << 32), 32-bit words, PROB_BITS-bit
+ * frequencies quantized from integer counts (docs/format.md, "Entropy coding"). The stream is
+ * the final state (u64) and then the words in the order the decoder reads them; empty when
+ * nothing was pushed (no symbols, or only certain ones). */
+#define PROB_BITS 14
+#define PROB_M (1u << PROB_BITS)
+#define RANS_L (1ULL << 31)
+#define MAX_SYMS 65 /* MAX_ALPHABET + 1 */
+
+/* freq[s] = 0 where counts[s] = 0, else max(1, counts[s] * M / total) rounded down; then the
+ * first largest frequency takes up the difference to M. Returns -1 if no count is positive. */
+static int quantize(const int64_t *counts, int n, uint32_t *freq, uint32_t *start) {
+    uint64_t total = 0;
+    for (int s = 0; s < n; s++) total += (uint64_t)counts[s];
+    if (total == 0) return -1;
+    int64_t sum = 0;
+    int big = 0;
+    for (int s = 0; s < n; s++) {
+        uint64_t f = counts[s] ? (uint64_t)counts[s] * PROB_M / total : 0; /* counts < 2^40: no overflow */
+        freq[s] = counts[s] && f == 0 ? 1 : (uint32_t)f;
+        sum += freq[s];
+        if (freq[s] > freq[big]) big = s;
+    }
+    freq[big] = (uint32_t)((int64_t)freq[big] + (int64_t)PROB_M - sum);
+    uint32_t c = 0;
+    for (int s = 0; s < n; s++) {
+        start[s] = c;
+        c += freq[s];
+    }
+    return 0;
+}
+
+/* Models of a stream's segments: counts_all (int64, concatenated), cofs (int64[n_seg + 1]). */
+static int check_models(const int64_t *counts_all, Py_ssize_t n_counts, const int64_t *cofs, Py_ssize_t n_seg) {
+    if (cofs[0] != 0 || cofs[n_seg] != n_counts) return -1;
+    for (Py_ssize_t g = 0; g < n_seg; g++) {
+        int64_t k = cofs[g + 1] - cofs[g];
+        if (k < 1 || k > MAX_SYMS) return -1;
+    }
+    for (Py_ssize_t i = 0; i < n_counts; i++)
+        if (counts_all[i] < 0 || counts_all[i] >= (1LL << 40)) return -1;
+    return 0;
+}
+
+/* Symbol i of a stream (counted across its segments) is coded by state i % RANS_WAYS, so
+ * that a decoder keeps RANS_WAYS independent chains in flight. The encoder runs backwards:
+ * segment n_seg-1 down to 0, each backwards, writing words downwards from `end`; then the
+ * states, so that the decoder reads states 0..WAYS-1 first and every word in the order it
+ * needs them. Returns the first byte of the stream (`end` if empty), or NULL if a symbol is
+ * outside its model or has a zero count. */
+#define RANS_WAYS 4
+static uint8_t *rans_encode_all(const int32_t *sym, const int64_t *sofs, Py_ssize_t n_seg, const int64_t *counts_all, const int64_t *cofs, uint8_t *end) {
+    uint64_t x[RANS_WAYS];
+    for (int j = 0; j < RANS_WAYS; j++) x[j] = RANS_L;
+    uint32_t *w = (uint32_t *)end;
+    for (Py_ssize_t g = n_seg - 1; g >= 0; g--) {
+        uint32_t freq[MAX_SYMS], start[MAX_SYMS];
+        int k = (int)(cofs[g + 1] - cofs[g]);
+        if (sofs[g + 1] == sofs[g]) continue;
+        if (quantize(counts_all + cofs[g], k, freq, start) < 0) return NULL;
+        for (int64_t i = sofs[g + 1] - 1; i >= sofs[g]; i--) {
+            int32_t s = sym[i];
+            if (s < 0 || s >= k || freq[s] == 0) return NULL;
+            uint64_t f = freq[s], *xj = &x[i % RANS_WAYS];
+            if (*xj >= ((RANS_L >> PROB_BITS) << 32) * f) {
+                *--w = (uint32_t)*xj;
+                *xj >>= 32;
+            }
+            *xj = ((*xj / f) << PROB_BITS) + (*xj % f) + start[s];
+        }
+    }
+    int untouched = w == (uint32_t *)end;
+    for (int j = 0; j < RANS_WAYS; j++) untouched &= x[j] == RANS_L;
+    if (untouched) return end;
+    for (int j = RANS_WAYS - 1; j >= 0; j--) {
+        w -= 2;
+        memcpy(w, &x[j], 8);
+    }
+    return (uint8_t *)w;
+}
+
+/* 0 ok; 1 length not 0 or 8 * WAYS + 4m; 2 a bad initial state; 3 words run out; 4 words left
+ * or a state other than the initial one after the last symbol; 5 a segment with symbols has no
+ * positive count. */
+static int rans_decode_all(const uint8_t *data, Py_ssize_t len, const int64_t *counts_all, const int64_t *cofs, const int64_t *sofs, Py_ssize_t n_seg, int32_t *out) {
+    uint64_t x0 = RANS_L, x1 = RANS_L, x2 = RANS_L, x3 = RANS_L;
+    const uint8_t *p = data, *end = data + len;
+    if (len) {
+        if (len < 8 * RANS_WAYS || (len - 8 * RANS_WAYS) % 4) return 1;
+        memcpy(&x0, p, 8);
+        memcpy(&x1, p + 8, 8);
+        memcpy(&x2, p + 16, 8);
+        memcpy(&x3, p + 24, 8);
+        p += 32;
+        if (x0 < RANS_L || x1 < RANS_L || x2 < RANS_L || x3 < RANS_L || (x0 | x1 | x2 | x3) >= (RANS_L << 32)) return 2;
+    }
+    static __thread uint8_t table[PROB_M];
+    for (Py_ssize_t g = 0; g < n_seg; g++) {
+        int64_t i = sofs[g], n_end = sofs[g + 1];
+        if (i == n_end) continue;
+        uint32_t freq[MAX_SYMS], start[MAX_SYMS];
+        int k = (int)(cofs[g + 1] - cofs[g]);
+        if (quantize(counts_all + cofs[g], k, freq, start) < 0) return 5;
+        for (int s = 0; s < k; s++)
+            if (freq[s]) memset(table + start[s], s, freq[s]);
+        /* one step of state X: decode symbol i, then refill X from the stream if it fell below L
+         * (without a branch on the refill itself: it happens at random) */
+#define STEP(X)                                                                  \
+    do {                                                                         \
+        uint32_t slot = (uint32_t)X & (PROB_M - 1);                              \
+        int s = table[slot];                                                     \
+        X = (uint64_t)freq[s] * (X >> PROB_BITS) + slot - start[s];              \
+        out[i++] = s;                                                            \
+        uint64_t need = X < RANS_L;                                              \
+        if (__builtin_expect(need && end - p < 4, 0)) return 3;                  \
+        uint32_t v = 0;                                                          \
+        if (end - p >= 4) memcpy(&v, p, 4);                                      \
+        X = need ? (X << 32) | v : X;                                            \
+        p += 4 * need;                                                           \
+    } while (0)
+        while (i < n_end && (i & 3)) { /* up to the next index that state 0 codes */
+            switch (i & 3) {
+            case 1: STEP(x1); break;
+            case 2: STEP(x2); break;
+            default: STEP(x3); break;
+            }
+        }
+        while (n_end - i >= 4) {
+            STEP(x0);
+            STEP(x1);
+            STEP(x2);
+            STEP(x3);
+        }
+        while (i < n_end) {
+            switch (i & 3) {
+            case 0: STEP(x0); break;
+            case 1: STEP(x1); break;
+            default: STEP(x2); break;
+            }
+        }
+#undef STEP
+    }
+    return (p != end || x0 != RANS_L || x1 != RANS_L || x2 != RANS_L || x3 != RANS_L) ? 4 : 0;
+}
+
 /* ------------------------------------------------------------------------ Python glue */
 static void release(Py_buffer **bufs, size_t n) {
     for (size_t i = 0; i < n; i++) PyBuffer_Release(bufs[i]);
@@ -323,6 +609,16 @@ static int check_width(int w) {
         return -1;
     }
     return 0;
+}
+
+/* hw: -1 for the best level this CPU has, else a level it has */
+static int parse_hw(int hw) {
+    if (hw == -1) return HW_BEST;
+    if (hw < 0 || hw > HW_BEST) {
+        PyErr_Format(PyExc_ValueError, "hw level %d, expected -1 or 0..%d (what this CPU has)", hw, HW_BEST);
+        return -1;
+    }
+    return hw;
 }
 
 static int parse_thresholds(Py_buffer *tb, int *thr, int *nt) {
@@ -402,12 +698,12 @@ static int check_class_args(const char *fn, Py_buffer *base, int w, Py_buffer *t
 
 static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     Py_buffer base, tb, ib, ob, outb;
-    int w;
-    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*", &base, &w, &tb, &ib, &ob, &outb)) return NULL;
+    int w, hw = -1;
+    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &ib, &ob, &outb, &hw)) return NULL;
     PyObject *res = NULL;
-    int thr[MAXC], nt;
+    int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
-    if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off) < 0) goto done;
+    if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off) < 0 || (hw = parse_hw(hw)) < 0) goto done;
     int64_t n = base.len / w, nidx = ib.len / 8;
     const int64_t *idx = ib.buf;
     for (int64_t i = 0; i < nidx; i++) {
@@ -420,9 +716,12 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     memcpy(wr, off, sizeof(int64_t) * (nt + 2));
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
-#define CALL(W) ok = ranks_w(base.buf, W, n, thr, nt, idx, nidx, wr, off, outb.buf)
-    DISPATCH_WIDTH(w, CALL)
-#undef CALL
+#ifdef SS_X86
+    if (hw == HW_AVX512)
+        ok = ranks_512(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+    else
+#endif
+        ok = ranks_sse(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
     Py_END_ALLOW_THREADS
     if (!ok) { /* a class held more or fewer changed elements than the offsets gave it */
         PyErr_SetString(PyExc_ValueError, "class_ranks: offsets do not match the classes of the changed elements");
@@ -440,9 +739,9 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     int w, hw = -1;
     if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &rb, &ob, &outb, &hw)) return NULL;
     PyObject *res = NULL;
-    int thr[MAXC], nt;
+    int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
-    if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off) < 0) goto done;
+    if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off) < 0 || (hw = parse_hw(hw)) < 0) goto done;
     int64_t n = base.len / w, nr = rb.len / 8;
     const int64_t *r = rb.buf;
     for (int c = 0; c <= nt; c++) {
@@ -470,10 +769,11 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     }
     int bad = -1;
     Py_BEGIN_ALLOW_THREADS
-#if defined(__x86_64__) && defined(__GNUC__)
-    /* pdep is microcoded (hundreds of cycles) on AMD before Zen 3: the portable path is faster there */
-    if (hw != 0 && __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2"))
-        bad = select_hw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+#ifdef SS_X86
+    if (hw == HW_AVX512)
+        bad = select_512(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+    else if (hw == HW_BMI2)
+        bad = select_bmi2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else
 #endif
         bad = select_sw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
@@ -990,7 +1290,7 @@ static PyObject *py_classes(PyObject *self, PyObject *args) {
     int w;
     if (!PyArg_ParseTuple(args, "y*iy*w*", &bb, &w, &tb, &ob)) return NULL;
     PyObject *res = NULL;
-    int thr[MAXC], nt;
+    int thr[MAXC] = {0}, nt;
     if (check_width(w) < 0 || parse_thresholds(&tb, thr, &nt) < 0) goto done;
     int64_t n = bb.len / w;
     if (bb.len % w || ob.len != n) {
@@ -1014,12 +1314,106 @@ done:
     return res;
 }
 
+static PyObject *py_escape_costs(PyObject *self, PyObject *args) {
+    Py_buffer hb, bb, eb;
+    double raw_bits;
+    if (!PyArg_ParseTuple(args, "y*dw*w*", &hb, &raw_bits, &bb, &eb)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t rows = hb.len / (8 * (ALPHA + 1));
+    if (hb.len != rows * 8 * (ALPHA + 1) || bb.len != rows * 8 || eb.len != rows * 8) {
+        PyErr_SetString(PyExc_ValueError, "escape_costs: hists must be int64 rows of 65 and both outputs one value per row");
+        goto done;
+    }
+    const int64_t *h = hb.buf;
+    for (Py_ssize_t i = 0; i < rows * (ALPHA + 1); i++) {
+        if (h[i] < 0 || h[i] >= (1LL << 52)) {
+            PyErr_SetString(PyExc_ValueError, "escape_costs: counts must be in [0, 2^52)");
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) escape_costs_row(h + r * (ALPHA + 1), raw_bits, (double *)bb.buf + r, (int64_t *)eb.buf + r);
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    RELEASE(&hb, &bb, &eb);
+    return res;
+}
+
+/* segment offsets: int64[n_seg + 1] rising from 0 to `total` */
+static int parse_segments(Py_buffer *b, Py_ssize_t n_seg, int64_t total) {
+    const int64_t *o = b->buf;
+    if (b->len != (Py_ssize_t)sizeof(int64_t) * (n_seg + 1) || o[0] != 0 || o[n_seg] != total) return -1;
+    for (Py_ssize_t g = 0; g < n_seg; g++)
+        if (o[g + 1] < o[g]) return -1;
+    return 0;
+}
+
+static PyObject *py_rans_encode(PyObject *self, PyObject *args) {
+    Py_buffer sb, sob, cb, cob;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*", &sb, &sob, &cb, &cob)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n_seg = cob.len / 8 - 1, n = sb.len / 4;
+    if (sb.len % 4 || cb.len % 8 || cob.len % 8 || n_seg < 0 || parse_segments(&sob, n_seg, n) < 0 ||
+        check_models(cb.buf, cb.len / 8, cob.buf, n_seg) < 0) {
+        PyErr_SetString(PyExc_ValueError, "rans_encode: symbols, segment offsets or models are malformed");
+        goto done;
+    }
+    res = PyBytes_FromStringAndSize(NULL, 4 * n + 8); /* at most one word per symbol, plus the state */
+    if (!res) goto done;
+    uint8_t *buf = (uint8_t *)PyBytes_AS_STRING(res), *first;
+    Py_BEGIN_ALLOW_THREADS
+    first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + 4 * n + 8);
+    if (first) memmove(buf, first, (size_t)(buf + 4 * n + 8 - first));
+    Py_END_ALLOW_THREADS
+    if (!first) {
+        Py_CLEAR(res);
+        PyErr_SetString(PyExc_ValueError, "rans_encode: a symbol is outside its model or has a zero count");
+        goto done;
+    }
+    _PyBytes_Resize(&res, buf + 4 * n + 8 - first);
+done:
+    RELEASE(&sb, &sob, &cb, &cob);
+    return res;
+}
+
+static PyObject *py_rans_decode(PyObject *self, PyObject *args) {
+    Py_buffer db, cb, cob, sob, ob;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*", &db, &cb, &cob, &sob, &ob)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n_seg = cob.len / 8 - 1;
+    if (ob.len % 4 || cb.len % 8 || cob.len % 8 || n_seg < 0 || parse_segments(&sob, n_seg, ob.len / 4) < 0 ||
+        check_models(cb.buf, cb.len / 8, cob.buf, n_seg) < 0) {
+        PyErr_SetString(PyExc_ValueError, "rans_decode: models, segment offsets or out are malformed");
+        goto done;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = rans_decode_all(db.buf, db.len, cb.buf, cob.buf, sob.buf, n_seg, ob.buf);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(status);
+done:
+    RELEASE(&db, &cb, &cob, &sob, &ob);
+    return res;
+}
+
+static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
+    PyObject *out = PyList_New(HW_BEST + 1);
+    for (int i = 0; out && i <= HW_BEST; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(i));
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX-512)"},
     {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)"},
-    {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank) -> None"},
-    {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class (hw=0: no BMI2)"},
+    {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None"},
+    {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
     {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
     {"key_hist", py_key_hist, METH_VARARGS, "key_hist(base, width, starts, block, out) -> None"},
+    {"rans_encode", py_rans_encode, METH_VARARGS, "rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes"},
+    {"rans_decode", py_rans_decode, METH_VARARGS, "rans_decode(data, counts, count_offsets, segment_offsets, out) -> status"},
+    {"escape_costs", py_escape_costs, METH_VARARGS, "escape_costs(hists, raw_bits, out_bits, out_e) -> None"},
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
@@ -1040,5 +1434,14 @@ PyMODINIT_FUNC PyInit__native(void) {
         for (int b = 0; b < 8; b++)
             if (v >> b & 1) SEL8[v][k++] = (uint8_t)b;
     }
+#ifdef SS_X86
+    __builtin_cpu_init();
+    /* pdep is microcoded (hundreds of cycles) on AMD before Zen 3: the portable path is faster there */
+    if (__builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2")) {
+        HW_BEST = HW_BMI2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+            HW_BEST = HW_AVX512;
+    }
+#endif
     return PyModule_Create(&module);
 }

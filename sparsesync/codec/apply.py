@@ -62,7 +62,7 @@ def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
             return take_bits(to_np_bits(flat), idx)
         return to_np_bits(flat[torch.from_numpy(idx).to(flat.device)])
 
-    ctx = ctx_for(e, base_bits)
+    ctx = ctx_for(e, base_bits, patch.header.format_version)
     streams = {role: patch.stream(e.name, role) for role in e.streams}
     try:
         idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)

@@ -25,7 +25,8 @@ from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the encoder writes
+READABLE_VERSIONS = (1, 2)  # 1 differs only in its entropy coder (docs/format.md)
 _DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
 _META_KEYS = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest", "tensors"}
 
@@ -96,9 +97,9 @@ def stream_key(name: str, role: str) -> str:
     return f"{name}::{role}"
 
 
-def ctx_for(entry: TensorEntry, base_bits=None) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
+def ctx_for(entry: TensorEntry, base_bits=None, format_version: int = FORMAT_VERSION) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
     dtype = _container.ST_DTYPES[entry.dtype][0]
-    return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits)
+    return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -296,9 +297,10 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
 def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
     if meta.get("format") != FORMAT_NAME:
         raise _fmt(f"metadata format {meta.get('format')!r:.40}, expected {FORMAT_NAME!r}")
-    if meta.get("format_version") != str(FORMAT_VERSION):
+    if meta.get("format_version") not in [str(v) for v in READABLE_VERSIONS]:
         raise PatchFormatError(
-            f"patch format_version {meta.get('format_version')!r:.20}, expected {FORMAT_VERSION!r}", hint="upgrade sparsesync to read newer patches"
+            f"patch format_version {meta.get('format_version')!r:.20}, expected one of {', '.join(map(str, READABLE_VERSIONS))}",
+            hint="upgrade sparsesync to read newer patches",
         )
     if set(meta) != _META_KEYS:
         raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(_META_KEYS)}")
@@ -323,7 +325,7 @@ def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
     extra = sorted(set(table) - used)
     if extra:
         raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
-    return PatchHeader(FORMAT_VERSION, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors)
+    return PatchHeader(int(meta["format_version"]), versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors)
 
 
 def header_length(first8: bytes) -> int:
