@@ -377,6 +377,8 @@ def _rans_case(rng: np.random.Generator, sizes: list[int]) -> list[tuple[np.ndar
         k = int(rng.integers(2, 66))
         p = rng.dirichlet(np.full(k, rng.choice([0.05, 1.0])))  # skewed or flat models
         sym = rng.choice(k, n, p=p).astype(np.int32)
+        if 1 < n < 8:  # tiny streams with uncertain symbols: the 32 bytes of states dominate
+            sym[:2] = [0, 1]
         counts = np.bincount(sym, minlength=k).tolist() if n else [1] + [0] * (k - 1)
         segs.append((sym, counts))
     return segs
@@ -390,7 +392,7 @@ def _rans(segs: list[tuple[np.ndarray, list[int]]]) -> tuple[np.ndarray, np.ndar
     return sym, sofs, counts, cofs
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [1], [3, 0, 5], [2000], [7, 1, 0, 1500, 33], [4, 4, 4, 4]])
+@pytest.mark.parametrize("sizes", [[], [0], [1], [2], [1, 1, 1], [5], [3, 0, 5], [2000], [7, 1, 0, 1500, 33], [4, 4, 4, 4]])
 def test_rans_matches_the_reference_coder_and_inverts(sizes):
     rng = np.random.default_rng(sum(sizes) + len(sizes))
     for _ in range(3):

@@ -1360,19 +1360,20 @@ static PyObject *py_rans_encode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "rans_encode: symbols, segment offsets or models are malformed");
         goto done;
     }
-    res = PyBytes_FromStringAndSize(NULL, 4 * n + 8); /* at most one word per symbol, plus the state */
+    Py_ssize_t cap = 4 * n + 8 * RANS_WAYS; /* at most one word per symbol, plus the states */
+    res = PyBytes_FromStringAndSize(NULL, cap);
     if (!res) goto done;
     uint8_t *buf = (uint8_t *)PyBytes_AS_STRING(res), *first;
     Py_BEGIN_ALLOW_THREADS
-    first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + 4 * n + 8);
-    if (first) memmove(buf, first, (size_t)(buf + 4 * n + 8 - first));
+    first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + cap);
+    if (first) memmove(buf, first, (size_t)(buf + cap - first));
     Py_END_ALLOW_THREADS
     if (!first) {
         Py_CLEAR(res);
         PyErr_SetString(PyExc_ValueError, "rans_encode: a symbol is outside its model or has a zero count");
         goto done;
     }
-    _PyBytes_Resize(&res, buf + 4 * n + 8 - first);
+    _PyBytes_Resize(&res, buf + cap - first);
 done:
     RELEASE(&sb, &sob, &cb, &cob);
     return res;
