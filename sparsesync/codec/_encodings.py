@@ -118,12 +118,12 @@ def _models(models: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray
     return counts, offsets([len(cs) for cs, _ in models]), offsets([n for _, n in models])
 
 
-def ans_encode(segments: list[tuple[np.ndarray, list[int]]]) -> bytes:
-    """Entropy-code segments of symbols, each with its own model (its exact symbol counts);
-    `ans_decode` returns them in this order."""
-    counts, cofs, sofs = _models([(c, s.size) for s, c in segments])
-    sym = np.concatenate([s for s, _ in segments]).astype(np.int32, copy=False) if segments else np.zeros(0, np.int32)
-    return _native.rans_encode(sym, sofs, counts, cofs)
+def ans_encode(sym: np.ndarray, models: list[tuple[list[int], int]]) -> bytes:
+    """Entropy-code the int32 symbols `sym`: consecutive segments of n symbols, each with its
+    own model `counts` (its exact symbol counts), per (counts, n) of `models`; `ans_decode`
+    returns the segments in this order."""
+    counts, cofs, sofs = _models(models)
+    return _native.rans_encode(np.ascontiguousarray(sym, dtype=np.int32), sofs, counts, cofs)
 
 
 def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> list[np.ndarray]:
@@ -221,18 +221,19 @@ def _gaps_enc(
         ranks = [idx]
     ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]
     params = _gap_params(ranks)
-    classes, segments, escapes = [], [], []
+    classes, models, escapes = [], [], []
     low = np.zeros((sum(r.size * k for r, (k, _) in zip(ranks, params)) + 7) // 8 + 8, dtype=np.uint8)  # + 8: room for 64-bit writes
-    off = 0
+    sym_all = np.empty(sum(r.size for r in ranks), dtype=np.int32)  # every class's symbols, in class order
+    off, s0 = 0, 0
     for r, (k, e) in zip(ranks, params):
-        sym, esc, hist = np.empty(r.size, dtype=np.int32), np.empty(r.size, dtype=np.uint64), np.empty(e + 1, dtype=np.int64)
+        sym, esc, hist = sym_all[s0 : s0 + r.size], np.empty(r.size, dtype=np.uint64), np.empty(e + 1, dtype=np.int64)
         n_esc = _native.gap_symbols(r, k, e, sym, esc, hist, low, off)
-        off += r.size * k
+        off, s0 = off + r.size * k, s0 + r.size
         counts = [int(c) for c in hist] if r.size else [1, 0]  # an empty class: any valid model
         classes.append({"n": int(r.size), "k": k, "counts": counts})
-        segments.append((sym, counts))
+        models.append((counts, r.size))
         escapes.append(esc[:n_esc])
-    streams = {"gaps": ans_encode(segments), "gaps_escape": b"".join(e.astype("<u8").tobytes() for e in escapes), "gaps_low": low[: (off + 7) // 8].tobytes()}
+    streams = {"gaps": ans_encode(sym_all, models), "gaps_escape": b"".join(e.astype("<u8").tobytes() for e in escapes), "gaps_low": low[: (off + 7) // 8].tobytes()}
     # the ANS stream is always present (empty when the symbols are certain); the others only when non-empty
     return {"thresholds": thresholds, "classes": classes}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "gaps"}
 
@@ -396,8 +397,7 @@ def _delta_enc(
     off, esc_off = offsets(hist.sum(axis=1)), offsets([c[-1] for c in counts_all])
     sym, esc = np.empty(base.size, dtype=np.int32), np.empty(int(esc_off[-1]), dtype=ctx.np_bits.newbyteorder("<"))
     _native.delta_symbols(base, target, w, cls, n_cls, es, off, esc_off, sym, esc)
-    segs = [(sym[off[c] : off[c + 1]], counts_all[c]) for c in range(n_cls)]
-    streams = {"delta": ans_encode(segs), "delta_escape": esc.tobytes()}
+    streams = {"delta": ans_encode(sym, [(counts_all[c], int(off[c + 1] - off[c])) for c in range(n_cls)]), "delta_escape": esc.tobytes()}
     return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "delta"}
 
 

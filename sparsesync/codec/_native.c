@@ -316,6 +316,13 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
             }
             cum[c] += pc;
         }
+        if (o + 2 <= n_out) { /* the usual 0-2 selected elements per block, without branches */
+            for (int u = 0; u < 2; u++) {
+                out[o] = start + __builtin_ctzll(sel | 1ULL << 63); /* overwritten later if sel is 0 */
+                o += sel != 0;
+                sel &= sel - 1;
+            }
+        }
         while (sel && o < n_out) {
             out[o++] = start + __builtin_ctzll(sel);
             sel &= sel - 1;
