@@ -4,8 +4,12 @@ Sparse sync (sparsesync's publisher and followers) side by side with syncing the
 checkpoint through the same store in the same run, with 1, 4 and 8 followers, on the local
 store, on S3 over loopback (moto's server), and on S3 behind a link limited to
 `--link-mbit` per connection ("s3-wan": what a replica in another region sees; a loopback
-TCP proxy paces the bytes). Followers run in their own processes, as replicas do. Also
-reports how long the trainer was blocked per step and the bytes it uploaded. Each version is
+TCP proxy paces the bytes). Followers run in their own processes, as replicas do, and so does
+the S3 service (with its proxy). All of them share this machine's cores, which real replicas
+on their own machines do not: with several followers the lag here includes waiting for CPU. Also
+reports how long the trainer was blocked per step and the bytes it uploaded. The first
+`--warmup` deltas are applied but not timed (each process's first decode runs cold), the same
+for both modes. Each version is
 one AdamW step at `--lr` with fp32 master weights on realistic bf16 weights (the codec
 benchmark's generator, benchmarks/_codec_data.py: about 1.6% of elements change at 1e-6).
 
@@ -31,6 +35,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402 - the codec benchmark's realistic AdamW deltas
+
+
+# -- the S3 service (its own process, as a real store is: not sharing the trainer's CPU time) --
+def _s3_service(link_bps: float | None, ready, stop) -> None:  # type: ignore[no-untyped-def]
+    """moto's S3 server on loopback, behind a paced TCP proxy when `link_bps` is set."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    proxy = None
+    if link_bps:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.tcp_proxy import TcpProxy
+
+        proxy = TcpProxy(host, port, rate=link_bps).start()
+        host, port = "127.0.0.1", proxy.port
+    ready.put(f"http://{host}:{port}")
+    stop.wait()
+    server.stop()
 
 
 # -- followers (each in its own process) ---------------------------------------------------
@@ -81,7 +106,7 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict) -> None
         results.put((v, time.time()))
 
 
-def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, lr: float) -> dict:  # type: ignore[no-untyped-def]
+def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, lr: float, warmup: int) -> dict:  # type: ignore[no-untyped-def]
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -114,12 +139,12 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
             t_call = time.time()
             if pub:
                 pub.publish(state, v)
-                blocked.append(time.time() - t_call)
+                was_blocked = time.time() - t_call
                 pub.flush()
                 uploaded += pub.metrics[-1]["patch_bytes"]
             else:
                 data = save(state)
-                blocked.append(time.time() - t_call)
+                was_blocked = time.time() - t_call
                 store.put(f"full/v{v:06d}.safetensors", data)
                 uploaded += len(data)
                 store.put(f"full-done/v{v:06d}", state_digest(tensor_digests(state)).encode())
@@ -129,7 +154,9 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
                 ver, t = results.get(timeout=600)
                 if ver == v:
                     applied.append(t)
-            lags.append(max(applied) - t_call)
+            if v >= 2 + warmup:  # the first deltas run cold (first decode in each process): not timed
+                lags.append(max(applied) - t_call)
+                blocked.append(was_blocked)
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
@@ -137,7 +164,7 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
         if pub:
             pub.close()
         out[mode] = {
-            "lag_s": statistics.median(lags), "blocked_s": statistics.median(blocked),
+            "lag_s": statistics.median(lags), "lags_s": lags, "blocked_s": statistics.median(blocked),
             "uploaded_per_version": uploaded / (n_versions - 1),
         }
     return out
@@ -147,7 +174,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=0.6e9)
     ap.add_argument("--followers", default="1,4,8")
-    ap.add_argument("--versions", type=int, default=4, help="versions per measurement (the first is the start)")
+    ap.add_argument("--versions", type=int, default=5, help="versions per measurement (the first is the start)")
+    ap.add_argument("--warmup", type=int, default=1, help="deltas after the start that are applied but not timed")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of each step (fp32 master weights)")
     ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
     ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
@@ -157,45 +185,40 @@ def main() -> None:
     shapes = qwen_like_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with fp32 "
-          f"master weights; {args.versions - 1} timed versions per cell (median reported)")
+          f"master weights; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
     rows = []
     for kind in args.store.split(","):
         env: dict[str, str] = {}
-        server = None
+        service, stop = None, None
         tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
         if kind == "local":
             base = f"file://{tmp}"
         else:
             import boto3
-            from moto.server import ThreadedMotoServer
 
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            server.start()
-            host, port = server.get_host_and_port()
-            if kind == "s3-wan":
-                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-                from tests.tcp_proxy import TcpProxy
-
-                proxy = TcpProxy(host, port, rate=args.link_mbit * 1e6 / 8).start()
-                host, port = "127.0.0.1", proxy.port
+            ctx = mp.get_context("spawn")
+            ready, stop = ctx.Queue(), ctx.Event()
+            service = ctx.Process(target=_s3_service, args=(args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, ready, stop), daemon=True)
+            service.start()
             env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
             os.environ.update(env)
             boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
             base = "s3://bench/runs"
         for nf in [int(x) for x in args.followers.split(",")]:
-            res = bench(base, nf, shapes, args.versions, env, args.lr)
+            res = bench(base, nf, shapes, args.versions, env, args.lr, args.warmup)
             s, f = res["sparse"], res["full"]
             rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
             if args.json:  # after every cell: a crash later keeps what was measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "rows": rows}, indent=1))
+                Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
             print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
                   f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
                   f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
                   f"{f['lag_s'] / s['lag_s']:.1f}x", flush=True)
-        if server:
-            server.stop()
+        if service is not None and stop is not None:
+            stop.set()
+            service.join(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
