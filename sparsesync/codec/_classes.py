@@ -1,8 +1,9 @@
 """Classes of the base magnitude, and ranks of elements inside their class (used by `gaps`/`delta`).
 
 Guarantee: encoder and decoder compute the same classes from the same base bits, so the class
-of an element costs nothing to send; `class_select(base, t, class_ranks(base, t, idx)) == idx`
-for every sorted, unique `idx`. The full-tensor passes run in C (`_native.c`, one pass over
+of an element costs nothing to send; with `r = class_ranks(base, t, idx, cls)`,
+`class_select(base, t, np.concatenate(r), [x.size for x in r])` gives back `idx` for every
+sorted, unique `idx`. The full-tensor passes run in C (`_native.c`, one pass over
 the base, the GIL released); the rest is vectorized numpy. See docs/format.md, "Classes of the
 base magnitude".
 """
@@ -58,12 +59,13 @@ def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, cls: n
     return np.split(out, off[1:-1])
 
 
-def class_select(base: np.ndarray, thresholds: list[int], ranks: list[np.ndarray]) -> tuple[np.ndarray, int]:
-    """Inverse of `class_ranks`: (sorted flat indices, -1), or (empty, c) when class c's ranks
-    run past its members in `base`. Ranks must be non-negative and strictly increasing inside
-    each class (ValueError otherwise)."""
-    off = offsets([r.size for r in ranks])
-    flat = np.concatenate(ranks).astype(np.int64, copy=False) if ranks else np.zeros(0, dtype=np.int64)
+def class_select(base: np.ndarray, thresholds: list[int], ranks: np.ndarray, sizes: list[int]) -> tuple[np.ndarray, int]:
+    """Inverse of `class_ranks`: `ranks` (int64) holds class 0's ranks, then class 1's, ...
+    (`sizes[c]` of class c). Returns (sorted flat indices, -1), or (empty, c) when class c's
+    ranks run past its members in `base`. Ranks must be non-negative and strictly increasing
+    inside each class (ValueError otherwise)."""
+    off = offsets(sizes)
+    flat = np.ascontiguousarray(ranks, dtype=np.int64)
     out = np.empty(flat.size, dtype=np.int64)
-    bad = _native.class_select(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(flat), off, out)
+    bad = _native.class_select(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), flat, off, out)
     return (out, -1) if bad < 0 else (out[:0], bad)

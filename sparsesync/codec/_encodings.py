@@ -88,7 +88,7 @@ _RANS_STATUS = {
     2: "starts with an invalid coder state",
     3: "ends before its last symbol",
     4: "has data left after the last symbol",
-    5: "has no model for its coded symbols",
+    5: "has no model (all counts 0) for symbols it codes",
 }
 
 
@@ -131,9 +131,6 @@ def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], i
     Anything that does not decode exactly (and to the end) is PatchFormatError."""
     if ctx.format_version == 1:
         return _ans_decode_v1(ctx, role, data, models)
-    for counts, n in models:
-        if n and sum(counts) == 0:
-            raise _bad(ctx, f"stream '{role}' has no model or data for {n} coded symbols")
     counts, cofs, sofs = _models(models)
     out = np.empty(int(sofs[-1]), dtype=np.int32)
     status = _native.rans_decode(data, counts, cofs, sofs, out)
@@ -310,9 +307,10 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     if len(raw_esc) % 8:
         raise _bad(ctx, f"stream 'gaps_escape' has {len(raw_esc)} bytes, expected a multiple of 8")
     esc_data = np.frombuffer(raw_esc, dtype="<u8")
-    out, off_e, off_l = [], 0, 0
+    ranks = np.empty(sum(ns), dtype=np.int64)  # class 0's ranks, then class 1's, ...
+    off_e, off_l, s0 = 0, 0, 0
     for c, (sym, counts, n, k) in enumerate(zip(syms, cs, ns, ks)):
-        r = np.empty(n, dtype=np.int64)
+        r = ranks[s0 : s0 + n]
         status, off_e = _native.gap_ranks(sym, len(counts) - 1, esc_data, off_e, k, low_padded, off_l, ctx.numel, r)
         if status:
             raise _bad(ctx, {
@@ -321,16 +319,15 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
                 3: f"a gap quotient in class {c} exceeds the tensor's {ctx.numel} elements",
                 4: f"gaps in class {c} run past the tensor's {ctx.numel} elements",
             }[status])
-        off_l += n * k
-        out.append(r)
+        off_l, s0 = off_l + n * k, s0 + n
     if off_e != esc_data.size:
         raise _bad(ctx, f"stream 'gaps_escape' has {esc_data.size * 8} bytes, expected {off_e * 8}")
     if not thresholds:
-        return out[0]
-    idx, bad = class_select(ctx.base_bits(None), thresholds, out)
+        return ranks
+    idx, bad = class_select(ctx.base_bits(None), thresholds, ranks, ns)
     if bad >= 0:
         members = int((class_of(ctx.base_bits(None), thresholds) == bad).sum())
-        raise _bad(ctx, f"rank {int(out[bad][-1])} in class {bad}, expected < {members} (the class's members in the base)")
+        raise _bad(ctx, f"rank {int(ranks[sum(ns[: bad + 1]) - 1])} in class {bad}, expected < {members} (the class's members in the base)")
     return idx
 
 

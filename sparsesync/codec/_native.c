@@ -462,7 +462,7 @@ static void escape_costs_row(const int64_t *h, double raw_bits, double *out_bits
 #define PROB_BITS 14
 #define PROB_M (1u << PROB_BITS)
 #define RANS_L (1ULL << 31)
-#define MAX_SYMS 65 /* MAX_ALPHABET + 1 */
+#define MAX_SYMS (ALPHA + 1) /* symbols of a model: direct values and the escape */
 
 /* freq[s] = 0 where counts[s] = 0, else max(1, counts[s] * M / total) rounded down; then the
  * first largest frequency takes up the difference to M. Returns -1 if no count is positive. */
@@ -693,9 +693,9 @@ done:
 }
 
 /* What class_ranks and class_select share: base bits of `w` bytes, thresholds, an int64 array
- * `vals` grouped by class at `off`, and an int64 output as long as `vals`. */
-static int check_class_args(const char *fn, Py_buffer *base, int w, Py_buffer *tb, Py_buffer *vals, Py_buffer *ob, Py_buffer *outb, int *thr, int *nt, int64_t *off) {
-    if (check_width(w) < 0 || parse_thresholds(tb, thr, nt) < 0) return -1;
+ * `vals` grouped by class at `off`, an int64 output as long as `vals`, and the HW level. */
+static int check_class_args(const char *fn, Py_buffer *base, int w, Py_buffer *tb, Py_buffer *vals, Py_buffer *ob, Py_buffer *outb, int *thr, int *nt, int64_t *off, int *hw) {
+    if (check_width(w) < 0 || parse_thresholds(tb, thr, nt) < 0 || (*hw = parse_hw(*hw)) < 0) return -1;
     if (base->len % w || vals->len % 8 || outb->len != vals->len) {
         PyErr_Format(PyExc_ValueError, "%s: base, indices or out has the wrong size", fn);
         return -1;
@@ -710,7 +710,7 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
-    if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off) < 0 || (hw = parse_hw(hw)) < 0) goto done;
+    if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nidx = ib.len / 8;
     const int64_t *idx = ib.buf;
     for (int64_t i = 0; i < nidx; i++) {
@@ -748,7 +748,7 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
-    if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off) < 0 || (hw = parse_hw(hw)) < 0) goto done;
+    if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nr = rb.len / 8;
     const int64_t *r = rb.buf;
     for (int c = 0; c <= nt; c++) {
