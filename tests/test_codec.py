@@ -731,6 +731,25 @@ def test_reject_unknown_format_version():
     _rejects(_edit_header(data, lambda h: h["__metadata__"].update(base_version="9")), _clone(base), PatchFormatError, "base_version 9 >= target_version 8")
 
 
+def test_skipping_the_base_check_still_rejects_a_wrong_base():
+    # a holder that vouches for its base (check_base_digest=False) gets the same guarantee from
+    # the target digests: a drifted element is caught after writing and every bit is restored
+    base, target = _case()
+    data = _encode(base, target)
+    work = _clone(base)
+    same = np.flatnonzero(bits(base["x"]).reshape(-1).numpy() == bits(target["x"]).reshape(-1).numpy())
+    bits(work["x"]).reshape(-1)[int(same[0])] ^= 1  # drifted where the patch writes nothing
+    before = _clone(work)
+    with pytest.raises(DigestMismatchError, match="tensor 'x'.*expected " + tensor_digest(target["x"])):
+        apply_patch(read_patch(data), work, check_base_digest=False)
+    assert_bit_equal(work, before)
+    work = _clone(base)
+    apply_patch(read_patch(data), work, check_base_digest=False)
+    assert_bit_equal(work, target)
+    with pytest.raises(ValueError, match="verify=True or check_base_digest=True"):
+        apply_patch(read_patch(data), _clone(base), verify=False, check_base_digest=False)
+
+
 def test_target_digest_is_verified_after_apply():
     base, target = _case()
     data = _raw_patch(base, target)

@@ -151,6 +151,30 @@ def test_flipped_byte_is_detected_not_applied_and_recovered(store_url):
     assert follower.status().state == "following"
 
 
+def test_drifted_mirror_is_caught_and_reloaded(store_url):
+    # the follower does not re-hash its mirror before a delta (it was verified when written);
+    # if its bytes drift anyway (an engine writing into tensors it was lent), the target digests
+    # catch it and the follower reloads from the anchor instead of serving wrong weights
+    g = torch.Generator().manual_seed(5)
+    state = make_state(4)
+    hook = RecordingHook()
+    with Publisher(store_url, anchor_every=100, anchor_fraction=1e9) as pub:
+        pub.publish(state, 1)
+        pub.flush()
+        follower = Follower(store_url, hook)
+        assert follower.sync_once() == 1
+        new = train_step(state, g)
+        pub.publish(new, 2)
+        pub.flush()
+    name = next(iter(state))
+    same = torch.nonzero(state[name].view(-1).view(torch.int16) == new[name].view(-1).view(torch.int16))
+    follower.mirror[name].view(-1).view(torch.int16)[int(same[0])] ^= 1  # drift where v2 writes nothing
+    assert follower.sync_once() == 2
+    assert_bit_equal(follower.mirror, new)
+    assert_bit_equal(hook.weights, new)
+    assert ("full", 1) in hook.calls[1:], hook.calls  # reloaded from the anchor, then the delta
+
+
 def test_second_writer_fences_the_first(store_url):
     from sparsesync.errors import FencedWriterError
 
