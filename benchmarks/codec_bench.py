@@ -14,8 +14,10 @@ diff+encode and decode+apply throughput in GB of model weights per second.
 Timings are the best of --reps runs (medians are in the JSON too), ours and the TRL-style
 extraction interleaved, so that load from other processes on a shared machine skews neither side. The writer's snapshot (its
 full copy of the base) exists before the timer starts, as it does in training. Decode+apply
-is split into read+decode+validate (including the base digest check), the in-place write, and
-the target digest verification; `decode_apply_s` is their sum (what `apply_patch` does).
+is split into the base digest check, read+decode+validate, the in-place write, and the target
+digest verification; `decode_apply_s` is their sum (what `apply_patch` does).
+`follower_apply_s` leaves out the base digest check (`base_check_s`), as the protocol's
+follower does (its mirror was verified when it was last written).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
 
 from sparsesync.codec import Snapshot, decode_patch, read_patch, verify_digests  # noqa: E402
-from sparsesync.codec.apply import write_updates  # noqa: E402
+from sparsesync.codec.apply import check_base_digests, write_updates  # noqa: E402
 from sparsesync.codec._encodings import key_of  # noqa: E402
 
 
@@ -127,19 +129,22 @@ def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int 
                 gaps16 += int((g >= 65536).sum())
             # decode + apply (ours: validate everything incl. the base digest, write, verify the
             # target digests), and the TRL-style apply; best of `reps`
-            t_dec = t_write = t_verify = t_trl_apply = float("inf")
+            t_base = t_dec = t_write = t_verify = t_trl_apply = float("inf")
             for _ in range(reps):
                 work = {k: v.clone() for k, v in base.items()}
                 gc.collect()
                 t0 = time.perf_counter()
                 patch = read_patch(enc.data)
-                updates = decode_patch(patch, work)
+                check_base_digests(patch, work)
+                tb = time.perf_counter()
+                updates = decode_patch(patch, work, check_base_digest=False)
                 t1 = time.perf_counter()
                 write_updates(work, updates)
                 t2 = time.perf_counter()
                 verify_digests(work, {name: e.target_digest for name, e in patch.header.tensors.items()})
                 t3 = time.perf_counter()
-                t_dec, t_write, t_verify = min(t_dec, t1 - t0), min(t_write, t2 - t1), min(t_verify, t3 - t2)
+                t_base, t_dec = min(t_base, tb - t0), min(t_dec, t1 - tb)
+                t_write, t_verify = min(t_write, t2 - t1), min(t_verify, t3 - t2)
                 ok = all(torch.equal(work[k].view(torch.uint8), snap.state[k].view(torch.uint8)) for k in work)
                 del work, updates
                 work2 = {k: v.clone() for k, v in base.items()}
@@ -148,7 +153,7 @@ def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int 
                 trl_apply(trl, work2)
                 t_trl_apply = min(t_trl_apply, time.perf_counter() - t0)
                 del work2
-            t_apply = t_dec + t_write + t_verify
+            t_apply = t_base + t_dec + t_write + t_verify
             sizes: dict[str, int] = {}
             for e in patch.header.tensors.values():
                 for role, sz in e.stream_sizes.items():
@@ -178,7 +183,9 @@ def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int 
                 "trl_extract_median_s": statistics.median(all_trl),
                 "trl_extract_GBps": model_gb / t_trl,
                 "decode_apply_s": t_apply,
+                "base_check_s": t_base,
                 "decode_validate_s": t_dec,
+                "follower_apply_s": t_apply - t_base,
                 "write_s": t_write,
                 "verify_target_s": t_verify,
                 "decode_apply_GBps": model_gb / t_apply,
@@ -217,11 +224,11 @@ def main() -> None:
     env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
-    print(f"{'mode':7} {'lr':>7} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'TRL apply':>9}")
+    print(f"{'mode':7} {'lr':>7} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
     for r in rows:
         print(
             f"{r['mode']:7} {r['lr']:7.0e} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
-            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['trl_apply_s']:9.2f}"
+            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
         )
     print(f"wrote {a.json}")
 

@@ -88,23 +88,30 @@ def _signed(dt: np.dtype) -> np.dtype:
     return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dt.itemsize])
 
 
+def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise PatchMismatchError naming every tensor the patch touches whose bytes do not hash to
+    its base digest (tensors hashed in parallel on the codec's pool). Read-only; the tensors must
+    be present (`_check_layout` first)."""
+    bad = []
+    names = list(patch.header.tensors)
+    for name, d in zip(names, _parallel.map_ordered(lambda n: tensor_digest(tensors[n]), names)):
+        e = patch.header.tensors[name]
+        if d != e.base_digest:
+            bad.append(f"tensor '{name}': digest {d}, expected {e.base_digest}")
+    if bad:
+        raise PatchMismatchError(
+            f"patch {patch.header.base_version}->{patch.header.target_version}: tensors are not at base version "
+            f"{patch.header.base_version}: " + "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""),
+            hint=f"load version {patch.header.base_version} (anchor plus chain) before applying this patch",
+        )
+
+
 def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True) -> dict[str, SparseUpdate]:
     """Decode and validate `patch` against `tensors` (read-only). Raises before returning if
     anything does not fit: PatchMismatchError (layout, base digest) or PatchFormatError (streams)."""
     _check_layout(patch, tensors)
     if check_base_digest:
-        bad = []
-        names = list(patch.header.tensors)
-        for name, d in zip(names, _parallel.map_ordered(lambda n: tensor_digest(tensors[n]), names)):
-            e = patch.header.tensors[name]
-            if d != e.base_digest:
-                bad.append(f"tensor '{name}': digest {d}, expected {e.base_digest}")
-        if bad:
-            raise PatchMismatchError(
-                f"patch {patch.header.base_version}->{patch.header.target_version}: tensors are not at base version "
-                f"{patch.header.base_version}: " + "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""),
-                hint=f"load version {patch.header.base_version} (anchor plus chain) before applying this patch",
-            )
+        check_base_digests(patch, tensors)
     names = list(patch.header.tensors)  # sorted: the first failing tensor in name order is reported
     # biggest first keeps both threads busy to the end; errors are still raised in name order
     order = sorted(names, key=lambda n: (-patch.header.tensors[n].numel, n))
