@@ -7,17 +7,22 @@ the parent dies without cleaning up (e.g. SIGKILL).
 Guarantee: leaving a `ProcessSet` (normally, by exception, or by Ctrl-C / SIGTERM, which
 `ProcessSet` turns into KeyboardInterrupt while it is active) sends SIGTERM to every child's
 process group, waits up to `grace_s`, then SIGKILLs what is left, so no child outlives the run.
+A Ctrl-C or SIGTERM also starts a deadline (`exit_deadline_s`): if this process has not exited
+by then (cleanup stuck on a request, a lock, a thread), every child's group is SIGKILLed and the
+process exits with status 130 at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,24 +80,49 @@ class Child:
 class ProcessSet:
     """Starts children and guarantees they are stopped (see module docstring)."""
 
-    def __init__(self, log_dir: Path, *, env: dict[str, str] | None = None, grace_s: float = 10.0) -> None:
+    def __init__(self, log_dir: Path, *, env: dict[str, str] | None = None, grace_s: float = 10.0,
+                 exit_deadline_s: float = 30.0) -> None:
         self.log_dir = log_dir
         self.env = {**os.environ, **(env or {})}
         self.grace_s = grace_s
+        self.exit_deadline_s = exit_deadline_s
         self.children: list[Child] = []
-        self._old_term: Callable[[int, FrameType | None], object] | int | None = None
+        self._old_handlers: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> ProcessSet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(ValueError):  # only possible on the main thread
-            self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # only possible on the main thread
+                self._old_handlers[sig] = signal.signal(sig, self._interrupted)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
-        if self._old_term is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, self._old_term)  # type: ignore[arg-type]
+        for sig, old in self._old_handlers.items():
+            if old is not None:  # None: the old handler was not set from Python and cannot be restored
+                with contextlib.suppress(ValueError):
+                    signal.signal(sig, old)
+
+    def _interrupted(self, signum: int, frame: FrameType | None) -> None:
+        """Ctrl-C / SIGTERM: start the exit deadline (once), then unwind as KeyboardInterrupt."""
+        if self._deadline is None:
+            self._deadline = threading.Timer(self.exit_deadline_s, self._force_exit)
+            self._deadline.daemon = True
+            self._deadline.start()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def _force_exit(self) -> None:
+        """The cleanup after an interrupt overran its deadline: kill every child, exit now."""
+        sys.stderr.write(f"still stopping {self.exit_deadline_s:.0f} s after the interrupt: killing every child and "
+                         "exiting; where each thread was:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for c in self.children:
+            if c.alive():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        os._exit(130)
 
     def start(self, name: str, argv: list[str], *, url: str = "", env: dict[str, str] | None = None) -> Child:
         """Start `argv` (a new process group, output to `<log_dir>/<name>.log`)."""
@@ -159,6 +189,3 @@ class ProcessSet:
         for c in self.children:
             self.stop(c)
 
-
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

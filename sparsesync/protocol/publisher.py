@@ -352,7 +352,7 @@ class Publisher:
         while True:
             with self._cv:
                 while not self._pending and not self._closed:
-                    self._cv.wait()
+                    self._cv.wait(timeout=1.0)  # a lost wake-up (publish interrupted mid-enqueue) heals itself
                 if not self._pending:
                     return
                 item = self._pending.popleft()
