@@ -107,8 +107,8 @@ from pathlib import Path
 from trainer.processes import ProcessSet
 with ProcessSet(Path(sys.argv[1]), exit_deadline_s=2.0) as procs:
     child = procs.start("sleeper", [sys.executable, "-c", "import time; time.sleep(1000)"])
-    print(child.pid, flush=True)
     try:
+        print(child.pid, flush=True)  # inside the try: the test's Ctrl-C may land while it prints
         time.sleep(1000)
     finally:
         threading.Event().wait()  # a cleanup that never finishes (a stuck request, a lost wake-up)
