@@ -9,9 +9,9 @@ the S3 service (with its proxy). All of them share this machine's cores, which r
 on their own machines do not: with several followers the lag here includes waiting for CPU. Also
 reports how long the trainer was blocked per step and the bytes it uploaded. The first
 `--warmup` deltas are applied but not timed (each process's first decode runs cold), the same
-for both modes. Each version is
-one AdamW step at `--lr` with fp32 master weights on realistic bf16 weights (the codec
-benchmark's generator, benchmarks/_codec_data.py: about 1.6% of elements change at 1e-6).
+for both modes. Each version is one AdamW step at `--lr` with fp32 master weights on realistic
+bf16 weights (the codec benchmark's generator, benchmarks/_codec_data.py: about 1.6% of
+elements change at 1e-6).
 
     .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, all stores
     .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
@@ -129,8 +129,6 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
         procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env)) for _ in range(n_followers)]
         for p in procs:
             p.start()
-        if not pub:
-            pass
         for _ in procs:
             ready.get(timeout=600)
         lags, blocked, uploaded = [], [], 0

@@ -126,20 +126,21 @@ def ans_encode(sym: np.ndarray, models: list[tuple[list[int], int]]) -> bytes:
     return _native.rans_encode(np.ascontiguousarray(sym, dtype=np.int32), sofs, counts, cofs)
 
 
-def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> list[np.ndarray]:
-    """The symbols of stream `role`: one int32 array per (counts, n) segment, in order.
+def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The symbols of stream `role`, as `ans_encode` took them: (every segment's int32 symbols
+    end to end, segment offsets), one segment per (counts, n) of `models`, in order.
     Anything that does not decode exactly (and to the end) is PatchFormatError."""
-    if ctx.format_version == 1:
-        return _ans_decode_v1(ctx, role, data, models)
     counts, cofs, sofs = _models(models)
+    if ctx.format_version == 1:
+        return _ans_decode_v1(ctx, role, data, models), sofs
     out = np.empty(int(sofs[-1]), dtype=np.int32)
     status = _native.rans_decode(data, counts, cofs, sofs, out)
     if status:
         raise _bad(ctx, f"stream '{role}' " + _RANS_STATUS[status].format(n=len(data)))
-    return np.split(out, sofs[1:-1])
+    return out, sofs
 
 
-def _ans_decode_v1(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> list[np.ndarray]:
+def _ans_decode_v1(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> np.ndarray:
     """Format 1: constriction's AnsCoder (32-bit words) with its leaky 24-bit Categorical models."""
     import constriction
 
@@ -167,7 +168,7 @@ def _ans_decode_v1(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int
         out.append(sym)
     if not coder.is_empty():
         raise _bad(ctx, f"stream '{role}' has data left after the last symbol")
-    return out
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
 
 # ---------------------------------------------------------------------------- positions
@@ -302,15 +303,15 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     if len(low_data) != (n_low + 7) // 8:
         raise _bad(ctx, f"stream 'gaps_low' has {len(low_data)} bytes, expected {(n_low + 7) // 8}")
     low_padded = bytes(low_data) + b"\0" * 8  # gap_ranks reads 64-bit windows
-    syms = ans_decode(ctx, "gaps", streams["gaps"], list(zip(cs, ns)))
+    sym_all, sofs = ans_decode(ctx, "gaps", streams["gaps"], list(zip(cs, ns)))
     raw_esc = streams.get("gaps_escape", b"")
     if len(raw_esc) % 8:
         raise _bad(ctx, f"stream 'gaps_escape' has {len(raw_esc)} bytes, expected a multiple of 8")
     esc_data = np.frombuffer(raw_esc, dtype="<u8")
-    ranks = np.empty(sum(ns), dtype=np.int64)  # class 0's ranks, then class 1's, ...
-    off_e, off_l, s0 = 0, 0, 0
-    for c, (sym, counts, n, k) in enumerate(zip(syms, cs, ns, ks)):
-        r = ranks[s0 : s0 + n]
+    ranks = np.empty(sum(ns), dtype=np.int64)  # class 0's ranks, then class 1's, ... (laid out as the symbols)
+    off_e, off_l = 0, 0
+    for c, (counts, n, k) in enumerate(zip(cs, ns, ks)):
+        sym, r = sym_all[sofs[c] : sofs[c + 1]], ranks[sofs[c] : sofs[c + 1]]
         status, off_e = _native.gap_ranks(sym, len(counts) - 1, esc_data, off_e, k, low_padded, off_l, ctx.numel, r)
         if status:
             raise _bad(ctx, {
@@ -319,7 +320,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
                 3: f"a gap quotient in class {c} exceeds the tensor's {ctx.numel} elements",
                 4: f"gaps in class {c} run past the tensor's {ctx.numel} elements",
             }[status])
-        off_l, s0 = off_l + n * k, s0 + n
+        off_l += n * k
     if off_e != esc_data.size:
         raise _bad(ctx, f"stream 'gaps_escape' has {esc_data.size * 8} bytes, expected {off_e * 8}")
     if not thresholds:
@@ -327,7 +328,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
     idx, bad = class_select(ctx.base_bits(None), thresholds, ranks, ns)
     if bad >= 0:
         members = int((class_of(ctx.base_bits(None), thresholds) == bad).sum())
-        raise _bad(ctx, f"rank {int(ranks[sum(ns[: bad + 1]) - 1])} in class {bad}, expected < {members} (the class's members in the base)")
+        raise _bad(ctx, f"rank {int(ranks[sofs[bad + 1] - 1])} in class {bad}, expected < {members} (the class's members in the base)")
     return idx
 
 
@@ -410,14 +411,13 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
     sizes = np.bincount(cls, minlength=n_cls).tolist() if thresholds else [base.size]
-    syms = ans_decode(ctx, "delta", streams.get("delta", b""), list(zip(counts_all, sizes)))
-    sym = np.concatenate(syms) if len(syms) > 1 else syms[0]
+    sym, sofs = ans_decode(ctx, "delta", streams.get("delta", b""), list(zip(counts_all, sizes)))
     es = np.array([len(c) - 1 for c in counts_all], dtype=np.int64)
     esc_data = streams.get("delta_escape", b"")
     out = np.empty(base.size, dtype=base.dtype)
-    status = _native.delta_values(base, w, cls, n_cls, sym, offsets(sizes), es, esc_data, out)
+    status = _native.delta_values(base, w, cls, n_cls, sym, sofs, es, esc_data, out)
     if status == 100:
-        n_esc = sum(int((s == e).sum()) for s, e in zip(syms, es))
+        n_esc = sum(int((sym[sofs[c] : sofs[c + 1]] == e).sum()) for c, e in enumerate(es))
         raise _bad(ctx, f"stream 'delta_escape' has {len(esc_data)} bytes, expected {n_esc * w} for {n_esc} escaped values")
     if status >= 200:
         raise _bad(ctx, f"stream 'delta_escape' escapes a value below the alphabet size {int(es[status - 200])} in class {status - 200}")

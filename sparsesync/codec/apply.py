@@ -18,7 +18,7 @@ import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
-from sparsesync.codec.digest import tensor_digest
+from sparsesync.codec.digest import tensor_digests
 from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
 
@@ -88,20 +88,24 @@ def _signed(dt: np.dtype) -> np.dtype:
     return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dt.itemsize])
 
 
+def _mismatches(tensors: Mapping[str, torch.Tensor], want: Mapping[str, str]) -> list[str]:
+    """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its digest."""
+    got = tensor_digests({n: tensors[n] for n in want})
+    return [f"tensor '{n}': digest {got[n]}, expected {d}" for n, d in want.items() if got[n] != d]
+
+
+def _listing(problems: list[str]) -> str:
+    return "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+
+
 def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise PatchMismatchError naming every tensor the patch touches whose bytes do not hash to
-    its base digest (tensors hashed in parallel on the codec's pool). Read-only; the tensors must
-    be present (`_check_layout` first)."""
-    bad = []
-    names = list(patch.header.tensors)
-    for name, d in zip(names, _parallel.map_ordered(lambda n: tensor_digest(tensors[n]), names)):
-        e = patch.header.tensors[name]
-        if d != e.base_digest:
-            bad.append(f"tensor '{name}': digest {d}, expected {e.base_digest}")
+    its base digest. Read-only; the tensors must be present (`_check_layout` first)."""
+    bad = _mismatches(tensors, {n: e.base_digest for n, e in patch.header.tensors.items()})
     if bad:
         raise PatchMismatchError(
             f"patch {patch.header.base_version}->{patch.header.target_version}: tensors are not at base version "
-            f"{patch.header.base_version}: " + "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""),
+            f"{patch.header.base_version}: " + _listing(bad),
             hint=f"load version {patch.header.base_version} (anchor plus chain) before applying this patch",
         )
 
@@ -144,15 +148,12 @@ def write_updates(tensors: MutableMapping[str, torch.Tensor], updates: Mapping[s
 
 
 def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> None:
-    """Raise DigestMismatchError naming every tensor in `digests` whose bytes do not match
-    (tensors hashed in parallel on the codec's pool)."""
-    bad = [f"tensor '{name}': missing, expected digest {want}" for name, want in digests.items() if name not in tensors]
-    names = [n for n in digests if n in tensors]
-    for name, got in zip(names, _parallel.map_ordered(lambda n: tensor_digest(tensors[n]), names)):
-        if got != digests[name]:
-            bad.append(f"tensor '{name}': digest {got}, expected {digests[name]}")
+    """Raise DigestMismatchError naming every tensor in `digests` that is missing or whose bytes
+    do not match."""
+    bad = [f"tensor '{n}': missing, expected digest {d}" for n, d in digests.items() if n not in tensors]
+    bad += _mismatches(tensors, {n: d for n, d in digests.items() if n in tensors})
     if bad:
-        raise DigestMismatchError("; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""), hint="reload from the newest anchor and replay the chain")
+        raise DigestMismatchError(_listing(bad), hint="reload from the newest anchor and replay the chain")
 
 
 def apply_patch(

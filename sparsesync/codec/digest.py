@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 import xxhash
 
+from sparsesync.codec import _parallel
+
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("sparsesync.codec needs a little-endian host")
 
@@ -41,8 +43,10 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """`tensor_digest` of every tensor in `state`, by name."""
-    return {name: tensor_digest(t) for name, t in state.items()}
+    """`tensor_digest` of every tensor in `state`, by name (hashed in parallel on the codec's
+    "tensors" pool: do not call it from a task of that pool)."""
+    names = list(state)
+    return dict(zip(names, _parallel.map_ordered(lambda n: tensor_digest(state[n]), names)))
 
 
 def state_digest(digests: Mapping[str, str]) -> str:
