@@ -28,6 +28,11 @@ class ConfigError(SparsesyncError):
     """A configuration value or CLI argument is invalid."""
 
 
+class OutputError(SparsesyncError):
+    """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
+    What was there before is left as it was."""
+
+
 # ---------------------------------------------------------------------------- patches
 class PatchError(SparsesyncError):
     """Base for problems with a patch or anchor file."""
@@ -70,6 +75,17 @@ class StoreAuthError(StoreError):
 # ---------------------------------------------------------------------------- protocol
 class ProtocolError(SparsesyncError):
     """Base for run-layout and commit-protocol problems."""
+
+
+class MalformedCommitError(ProtocolError):
+    """An object named like a commit record that is not one (wrong JSON shape, types, ranges, or a
+    name that disagrees with its content). Readers skip it; `key` names it, `reason` says why."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key} is not a commit record: {reason}",
+                         hint="it was not written by a compatible sparsesync; delete it, or run `sparsesync gc`")
+        self.key = key
+        self.reason = reason
 
 
 class RunNotFoundError(ProtocolError):

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sparsesync.cli._errors import fail
@@ -41,7 +42,9 @@ def log(
     """List the committed versions of a run: kind, density, bytes and timings."""
     from sparsesync.protocol.run import Run
 
-    commits = Run(url).commits()
+    run = Run(url)
+    commits = run.commits()
+    _warn_rejected(run.rejected)
     rows = []
     for c in commits:
         m = c.metrics
@@ -66,13 +69,20 @@ def log(
         t.add_column(col, justify="right" if col not in ("kind",) else "left", no_wrap=True)
     for r in rows:
         t.add_row(
-            str(r["version"]), "" if r["base_version"] is None else str(r["base_version"]), r["kind"] or "",
+            str(r["version"]), "" if r["base_version"] is None else str(r["base_version"]), escape(r["kind"] or ""),
             "" if r["n_changed"] is None else _fmt_count(r["n_changed"]),
             "" if r["density"] is None else f"{r['density']:.3%}",
             _fmt_bytes(r["patch_bytes"]), _fmt_bytes(r["anchor_bytes"]),
             _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
         )
     console.print(t)
+
+
+def _warn_rejected(rejected: dict[str, str]) -> None:
+    """One stderr line per commit-named object that is not a commit record (readers skip it)."""
+    for key, reason in sorted(rejected.items()):
+        Console(stderr=True, highlight=False).print(f"skipped {key}: not a commit record: {reason}",
+                                                    markup=False, soft_wrap=True)
 
 
 def inspect(
@@ -84,6 +94,8 @@ def inspect(
     from sparsesync.store import open_store
 
     if Path(target).exists():
+        if not Path(target).is_file():  # a FIFO or a device would hang or never end
+            fail(f"{target} is not a regular file", "name a patch file (.safetensors)")
         with open(target, "rb") as f:
             first = f.read(8)
             header = parse_header(f.read(header_length(first)))
@@ -120,8 +132,10 @@ def verify(
     if as_json:
         console.print_json(json.dumps(report.to_dict()))
     else:
+        for key, reason in sorted(report.rejected.items()):
+            console.print(f"[red]NOT A COMMIT[/] {escape(key)}: {escape(reason)}")
         for v in report.versions:
-            mark = "[green]ok[/]" if v.ok else f"[red]FAILED[/] {v.error}"
+            mark = "[green]ok[/]" if v.ok else f"[red]FAILED[/] {escape(v.error or '')}"
             console.print(f"version {v.version} ({v.how}): {mark}")
         console.print(f"{sum(v.ok for v in report.versions)}/{len(report.versions)} versions verified")
     if not report.ok:

@@ -1,10 +1,20 @@
-"""`sparsesync push` and `sparsesync pull`: weight versions in and out of a run."""
+"""`sparsesync push` and `sparsesync pull`: weight versions in and out of a run.
+
+`pull` writes DEST atomically: the version is written into a staging folder beside DEST (same
+file system), then renamed into place, so a failure (read-only folder, full disk, a bad run)
+leaves DEST as it was. Into an existing folder it moves the new model files in (the index
+last) and removes every other `*.safetensors` and `*.safetensors.index.json` there, which
+loaders would otherwise read as part of the model; other files (config, tokenizer) stay.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -28,10 +38,13 @@ def push(
 ) -> None:
     """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due)."""
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.protocol.layout import check_version
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
 
+    if step is not None:
+        check_version(step, url)  # before anything is written to the run
     state = load_checkpoint(source)
     store = open_store(url, create=True, private=not public)
     with _progress() as progress:
@@ -69,10 +82,9 @@ def pull(
     version: Annotated[int | None, typer.Option(help="Version to materialize (default: newest committed).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact."""
-    from safetensors.torch import save_file
+    """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact.
 
-    from sparsesync.codec import write_anchor
+    DEST is replaced atomically; in an existing folder, other *.safetensors files and indexes are removed."""
     from sparsesync.protocol.run import Run
 
     run = Run(url)
@@ -85,15 +97,70 @@ def pull(
 
         rec, state, _digests = run.reconstruct(version, on_step=on_step)
         progress.update(task, description=f"writing {dest}")
-        if dest.suffix == ".safetensors":
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            save_file(state, str(dest), metadata={"sparsesync_version": str(rec.version),
-                                                  "sparsesync_state_digest": rec.state_digest})
-            files = [dest]
-        else:
-            files = write_anchor(state, dest, version=rec.version)
+        files = _write_dest(state, dest, rec.version, rec.state_digest)
     result = {"version": rec.version, "state_digest": rec.state_digest, "files": [str(f) for f in files]}
     if as_json:
         console.print_json(json.dumps(result))
     else:
         console.print(f"pulled version {rec.version} (state {rec.state_digest}) into {dest}")
+
+
+def _is_model_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str) -> list[Path]:
+    """Write `state` to DEST through a staging folder beside it (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    from sparsesync.codec import write_anchor
+    from sparsesync.errors import OutputError
+
+    dest = dest.absolute()
+    one_file = dest.suffix == ".safetensors"
+    stage: Path | None = None
+    try:
+        if dest.exists() and not (dest.is_file() if one_file else dest.is_dir()):
+            raise OutputError(f"{dest} exists and is not a {'file' if one_file else 'folder'}",
+                              hint="name a folder, or a path ending in .safetensors for one file")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.sparsesync-", dir=dest.parent))
+        if one_file:
+            save_file(state, str(stage / dest.name), metadata={"sparsesync_version": str(version),
+                                                               "sparsesync_state_digest": digest})
+            os.replace(stage / dest.name, dest)
+            return [dest]
+        files = write_anchor(state, stage / "model", version=version)
+        if not dest.exists():
+            os.replace(stage / "model", dest)  # DEST appears complete, or not at all
+            return [dest / f.name for f in files]
+        new = [f.name for f in files]
+        stale = [p for p in dest.iterdir() if _is_model_file(p.name) and p.name not in new]
+        for p in stale:  # indexes first, so no loader follows a stale index to a new shard set
+            if p.name.endswith(".json"):
+                p.unlink()
+        for f in files:  # shards, then the index
+            os.replace(f, dest / f.name)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return [dest / n for n in new]
+    except OutputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for the same causes
+        raise OutputError(f"cannot write version {version} to {dest}: {' '.join(str(e).split())[:300]}",
+                          hint=_output_hint(e)) from e
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _output_hint(e: Exception) -> str:
+    import errno
+
+    text = str(e)
+    code = getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left" in text or "too large" in text:
+        return "free disk space (or raise the file size limit) where DEST lives, or pull elsewhere"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "ermission denied" in text or "Read-only" in text:
+        return "DEST and its folder must be writable by this user; choose another DEST"
+    return "check DEST (a writable folder, or a path ending in .safetensors)"

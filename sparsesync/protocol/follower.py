@@ -7,6 +7,9 @@ Guarantees:
   keeps serving; only then does it call the hook, whose duration is the replica's pause.
 - A version number moves only after the hook returned. If the hook fails, the engine is
   reloaded from the mirror (`load_full`).
+- What is held is judged by state digest, not by version number: when the trusted commit of
+  the version held names another state (a newer writer committed the same version number with
+  other weights), the follower reloads, even at the same version number.
 - Faults (missing or corrupt objects, broken chains, an unreachable store) never stop the
   replica: the follower refetches, then falls back to the newest anchor that reaches the
   newest version, and meanwhile keeps the last good version with state "degraded".
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
+from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
     DigestMismatchError,
@@ -112,6 +116,11 @@ class Follower:
                 return self.current_version
             newest = commits[-1]
             self._set(newest_version=newest.version, lag=self._lag(newest.version))
+            held = next((c for c in commits if c.version == self._mirror_version), None)
+            if held is not None and held.state_digest != state_digest(self.digests):
+                log.warning("version %s of %s was overruled by epoch %d (state %s): reloading",
+                            held.version, self.store.url, held.epoch, held.state_digest)
+                self._mirror_version = None  # the weights held are not what readers trust: reload
             if self._mirror_version == newest.version == self.current_version:
                 self._set(state="following", last_error=None)
                 return self.current_version

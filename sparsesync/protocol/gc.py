@@ -6,13 +6,19 @@ the oldest kept anchor on stay in place. Deletion order keeps readers safe if gc
 midway: commit records that are not valid (fenced writers) first, then old commit records,
 then objects no remaining commit references. Objects of versions newer than the newest
 commit are never touched: they may belong to a writer that is uploading right now.
+
+gc trusts only what it has seen: an anchor or delta counts as kept only when the listing shows
+it with the size its commit recorded. When the newest committed version cannot be rebuilt from
+what would be kept (its anchor or a delta of its chain is missing or has the wrong size),
+`plan_gc` raises `BrokenChainError` and nothing is deleted: the older versions may be the only
+good copies left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparsesync.errors import ConfigError
+from sparsesync.errors import BrokenChainError, ConfigError
 from sparsesync.protocol.layout import (
     ANCHORS,
     COMMITS,
@@ -48,18 +54,29 @@ def plan_gc(store: Store, *, keep_anchors: int = 1) -> GcPlan:
     if keep_anchors < 1:
         raise ConfigError(f"keep_anchors={keep_anchors}: must be >= 1 (the newest chain needs its anchor)")
     run = Run(store)
-    listing = store.list("")
-    sizes = {o.key: o.size for o in listing}
     commits = run.commits()
+    listing = store.list("")  # after the commits: every object a listed commit names is listed too
+    sizes = {o.key: o.size for o in listing}
     if not commits:
         return GcPlan(newest_version=None, oldest_kept_version=None)
     newest = commits[-1]
-    anchors = [c for c in reversed(commits) if c.has_anchor]
-    usable = [a for a in anchors if _reaches(a.version, newest, commits)]
+    # objects that are missing or do not have the size their commit recorded cannot be used
+    unusable = {ref.key for c in commits for ref in c.objects() if sizes.get(ref.key) != ref.size}
+    anchors = [c for c in reversed(commits) if c.has_anchor and not any(o.key in unusable for o in c.anchor)]
+    usable = [a for a in anchors if _reaches(a.version, newest, commits, unusable)]
+    if not usable:
+        missing = sorted(ref.key for ref in newest.objects() if ref.key in unusable)
+        raise BrokenChainError(
+            f"gc of {store.url}: the newest version {newest.version} cannot be rebuilt from the objects present"
+            + (f" ({missing[0]} is missing or has the wrong size)" if missing else
+               " (no complete anchor with a delta chain to it)") + "; nothing was deleted",
+            hint="publish a new anchor (restart the trainer, or `sparsesync push` a full checkpoint), then run gc again",
+        )
     kept_anchor_versions = [a.version for a in usable[:keep_anchors]]
-    keep_from = min(kept_anchor_versions) if kept_anchor_versions else commits[0].version
+    keep_from = min(kept_anchor_versions)
     valid_keys = {k for k in sizes if k.startswith(COMMITS)} & {_key(c) for c in commits}
     plan = GcPlan(newest_version=newest.version, oldest_kept_version=keep_from)
+    # fenced commit records, and commit-named objects that are not commit records
     plan.invalid_commits = sorted(k for k in sizes if parse_commit_key(k) and k not in valid_keys)
     kept = [c for c in commits if c.version >= keep_from]
     plan.kept_versions = [c.version for c in kept]
@@ -87,5 +104,5 @@ def _key(rec: CommitRecord) -> str:
     return commit_key(rec.version, rec.epoch)
 
 
-def _reaches(start: int, target: CommitRecord, commits: list[CommitRecord]) -> bool:
-    return start == target.version or Run.chain(start, target.version, commits, set()) is not None
+def _reaches(start: int, target: CommitRecord, commits: list[CommitRecord], unusable: set[str]) -> bool:
+    return start == target.version or Run.chain(start, target.version, commits, unusable) is not None

@@ -16,12 +16,13 @@ garbage to `gc`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sparsesync.errors import ProtocolError
+from sparsesync.errors import ConfigError, MalformedCommitError
 
 COMMIT_FORMAT = "sparsesync-commit/1"
 WRITERS = "writers/"
@@ -29,12 +30,15 @@ ANCHORS = "anchors/"
 DELTAS = "deltas/"
 COMMITS = "commits/"
 MAX_COMMIT_BYTES = 64 << 20  # a commit record larger than this is refused (hostile bucket)
+MAX_VERSION = 10**10 - 1  # the widest version a commit name can carry (10 digits)
+MAX_EPOCH = 10**6 - 1  # the widest epoch a name can carry (6 digits)
 
 _COMMIT_RE = re.compile(r"^commits/v(\d{10})-e(\d{6})\.json$")
 _LOCK_RE = re.compile(r"^writers/e(\d{6})\.lock$")
 _WRITER_RE = re.compile(r"^writers/e(\d{6})-([A-Za-z0-9_.-]+)\.json$")
 _DELTA_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+\.safetensors$")
 _ANCHOR_RE = re.compile(r"^anchors/v(\d{10})-e(\d{6})-[0-9a-f]+/")
+_ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/[A-Za-z0-9._-]+$")
 
 
 def new_uid() -> str:
@@ -56,6 +60,16 @@ def delta_key(base: int, target: int, epoch: int, uid: str) -> str:
 
 def anchor_prefix(version: int, epoch: int, uid: str) -> str:
     return f"{ANCHORS}v{version:010d}-e{epoch:06d}-{uid}/"
+
+
+def check_version(version: object, url: str) -> int:
+    """`version` if it is an integer a commit name can carry; ConfigError before anything is written."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise ConfigError(
+            f"version {version!r} for {url} is not an integer in [0, {MAX_VERSION}] (commit names carry 10 digits)",
+            hint="pass a smaller step, e.g. the optimizer step count",
+        )
+    return version
 
 
 def parse_commit_key(key: str) -> tuple[int, int] | None:
@@ -127,42 +141,119 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, data: bytes, key: str) -> CommitRecord:
-        """Parse and validate a commit record; ProtocolError names `key` on any problem."""
-        if len(data) > MAX_COMMIT_BYTES:
-            raise ProtocolError(f"commit record {key!r} is {len(data)} bytes, over the limit")
-        try:
-            raw = json.loads(data)
-            if raw.get("format") != COMMIT_FORMAT:
-                raise ValueError(f"format {raw.get('format')!r}, expected {COMMIT_FORMAT!r}")
-            delta = ObjectRef(**raw["delta"]) if raw.get("delta") else None
-            anchor = [ObjectRef(**o) for o in raw.get("anchor") or []]
-            rec = cls(
-                version=int(raw["version"]),
-                epoch=int(raw["epoch"]),
-                writer=str(raw["writer"]),
-                state_digest=str(raw["state_digest"]),
-                created_at=float(raw["created_at"]),
-                delta=delta,
-                base_version=None if raw.get("base_version") is None else int(raw["base_version"]),
-                base_state_digest=raw.get("base_state_digest"),
-                anchor=anchor,
-                metrics=dict(raw.get("metrics") or {}),
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise ProtocolError(
-                f"commit record {key!r} is malformed: {e}",
-                hint="the object was not written by a compatible sparsesync; run `sparsesync verify`",
-            ) from e
-        if parse_commit_key(key) != (rec.version, rec.epoch):
-            raise ProtocolError(
-                f"commit record {key!r} says version {rec.version} epoch {rec.epoch}, "
-                "which does not match its name"
-            )
-        if rec.delta is None and not rec.anchor:
-            raise ProtocolError(f"commit record {key!r} names neither a delta nor an anchor")
-        if rec.delta is not None and rec.base_version is None:
-            raise ProtocolError(f"commit record {key!r} has a delta but no base_version")
-        return rec
+        """Parse a commit record against the schema (docs/protocol.md); anything else raises
+        `MalformedCommitError` with a one-line reason naming `key`."""
+        return _parse_commit(data, key)
+
+
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+_NUMERIC_METRICS = ("n_changed", "n_params", "density", "patch_bytes", "anchor_bytes", "diff_s", "encode_s",
+                    "upload_s", "snapshot_s", "anchor_write_s", "bytes_per_changed")
+_MAX_ANCHOR_FILES = 10_000
+_MAX_OBJECT_BYTES = 1 << 50  # 1 PiB: a size beyond it is not a real object
+
+
+def _int(raw: dict[str, Any], name: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
+    v = raw.get(name)
+    if v is None and optional:
+        return None
+    if type(v) is not int:
+        raise ValueError(f"{name} is {_show(v)}, expected an integer")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _str(raw: dict[str, Any], name: str, pattern: re.Pattern[str] | None = None, *, optional: bool = False,
+         max_len: int = 256) -> str | None:
+    v = raw.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > max_len:
+        raise ValueError(f"{name} is {_show(v)}, expected a string of at most {max_len} characters")
+    if pattern is not None and not pattern.match(v):
+        raise ValueError(f"{name} {v!r} is not a hex digest")
+    return v
+
+
+def _show(v: Any) -> str:
+    """A short description of a JSON value for a one-line reason."""
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    return f"{type(v).__name__} {json.dumps(v)[:40]}"
+
+
+def _ref(raw: Any, what: str, expect: re.Pattern[str], version: int, base: int | None) -> ObjectRef:
+    if not isinstance(raw, dict) or set(raw) != {"key", "size", "xxh3"}:
+        raise ValueError(f"{what} is {_show(raw)}, expected an object with exactly key, size, xxh3")
+    key = _str(raw, "key", max_len=1024)
+    m = expect.match(key or "")
+    if m is None:
+        raise ValueError(f"{what} key {key!r} is not a {what.split()[0]} object name")
+    names = (int(m[1]), int(m[2])) if what.startswith("delta") else (int(m[1]),)
+    if names != ((base, version) if what.startswith("delta") else (version,)):
+        raise ValueError(f"{what} key {key!r} names versions {names}, not this commit's")
+    size = _int(raw, "size", 0, _MAX_OBJECT_BYTES)
+    return ObjectRef(key=key, size=size, xxh3=_str(raw, "xxh3", _HEX))  # type: ignore[arg-type]
+
+
+def _parse_commit(data: bytes, key: str) -> CommitRecord:
+    def bad(reason: str) -> MalformedCommitError:
+        return MalformedCommitError(key, reason)
+
+    name = parse_commit_key(key)
+    if name is None:
+        raise bad("the name is not commits/v<10 digits>-e<6 digits>.json")
+    if len(data) > MAX_COMMIT_BYTES:
+        raise bad(f"{len(data)} bytes or more, over the limit of {MAX_COMMIT_BYTES}")
+    try:
+        raw = json.loads(bytes(data).decode("utf-8"))
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSON syntax, ints over 4300 digits
+        raise bad(f"not UTF-8 JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(raw, dict):
+        raise bad(f"the JSON is {_show(raw)}, expected an object")
+    try:
+        if raw.get("format") != COMMIT_FORMAT:
+            raise ValueError(f"format is {_show(raw.get('format'))}, expected {COMMIT_FORMAT!r}")
+        version = _int(raw, "version", 0, MAX_VERSION)
+        epoch = _int(raw, "epoch", 0, MAX_EPOCH)
+        if (version, epoch) != name:
+            raise ValueError(f"it says version {version} epoch {epoch}, which does not match its name")
+        base = _int(raw, "base_version", 0, MAX_VERSION, optional=True)
+        if base is not None and base >= version:  # type: ignore[operator]
+            raise ValueError(f"base_version {base} is not below version {version}")
+        created = raw.get("created_at")
+        if type(created) not in (int, float) or not math.isfinite(created):
+            raise ValueError(f"created_at is {_show(created)}, expected a finite number")
+        delta = None if raw.get("delta") is None else _ref(raw["delta"], "delta", _DELTA_RE, version, base)  # type: ignore[arg-type]
+        if delta is not None and base is None:
+            raise ValueError("it has a delta but no base_version")
+        anchor_raw = raw.get("anchor") or []
+        if not isinstance(anchor_raw, list) or len(anchor_raw) > _MAX_ANCHOR_FILES:
+            raise ValueError(f"anchor is {_show(anchor_raw)}, expected a list of at most {_MAX_ANCHOR_FILES} objects")
+        anchor = [_ref(o, "anchor file", _ANCHOR_FILE_RE, version, None) for o in anchor_raw]  # type: ignore[arg-type]
+        if len({o.key.rsplit("/", 1)[-1] for o in anchor}) != len(anchor):
+            raise ValueError("anchor lists one file name twice")
+        if delta is None and not anchor:
+            raise ValueError("it names neither a delta nor an anchor")
+        metrics = raw.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise ValueError(f"metrics is {_show(metrics)}, expected an object")
+        for m in _NUMERIC_METRICS:
+            if metrics.get(m) is not None and (type(metrics[m]) not in (int, float) or not math.isfinite(metrics[m])):
+                raise ValueError(f"metrics.{m} is {_show(metrics[m])}, expected a finite number")
+        if metrics.get("kind") is not None and not isinstance(metrics["kind"], str):
+            raise ValueError(f"metrics.kind is {_show(metrics['kind'])}, expected a string")
+        return CommitRecord(
+            version=version, epoch=epoch, writer=_str(raw, "writer"), state_digest=_str(raw, "state_digest", _HEX),  # type: ignore[arg-type]
+            created_at=float(created), delta=delta, base_version=base,
+            base_state_digest=_str(raw, "base_state_digest", _HEX, optional=True),
+            anchor=anchor, metrics=metrics,
+        )
+    except ValueError as e:
+        raise bad(str(e)) from None
 
 
 def valid_commits(keys: list[str]) -> list[tuple[int, int, str]]:

@@ -14,6 +14,12 @@ Fencing: each Publisher claims a writer epoch (one higher than any seen; reserve
 create-only write where the store has one, so no two writers share an epoch there) when it
 starts, and re-lists the claims before every commit; when a newer claim exists (ordered by
 epoch, then writer id) it stops and raises FencedWriterError from the next `publish`/`flush`.
+The epoch is one above every epoch seen in claims, locks *and* commit names (a run copied
+without `writers/` still fences its old commits correctly). After writing a commit record the
+uploader lists `commits/` again and checks that readers trust it as the newest version; if a
+commit of a newer epoch overrules it, FencedWriterError names the version readers see, so a
+commit nobody can read is never reported as published. Versions and epochs that do not fit the
+object names (10 and 6 digits) are refused before anything is uploaded.
 """
 
 from __future__ import annotations
@@ -39,21 +45,27 @@ from sparsesync.errors import (
     ConfigError,
     FencedWriterError,
     PatchMismatchError,
+    ProtocolError,
     RunNotFoundError,
     SparsesyncError,
     StoreUnavailableError,
 )
 from sparsesync.protocol.layout import (
+    COMMITS,
+    MAX_EPOCH,
     WRITERS,
     CommitRecord,
     ObjectRef,
     anchor_prefix,
+    check_version,
     commit_key,
     delta_key,
     new_uid,
     epoch_lock_key,
+    parse_commit_key,
     parse_epoch_lock_key,
     parse_writer_key,
+    valid_commits,
     writer_key,
 )
 from sparsesync.protocol.run import Run, bytes_digest, file_digest
@@ -142,6 +154,7 @@ class Publisher:
         if self._closed:
             raise ConfigError("publish() after close()")
         version = step if step is not None else (self._last_version or 0) + 1
+        check_version(version, self.store.url)
         if self._last_version is not None and version <= self._last_version:
             raise ConfigError(
                 f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
@@ -254,15 +267,26 @@ class Publisher:
         keys = [o.key for o in self.store.list(WRITERS)]
         return [p for k in keys if (p := parse_writer_key(k))], {e for k in keys if (e := parse_epoch_lock_key(k)) is not None}
 
+    def _commit_epochs(self) -> set[int]:
+        """The epochs named by commit records (a run copied without `writers/` still has them)."""
+        return {p[1] for o in self.store.list(COMMITS) if (p := parse_commit_key(o.key))}
+
     def _claim_epoch(self) -> int:
         """Claim the epoch after every one seen. Where the store has create-only writes, an epoch
         is first reserved with a create-only lock object, so no two writers ever share one; a
         lost race moves on to the next epoch. Elsewhere two writers starting in the same instant
         may claim the same epoch; `_check_fence` then orders them by (epoch, writer) and the
         smaller one stops at its next commit."""
+        committed = self._commit_epochs()
         for _ in range(_CLAIM_TRIES):
             claims, locks = self._claims()
-            epoch = max([e for e, _w in claims] + list(locks), default=0) + 1
+            epoch = max([e for e, _w in claims] + list(locks) + list(committed), default=0) + 1
+            if epoch > MAX_EPOCH:
+                raise ProtocolError(
+                    f"cannot claim writer epoch {epoch} of {self.store.url}: epochs have at most 6 digits "
+                    f"(the run already holds epoch {epoch - 1})",
+                    hint="publish to a new run URL",
+                )
             if self.store.has_create_only and not self.store.put_new(epoch_lock_key(epoch), self.writer.encode()):
                 continue  # another writer reserved this epoch after our listing
             self.store.put(writer_key(epoch, self.writer), f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode())
@@ -282,6 +306,24 @@ class Publisher:
                 f"of {self.store.url}",
                 hint="only one trainer may publish to a run; stop the other one or use a new run URL",
             )
+
+    def _confirm_visible(self, version: int) -> None:
+        """Raise FencedWriterError unless readers trust our commit of `version` as the newest
+        one. The listing may be stale (it cannot show our own commit yet): it is judged with our
+        key added, so only commits it does show can overrule ours."""
+        ours = commit_key(version, self.epoch)
+        keys = {o.key for o in self.store.list(COMMITS)} | {ours}
+        valid = valid_commits(sorted(keys))
+        if valid and valid[-1][2] == ours:
+            return
+        overrulers = sorted(p for k in keys if (p := parse_commit_key(k)) and p[1] > self.epoch and p[0] <= version)
+        seen = f"version {valid[-1][0]} (epoch {valid[-1][1]})" if valid else "no version"
+        raise FencedWriterError(
+            f"version {version} (epoch {self.epoch}) was written to {self.store.url} but readers do not see it: "
+            + (f"the commit of version {overrulers[0][0]} by epoch {overrulers[0][1]} overrules it; " if overrulers else "")
+            + f"readers see {seen}",
+            hint="another writer holds a newer epoch of this run; stop it, or publish to a new run URL",
+        )
 
     def _anchor_due(self, version: int) -> bool:
         cfg = self.config
@@ -406,6 +448,7 @@ class Publisher:
                        "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.delta else
                        ("delta+anchor" if rec.anchor else "delta")}
         self.store.put(commit_key(item.version, self.epoch), rec.to_json())
+        self._confirm_visible(item.version)
         if item.anchor_dir is not None:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         self.committed_version = item.version

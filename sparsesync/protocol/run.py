@@ -21,6 +21,7 @@ from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
     BrokenChainError,
     DigestMismatchError,
+    MalformedCommitError,
     ObjectNotFoundError,
     PatchMismatchError,
     ProtocolError,
@@ -29,6 +30,7 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.layout import (
     COMMITS,
+    MAX_COMMIT_BYTES,
     CommitRecord,
     ObjectRef,
     valid_commits,
@@ -59,12 +61,20 @@ class Step:
     commit: CommitRecord
 
 
+def read_at_most(store: Store, key: str, limit: int) -> bytes:
+    """The object's bytes, reading at most `limit + 1` of them (so a result longer than `limit`
+    says the object is too large without allocating more than that)."""
+    return store.get_range(key, 0, limit + 1)
+
+
 class Run:
     """A read view of the run rooted at a store. Commit records are cached (immutable)."""
 
     def __init__(self, store: Store | str) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
         self._records: dict[str, CommitRecord] = {}
+        #: commit-named objects that are not commit records, with the reason (`log`/`verify` show them)
+        self.rejected: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -72,16 +82,26 @@ class Run:
 
     # -- commits ----------------------------------------------------------------------
     def commits(self) -> list[CommitRecord]:
-        """Every valid committed version, oldest first (a fresh listing each call)."""
+        """Every valid committed version, oldest first (a fresh listing each call).
+
+        Fencing is decided on the names (`valid_commits`); a fenced-in name whose object is not
+        a commit record (see `CommitRecord.from_json`) is skipped and its reason kept in
+        `rejected`.
+        """
         keys = [o.key for o in self.store.list(COMMITS)]
         out = []
         for _v, _e, key in valid_commits(keys):
             rec = self._records.get(key)
             if rec is None:
+                if key in self.rejected:
+                    continue
                 try:
-                    rec = CommitRecord.from_json(self.store.get(key), key)
+                    rec = CommitRecord.from_json(read_at_most(self.store, key, MAX_COMMIT_BYTES), key)
                 except ObjectNotFoundError:
                     continue  # listed but gone (gc raced us): not committed any more
+                except MalformedCommitError as e:
+                    self.rejected[key] = e.reason
+                    continue
                 self._records[key] = rec
             out.append(rec)
         return out
@@ -147,29 +167,38 @@ class Run:
 
     @staticmethod
     def chain(start: int, target: int, commits: list[CommitRecord], bad: set[str]) -> list[Step] | None:
-        """The delta steps from version `start` to `target`, or None when the chain is broken."""
+        """The delta steps from version `start` to `target`, or None when the chain is broken.
+
+        Cannot loop: every step goes to a strictly higher version (records whose delta does not
+        go forward are ignored, and a visited set guards the walk as well).
+        """
         by_base: dict[int, list[CommitRecord]] = {}
         for rec in commits:
-            if rec.delta is not None and rec.delta.key not in bad and rec.version <= target:
-                by_base.setdefault(rec.base_version, []).append(rec)  # type: ignore[arg-type]
+            if (rec.delta is not None and rec.delta.key not in bad and rec.base_version is not None
+                    and rec.base_version < rec.version <= target):
+                by_base.setdefault(rec.base_version, []).append(rec)
         steps: list[Step] = []
-        cur = start
+        cur, seen = start, {start}
         while cur != target:
             nxt = by_base.get(cur)
             if not nxt:
                 return None
             rec = max(nxt, key=lambda r: r.version)  # a coalesced delta skips ahead
+            if rec.version in seen:
+                return None
+            seen.add(rec.version)
             steps.append(Step("delta", rec))
             cur = rec.version
         return steps
 
     # -- objects ----------------------------------------------------------------------
     def fetch(self, ref: ObjectRef) -> bytes:
-        """The object's bytes, checked against the size and digest its commit recorded."""
-        data = self.store.get(ref.key)
+        """The object's bytes, checked against the size and digest its commit recorded (reading
+        at most one byte more than the recorded size)."""
+        data = read_at_most(self.store, ref.key, ref.size)
         if len(data) != ref.size or bytes_digest(data) != ref.xxh3:
             raise DigestMismatchError(
-                f"object {self.store.object_url(ref.key)} has {len(data)} bytes with digest "
+                f"object {self.store.object_url(ref.key)} has {len(data)}{'+' if len(data) > ref.size else ''} bytes with digest "
                 f"{bytes_digest(data)}, expected {ref.size} bytes with digest {ref.xxh3}",
                 hint="the stored object is corrupt; followers fall back to an anchor",
             )

@@ -3,7 +3,8 @@
 Walks the versions oldest first, applying each delta to the state of its base (digests of
 every touched tensor and of the whole state checked), and loading every anchor (each file's
 bytes and each tensor's digest checked). Where a version has both, the two results must be
-identical. Reads everything; writes nothing.
+identical. Objects named like commit records that are not commit records are reported (with
+the reason) and fail the run. Reads everything; writes nothing.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ class VersionCheck:
 class VerifyReport:
     url: str
     versions: list[VersionCheck] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)  # commit-named objects that are not commits: reason
 
     @property
     def ok(self) -> bool:
-        return bool(self.versions) and all(v.ok for v in self.versions)
+        return bool(self.versions) and all(v.ok for v in self.versions) and not self.rejected
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "ok": self.ok, "versions": [asdict(v) for v in self.versions]}
+        return {"url": self.url, "ok": self.ok, "versions": [asdict(v) for v in self.versions],
+                "rejected": dict(self.rejected)}
 
 
 def verify_run(url: str | Run) -> VerifyReport:
@@ -40,6 +43,7 @@ def verify_run(url: str | Run) -> VerifyReport:
     run = url if isinstance(url, Run) else Run(url)
     report = VerifyReport(url=run.url)
     commits = run.commits()
+    report.rejected = dict(run.rejected)
     state: State | None = None
     digests: dict[str, str] = {}
     held: int | None = None

@@ -4,13 +4,17 @@ Guarantees: a reader never sees a half-written object (every write goes to a hid
 file in the same folder, is fsynced, then renamed into place); `put_new` is a real
 create-only write (`os.link` of the finished temp file fails if the key exists), so
 `has_create_only` is True; keys are validated so no key can escape the root. Temp files
-(`.sparsesync-tmp-*`) are never listed.
+(`.sparsesync-tmp-*`) are never listed. Only regular files are objects: anything else under
+the root (a FIFO, a device, a symlink to one such as /dev/zero) is never listed, and reading it
+raises `ObjectNotFoundError` at once (it is opened non-blocking and checked before any byte is read), so
+a hostile folder can neither hang a reader nor feed it endless bytes.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -160,34 +164,51 @@ class LocalStore(Store):
             folder = folder.parent
 
     # -- reads --------------------------------------------------------------------------
+    def _open(self, key: str):  # type: ignore[no-untyped-def]
+        """The object's file opened for reading, refusing anything but a regular file.
+
+        Non-blocking open, so a FIFO cannot hang us; the type is checked on the open descriptor
+        (no race with a swap after a stat)."""
+        fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ObjectNotFoundError(f"{self.object_url(key)} is not a regular file ({_kind(mode)})",
+                                 url=self.object_url(key),
+                                 hint="only regular files are objects; remove it from the run folder")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
     def get(self, key: str) -> bytes:
-        path = self._path(key)
-        return self._run("read", self.object_url(key), path.read_bytes)
+        def _read() -> bytes:
+            with self._open(key) as f:
+                return f.read()
+
+        return self._run("read", self.object_url(key), _read)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
             raise StoreError(f"bad range start={start} length={length} for {self.object_url(key)}",
                              url=self.object_url(key), hint="start and length must be >= 0")
-        path = self._path(key)
 
         def _read() -> bytes:
-            with open(path, "rb") as f:
+            with self._open(key) as f:
                 f.seek(start)
                 return f.read(length)
 
         return self._run("range read", self.object_url(key), _read)
 
     def get_file(self, key: str, dest: Path) -> None:
-        src = self._path(key)
         dest = Path(dest)
 
         def _copy() -> None:
-            if not src.is_file():
-                raise FileNotFoundError(str(src))
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + f".part-{uuid.uuid4().hex[:8]}")
             try:
-                with open(src, "rb") as i, open(tmp, "wb") as o:
+                with self._open(key) as i, open(tmp, "wb") as o:
                     while chunk := i.read(_CHUNK):
                         o.write(chunk)
                 os.replace(tmp, dest)
@@ -215,10 +236,11 @@ class LocalStore(Store):
                     if not key.startswith(prefix):
                         continue
                     try:
-                        size = os.stat(os.path.join(dirpath, name)).st_size
-                    except FileNotFoundError:  # deleted while we walked
+                        st = os.stat(os.path.join(dirpath, name))
+                    except OSError:  # deleted while we walked, or a dangling link
                         continue
-                    out.append(ObjectInfo(key, size))
+                    if stat.S_ISREG(st.st_mode):  # FIFOs, devices, links to them: not objects
+                        out.append(ObjectInfo(key, st.st_size))
             out.sort(key=lambda o: o.key)
             return out
 
@@ -227,3 +249,11 @@ class LocalStore(Store):
     def exists(self, key: str) -> bool:
         path = self._path(key)
         return self._run("stat", self.object_url(key), path.is_file)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"

@@ -38,9 +38,14 @@ _TRANSIENT_ERRNO = frozenset(
 )
 _SECRET_PATTERNS = (
     re.compile(r"hf_[A-Za-z0-9]{8,}"),
+    re.compile(r"AKIA[0-9A-Z]{12,}"),
     re.compile(r"(?i)(bearer\s+)[^\s'\",]+"),
     re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)[^'\",}]+"),
-    re.compile(r"(?i)((?:x-amz-security-token|aws_secret_access_key|signature)=)[^&\s'\"]+"),
+    # URL userinfo: scheme://user:password@host (also percent-encoded inside a query value)
+    re.compile(r"(?i)([a-z][a-z0-9+.-]*(?::|%3A)(?:/|%2F){2})[^/\s@'\"?#]+(?:@|%40)"),
+    # query parameters (and key=value pairs) that carry keys, tokens, passwords, signatures
+    re.compile(r"(?i)((?:^|[?&;\s,(]|%26|%3F)[\w.-]*(?:token|secret|password|passwd|pwd|signature|sig|"
+               r"credential|api[_-]?key|access[_-]?key|apikey|auth|session)[\w.-]*(?:=|%3D))[^&\s'\",;)#]+"),
 )
 
 
@@ -74,7 +79,7 @@ def redact(text: str, secrets: tuple[str | None, ...] = ()) -> str:
         if s and len(s) >= 4:
             text = text.replace(s, "***")
     for pat in _SECRET_PATTERNS:
-        text = pat.sub(lambda m: (m.group(1) if m.lastindex else "") + "***", text)
+        text = pat.sub(lambda m: (m.group(1) if m.lastindex else "") + ("***@" if m.group(0).endswith(("@", "%40")) else "***"), text)
     return text
 
 
@@ -125,11 +130,11 @@ def call(
             pause = policy.delay(attempt)
             if attempt >= policy.tries or elapsed + pause > policy.deadline_s:
                 raise StoreUnavailableError(
-                    f"{what} {url} failed after {attempt} tries in {elapsed:.1f}s: {describe(e, secrets)}",
-                    url=url,
+                    redact(f"{what} {url} failed after {attempt} tries in {elapsed:.1f}s: {describe(e, secrets)}", secrets),
+                    url=redact(url, secrets),
                     hint="the store did not answer; check the network and the endpoint, then retry "
                     "- SPARSESYNC_STORE_RETRY_S raises the time budget",
                 ) from e
-            log.warning("%s %s: %s; retry %d/%d in %.2fs", what, url, describe(e, secrets),
+            log.warning("%s %s: %s; retry %d/%d in %.2fs", what, redact(url, secrets), describe(e, secrets),
                         attempt, policy.tries - 1, pause)
             sleep(pause)

@@ -83,8 +83,12 @@ class S3Store(Store):
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         unknown = set(query) - {"endpoint", "region"}
         if unknown:
-            raise ConfigError(f"S3 URL {url!r} has unknown options {sorted(unknown)}",
+            raise ConfigError(f"S3 URL {retry.redact(url)!r} has unknown options {sorted(unknown)}",
                               hint="supported: ?endpoint=URL&region=NAME")
+        if "@" in urlsplit(query.get("endpoint", "")).netloc:
+            raise ConfigError(f"the endpoint of S3 URL {retry.redact(url)!r} carries credentials (user:password@)",
+                              hint="boto3 does not use them: put credentials in AWS_* env vars or a profile, "
+                                   "and give the endpoint as scheme://host:port")
         prefix = parts.path.strip("/")
         printable = f"s3://{parts.netloc}" + (f"/{prefix}" if prefix else "") + (f"?{parts.query}" if parts.query else "")
         return cls(parts.netloc, prefix, endpoint=query.get("endpoint"), region=query.get("region"),
