@@ -65,6 +65,14 @@ class MalformedRequestError(EnvError):
     code = "malformed_request"
 
 
+class InvalidTextError(EnvError):
+    """A JSON body or WebSocket message holds text that is not Unicode (a lone surrogate) or nests
+    too deeply; refused before any handler sees it."""
+
+    status = 400
+    code = "invalid_text"
+
+
 class PayloadTooLargeError(EnvError):
     status = 413
     code = "payload_too_large"

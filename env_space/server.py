@@ -18,8 +18,12 @@ the same request and response shapes and add a session id:
 - `DELETE /sessions/{id}` frees a session; `GET /sessions` reports live/finished counts.
 
 Guarantees: every refusal is a 4xx (503 when full) with `{"detail", "error", "hint"}` (see
-errors.py); bodies over ENV_MAX_BODY_BYTES get 413 before any parsing; handlers never block (the
-session store's critical sections are microseconds), so no request hangs another.
+errors.py), FastAPI's and Starlette's own refusals (404, 405, 422) included; bodies over
+ENV_MAX_BODY_BYTES get 413 before any parsing; JSON bodies and WebSocket messages whose strings
+are not valid Unicode (a lone surrogate such as "\ud800", which no UTF-8 text can carry) or that
+nest too deeply are refused at the boundary (400 `invalid_text`; an `error` frame on the
+WebSocket) before any handler or session sees them, so they cannot poison a session; handlers
+never block (the session store's critical sections are microseconds), so no request hangs another.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fastapi import Body, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.types import ConcurrencyConfig, ResetRequest, ResetResponse, StepRequest, StepResponse
 from pydantic import Field, ValidationError
@@ -42,6 +47,7 @@ from env_space.config import ServerConfig
 from env_space.environment import TaskEnvironment
 from env_space.errors import (
     EnvError,
+    InvalidTextError,
     MalformedActionError,
     MalformedRequestError,
     MissingSessionError,
@@ -99,15 +105,52 @@ def _describe(errors: list[Any], drop: int = 0) -> str:
     return "; ".join(parts)
 
 
-# -- body size limit (pure ASGI, so it runs before any parsing) ---------------------------------
+# -- the boundary: body size, and text that is not Unicode (pure ASGI, before any parsing) --------
+_MAX_DEPTH = 64  # JSON nesting deeper than any request shape here
+
+
+def _text_problem(raw: bytes | str) -> str | None:
+    """Why a JSON document must be refused at the boundary, or None (also None when it is not
+    JSON at all: FastAPI's validation answers that with its own 422)."""
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        return "JSON nested too deeply"
+    except ValueError:
+        return None
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"JSON nested deeper than {_MAX_DEPTH} levels"
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return "a string holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode text"
+        elif isinstance(node, dict):
+            stack.extend((x, depth + 1) for kv in node.items() for x in kv)
+        elif isinstance(node, list):
+            stack.extend((x, depth + 1) for x in node)
+    return None
+
+
+def _invalid_text(why: str) -> InvalidTextError:
+    return InvalidTextError(f"refused: {why}", hint="send valid UTF-8 JSON text (escape pairs like \\ud83d\\ude00 are fine)")
+
+
 class BodyLimitMiddleware:
-    """Refuse HTTP bodies over `max_bytes` with 413, by Content-Length or while streaming."""
+    """Refuse HTTP bodies over `max_bytes` with 413, by Content-Length or while streaming, and
+    JSON bodies or WebSocket text messages that are not Unicode text (see `_text_problem`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self.app(scope, self._checked_ws(receive, send), send)
+            return
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
@@ -136,6 +179,9 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        if body and (why := _text_problem(body)):
+            await _send_error(send, _invalid_text(why))
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -146,6 +192,28 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _checked_ws(self, receive: Receive, send: Send) -> Receive:
+        """`receive` that answers a text message which is not Unicode with an error frame (the
+        shape OpenEnv's own errors have) and hands the app the next message instead."""
+
+        async def checked() -> Message:
+            while True:
+                message = await receive()
+                text = message.get("text") if message["type"] == "websocket.receive" else None
+                if text is None:
+                    return message
+                if len(text) > self.max_bytes:
+                    err: EnvError | None = self._too_large(len(text))
+                else:
+                    why = _text_problem(text)
+                    err = _invalid_text(why) if why else None
+                if err is None:
+                    return message
+                await send({"type": "websocket.send", "text": json.dumps(
+                    {"type": "error", "data": {"message": err.message, "code": err.code, "hint": err.hint}})})
+
+        return checked
 
     def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLargeError:
         what = f"more than {self.max_bytes}" if at_least else str(size)
@@ -227,6 +295,13 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
         err = MalformedRequestError(f"malformed request: {_describe(list(exc.errors()))}",
                                    hint="see GET /schema and the /docs page for the request shapes")
         return JSONResponse(err.body(), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405 ... in our shape
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+        hint = "see GET /docs for the routes and their methods" if exc.status_code in (404, 405) else ""
+        return JSONResponse({"detail": str(exc.detail), "error": code, "hint": hint}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug, not bad input

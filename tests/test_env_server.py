@@ -7,6 +7,7 @@ server keeps answering afterwards.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -273,3 +274,97 @@ def test_idle_sessions_expire_with_410(small_server):
         new = [c.reset(seed=i)[0] for i in range(3)]
         for s in new:
             c.close_session(s)
+
+
+# -- the boundary: text that is not Unicode, fuzzing from the OpenAPI schema --------------------------
+def test_lone_surrogate_is_refused_and_never_poisons_the_session(server, client):
+    """A JSON string may escape a lone UTF-16 surrogate ("\\ud800"): valid JSON, not Unicode text. It
+    is a 400 at the boundary, and the session (over HTTP and over the WebSocket) plays on."""
+    from websockets.sync.client import connect
+
+    sid, _ = client.reset(task="repeat", seed=2)
+    for body in ('{"action": {"text": "\\ud800abcd"}, "session_id": "%s"}' % sid,
+                 '{"action": {"text": "ok"}, "session_id": "\\udfff%s"}' % sid,
+                 '{"seed": 1, "episode_id": "\\ud800"}', "[" * 2000 + "]" * 2000):
+        r = httpx.post(f"{server.url}/{'step' if 'action' in body else 'reset'}", content=body,
+                       headers={"content-type": "application/json"})
+        assert r.status_code in (400, 413) and r.json()["error"] in ("invalid_text", "payload_too_large"), r.text
+    target = repeat.target_for_seed(2)
+    assert client.step(sid, target * 2)[1] == 1.0  # the session was never touched
+    with connect(server.url.replace("http", "ws") + "/ws") as ws:
+        ws.send(json.dumps({"type": "reset", "data": {"seed": 3, "task": "repeat"}}))
+        assert json.loads(ws.recv())["type"] == "observation"
+        ws.send('{"type": "step", "data": {"text": "\\ud800abcd"}}')
+        err = json.loads(ws.recv())
+        assert err["type"] == "error" and err["data"]["code"] == "invalid_text", err
+        ws.send(json.dumps({"type": "step", "data": {"text": repeat.target_for_seed(3) * 2}}))
+        assert json.loads(ws.recv())["data"]["reward"] == 1.0
+
+
+def test_framework_refusals_have_the_common_error_shape(server):
+    for r in (httpx.get(f"{server.url}/no-such-route"), httpx.put(f"{server.url}/reset")):
+        assert r.status_code in (404, 405) and {"detail", "error", "hint"} <= set(r.json()), r.text
+
+
+def _error_shape_ok(r: httpx.Response) -> bool:
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and {"detail", "error", "hint"} <= set(body) and isinstance(body["error"], str)
+
+
+def test_http_api_fuzzed_from_its_openapi_schema(server):
+    """schemathesis generates requests for every operation of the served OpenAPI schema, valid
+    (positive) and invalid (negative) ones; hypothesis adds JSON bodies whose strings may hold
+    lone surrogates. No answer is a 5xx except 503 when full; every error has the common shape."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from hypothesis.errors import Unsatisfiable
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    problems: list[str] = []
+
+    def check(label: str, r: httpx.Response | object, sent: object) -> None:
+        status = r.status_code  # type: ignore[attr-defined]
+        if (status >= 500 and not (status == 503 and r.json().get("error") == "capacity_reached")) or (  # type: ignore[attr-defined]
+                status >= 400 and not _error_shape_ok(r)):  # type: ignore[arg-type]
+            problems.append(f"{label} -> {status} {r.text[:200]} for {str(sent)[:200]}")  # type: ignore[attr-defined]
+
+    fuzz = settings(max_examples=12, deadline=None, database=None, phases=[Phase.generate],
+                    suppress_health_check=list(HealthCheck))
+    n_ops = 0
+    for result in schema.get_all_operations():
+        op = result.ok()
+        n_ops += 1
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            @fuzz
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case) -> None:  # type: ignore[no-untyped-def]
+                check(op.label, case.call(base_url=server.url, timeout=10), (case.path_parameters, case.query, case.body))
+
+            try:
+                run()
+            except Unsatisfiable:  # an operation without parameters has no invalid request
+                pass
+    assert n_ops >= 10  # /reset, /step, /state, /sessions, OpenEnv's routes
+
+    text = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=20)
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text,
+                               lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3),
+                               max_leaves=12)
+    sid, _ = httpx.post(f"{server.url}/reset", json={"task": "repeat", "seed": 5}).json()["session_id"], None
+
+    @fuzz
+    @given(path=st.sampled_from(["/reset", "/step"]), action=json_values, extra=json_values, use_sid=st.booleans())
+    def raw(path: str, action: object, extra: object, use_sid: bool) -> None:
+        body = {"action": action, "extra": extra} if path == "/step" else {"episode_id": action, "seed": extra}
+        if use_sid:
+            body["session_id"] = sid
+        payload = json.dumps(body, ensure_ascii=True, allow_nan=True)  # lone surrogates travel as \ud800 escapes
+        check(path, httpx.post(f"{server.url}{path}", content=payload, headers={"content-type": "application/json"}), payload)
+
+    raw()
+    assert not problems, "\n".join(problems[:10])
+    assert httpx.post(f"{server.url}/step", json={"action": {"text": "x"}, "session_id": sid}).status_code in (200, 409)
