@@ -335,19 +335,23 @@ def _record(run: Path, version: int) -> dict:
 
 def test_forward_and_cyclic_chains_are_not_commits_and_cannot_loop(template, tmp_path):
     run, states = _copy(template, tmp_path)
-    for v, base in ((5, 6), (6, 5), (7, 7)):  # pointing forward, at each other, at itself
-        rec = {**_record(run, 4), "version": v, "base_version": base}
+    # 6 (an anchor) -> 5 -> 6 -> ... never reaches the newest, 7: before, readers looped until out of memory
+    for v, base, src in ((5, 6, 4), (6, 5, 3), (7, 4, 4)):
+        rec = {**_record(run, src), "version": v, "base_version": base}
         (run / commit_key(v, 1)).write_text(json.dumps(rec))
-    code, out, err = _cli("log", str(run))
-    assert code == 0 and "4 committed" in out and "base_version 6 is not below version 5" in err, (out, err)
-    assert _check_pulled(*_cli("pull", str(run), str(tmp_path / "o")), tmp_path / "o", str(run), states, "cycle")
-    assert _cli("gc", str(run), "--dry-run")[0] == 0
-    code, out, _ = _cli("verify", str(run))
-    assert code == 1 and out.count("NOT A COMMIT") == 3
-    # the planner itself moves strictly forward, even over records no parser would let through
-    recs = [CommitRecord.from_json(json.dumps(_record(run, v)).encode(), commit_key(v, 1)) for v in (2, 3, 4)]
-    recs[1].base_version, recs[2].base_version = 4, 3  # 3 <- 4 <- 3 ...
-    assert Run.chain(2, 4, recs, set()) is None
+    with _memory_bound(MEMORY_HEADROOM):
+        code, out, err = _cli("log", str(run))
+        assert code == 0 and "4 committed" in out and "base_version 6 is not below version 5" in err, (out, err)
+        assert _check_pulled(*_cli("pull", str(run), str(tmp_path / "o")), tmp_path / "o", str(run), states, "cycle")
+        assert _cli("gc", str(run), "--dry-run")[0] == 0
+        _check_follower(str(run), states, "cycle")
+        code, out, _ = _cli("verify", str(run))
+        assert code == 1 and out.count("NOT A COMMIT") == 3
+        # the planner itself moves strictly forward, even over records no parser would let through
+        recs = [CommitRecord.from_json(json.dumps(_record(run, v)).encode(), commit_key(v, 1)) for v in (2, 3, 4)]
+        recs[1].base_version, recs[2].base_version = 4, 3  # 4 -> 3 -> 4 -> ...
+        with _time_bound(COMMAND_S, "Run.chain"):
+            assert Run.chain(4, 5, recs, set()) is None
 
 
 def test_push_into_a_run_copied_without_writers_is_seen_by_readers(template, tmp_path):
