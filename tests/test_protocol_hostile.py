@@ -41,7 +41,7 @@ from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from tests.weights import assert_bit_equal, make_state, train_step
 
-COMMAND_S = 60  # no command may take longer (generous: a shared, loaded machine) (a hang fails the test instead of the suite)
+COMMAND_S = 60  # no command may take longer: a hang fails the test, not the suite (generous for loaded machines)
 MEMORY_HEADROOM = 2 << 30  # bytes of heap the whole test may add (runaway reads/loops hit it)
 
 
