@@ -497,7 +497,7 @@ def test_pull_failures_are_one_line_and_leave_dest_as_it_was(template, tmp_path)
               "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
               "from sparsesync.cli import main; sys.argv = ['sparsesync', 'pull', sys.argv[1], sys.argv[2]]; main()")
     p = subprocess.run([sys.executable, "-c", script, str(run), str(dest)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     _assert_one_line_error(p.returncode, p.stdout, p.stderr, "pull onto a full disk")
     assert "free disk space" in p.stderr
     assert sorted(x.name for x in dest.iterdir()) == ["config.json"]  # no half-written file, no staging left
