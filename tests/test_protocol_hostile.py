@@ -407,6 +407,30 @@ def test_a_commit_overruled_while_it_was_written_fails_the_push_loudly(template,
     assert Run(str(run)).newest().version == 4
 
 
+def test_a_commit_replaced_by_a_writer_of_the_same_epoch_fails_the_push_loudly(template, tmp_path):
+    """Without create-only writes two writers may claim one epoch; if the other one's commit of
+    the same version lands on ours, readers see its weights: the push must not report success."""
+    from sparsesync.errors import FencedWriterError
+    from sparsesync.store.local import LocalStore
+
+    run, states = _copy(template, tmp_path)
+
+    class SameEpochStore(LocalStore):
+        def put(self, key, data):  # type: ignore[no-untyped-def]
+            super().put(key, data)
+            if key.startswith("commits/"):  # the twin writer's record of the same version and epoch
+                rec = json.loads(data)
+                super().put(key, json.dumps({**rec, "writer": "twin", "state_digest": _record(run, 4)["state_digest"]}).encode())
+
+    pub = Publisher(SameEpochStore(run), queue_size=1)
+    _rec, base, _ = Run(str(run)).reconstruct()
+    pub.resume(base)
+    pub.publish(states["next"], 5)
+    with pytest.raises(FencedWriterError, match="replaced by writer 'twin' of the same epoch"):
+        pub.flush()
+    pub.close()
+
+
 def test_follower_reloads_when_its_version_is_overruled_with_other_weights(template, tmp_path):
     run, states = _copy(template, tmp_path)
     follower = Follower(str(run))

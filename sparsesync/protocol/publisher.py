@@ -52,6 +52,7 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.layout import (
     COMMITS,
+    MAX_COMMIT_BYTES,
     MAX_EPOCH,
     WRITERS,
     CommitRecord,
@@ -68,7 +69,7 @@ from sparsesync.protocol.layout import (
     valid_commits,
     writer_key,
 )
-from sparsesync.protocol.run import Run, bytes_digest, file_digest
+from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
 from sparsesync.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -307,15 +308,25 @@ class Publisher:
                 hint="only one trainer may publish to a run; stop the other one or use a new run URL",
             )
 
-    def _confirm_visible(self, version: int) -> None:
-        """Raise FencedWriterError unless readers trust our commit of `version` as the newest
-        one. The listing may be stale (it cannot show our own commit yet): it is judged with our
-        key added, so only commits it does show can overrule ours."""
+    def _confirm_visible(self, rec: CommitRecord) -> None:
+        """Raise FencedWriterError unless readers trust our commit record `rec` as the newest
+        version. The listing may be stale (it cannot show our own commit yet): it is judged with
+        our key added, so only commits it does show can overrule ours. The record is read back
+        too: a writer that claimed the same epoch (stores without create-only writes) may have
+        replaced it."""
+        version = rec.version
         ours = commit_key(version, self.epoch)
         keys = {o.key for o in self.store.list(COMMITS)} | {ours}
         valid = valid_commits(sorted(keys))
         if valid and valid[-1][2] == ours:
-            return
+            stored = CommitRecord.from_json(read_at_most(self.store, ours, MAX_COMMIT_BYTES), ours)
+            if (stored.writer, stored.state_digest) == (self.writer, rec.state_digest):
+                return
+            raise FencedWriterError(
+                f"version {version} (epoch {self.epoch}) of {self.store.url} was replaced by writer "
+                f"{stored.writer!r} of the same epoch (state {stored.state_digest}); readers see that one",
+                hint="only one trainer may publish to a run; stop the other one or use a new run URL",
+            )
         overrulers = sorted(p for k in keys if (p := parse_commit_key(k)) and p[1] > self.epoch and p[0] <= version)
         seen = f"version {valid[-1][0]} (epoch {valid[-1][1]})" if valid else "no version"
         raise FencedWriterError(
@@ -448,7 +459,7 @@ class Publisher:
                        "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.delta else
                        ("delta+anchor" if rec.anchor else "delta")}
         self.store.put(commit_key(item.version, self.epoch), rec.to_json())
-        self._confirm_visible(item.version)
+        self._confirm_visible(rec)
         if item.anchor_dir is not None:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         self.committed_version = item.version
