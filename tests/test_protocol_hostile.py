@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,18 +52,23 @@ class _Hang(BaseException):
 
 @contextlib.contextmanager
 def _time_bound(seconds: int, what: str) -> Iterator[None]:
+    """Raise (as a test failure) when the block runs past `seconds`. Shares the real-time timer
+    with pytest-timeout: the outer deadline is put back, less the time spent, afterwards."""
     def _alarm(*_):  # type: ignore[no-untyped-def]
         raise _Hang(f"{what} ran past {seconds} s")
 
     old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(seconds)
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    t0 = time.monotonic()
     try:
         yield
     except _Hang as e:  # out of the command: now an ordinary test failure (hypothesis shrinks it)
         raise AssertionError(str(e)) from None
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 0.001), interval)
 
 
 @contextlib.contextmanager
