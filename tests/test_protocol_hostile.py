@@ -295,6 +295,7 @@ def _exercise(root: Path, states: dict, scratch: Path, what: str) -> None:
     _check_follower(url, {**states, state_digest(tensor_digests(states["next"])): states["next"]}, f"{what} after push")
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow], database=None)
 @given(damages=st.lists(_damage, min_size=1, max_size=3))
