@@ -27,10 +27,19 @@ class Trainer:
             self.state.update(load_file(str(f)))
         self.g = torch.Generator().manual_seed(seed)
 
-    def step(self, density: float = 0.02, scale: float = 0.05) -> dict[str, torch.Tensor]:
-        """Move `density` of every tensor's elements by noise of std `scale` (new tensors)."""
+    def step(self, density: float = 0.02, scale: float = 0.05, tensor_fraction: float = 1.0) -> dict[str, torch.Tensor]:
+        """Move `density` of the elements of a random `tensor_fraction` of the tensors (at least
+        one) by noise of std `scale` (new tensors). A fraction below 1 is what RL on a MoE
+        model does (only the routed experts get gradients) and touches parts of fused layers."""
+        names = sorted(self.state)
+        keep = torch.rand(len(names), generator=self.g) < tensor_fraction
+        keep[int(torch.randint(0, len(names), (1,), generator=self.g))] = True
         out = {}
-        for name, t in self.state.items():
+        for name, move in zip(names, keep.tolist(), strict=True):
+            t = self.state[name]
+            if not move:
+                out[name] = t
+                continue
             t = t.clone()
             flat = t.view(-1)
             n = max(1, int(flat.numel() * density))

@@ -11,7 +11,15 @@ them).
 
 Every update is validated against the engine's checkpoint layout (names, shapes, dtypes,
 index ranges, value counts, finite values) before any engine code sees it
-(`WeightUpdateError`). Logprobs are those of the model's raw distribution (log-softmax of the
+(`WeightUpdateError`). The layout is the checkpoint's own key set (what `save_pretrained`
+writes); a tied model's LM head may also arrive under its alias (`lm_head.weight`), and is
+then accepted only when it equals the embedding it ties to.
+
+The engine-side proof: after writing, inside the pause, each engine reads the weights its
+forward pass computes with back in checkpoint coordinates and compares them with the version
+(`_apply_sparse`/`_load_full` raise `EngineCheckError` on a mismatch). An engine whose write
+failed or whose read-back differs reports `weight_version` None and `check_error` until a
+later load succeeds: it never labels output with a version it does not hold. Logprobs are those of the model's raw distribution (log-softmax of the
 unprocessed logits, vLLM's default "raw_logprobs"), one per sampled token.
 """
 
@@ -31,7 +39,7 @@ from typing import Any, Literal
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError
 
 FinishReason = Literal["stop", "length"]
 
@@ -160,6 +168,8 @@ class Engine(ABC):
         self._gate = _Gate()
         self._version: int | None = None
         self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
+        self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
+        self.check_error: str | None = None  # why the served weights are not a verified version
         self.pauses = PauseStats()
 
     # -- generation ---------------------------------------------------------------------
@@ -204,22 +214,45 @@ class Engine(ABC):
 
     # -- the ApplyHook ------------------------------------------------------------------
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Replace every weight with `tensors` (checkpoint names), then serve `version`."""
+        """Replace every weight with `tensors` (checkpoint names), check them, then serve `version`."""
         self._validate_full(tensors)
+        tensors = {k: v for k, v in tensors.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._load_full(version, tensors)
-            self._version = version
+            self._guarded(version, lambda: self._load_full(version, tensors))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        """Write the changed elements of one verified version in place, then serve `version`."""
+        """Write the changed elements of one verified version in place, check them, then serve `version`."""
         self._validate_sparse(updates, full)
+        updates = {k: v for k, v in updates.items() if k not in self._aliases}
+        full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._apply_sparse(version, updates, full)
-            self._version = version
+            self._guarded(version, lambda: self._apply_sparse(version, updates, full))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    def _guarded(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
+        """Run a write (under the gate); the version moves only when it and its read-back passed."""
+        try:
+            write()
+        except EngineCheckError as e:
+            self._version, self.check_error = None, str(e)
+            raise
+        except Exception as e:
+            self._version, self.check_error = None, f"update to version {version} failed half-way: {e}"
+            raise
+        self._version, self.check_error = version, None
+
+    @staticmethod
+    def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:
+        """Tensors of `want` whose bits `got` (the engine's read-back) does not hold."""
+        bad = []
+        for name, w in want.items():
+            g = got[name]
+            if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)):
+                bad.append(name)
+        return bad
 
     @abstractmethod
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None: ...
@@ -236,7 +269,7 @@ class Engine(ABC):
 
     # -- validation (before the engine sees anything) -----------------------------------
     def _spec(self, name: str) -> TensorSpec:
-        spec = self._specs.get(name)
+        spec = self._specs.get(self._aliases.get(name, name))
         if spec is None:
             raise WeightUpdateError(
                 f"tensor '{name}': not a weight of the model in {self.model_dir}",
@@ -251,8 +284,16 @@ class Engine(ABC):
             spec = self._spec(name)
             if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}")
+        problems += self._alias_problems(tensors)
         if problems:
             raise WeightUpdateError("full load rejected: " + "; ".join(problems), hint="publish the model the replica serves")
+
+    def _alias_problems(self, full: Mapping[str, torch.Tensor]) -> list[str]:
+        problems = []
+        for alias, canonical in self._aliases.items():
+            if alias in full and (canonical not in full or not torch.equal(full[alias], full[canonical])):
+                problems.append(f"tensor '{alias}': differs from '{canonical}', but the model ties them")
+        return problems
 
     def _validate_sparse(self, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
         problems = []
@@ -273,5 +314,6 @@ class Engine(ABC):
                 problems.append(f"tensor '{name}': index outside [0, {spec.numel})")
             if val.is_floating_point() and val.numel() and not bool(torch.isfinite(val).all()):
                 problems.append(f"tensor '{name}': non-finite values")
+        problems += self._alias_problems(full)
         if problems:
             raise WeightUpdateError("sparse update rejected: " + "; ".join(problems), hint="the patch does not fit this model")
