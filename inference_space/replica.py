@@ -74,6 +74,8 @@ class Replica:
                 "state": "static", "last_error": None, "last_fetch_s": None, "last_apply_s": None,
                 "last_apply_at": None, "versions_applied": 0, "anchor_loads": 0,
             }
+        if self.engine.check_error is not None:  # the engine does not hold a verified version
+            st.update(state="degraded", last_error=self.engine.check_error)
         p = self.engine.pauses
         st.update(
             serving_version=self.engine.weight_version,

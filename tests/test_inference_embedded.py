@@ -158,3 +158,29 @@ def test_sampling_with_seed_is_reproducible_and_stops(tiny):
     stop = greedy.text[2:4]
     cut = engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and stop not in cut.text and greedy.text.startswith(cut.text)
+
+
+def test_a_stale_tied_head_is_caught_by_the_read_back(tmp_path):
+    """A model whose head stopped sharing the embedding's storage fails the check: version null,
+    /sync degraded, and the follower never reports the version as followed."""
+    import torch
+
+    from inference_space.replica import Replica
+
+    model_dir = build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied")
+    engine = EmbeddedEngine(model_dir)
+    bucket = str(tmp_path / "bucket")
+    trainer = Trainer(model_dir, seed=4)
+    replica = Replica(engine, bucket)
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.publish(trainer.step(), 1)
+        pub.flush()
+        assert replica.follower.sync_once() == 1 and replica.status()["state"] == "following"
+        head = engine.model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # the head goes stale
+        pub.publish(trainer.step(), 2)
+        pub.flush()
+        assert replica.follower.sync_once() == 1  # the version did not move
+    st = replica.status()
+    assert st["state"] == "degraded" and "lm_head.weight" in st["last_error"]
+    assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None

@@ -62,13 +62,20 @@ def _greedy(engine):  # type: ignore[no-untyped-def]
 
 
 def test_plugin_entry_point_registers_the_backend():
+    import importlib
+    import tomllib
     from importlib.metadata import entry_points
+    from pathlib import Path
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.plugins import load_general_plugins
 
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared == {"sparsesync": "sparsesync.integrations.vllm.plugin:register"}
+    module, func = declared["sparsesync"].split(":")
+    assert callable(getattr(importlib.import_module(module), func))
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert eps.get("sparsesync") == "inference_space.engines.vllm_plugin:register", "pip install -e . to register it"
+    assert "sparsesync" in eps, "pip install -e . to register it"  # (older installs name the old module, kept as a shim)
     load_general_plugins()
     assert "sparsesync" in WeightTransferEngineFactory._registry
 
@@ -118,7 +125,7 @@ def test_vllm_failed_update_keeps_the_engine_serving(engine, tiny):
     before = engine.weight_version
     good = engine.generate(PROMPTS[0], GREEDY)[0].token_ids
     with pytest.raises(Exception):  # noqa: B017 - whatever vLLM raises for a missing staged payload
-        engine._transfer(999, "dense", None)  # type: ignore[arg-type]
+        engine._transfer(999, "dense", None)
     # the session was closed: a new update works, and the version did not move
     assert engine.weight_version == before and engine.vllm_weight_version() == str(before)
     engine.load_full(before or 0, {k: v for k, v in engine.state_dict().items()})
@@ -152,3 +159,33 @@ def test_vllm_sparse_in_place_path_on_gpu(tiny, tmp_path):
         assert engine.pauses.count == 5
     finally:
         engine.close()
+
+
+def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
+    """Without the head repack (vLLM's own reload behaviour on CPU), the read-back sees the stale
+    packed LM head: the update raises EngineCheckError, the engine serves no version, the
+    follower stays at the last version with state degraded."""
+    from inference_space.engines.vllm_engine import VllmEngine
+    from inference_space.replica import Replica
+    from sparsesync.integrations.vllm import backend
+
+    model_dir = build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied")
+    engine = VllmEngine(model_dir, kv_cache_memory_bytes=16 << 20)
+    _KEEP.append(engine)
+    bucket = str(tmp_path / "bucket")
+    trainer = Trainer(model_dir, seed=4)
+    replica = Replica(engine, bucket)
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.publish(trainer.step(), 1)
+        pub.flush()
+        assert replica.follower.sync_once() == 1 and replica.status()["state"] == "following"
+        monkeypatch.setattr(backend, "_repack", lambda head: None)
+        pub.publish(trainer.step(), 2)
+        pub.flush()
+        assert replica.follower.sync_once() == 1
+    st = replica.status()
+    assert st["state"] == "degraded" and "tied LM head" in st["last_error"], st
+    assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
+    monkeypatch.undo()  # the fix back in place: the next sync reloads and passes the check
+    assert replica.follower.sync_once() == 2 and replica.status()["state"] == "following"
+    assert engine.weight_version == 2

@@ -159,6 +159,12 @@ def _tied_heads(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(m, embeds[id(m.weight)] + ".weight") for m in model.modules() if isinstance(m, ParallelLMHead) and id(getattr(m, "weight", None)) in embeds]
 
 
+def _repack(head: torch.nn.Module) -> None:
+    """Re-run the head's weight processing from its (tied, reloaded) weight: on CPU the logits
+    kernel holds a packed copy made at startup, which vLLM's reload path does not refresh."""
+    head.quant_method.process_weights_after_loading(head)
+
+
 class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, SparsesyncUpdateInfo]):
     """Applies sparsesync updates to the worker's model (see module docstring)."""
 
@@ -208,8 +214,8 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         heads = [(h, e) for h, e in _tied_heads(self.model) if e in tensors]
-        for head, _ in heads:  # repack the head from the reloaded embedding (CPU packs a copy)
-            head.quant_method.process_weights_after_loading(head)
+        for head, _ in heads:
+            _repack(head)
         if self.check_enabled:
             rank, size = self._tp()
             problems = readback.check(self.model, self._layout(tensors), tensors, rank=rank, size=size)
