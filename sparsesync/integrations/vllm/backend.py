@@ -16,9 +16,11 @@ cut its shard). Two kinds, both in checkpoint (HF) coordinates:
 
 - "dense": full tensors of complete reload groups, loaded through vLLM's layerwise reload path
   (`initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, the
-  finalize in a `finally`), which handles CPU repacking. Layers not sent keep their kernel
-  tensors. A tied LM head is repacked from the reloaded embedding (vLLM's reload path does
-  not: on CPU the head keeps a packed copy of the startup weights).
+  finalize in a `finally`), which handles CPU repacking of linear layers. Layers not sent keep
+  their kernel tensors. Two gaps of that path on CPU are closed here: a tied LM head is
+  repacked from the reloaded embedding (the head keeps a packed copy of the startup weights),
+  and reloaded MoE experts are prepacked again (the path leaves them in checkpoint layout,
+  which the CPU experts kernel misreads).
 - "sparse": flat indices + values per tensor, written in place through
   `load_checkpoint_weight_patches` (fused qkv/gate_up, experts and tensor-parallel shards
   handled by the model's own weight loaders). GPU only: on CPU that loader fails inside the
@@ -159,6 +161,41 @@ def _tied_heads(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(m, embeds[id(m.weight)] + ".weight") for m in model.modules() if isinstance(m, ParallelLMHead) and id(getattr(m, "weight", None)) in embeds]
 
 
+def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put reloaded CPU MoE experts back into the kernel's prepacked layout.
+
+    vLLM 0.32's layerwise reload leaves `w13_weight`/`w2_weight` of a reloaded MoE layer in the
+    checkpoint layout while the CPU experts kernel reads the prepacked one (outputs change
+    even for identical weights). A layer whose parameters equal the plain layout of what was
+    sent is prepacked in place with vLLM's own op; anything else is left to the read-back."""
+    from sparsesync.checkpoint import EXPERT_KEY
+    from sparsesync.integrations.vllm.layout import Location
+
+    layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        m = EXPERT_KEY.match(name)
+        if m:
+            layers.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[m["proj"]] = t
+    for layer_name, experts in layers.items():
+        try:
+            mod = readback._module(model, Location(layer_name, "w13_weight", "expert_w13"))
+        except KeyError:
+            continue
+        impl = readback._cpu_experts(mod)
+        if impl is None or sorted(experts) != list(range(mod.w13_weight.shape[0])):
+            continue
+        try:
+            w13 = torch.stack([torch.cat([experts[e].get("gate_proj", experts[e].get("w1")), experts[e].get("up_proj", experts[e].get("w3"))]) for e in sorted(experts)])
+            w2 = torch.stack([experts[e].get("down_proj", experts[e].get("w2")) for e in sorted(experts)])
+        except (TypeError, RuntimeError):
+            continue
+        for param, plain in ((mod.w13_weight, w13), (mod.w2_weight, w2)):
+            if param.shape == plain.shape and torch.equal(param.detach().cpu(), plain.to(param.dtype)):
+                packed = torch.empty_like(param.data)
+                torch.ops._C.prepack_moe_weight(param.data.contiguous(), packed, impl.isa)
+                param.data.copy_(packed)
+
+
 def _repack(head: torch.nn.Module) -> None:
     """Re-run the head's weight processing from its (tied, reloaded) weight: on CPU the logits
     kernel holds a packed copy made at startup, which vLLM's reload path does not refresh."""
@@ -213,6 +250,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             self.model.load_weights(list(tensors.items()))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+        _prepack_reloaded_experts(self.model, tensors)
         heads = [(h, e) for h, e in _tied_heads(self.model) if e in tensors]
         for head, _ in heads:
             _repack(head)
