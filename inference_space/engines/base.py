@@ -42,6 +42,8 @@ from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError
 
 FinishReason = Literal["stop", "length"]
+MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -55,14 +57,25 @@ class SamplingParams:
     seed: int | None = None  # makes sampling reproducible on one engine and version
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (1: off)
 
     def validate(self) -> None:
         if not 1 <= self.max_tokens <= 1 << 20:
             raise ConfigError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ConfigError(f"temperature={self.temperature}: must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise ConfigError(f"temperature={self.temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p}: must be in [{MIN_TOP_P}, 1]")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ConfigError(f"seed={self.seed}: must be in [0, 2**63)")
+        if not 0 <= self.top_k <= 1 << 20:
+            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0: no limit)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p={self.min_p}: must be in [0, 1]")
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be in [0.01, 100] (1: off)")
         if not 1 <= self.n <= 256:
             raise ConfigError(f"n={self.n}: must be in [1, 256]")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -191,6 +204,11 @@ class Engine(ABC):
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Prompt plus completion tokens, at most."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Completion]:
         """`params.n` completions of one prompt, all from one weight version."""

@@ -8,7 +8,8 @@ are sliced per expert; every view is checked against the checkpoint at start. Sp
 are written in place through those views (`index_put_` on the flat view, under `no_grad`),
 then read back from the same parameters the forward pass uses and compared bit for bit with
 the version (the tied head must still share the embedding's storage). Generation is a plain
-KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-p sampling from
+KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-k, min-p and top-p sampling (after the
+repetition penalty, which also applies to greedy decoding) from
 a generator seeded with the request's seed, so a request with a seed is reproducible on one
 version.
 """
@@ -71,6 +72,10 @@ class EmbeddedEngine(Engine):
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
     # -- generation ---------------------------------------------------------------------
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
@@ -96,6 +101,12 @@ class EmbeddedEngine(Engine):
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             raw_logp = torch.log_softmax(logits, dim=-1)
+            if params.repetition_penalty != 1.0:  # as transformers and vLLM: divide positive logits, multiply negative
+                logits = logits.clone()
+                for i in range(n):
+                    seen = torch.tensor(prompt_ids + tokens[i], dtype=torch.long, device=logits.device).unique()
+                    row = logits[i, seen]
+                    logits[i, seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
             next_ids = self._sample(logits, params, gen)
             for i in range(n):
                 if finish[i] is not None:
@@ -128,6 +139,11 @@ class EmbeddedEngine(Engine):
         if params.temperature == 0.0:
             return logits.argmax(dim=-1).cpu()
         probs = torch.softmax(logits / params.temperature, dim=-1).cpu()
+        if params.top_k > 0 and params.top_k < probs.shape[-1]:
+            kth = probs.topk(params.top_k, dim=-1).values[:, -1:]
+            probs = probs * (probs >= kth)
+        if params.min_p > 0.0:
+            probs = probs * (probs >= params.min_p * probs.max(dim=-1, keepdim=True).values)
         if params.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(dim=-1) - sorted_p < params.top_p  # always keeps the top token

@@ -135,6 +135,10 @@ class VllmEngine(Engine):
     def vocab_size(self) -> int:
         return self._vocab
 
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     # -- generation ---------------------------------------------------------------------
     def _generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         from vllm import SamplingParams as VSamplingParams
@@ -148,6 +152,9 @@ class VllmEngine(Engine):
             max_tokens=params.max_tokens,
             stop=params.stop or None,
             ignore_eos=params.ignore_eos,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             logprobs=0,  # the sampled token's logprob only
         )
         try:
