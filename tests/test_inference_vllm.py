@@ -189,3 +189,41 @@ def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
     monkeypatch.undo()  # the fix back in place: the next sync reloads and passes the check
     assert replica.follower.sync_once() == 2 and replica.status()["state"] == "following"
     assert engine.weight_version == 2
+
+
+def test_vllm_update_handed_over_as_a_file_under_dev_shm(engine, tiny, tmp_path, monkeypatch):
+    """The multi-process hand-off (what every tensor-parallel worker reads): the update goes
+    through a safetensors file under /dev/shm, which the worker loads, reads back and the
+    caller removes; the engine then answers like a fresh engine of that version."""
+    import torch
+
+    from inference_space.engines.vllm_engine import VllmEngine
+    from sparsesync.integrations.vllm import backend
+
+    written: list[str] = []
+    stage_file = backend.stage_file
+
+    def recording_stage_file(kind, payload, directory=None):  # type: ignore[no-untyped-def]
+        path = stage_file(kind, payload, directory)
+        written.append(path)
+        return path
+
+    monkeypatch.setattr(backend, "stage_file", recording_stage_file)
+    monkeypatch.setattr(engine.sync, "in_memory", False)
+    trainer = Trainer(tiny, seed=9)
+    base = trainer.step()
+    engine.load_full(100, base)
+    state = trainer.step(density=0.01, tensor_fraction=0.3)
+    from sparsesync.codec.apply import SparseUpdate
+
+    updates = {}
+    for n in state:
+        idx = (base[n].view(-1).view(torch.int16) != state[n].view(-1).view(torch.int16)).nonzero().view(-1)
+        if idx.numel():
+            updates[n] = SparseUpdate(idx, state[n].view(-1)[idx])
+    engine.apply_sparse(101, updates, {n: state[n] for n in updates})
+    assert len(written) == 2 and all(p.startswith("/dev/shm/") for p in written)
+    assert not any(os.path.exists(p) for p in written), "staged files must be removed after the update"
+    fresh = VllmEngine(trainer.save_version(tmp_path / "v101"), kv_cache_memory_bytes=16 << 20)
+    _KEEP.append(fresh)
+    assert _greedy(engine) == _greedy(fresh) and engine.weight_version == 101
