@@ -60,3 +60,23 @@ class Trainer:
         shutil.copytree(self.model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in self.state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
+
+
+def follow_then_break(engine, model_dir: str | Path, bucket: str, break_engine):  # type: ignore[no-untyped-def]
+    """A replica of `engine` follows version 1 of a run, then `break_engine()` runs and version 2
+    is published and synced. Returns the replica (for tests of what a broken engine reports)."""
+    from inference_space.replica import Replica
+    from sparsesync.protocol.publisher import Publisher
+
+    trainer = Trainer(model_dir, seed=4)
+    replica = Replica(engine, bucket)
+    assert replica.follower is not None
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.publish(trainer.step(), 1)
+        pub.flush()
+        assert replica.follower.sync_once() == 1 and replica.status()["state"] == "following"
+        break_engine()
+        pub.publish(trainer.step(), 2)
+        pub.flush()
+        replica.follower.sync_once()
+    return replica

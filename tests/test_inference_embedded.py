@@ -165,22 +165,15 @@ def test_a_stale_tied_head_is_caught_by_the_read_back(tmp_path):
     /sync degraded, and the follower never reports the version as followed."""
     import torch
 
-    from inference_space.replica import Replica
+    from inference_space.testing import follow_then_break
 
-    model_dir = build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied")
-    engine = EmbeddedEngine(model_dir)
-    bucket = str(tmp_path / "bucket")
-    trainer = Trainer(model_dir, seed=4)
-    replica = Replica(engine, bucket)
-    with Publisher(bucket, anchor_every=0) as pub:
-        pub.publish(trainer.step(), 1)
-        pub.flush()
-        assert replica.follower.sync_once() == 1 and replica.status()["state"] == "following"
+    engine = EmbeddedEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"))
+
+    def untie() -> None:  # the head goes stale
         head = engine.model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # the head goes stale
-        pub.publish(trainer.step(), 2)
-        pub.flush()
-        assert replica.follower.sync_once() == 1  # the version did not move
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+
+    replica = follow_then_break(engine, engine.model_dir, str(tmp_path / "bucket"), untie)
     st = replica.status()
-    assert st["state"] == "degraded" and "lm_head.weight" in st["last_error"]
+    assert st["current_version"] == 1 and st["state"] == "degraded" and "lm_head.weight" in st["last_error"]
     assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None

@@ -166,25 +166,14 @@ def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
     packed LM head: the update raises EngineCheckError, the engine serves no version, the
     follower stays at the last version with state degraded."""
     from inference_space.engines.vllm_engine import VllmEngine
-    from inference_space.replica import Replica
+    from inference_space.testing import follow_then_break
     from sparsesync.integrations.vllm import backend
 
-    model_dir = build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied")
-    engine = VllmEngine(model_dir, kv_cache_memory_bytes=16 << 20)
+    engine = VllmEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"), kv_cache_memory_bytes=16 << 20)
     _KEEP.append(engine)
-    bucket = str(tmp_path / "bucket")
-    trainer = Trainer(model_dir, seed=4)
-    replica = Replica(engine, bucket)
-    with Publisher(bucket, anchor_every=0) as pub:
-        pub.publish(trainer.step(), 1)
-        pub.flush()
-        assert replica.follower.sync_once() == 1 and replica.status()["state"] == "following"
-        monkeypatch.setattr(backend, "_repack", lambda head: None)
-        pub.publish(trainer.step(), 2)
-        pub.flush()
-        assert replica.follower.sync_once() == 1
+    replica = follow_then_break(engine, engine.model_dir, str(tmp_path / "bucket"), lambda: monkeypatch.setattr(backend, "_repack", lambda head: None))
     st = replica.status()
-    assert st["state"] == "degraded" and "tied LM head" in st["last_error"], st
+    assert st["current_version"] == 1 and st["state"] == "degraded" and "tied LM head" in st["last_error"], st
     assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
     monkeypatch.undo()  # the fix back in place: the next sync reloads and passes the check
     assert replica.follower.sync_once() == 2 and replica.status()["state"] == "following"
@@ -227,3 +216,55 @@ def test_vllm_update_handed_over_as_a_file_under_dev_shm(engine, tiny, tmp_path,
     fresh = VllmEngine(trainer.save_version(tmp_path / "v101"), kv_cache_memory_bytes=16 << 20)
     _KEEP.append(fresh)
     assert _greedy(engine) == _greedy(fresh) and engine.weight_version == 101
+
+
+_TP_CELL = """
+import os, sys
+from pathlib import Path
+from inference_space.engines import SamplingParams
+from inference_space.engines.vllm_engine import VllmEngine
+from inference_space.testing import Trainer
+from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.publisher import Publisher
+
+tmp, model = Path(sys.argv[1]), sys.argv[2]
+greedy = SamplingParams(max_tokens=6, temperature=0.0)
+replica = VllmEngine(model, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
+assert not replica.sync.in_memory  # every worker reads the update from /dev/shm
+trainer = Trainer(model, seed=21)
+follower = Follower(str(tmp / "bucket"), hook=replica)
+fresh = []
+with Publisher(str(tmp / "bucket"), anchor_every=0) as pub:
+    for step in (1, 2, 3):
+        version = pub.publish(trainer.step(density=0.01, tensor_fraction=0.5), step)
+        pub.flush()
+        assert follower.sync_once() == version and follower.status().state == "following", follower.status()
+        if step == 1:
+            continue
+        ref = VllmEngine(trainer.save_version(tmp / f"v{version}"), kv_cache_memory_bytes=16 << 20)  # TP=1
+        fresh.append(ref)
+        for prompt in ("Repeat the letter a:", "Count to 5:"):
+            (a,), (b,) = replica.generate(prompt, greedy), ref.generate(prompt, greedy)
+            assert a.token_ids == b.token_ids, (version, prompt)
+            worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+            assert worst < 1e-2, (version, prompt, worst)  # TP=2 sums partial products in another order
+print("TP2 OK", replica.pauses.count)
+"""
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_2_follows_a_run(tiny, tmp_path):
+    """TP=2 on the CPU build (multiprocessing executor, one core per worker): each update reaches
+    both workers through /dev/shm, each worker reads its own shards back (fused q/k/v split
+    per rank), and the answers match a fresh single-worker engine of the same version."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tensor parallelism 2 needs 2 CPU cores")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    proc = subprocess.run([sys.executable, "-c", _TP_CELL, str(tmp_path), str(tiny)], capture_output=True, text=True, timeout=900, env=env)
+    tail = [ln for ln in (proc.stdout + proc.stderr).splitlines() if " INFO " not in ln and " WARNING " not in ln][-25:]
+    assert proc.returncode == 0 and "TP2 OK 3" in proc.stdout, "\n".join(tail)

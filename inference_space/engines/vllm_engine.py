@@ -9,7 +9,8 @@ touched layers are reloaded and a tied LM head is repacked from the new embeddin
 (`mode="sparse"`) versions are written in place in checkpoint coordinates.
 Single-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"): starts in
 seconds, updates are handed over in memory. `tensor_parallel_size > 1` uses the
-multiprocessing executor, and updates reach every worker as a file under /dev/shm.
+multiprocessing executor, and updates reach every worker as a file under /dev/shm; on CPU the
+workers' threads are bound to disjoint cores (`VLLM_CPU_OMP_THREADS_BIND`, unless set).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class VllmEngine(Engine):
         plugin.register()
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         on_cpu = current_platform.is_cpu()
+        if on_cpu and tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(tensor_parallel_size))
         if mode == "auto":
             mode = "reload" if on_cpu else "sparse"
         if mode not in ("reload", "sparse"):
@@ -202,6 +205,16 @@ class VllmEngine(Engine):
             import gc
 
             gc.collect()
+
+
+def _cpu_bind(workers: int) -> str:
+    """vLLM-CPU binds each worker to its own NUMA node by default and refuses more workers than
+    nodes ("Not enough allowed NUMA nodes"); split this process's cores between the workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise EngineError(f"tensor_parallel_size={workers} needs at least {workers} CPU cores, this process has {len(cores)}")
+    per = len(cores) // workers
+    return "|".join(",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(workers))
 
 
 @contextlib.contextmanager
