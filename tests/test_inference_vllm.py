@@ -161,6 +161,15 @@ def test_vllm_sparse_in_place_path_on_gpu(tiny, tmp_path):
         engine.close()
 
 
+def _freeze_head(worker):  # type: ignore[no-untyped-def]
+    """Runs in the worker: the LM head's kernel keeps a copy of today's weights."""
+    import torch
+
+    head = worker.model_runner.get_model().lm_head
+    frozen = head.weight.detach().clone()
+    head.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, frozen, bias)
+
+
 def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
     """Without the head repack (vLLM's own reload behaviour on CPU), the read-back sees the stale
     packed LM head: the update raises EngineCheckError, the engine serves no version, the
@@ -171,7 +180,15 @@ def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
 
     engine = VllmEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"), kv_cache_memory_bytes=16 << 20)
     _KEEP.append(engine)
-    replica = follow_then_break(engine, engine.model_dir, str(tmp_path / "bucket"), lambda: monkeypatch.setattr(backend, "_repack", lambda head: None))
+
+    def stale_head() -> None:
+        # what a packed CPU kernel does (oneDNN, sgl): the head computes with its own copy of the
+        # weights. At this tiny size vLLM falls back to F.linear on the live weight, so make the
+        # copy explicit; then let the reload path skip the repack, as vLLM's own does.
+        engine.llm.collective_rpc(_freeze_head)
+        monkeypatch.setattr(backend, "_repack", lambda head: None)
+
+    replica = follow_then_break(engine, engine.model_dir, str(tmp_path / "bucket"), stale_head)
     st = replica.status()
     assert st["current_version"] == 1 and st["state"] == "degraded" and "tied LM head" in st["last_error"], st
     assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
@@ -233,22 +250,22 @@ replica = VllmEngine(model, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 
 assert not replica.sync.in_memory  # every worker reads the update from /dev/shm
 trainer = Trainer(model, seed=21)
 follower = Follower(str(tmp / "bucket"), hook=replica)
-fresh = []
+prompts = ("Repeat the letter a:", "Count to 5:")
 with Publisher(str(tmp / "bucket"), anchor_every=0) as pub:
     for step in (1, 2, 3):
         version = pub.publish(trainer.step(density=0.01, tensor_fraction=0.5), step)
         pub.flush()
         assert follower.sync_once() == version and follower.status().state == "following", follower.status()
-        if step == 1:
-            continue
-        ref = VllmEngine(trainer.save_version(tmp / f"v{version}"), kv_cache_memory_bytes=16 << 20)  # TP=1
-        fresh.append(ref)
-        for prompt in ("Repeat the letter a:", "Count to 5:"):
-            (a,), (b,) = replica.generate(prompt, greedy), ref.generate(prompt, greedy)
-            assert a.token_ids == b.token_ids, (version, prompt)
-            worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
-            assert worst < 1e-2, (version, prompt, worst)  # TP=2 sums partial products in another order
-print("TP2 OK", replica.pauses.count)
+final = [replica.generate(p, greedy)[0] for p in prompts]
+count = replica.pauses.count
+replica.llm.llm_engine.engine_core.shutdown()  # free the two workers before the reference starts
+ref = VllmEngine(trainer.save_version(tmp / "v3"), tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
+for prompt, a in zip(prompts, final):
+    (b,) = ref.generate(prompt, greedy)
+    assert a.token_ids == b.token_ids, prompt
+    worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+    assert worst <= 1e-3, (prompt, worst)
+print("TP2 OK", count)
 """
 
 
@@ -256,7 +273,8 @@ print("TP2 OK", replica.pauses.count)
 def test_vllm_tensor_parallel_2_follows_a_run(tiny, tmp_path):
     """TP=2 on the CPU build (multiprocessing executor, one core per worker): each update reaches
     both workers through /dev/shm, each worker reads its own shards back (fused q/k/v split
-    per rank), and the answers match a fresh single-worker engine of the same version."""
+    per rank), and after 3 versions the answers match a fresh TP=2 engine of that version (a
+    TP=1 engine differs by up to ~0.02 in logprobs: the partial sums are rounded apart)."""
     import subprocess
     import sys
     from pathlib import Path
