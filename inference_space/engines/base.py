@@ -19,8 +19,10 @@ The engine-side proof: after writing, inside the pause, each engine reads the we
 forward pass computes with back in checkpoint coordinates and compares them with the version
 (`_apply_sparse`/`_load_full` raise `EngineCheckError` on a mismatch). An engine whose write
 failed or whose read-back differs reports `weight_version` None and `check_error` until a
-later load succeeds: it never labels output with a version it does not hold. Logprobs are those of the model's raw distribution (log-softmax of the
-unprocessed logits, vLLM's default "raw_logprobs"), one per sampled token.
+later load succeeds: it never labels output with a version it does not hold.
+
+Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
+vLLM's default "raw_logprobs"), one per sampled token.
 """
 
 from __future__ import annotations
