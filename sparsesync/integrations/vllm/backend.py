@@ -53,7 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from sparsesync.errors import EngineCheckError
 from sparsesync.integrations.vllm import readback
-from sparsesync.integrations.vllm.layout import Layout
+from sparsesync.integrations.vllm.layout import Layout, Location
 
 BACKEND = "sparsesync"
 
@@ -169,7 +169,6 @@ def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.T
     even for identical weights). A layer whose parameters equal the plain layout of what was
     sent is prepacked in place with vLLM's own op; anything else is left to the read-back."""
     from sparsesync.checkpoint import EXPERT_KEY
-    from sparsesync.integrations.vllm.layout import Location
 
     layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
@@ -178,10 +177,10 @@ def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.T
             layers.setdefault(m["layer"], {}).setdefault(int(m["e"]), {})[m["proj"]] = t
     for layer_name, experts in layers.items():
         try:
-            mod = readback._module(model, Location(layer_name, "w13_weight", "expert_w13"))
+            mod = readback.module_of(model, Location(layer_name, "w13_weight", "expert_w13"))
         except KeyError:
             continue
-        impl = readback._cpu_experts(mod)
+        impl = readback.cpu_experts(mod)
         if impl is None or sorted(experts) != list(range(mod.w13_weight.shape[0])):
             continue
         try:
@@ -282,7 +281,14 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             )
         load_checkpoint_weight_patches(self.model, patches)
         if self.check_enabled:
-            self._raise(self._check_sparse(updates, shapes, digests), len(updates))
+            problems = self._check_sparse(updates, shapes, digests)
+            rank, size = self._tp()
+            for head, emb in _tied_heads(self.model):
+                if emb in updates and size == 1:  # the head's kernel against the embedding as held
+                    loc = Location(emb.rsplit(".", 1)[0], "weight", "vocab")
+                    embed = readback.as_read(readback.module_of(self.model, loc), loc)[: tuple(shapes[emb])[0]]
+                    problems += readback.check_tied_head(self.model, embed)
+            self._raise(problems, len(updates))
 
     def _check_sparse(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]) -> list[str]:
         """Touched elements (every rank, its shard) and, on a single rank, each touched tensor's digest."""
@@ -299,13 +305,13 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             mask.view(-1)[idx.cpu()] = True
             loc = layout.locate(name)
             try:
-                got, exp = readback._actual(self.model, loc, full, rank, size)
-                _, m = readback._actual(self.model, loc, mask, rank, size)
+                got, exp = readback.local_pair(self.model, loc, full, rank, size)
+                _, m = readback.local_pair(self.model, loc, mask, rank, size)
             except (KeyError, RuntimeError, IndexError) as e:
                 problems.append(f"tensor '{name}': cannot read it back ({e})")
                 continue
             got = got.cpu()
-            if bool((readback._flush(got)[m] != readback._flush(exp)[m]).any()):
+            if bool((readback.flushed(got)[m] != readback.flushed(exp)[m]).any()):
                 problems.append(f"tensor '{name}': touched elements differ from the version")
             elif size == 1 and name in digests and tensor_digest(got.contiguous()) != digests[name]:
                 problems.append(f"tensor '{name}': digest of the engine's copy differs from the version's")

@@ -31,7 +31,7 @@ _PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
 _PERMS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
 
-def _module(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
+def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
     mods = dict(model.named_modules())
     mod = mods.get(loc.module)
     if mod is None:
@@ -53,7 +53,7 @@ def _probe(mod: torch.nn.Module, k: int, dtype: torch.dtype, device: torch.devic
     return torch.cat(cols, dim=1)
 
 
-def _cpu_experts(mod: torch.nn.Module) -> Any:
+def cpu_experts(mod: torch.nn.Module) -> Any:
     """The CPU experts implementation that prepacked `mod`'s weights (None: not prepacked)."""
     seen: set[int] = set()
     stack = [getattr(mod, "quant_method", None)]
@@ -87,7 +87,7 @@ def _prepack_perm(shape: tuple[int, ...], isa: str) -> torch.Tensor:
     return _PERMS[key]
 
 
-def _param(mod: torch.nn.Module, loc: Location) -> torch.Tensor:
+def as_read(mod: torch.nn.Module, loc: Location) -> torch.Tensor:
     """The parameter as the forward pass reads it, in vLLM's (unpacked) layout."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -96,7 +96,7 @@ def _param(mod: torch.nn.Module, loc: Location) -> torch.Tensor:
         k = int(getattr(mod, "input_size_per_partition", 0) or getattr(mod, "embedding_dim", 0) or p.shape[-1])
         return _probe(mod, k, p.dtype, p.device)
     if loc.kind in ("expert_w13", "expert_w2"):
-        impl = _cpu_experts(mod)
+        impl = cpu_experts(mod)
         if impl is not None:
             src = _prepack_perm(tuple(p.shape), impl.isa)
             flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
@@ -135,10 +135,10 @@ def _local_expected(mod: torch.nn.Module, loc: Location, t: torch.Tensor, rank: 
     return t  # replicated (norms, router); vocab shards are cut in `_actual`
 
 
-def _actual(model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_pair(model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine value, expected value), both in the rank's checkpoint coordinates."""
-    mod = _module(model, loc)
-    full = _param(mod, loc)
+    mod = module_of(model, loc)
+    full = as_read(mod, loc)
     exp = _local_expected(mod, loc, expected, rank, size)
     if loc.kind == "vocab":
         start = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_start_index", 0) or 0)
@@ -161,7 +161,7 @@ def _actual(model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank:
     return full, exp
 
 
-def _flush(t: torch.Tensor) -> torch.Tensor:
+def flushed(t: torch.Tensor) -> torch.Tensor:
     f = t.float()
     return torch.where(f.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(f), f)
 
@@ -172,7 +172,7 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
     for name, want in expected.items():
         loc = layout.locate(name)
         try:
-            got, exp = _actual(model, loc, want.to(torch.device("cpu")), rank, size)
+            got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size)
         except (KeyError, RuntimeError, IndexError) as e:
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
@@ -180,7 +180,7 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         if tuple(got.shape) != tuple(exp.shape):
             problems.append(f"tensor '{name}': engine holds shape {list(got.shape)}, expected {list(exp.shape)}")
             continue
-        diff = _flush(got) != _flush(exp)
+        diff = flushed(got) != flushed(exp)
         if bool(diff.any()):
             problems.append(f"tensor '{name}': {int(diff.sum())} of {diff.numel()} elements differ from the version ({loc.module}.{loc.param})")
     return problems
@@ -192,8 +192,8 @@ def check_tied_head(model: torch.nn.Module, embed: torch.Tensor, *, rank: int = 
     if head is None or not hasattr(head, "weight"):
         return []
     loc = Location("lm_head", "weight", "vocab")
-    got, exp = _actual(model, loc, embed.to("cpu"), rank, size)
-    diff = _flush(got.to("cpu")) != _flush(exp)
+    got, exp = local_pair(model, loc, embed.to("cpu"), rank, size)
+    diff = flushed(got.to("cpu")) != flushed(exp)
     if bool(diff.any()):
         return [f"tied LM head: {int(diff.sum())} of {diff.numel()} elements differ from 'model.embed_tokens.weight'"]
     return []
