@@ -4,9 +4,12 @@ Runs inside vLLM's worker. Digests of a CPU copy prove nothing about the engine:
 repacks linear weights into opaque kernel handles (oneDNN, sgl) and MoE experts into a
 kernel layout, and a tied LM head is packed apart from the embedding it ties to. So:
 
-- a linear layer with a CPU kernel (`cpu_linear`) is read by calling that kernel on an
-  identity matrix: `cpu_linear(I_K) = W^T`, exact in bf16 (one product per output element,
-  accumulated in fp32), so it returns the very values the forward pass multiplies with;
+- a linear layer whose CPU kernel (`cpu_linear`) holds a packed copy (oneDNN, sgl) is read by
+  calling that kernel on an identity matrix: `cpu_linear(I_K) = W^T`, exact in bf16 (one
+  product per output element, accumulated in fp32), so it returns the very values the forward
+  pass multiplies with. Cost: like a prefill of K tokens through that layer, once per fused
+  layer. A kernel that multiplies with the parameter it is handed (vLLM's F.linear fallback,
+  detected with a one-row probe) is read from the parameter;
 - CPU-prepacked MoE experts are unpacked with the permutation of vLLM's own prepack op
   (derived once per shape by packing position digits; checked to be a permutation);
 - everything else (embeddings, norms, GPU weights) is the parameter itself.
@@ -32,10 +35,10 @@ _PERMS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
 
 def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
-    mods = dict(model.named_modules())
-    mod = mods.get(loc.module)
-    if mod is None:
-        raise KeyError(f"vLLM model has no module '{loc.module}'")
+    try:
+        mod = model.get_submodule(loc.module)
+    except AttributeError as e:
+        raise KeyError(f"vLLM model has no module '{loc.module}'") from e
     for child in mod.modules():  # itself first; MoE: the params sit on a child (`experts.routed_experts`)
         if loc.param in dict(child.named_parameters(recurse=False)):
             return child
@@ -87,12 +90,34 @@ def _prepack_perm(shape: tuple[int, ...], isa: str) -> torch.Tensor:
     return _PERMS[key]
 
 
-def as_read(mod: torch.nn.Module, loc: Location) -> torch.Tensor:
-    """The parameter as the forward pass reads it, in vLLM's (unpacked) layout."""
+def _kernel_reads_parameter(mod: torch.nn.Module, p: torch.Tensor) -> bool:
+    """Whether the layer's CPU kernel multiplies with the parameter it is handed (vLLM's
+    F.linear fallback) rather than a packed copy: a zero weight handed in then gives zeros."""
+    if p.numel() == 0 or p.dim() != 2:
+        return False
+    x = torch.ones(1, p.shape[1], dtype=p.dtype, device=p.device)
+    return not bool(mod.cpu_linear(x, torch.zeros_like(p), None).any())
+
+
+def as_read(mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str], torch.Tensor] | None = None) -> torch.Tensor:
+    """The parameter as the forward pass reads it, in vLLM's (unpacked) layout. `cache` keeps
+    one read per parameter across the checkpoint tensors fused into it."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    key = (id(mod), loc.param)
+    if cache is not None and key in cache:
+        return cache[key]
+    value = _as_read(mod, loc, ParallelLMHead)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def _as_read(mod: torch.nn.Module, loc: Location, head_cls: type) -> torch.Tensor:
     p = getattr(mod, loc.param)
-    if loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, ParallelLMHead) or not _is_embedding(mod)):
+    if loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, head_cls) or not _is_embedding(mod)):
+        if _kernel_reads_parameter(mod, p):
+            return p.detach()
         k = int(getattr(mod, "input_size_per_partition", 0) or getattr(mod, "embedding_dim", 0) or p.shape[-1])
         return _probe(mod, k, p.dtype, p.device)
     if loc.kind in ("expert_w13", "expert_w2"):
@@ -135,10 +160,12 @@ def _local_expected(mod: torch.nn.Module, loc: Location, t: torch.Tensor, rank: 
     return t  # replicated (norms, router); vocab shards are cut in `_actual`
 
 
-def local_pair(model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_pair(
+    model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int, cache: dict[tuple[int, str], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine value, expected value), both in the rank's checkpoint coordinates."""
     mod = module_of(model, loc)
-    full = as_read(mod, loc)
+    full = as_read(mod, loc, cache)
     exp = _local_expected(mod, loc, expected, rank, size)
     if loc.kind == "vocab":
         start = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_start_index", 0) or 0)
@@ -169,10 +196,11 @@ def flushed(t: torch.Tensor) -> torch.Tensor:
 def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
     """One message per tensor of `expected` (checkpoint names) the engine does not compute with."""
     problems = []
+    cache: dict[tuple[int, str], torch.Tensor] = {}
     for name, want in expected.items():
         loc = layout.locate(name)
         try:
-            got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size)
+            got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
         except (KeyError, RuntimeError, IndexError) as e:
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
