@@ -26,6 +26,7 @@ ENV = {  # flag -> environment variable
     "served_model_name": "SPARSESYNC_SERVED_MODEL_NAME",
     "kv_cache_mib": "SPARSESYNC_KV_CACHE_MIB",
     "gpu_memory_utilization": "SPARSESYNC_GPU_MEMORY_UTILIZATION",
+    "tensor_parallel_size": "SPARSESYNC_TENSOR_PARALLEL_SIZE",
     "log_level": "SPARSESYNC_LOG_LEVEL",
 }
 
@@ -44,6 +45,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     p.add_argument("--served-model-name", help="model name reported by the API [SPARSESYNC_SERVED_MODEL_NAME]")
     p.add_argument("--kv-cache-mib", type=int, help="vLLM KV cache size in MiB (default 192) [SPARSESYNC_KV_CACHE_MIB]")
     p.add_argument("--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]")
+    p.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs (or CPU workers) per replica, default 1 [SPARSESYNC_TENSOR_PARALLEL_SIZE]")
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
     args = vars(p.parse_args(argv))
     for key, var in ENV.items():
@@ -68,7 +70,10 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             served_model_name=args.get("served_model_name") or None,
             kv_cache_mib=int(args.get("kv_cache_mib") or 192),
             gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
+            tensor_parallel_size=int(args.get("tensor_parallel_size") or 1),
         )
+        if cfg.tensor_parallel_size < 1 or (cfg.tensor_parallel_size > 1 and engine != "vllm"):
+            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: must be >= 1, and > 1 only with --engine vllm")
     except ValueError as e:
         raise SparsesyncError(f"bad configuration value: {e}", hint="check the flags and SPARSESYNC_* variables") from e
     return cfg, str(args.get("log_level") or "INFO").upper()

@@ -36,6 +36,7 @@ class ReplicaConfig:
     served_model_name: str | None = None  # the `model` name reported by the API (default: folder name)
     kv_cache_mib: int = 192  # vLLM only: KV cache size (CPU, or GPU when gpu_memory_utilization unset)
     gpu_memory_utilization: float | None = None  # vLLM on GPU: fraction of memory instead of kv_cache_mib
+    tensor_parallel_size: int = 1  # vLLM only: workers per replica (>1: multiprocessing executor, updates via /dev/shm)
 
 
 class Replica:
@@ -74,6 +75,8 @@ class Replica:
                 "state": "static", "last_error": None, "last_fetch_s": None, "last_apply_s": None,
                 "last_apply_at": None, "versions_applied": 0, "anchor_loads": 0,
             }
+        if self.engine.check_error is not None:  # the engine does not hold a verified version
+            st.update(state="degraded", last_error=self.engine.check_error)
         p = self.engine.pauses
         st.update(
             serving_version=self.engine.weight_version,
@@ -103,6 +106,10 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
     cfg = replace(cfg, model=model)
     kwargs: dict[str, Any] = {}
     if cfg.engine == "vllm":
-        kwargs = {"kv_cache_memory_bytes": cfg.kv_cache_mib << 20, "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        kwargs = {
+            "kv_cache_memory_bytes": cfg.kv_cache_mib << 20,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+        }
     engine = make_engine(cfg.engine, cfg.model, **kwargs)
     return Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)

@@ -4,7 +4,11 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 Every choice carries `prompt_token_ids`, `token_ids`, `logprobs.token_logprobs` (log p of each
 sampled token under the weights that produced it, raw distribution) and `weight_version` (the
 version that produced every token of it; null before the first bucket version). Malformed
-requests get 422 (schema) or 400 (values the engine refuses) with a message naming the field;
+requests get 422 (schema: types, unknown fields) or 400 (values the engine refuses: seeds
+beyond 63 bits, temperatures or top_p too small to compute with, lone surrogates in text,
+OpenAI fields this replica does not implement set to a non-neutral value, top-N logprobs) with
+a message naming the field, in one shape: {"error": {"message", "type"}}. top_k, min_p and
+repetition_penalty are honoured by both engines; /v1/models reports max_model_len;
 nothing a client sends can stop the follower. Generation runs in FastAPI's thread pool, so
 /health and /sync answer while a batch runs.
 """
@@ -25,8 +29,15 @@ from inference_space.replica import Replica
 from sparsesync.errors import ConfigError, EngineError
 
 
+# OpenAI fields this replica does not implement: accepted only at their neutral value
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "best_of": None,
+    "echo": False, "stream": False, "suffix": None, "stream_options": None,
+}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a field we do not know is an error, never ignored
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1, le=1 << 20)
@@ -34,13 +45,44 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=256)
     seed: int | None = None
-    logprobs: int | bool | None = None  # the sampled tokens' logprobs are always returned
+    logprobs: int | bool | None = None  # the sampled tokens' logprobs are always returned (no top-N)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    top_k: int = Field(0, ge=-1, description="-1 or 0: no limit")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    user: str | None = None  # informational
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    stream: bool | None = None
+    suffix: str | None = None
+    stream_options: dict[str, Any] | None = None
 
     def params(self) -> SamplingParams:
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral and not (name == "logit_bias" and value == {}) and not (name == "best_of" and value == self.n):
+                raise ConfigError(f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool) and self.logprobs > 1:
+            raise ConfigError(f"logprobs={self.logprobs}: only the sampled token's logprob is returned", hint="send logprobs 0 or 1")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.n, self.seed, stop, self.ignore_eos)
+        for s in stop:
+            _check_text("stop", s)
+        return SamplingParams(
+            self.max_tokens, self.temperature, self.top_p, self.n, self.seed, stop, self.ignore_eos,
+            top_k=max(self.top_k, 0), min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+        )
+
+
+def _check_text(field: str, text: str) -> None:
+    """Text must be valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{field}: lone surrogate {text[e.start]!r} at position {e.start}", hint="send valid UTF-16 surrogate pairs") from e
 
 
 class CompletionRequest(_Sampling):
@@ -101,12 +143,21 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
         problems = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in exc.errors()]
         return JSONResponse(status_code=422, content={"error": {"message": "; ".join(problems), "type": "invalid_request_error"}})
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # a bug: same error shape, logged
+        import logging
+
+        logging.getLogger(__name__).exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(status_code=500, content={"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error"}})
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"error": {"message": exc.detail, "type": "invalid_request_error"}})
 
     def _run(prompt: str | list[int], req: _Sampling) -> list[Completion]:
         try:
+            if isinstance(prompt, str):
+                _check_text("prompt", prompt)
             return replica.engine.generate(prompt, req.params())
         except ConfigError as e:
             raise HTTPException(status_code=400, detail=str(e)) from e
@@ -128,6 +179,11 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     def chat(req: ChatRequest) -> dict[str, Any]:
+        try:
+            for i, m in enumerate(req.messages):
+                _check_text(f"messages[{i}].content", m.content)
+        except ConfigError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
         try:
             ids = replica.engine.apply_chat_template([m.model_dump() for m in req.messages])
         except Exception as e:  # noqa: BLE001 - template errors are the request's fault
@@ -152,7 +208,12 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
     def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": replica.model_name, "object": "model", "owned_by": "sparsesync", "weight_version": replica.weight_version}],
+            "data": [
+                {
+                    "id": replica.model_name, "object": "model", "owned_by": "sparsesync",
+                    "weight_version": replica.weight_version, "max_model_len": replica.engine.max_model_len,
+                }
+            ],
         }
 
     @app.get("/health")

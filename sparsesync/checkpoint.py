@@ -2,11 +2,15 @@
 
 `load_checkpoint` reads every tensor of a `.safetensors` file or of all `*.safetensors` files
 in a folder (a saved Hugging Face checkpoint); duplicate names across shards are an error,
-never silently overwritten. Nothing here unpickles anything.
+never silently overwritten. `checkpoint_state` brings a trainer's `state_dict()` to the
+checkpoint's own key set (the one every run and every engine uses). Nothing here unpickles
+anything.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -42,3 +46,74 @@ def load_checkpoint(source: Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"tensor {sorted(dup)[0]!r} appears in more than one shard of {source}")
         state.update(part)
     return state
+
+
+# -- the checkpoint's own key set ------------------------------------------------------------
+# A run carries what `save_pretrained` writes: a tied LM head once (under the embedding's
+# name), MoE experts one tensor per expert, frozen parameters included. Trainers hand over
+# `model.state_dict()`, which differs: tied aliases share one storage, transformers 5 fuses
+# experts at run time (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
+# and some callbacks send trainable tensors only.
+
+EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+FUSED_EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}  # state_dict alias -> checkpoint name
+
+
+def _view_key(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _split_fused_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """transformers' runtime-fused experts as the per-expert tensors a checkpoint holds."""
+    m = FUSED_EXPERT_KEY.match(name)
+    if m is None or t.dim() != 3:
+        return None
+    layer = m["layer"]
+    if m["proj"] == "down_proj":
+        return {f"{layer}.{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+    half = t.shape[1] // 2
+    out = {}
+    for e in range(t.shape[0]):
+        out[f"{layer}.{e}.gate_proj.weight"] = t[e, :half]
+        out[f"{layer}.{e}.up_proj.weight"] = t[e, half:]
+    return out
+
+
+def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """`state` in the checkpoint's own key set (see above); `reference`: the run's previous version.
+
+    Tensors sharing one storage are kept once (the name in `reference`, else the first);
+    runtime-fused experts are split per expert; with a `reference`, a tied alias equal to its
+    embedding is dropped and tensors missing from `state` (frozen) are taken from `reference`.
+    Raises ConfigError naming the tensors when `state` holds names `reference` does not (nothing
+    is published then).
+    """
+    out: dict[str, torch.Tensor] = {}
+    by_view: dict[tuple[object, ...], str] = {}
+    for name, t in state.items():
+        parts = _split_fused_experts(name, t) if reference is None or name not in reference else None
+        for n, v in (parts or {name: t}).items():
+            key = _view_key(v)
+            first = by_view.get(key) if v.numel() else None
+            if first is None:
+                by_view[key] = n
+                out[n] = v
+            elif reference is not None and n in reference and first not in reference:
+                out.pop(first)
+                by_view[key] = n
+                out[n] = v
+    if reference is None:
+        return out
+    for alias, canonical in TIED_ALIASES.items():
+        if alias in out and alias not in reference and canonical in out and torch.equal(out[alias], out[canonical]):
+            out.pop(alias)
+    extra = sorted(set(out) - set(reference))
+    if extra:
+        raise ConfigError(
+            f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
+            hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
+        )
+    for name in reference.keys() - out.keys():  # frozen: unchanged since the previous version
+        out[name] = reference[name]
+    return out

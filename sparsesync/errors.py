@@ -148,3 +148,8 @@ class EngineError(SparsesyncError):
 class WeightUpdateError(EngineError):
     """A weight update does not fit the engine (unknown tensor, wrong shape or dtype, bad indices);
     rejected before the engine saw any of it."""
+
+
+class EngineCheckError(EngineError):
+    """The weights an engine computes with, read back after an apply, are not the version it was
+    given (stale fused layer, stale tied LM head, a half-loaded expert group)."""

@@ -1,13 +1,21 @@
-"""A tiny Qwen3 model built locally, for tests, demos and benchmarks (no download).
+"""Tiny models of the architectures people train, built locally for tests, demos and benchmarks.
 
-Guarantee: `build_tiny_model(out_dir, seed=s)` writes the same bytes for the same seed (tokenizer
-and weights), in a folder that both transformers (`AutoModelForCausalLM.from_pretrained`) and
-vLLM (`LLM(model=out_dir)`) load. The shape follows what vLLM's CPU build accepts (see
-docs/notes: head_dim 32, untied embeddings so reloading the embeddings never leaves a stale LM
-head). The tokenizer is a byte-level BPE trained on a small built-in corpus, so any text
-round-trips.
+Guarantee: `build_tiny_model(out_dir, seed=s, arch=a)` writes the same bytes for the same seed
+and architecture (tokenizer and weights), in a folder that both transformers
+(`AutoModelForCausalLM.from_pretrained`) and vLLM (`LLM(model=out_dir)`) load, saved the way
+`save_pretrained` saves it (the checkpoint's own key set: a tied LM head is not written,
+MoE experts are written one tensor per expert). The architectures (`ARCHS`):
 
-    python -m sparsesync.tiny_model /tmp/tiny   # builds it from the command line
+- "qwen3": Qwen3, untied embeddings (the default, and the project's first test model);
+- "qwen3-tied": Qwen3 with tied embeddings (Qwen3-0.6B to 4B, Llama-3.2 and Gemma are tied);
+- "llama": a Llama-style model (no q/k norms), untied;
+- "qwen3-moe": Qwen3-MoE with 4 experts, top-2 routing, in every layer.
+
+All share hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32 (a head size vLLM's CPU build
+accepts). `hidden`/`layers` make bigger models of the same shape for benchmarks. The tokenizer
+is a byte-level BPE trained on a small built-in corpus, so any text round-trips.
+
+    python -m sparsesync.tiny_model /tmp/tiny [SEED] [ARCH]   # builds it from the command line
 """
 
 from __future__ import annotations
@@ -88,8 +96,37 @@ def tiny_config(vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, **overrides
     return Qwen3Config(**kw)
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Train the tokenizer, init a tiny Qwen3 with `seed`, save both to `out_dir`; returns it."""
+ARCHS = ("qwen3", "qwen3-tied", "llama", "qwen3-moe")
+
+
+def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, *, hidden: int = 128, layers: int = 2) -> Any:
+    """The config of one architecture of the matrix (see module docstring)."""
+    if arch not in ARCHS:
+        raise ValueError(f"tiny model architecture {arch!r}: expected one of {', '.join(ARCHS)}")
+    size: dict[str, Any] = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64))
+    if arch == "qwen3":
+        return tiny_config(vocab_size, eos_token_id, **size)
+    if arch == "qwen3-tied":
+        return tiny_config(vocab_size, eos_token_id, tie_word_embeddings=True, **size)
+    ids = dict(bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+                           rms_norm_eps=1e-6, rope_theta=10000.0, **size, **ids)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, moe_intermediate_size=hidden // 2, num_experts=4,
+                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          **size, **ids)
+
+
+def build_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, arch: str = "qwen3", hidden: int = 128, layers: int = 2
+) -> Path:
+    """Train the tokenizer, init a tiny model of `arch` with `seed`, save both to `out_dir`; returns it."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     out = Path(out_dir)
@@ -105,7 +142,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype =
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     eos_id = raw.token_to_id("<|endoftext|>")
-    config = tiny_config(vocab_size=raw.get_vocab_size(), eos_token_id=eos_id)
+    config = arch_config(arch, raw.get_vocab_size(), eos_id, hidden=hidden, layers=layers)
     config.dtype = dtype  # type: ignore[attr-defined]
     torch.manual_seed(seed)  # the only source of randomness in init: same seed, same weights
     gen_state = torch.random.get_rng_state()
@@ -141,4 +178,5 @@ def _strip_nondeterminism(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "tiny-model", seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    argv = sys.argv[1:]
+    print(build_tiny_model(argv[0] if argv else "tiny-model", seed=int(argv[1]) if len(argv) > 1 else 0, arch=argv[2] if len(argv) > 2 else "qwen3"))

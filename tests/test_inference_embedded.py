@@ -158,3 +158,44 @@ def test_sampling_with_seed_is_reproducible_and_stops(tiny):
     stop = greedy.text[2:4]
     cut = engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and stop not in cut.text and greedy.text.startswith(cut.text)
+
+
+def test_a_stale_tied_head_is_caught_by_the_read_back(tmp_path):
+    """A model whose head stopped sharing the embedding's storage fails the check: version null,
+    /sync degraded, and the follower never reports the version as followed."""
+    import torch
+
+    from inference_space.testing import follow_then_break
+
+    engine = EmbeddedEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"))
+
+    def untie() -> None:  # the head goes stale
+        head = engine.model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+
+    replica = follow_then_break(engine, engine.model_dir, str(tmp_path / "bucket"), untie)
+    st = replica.status()
+    assert st["current_version"] == 1 and st["state"] == "degraded" and "lm_head.weight" in st["last_error"]
+    assert engine.weight_version is None and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
+    engine.model.tie_weights()  # fixed: the next sync reloads from an anchor and passes the check
+    assert replica.follower.sync_once() == 2 and replica.status()["state"] == "following" and engine.weight_version == 2
+
+
+def test_tied_model_takes_the_lm_head_alias_only_when_it_equals_the_embedding(tmp_path):
+    """A run published from state_dict() may carry `lm_head.weight` for a tied model: accepted
+    when equal to the embedding, refused (nothing written) when not."""
+    import torch
+
+    from sparsesync.codec.apply import SparseUpdate
+
+    engine = EmbeddedEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"))
+    emb = "model.embed_tokens.weight"
+    assert "lm_head.weight" not in engine.state_dict()
+    new = engine.state_dict()[emb].clone()
+    new.view(-1)[:3] += 1
+    upd = SparseUpdate(torch.arange(3), new.view(-1)[:3].clone())
+    engine.apply_sparse(1, {emb: upd, "lm_head.weight": upd}, {emb: new, "lm_head.weight": new})
+    assert engine.weight_version == 1 and torch.equal(engine.model.get_output_embeddings().weight, new)
+    with pytest.raises(WeightUpdateError, match="ties them"):
+        engine.apply_sparse(2, {emb: upd, "lm_head.weight": upd}, {emb: new, "lm_head.weight": new + 1})
+    assert engine.weight_version == 1

@@ -11,8 +11,18 @@ them).
 
 Every update is validated against the engine's checkpoint layout (names, shapes, dtypes,
 index ranges, value counts, finite values) before any engine code sees it
-(`WeightUpdateError`). Logprobs are those of the model's raw distribution (log-softmax of the
-unprocessed logits, vLLM's default "raw_logprobs"), one per sampled token.
+(`WeightUpdateError`). The layout is the checkpoint's own key set (what `save_pretrained`
+writes); a tied model's LM head may also arrive under its alias (`lm_head.weight`), and is
+then accepted only when it equals the embedding it ties to.
+
+The engine-side proof: after writing, inside the pause, each engine reads the weights its
+forward pass computes with back in checkpoint coordinates and compares them with the version
+(`_apply_sparse`/`_load_full` raise `EngineCheckError` on a mismatch). An engine whose write
+failed or whose read-back differs reports `weight_version` None and `check_error` until a
+later load succeeds: it never labels output with a version it does not hold.
+
+Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
+vLLM's default "raw_logprobs"), one per sampled token.
 """
 
 from __future__ import annotations
@@ -31,9 +41,11 @@ from typing import Any, Literal
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError
 
 FinishReason = Literal["stop", "length"]
+MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -47,14 +59,25 @@ class SamplingParams:
     seed: int | None = None  # makes sampling reproducible on one engine and version
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (1: off)
 
     def validate(self) -> None:
         if not 1 <= self.max_tokens <= 1 << 20:
             raise ConfigError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ConfigError(f"temperature={self.temperature}: must be in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise ConfigError(f"temperature={self.temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p}: must be in [{MIN_TOP_P}, 1]")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ConfigError(f"seed={self.seed}: must be in [0, 2**63)")
+        if not 0 <= self.top_k <= 1 << 20:
+            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0: no limit)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p={self.min_p}: must be in [0, 1]")
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be in [0.01, 100] (1: off)")
         if not 1 <= self.n <= 256:
             raise ConfigError(f"n={self.n}: must be in [1, 256]")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -160,6 +183,8 @@ class Engine(ABC):
         self._gate = _Gate()
         self._version: int | None = None
         self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
+        self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
+        self.check_error: str | None = None  # why the served weights are not a verified version
         self.pauses = PauseStats()
 
     # -- generation ---------------------------------------------------------------------
@@ -181,6 +206,11 @@ class Engine(ABC):
     @property
     @abstractmethod
     def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Prompt plus completion tokens, at most."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams) -> list[Completion]:
         """`params.n` completions of one prompt, all from one weight version."""
@@ -204,22 +234,45 @@ class Engine(ABC):
 
     # -- the ApplyHook ------------------------------------------------------------------
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Replace every weight with `tensors` (checkpoint names), then serve `version`."""
+        """Replace every weight with `tensors` (checkpoint names), check them, then serve `version`."""
         self._validate_full(tensors)
+        tensors = {k: v for k, v in tensors.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._load_full(version, tensors)
-            self._version = version
+            self._guarded(version, lambda: self._load_full(version, tensors))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        """Write the changed elements of one verified version in place, then serve `version`."""
+        """Write the changed elements of one verified version in place, check them, then serve `version`."""
         self._validate_sparse(updates, full)
+        updates = {k: v for k, v in updates.items() if k not in self._aliases}
+        full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._apply_sparse(version, updates, full)
-            self._version = version
+            self._guarded(version, lambda: self._apply_sparse(version, updates, full))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    def _guarded(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
+        """Run a write (under the gate); the version moves only when it and its read-back passed."""
+        try:
+            write()
+        except EngineCheckError as e:
+            self._version, self.check_error = None, str(e)
+            raise
+        except Exception as e:
+            self._version, self.check_error = None, f"update to version {version} failed half-way: {e}"
+            raise
+        self._version, self.check_error = version, None
+
+    @staticmethod
+    def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:
+        """Tensors of `want` whose bits `got` (the engine's read-back) does not hold."""
+        bad = []
+        for name, w in want.items():
+            g = got[name]
+            if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)):
+                bad.append(name)
+        return bad
 
     @abstractmethod
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None: ...
@@ -236,7 +289,7 @@ class Engine(ABC):
 
     # -- validation (before the engine sees anything) -----------------------------------
     def _spec(self, name: str) -> TensorSpec:
-        spec = self._specs.get(name)
+        spec = self._specs.get(self._aliases.get(name, name))
         if spec is None:
             raise WeightUpdateError(
                 f"tensor '{name}': not a weight of the model in {self.model_dir}",
@@ -251,8 +304,16 @@ class Engine(ABC):
             spec = self._spec(name)
             if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}")
+        problems += self._alias_problems(tensors)
         if problems:
             raise WeightUpdateError("full load rejected: " + "; ".join(problems), hint="publish the model the replica serves")
+
+    def _alias_problems(self, full: Mapping[str, torch.Tensor]) -> list[str]:
+        problems = []
+        for alias, canonical in self._aliases.items():
+            if alias in full and (canonical not in full or not torch.equal(full[alias], full[canonical])):
+                problems.append(f"tensor '{alias}': differs from '{canonical}', but the model ties them")
+        return problems
 
     def _validate_sparse(self, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
         problems = []
@@ -273,5 +334,6 @@ class Engine(ABC):
                 problems.append(f"tensor '{name}': index outside [0, {spec.numel})")
             if val.is_floating_point() and val.numel() and not bool(torch.isfinite(val).all()):
                 problems.append(f"tensor '{name}': non-finite values")
+        problems += self._alias_problems(full)
         if problems:
             raise WeightUpdateError("sparse update rejected: " + "; ".join(problems), hint="the patch does not fit this model")

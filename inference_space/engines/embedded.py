@@ -1,9 +1,15 @@
 """The embedded engine: a transformers model in this process (no vLLM; laptops, CPU, the demo).
 
-Guarantees (on top of `base.Engine`'s): sparse updates are written in place into the model's
-parameters (`index_put_` on the flat view, under `no_grad`), so after an update the model's
-`state_dict()` is bit-identical to the trainer's state of that version. Generation is a plain
-KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-p sampling from
+Guarantees (on top of `base.Engine`'s): the engine takes the checkpoint's own key set (what
+`save_pretrained` wrote into the model folder) and maps each checkpoint tensor onto a view of
+the live runtime parameter that holds it: a tied LM head is the embedding's storage, and
+transformers' runtime-fused experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)
+are sliced per expert; every view is checked against the checkpoint at start. Sparse updates
+are written in place through those views (`index_put_` on the flat view, under `no_grad`),
+then read back from the same parameters the forward pass uses and compared bit for bit with
+the version (the tied head must still share the embedding's storage). Generation is a plain
+KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-k, min-p and top-p sampling (after the
+repetition penalty, which also applies to greedy decoding) from
 a generator seeded with the request's seed, so a request with a seed is reproducible on one
 version.
 """
@@ -18,7 +24,8 @@ import torch
 
 from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import EngineError
+from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
+from sparsesync.errors import EngineCheckError, EngineError
 
 
 class EmbeddedEngine(Engine):
@@ -42,9 +49,10 @@ class EmbeddedEngine(Engine):
         except (OSError, ValueError) as e:
             raise EngineError(f"cannot load the model in {self.model_dir}: {e}", hint="--model must be a transformers model folder") from e
         self.device = torch.device(device)
-        sd = self.model.state_dict()  # detached views sharing the parameters' storage
-        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in sd.items()}
-        self._sd = sd  # name -> live tensor (views of the parameters)
+        self._sd = _checkpoint_views(self.model, self.model_dir)  # checkpoint name -> live view of a parameter
+        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._sd.items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._sd and a not in self._sd}
         eos = self.model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -63,6 +71,10 @@ class EmbeddedEngine(Engine):
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model.config.max_position_embeddings)
 
     # -- generation ---------------------------------------------------------------------
     @torch.no_grad()
@@ -89,6 +101,12 @@ class EmbeddedEngine(Engine):
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             raw_logp = torch.log_softmax(logits, dim=-1)
+            if params.repetition_penalty != 1.0:  # as transformers and vLLM: divide positive logits, multiply negative
+                logits = logits.clone()
+                for i in range(n):
+                    seen = torch.tensor(prompt_ids + tokens[i], dtype=torch.long, device=logits.device).unique()
+                    row = logits[i, seen]
+                    logits[i, seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
             next_ids = self._sample(logits, params, gen)
             for i in range(n):
                 if finish[i] is not None:
@@ -121,6 +139,11 @@ class EmbeddedEngine(Engine):
         if params.temperature == 0.0:
             return logits.argmax(dim=-1).cpu()
         probs = torch.softmax(logits / params.temperature, dim=-1).cpu()
+        if params.top_k > 0 and params.top_k < probs.shape[-1]:
+            kth = probs.topk(params.top_k, dim=-1).values[:, -1:]
+            probs = probs * (probs >= kth)
+        if params.min_p > 0.0:
+            probs = probs * (probs >= params.min_p * probs.max(dim=-1, keepdim=True).values)
         if params.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(dim=-1) - sorted_p < params.top_p  # always keeps the top token
@@ -133,6 +156,7 @@ class EmbeddedEngine(Engine):
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             self._sd[name].copy_(t)
+        self._check(tensors)
 
     @torch.no_grad()
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
@@ -140,6 +164,69 @@ class EmbeddedEngine(Engine):
             dst = self._sd[name]
             flat = dst.view(-1)
             flat.index_put_((upd.indices.to(dst.device),), upd.values.to(dst.device))
+        self._check(full)
+
+    def _check(self, want: Mapping[str, torch.Tensor]) -> None:
+        """The engine-side proof: the parameters the forward pass reads hold `want`, bit for bit."""
+        bad = self._mismatches({n: self._sd[n].detach().cpu() for n in want}, {n: t.cpu() for n, t in want.items()})
+        head, emb = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if self._aliases and head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
+            bad.append("lm_head.weight (no longer tied to the embedding)")
+        if bad:
+            raise EngineCheckError(
+                f"embedded engine: {len(bad)} tensor(s) read back differ from the version: {', '.join(bad[:5])}",
+                hint="the replica reloads the version from its verified copy",
+            )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._sd.items()}
+
+
+def _checkpoint_views(model: Any, model_dir: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> a view of the live parameter holding it (see module docstring)."""
+    from safetensors import safe_open
+
+    runtime = model.state_dict()  # detached views sharing the parameters' storage
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(runtime))  # checkpoint names (some copies)
+    except ImportError:  # transformers 4: runtime names are the checkpoint's
+        reverted = dict(runtime)
+    names: list[str] = []
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            names += list(sf.keys())
+    if not names:  # no safetensors (e.g. .bin): the runtime key set without tied aliases
+        names = [n for n in reverted if not (n in TIED_ALIASES and getattr(model.config, "tie_word_embeddings", False))]
+    storages = {t.untyped_storage().data_ptr() for t in runtime.values()}
+    views, problems = {}, []
+    for name in names:
+        ref = reverted.get(name)
+        view = ref if ref is not None and ref.untyped_storage().data_ptr() in storages else _expert_view(name, runtime)
+        if view is None or ref is None or view.shape != ref.shape or not torch.equal(view, ref):
+            problems.append(name)
+            continue
+        views[name] = view
+    if problems:
+        raise EngineError(
+            f"cannot map {len(problems)} checkpoint tensor(s) of {model_dir} onto the model's runtime layout: {', '.join(problems[:5])}",
+            hint="this architecture's runtime layout is not supported by the embedded engine; use --engine vllm",
+        )
+    return views
+
+
+def _expert_view(name: str, runtime: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """One expert's tensor inside transformers' runtime-fused experts (gate rows, then up rows)."""
+    m = EXPERT_KEY.match(name)
+    if m is None:
+        return None
+    e, proj = int(m["e"]), m["proj"]
+    if proj in ("down_proj", "w2"):
+        fused = runtime.get(f"{m['layer']}.down_proj")
+        return None if fused is None else fused[e]
+    fused = runtime.get(f"{m['layer']}.gate_up_proj")
+    if fused is None:
+        return None
+    half = fused.shape[1] // 2
+    return fused[e, :half] if proj in ("gate_proj", "w1") else fused[e, half:]

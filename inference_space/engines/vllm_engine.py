@@ -1,17 +1,16 @@
-"""The vLLM engine: a vLLM `LLM` driven through its weight-transfer API with the sparsesync backend.
+"""The vLLM engine: a vLLM `LLM` that follows a run through `sparsesync.integrations.vllm`.
 
-Guarantees (on top of `base.Engine`'s):
-- Weights reach vLLM only through `init_weight_transfer_engine` / `start_weight_update` /
-  `update_weights` / `finish_weight_update(weight_version=...)`, with `finish` in a `finally`,
-  and vLLM's own weight version (`LLM.get_weight_version()`, and the per-token spans vLLM
-  attaches to each output) moves only when an update succeeded.
-- On GPU, a sparse version is written in place through vLLM's checkpoint-coordinate patch
-  loader (`mode="sparse"`). On CPU (`mode="reload"`) the changed tensors go through the
-  layerwise reload path, together with the other checkpoint tensors of every vLLM layer they
-  touch (q/k/v of a fused qkv_proj, gate/up of gate_up_proj), taken from a CPU copy of the
-  served weights that this engine keeps, so no layer is ever reloaded half-way.
-- Single-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"): starts in
-  seconds, and updates are handed over in memory.
+Guarantees (on top of `base.Engine`'s), all from `integrations.vllm.apply.WeightSync`: weights
+reach vLLM only through its weight-transfer API, with `finish` in a `finally`; vLLM's own
+weight version moves only when an update succeeded and the worker's read-back of the weights
+the forward pass uses matched the version (`EngineCheckError` otherwise); the prefix cache is
+reset on every version switch; on CPU (`mode="reload"`) complete fused groups of only the
+touched layers are reloaded and a tied LM head is repacked from the new embedding; on GPU
+(`mode="sparse"`) versions are written in place in checkpoint coordinates.
+Single-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"): starts in
+seconds, updates are handed over in memory. `tensor_parallel_size > 1` uses the
+multiprocessing executor, and updates reach every worker as a file under /dev/shm; on CPU the
+workers' threads are bound to disjoint cores (`VLLM_CPU_OMP_THREADS_BIND`, unless set).
 """
 
 from __future__ import annotations
@@ -28,13 +27,11 @@ import torch
 
 from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import EngineError
+from sparsesync.checkpoint import TIED_ALIASES, load_checkpoint
+from sparsesync.errors import EngineCheckError, EngineError
 
 log = logging.getLogger(__name__)
 
-# names of fused vLLM modules -> the checkpoint modules they pack (Llama/Qwen/Mistral family);
-# replaced by the model's own `packed_modules_mapping` when vLLM exposes one
-DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 @contextlib.contextmanager
@@ -52,22 +49,7 @@ def _flask_proxies_resolvable() -> Iterator[None]:
         yield
 
 
-def _packed_mapping(worker: Any) -> dict[str, list[str]]:
-    """Runs in the worker (collective_rpc): the model's fused-module table."""
-    model = worker.model_runner.get_model()
-    return {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
 
-
-def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors files in {model_dir}", hint="--model must be a safetensors model folder")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 class VllmEngine(Engine):
@@ -85,20 +67,25 @@ class VllmEngine(Engine):
         gpu_memory_utilization: float | None = None,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        check: bool = True,
         **llm_kwargs: Any,
     ) -> None:
         super().__init__(model_dir)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if tensor_parallel_size == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
         except ImportError as e:
             raise EngineError("the vllm engine needs vLLM", hint="pip install 'sparsesync[vllm]' (see scripts/setup.sh)") from e
-        from inference_space.engines import vllm_plugin
+        from sparsesync.integrations.vllm import plugin
 
-        vllm_plugin.register()
+        plugin.register()
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         on_cpu = current_platform.is_cpu()
+        if on_cpu and tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(tensor_parallel_size))
         if mode == "auto":
             mode = "reload" if on_cpu else "sparse"
         if mode not in ("reload", "sparse"):
@@ -106,12 +93,13 @@ class VllmEngine(Engine):
         if mode == "sparse" and on_cpu:
             raise EngineError("vllm mode 'sparse' needs a GPU", hint="use mode 'reload' (the default on CPU)")
         self.mode = mode
-        self._state = _read_checkpoint(self.model_dir)  # what vLLM serves, checkpoint coordinates
+        self._state = load_checkpoint(self.model_dir)  # what vLLM serves, checkpoint coordinates
         self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._state.items()}
         kw: dict[str, Any] = dict(
             model=str(self.model_dir),
-            distributed_executor_backend="uni",
-            weight_transfer_config={"backend": vllm_plugin.BACKEND},
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
+            tensor_parallel_size=tensor_parallel_size,
+            weight_transfer_config={"backend": plugin.BACKEND},
             seed=seed,
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
         )
@@ -127,24 +115,14 @@ class VllmEngine(Engine):
                 self.llm = LLM(**kw)
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; name the model
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
-        self.llm.init_weight_transfer_engine({"init_info": {}})
-        self.tokenizer = self.llm.get_tokenizer()
-        try:
-            packed = self.llm.collective_rpc(_packed_mapping)[0] or DEFAULT_PACKED
-        except Exception:  # noqa: BLE001 - multi-process engines may refuse callables
-            packed = DEFAULT_PACKED
-        self._fused = {part: fused for fused, parts in packed.items() for part in parts}
-        self._groups: dict[str, list[str]] = {}
-        for name in self._state:
-            self._groups.setdefault(self._group_key(name), []).append(name)
-        self._vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        from sparsesync.integrations.vllm.apply import WeightSync
 
-    def _group_key(self, name: str) -> str:
-        """The vLLM layer a checkpoint tensor loads into (its module, fused names folded)."""
-        parts = name.split(".")[:-1]
-        if parts and parts[-1] in self._fused:
-            parts[-1] = self._fused[parts[-1]]
-        return ".".join(parts)
+        self.sync = WeightSync(self.llm, self._state, mode=mode, check=check)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._state and a not in self._state}
+        self.last_sent: list[str] = []  # checkpoint tensors the last update handed to vLLM
 
     # -- text ---------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -160,6 +138,10 @@ class VllmEngine(Engine):
     def vocab_size(self) -> int:
         return self._vocab
 
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     # -- generation ---------------------------------------------------------------------
     def _generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         from vllm import SamplingParams as VSamplingParams
@@ -173,6 +155,9 @@ class VllmEngine(Engine):
             max_tokens=params.max_tokens,
             stop=params.stop or None,
             ignore_eos=params.ignore_eos,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             logprobs=0,  # the sampled token's logprob only
         )
         try:
@@ -191,44 +176,19 @@ class VllmEngine(Engine):
         return result
 
     # -- weights ------------------------------------------------------------------------
-    def _transfer(self, version: int, kind: str, payload: dict[str, Any]) -> None:
-        from inference_space.engines.vllm_backend import stage, unstage
-
-        handle = stage(payload)
-        ok = False
-        try:
-            self.llm.start_weight_update()
-            try:
-                self.llm.update_weights({"update_info": {"kind": kind, "handle": handle}})
-                ok = True
-            finally:
-                try:
-                    self.llm.finish_weight_update(weight_version=str(version) if ok else None)
-                except RuntimeError:
-                    if ok:
-                        raise  # a failed update already closed the session in the worker
-        finally:
-            unstage(handle)
-
-    @torch.no_grad()
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            self._state[name].copy_(t)
-        self._transfer(version, "dense", {"tensors": dict(self._state)})
+        with _check_errors():
+            self.sync.load(version, tensors)
+        self.last_sent = sorted(self._state)
 
-    @torch.no_grad()
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        for name, upd in updates.items():
-            self._state[name].view(-1).index_put_((upd.indices,), upd.values)
-        if self.mode == "sparse":
-            payload = {
-                "updates": {n: (u.indices, u.values) for n, u in updates.items()},
-                "shapes": {n: self._specs[n].shape for n in updates},
-            }
-            self._transfer(version, "sparse", payload)
-        else:
-            names = sorted({m for n in updates for m in self._groups[self._group_key(n)]})
-            self._transfer(version, "dense", {"tensors": {n: self._state[n] for n in names}})
+        with _check_errors():
+            self.last_sent = self.sync.patch(version, updates)
+
+    def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:
+        """One raw update through vLLM's API (tests use it to send what `sync` never would)."""
+        with _check_errors():
+            self.sync._transfer(version, kind, payload)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights handed to vLLM (checkpoint coordinates; vLLM's own tensors are repacked)."""
@@ -245,3 +205,26 @@ class VllmEngine(Engine):
             import gc
 
             gc.collect()
+
+
+def _cpu_bind(workers: int) -> str:
+    """vLLM-CPU binds each worker to its own NUMA node by default and refuses more workers than
+    nodes ("Not enough allowed NUMA nodes"); split this process's cores between the workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise EngineError(f"tensor_parallel_size={workers} needs at least {workers} CPU cores, this process has {len(cores)}")
+    per = len(cores) // workers
+    return "|".join(",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(workers))
+
+
+@contextlib.contextmanager
+def _check_errors() -> Iterator[None]:
+    """A read-back mismatch in a worker arrives as whatever vLLM wraps it in: keep its class."""
+    try:
+        yield
+    except EngineCheckError:
+        raise
+    except Exception as e:
+        if "EngineCheckError" in type(e).__name__ or "differ from the update" in str(e):
+            raise EngineCheckError(str(e)) from e
+        raise

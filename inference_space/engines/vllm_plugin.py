@@ -1,21 +1,6 @@
-"""vLLM general plugin: registers the `sparsesync` weight-transfer backend in every vLLM process.
+"""Old home of the vLLM plugin, kept for installs whose entry-point metadata predates the move
+(`pip install -e .` rewrites it to `sparsesync.integrations.vllm.plugin:register`)."""
 
-Loaded by vLLM through the `vllm.general_plugins` entry point `sparsesync` (pyproject.toml), so
-`vllm serve MODEL --weight-transfer-config '{"backend": "sparsesync"}'` finds the backend;
-`VllmEngine` also calls `register()` itself. Safe to call any number of times, and it imports
-only vLLM's factory (the backend module is loaded lazily when an engine is created).
-"""
+from sparsesync.integrations.vllm.plugin import BACKEND, register
 
-from __future__ import annotations
-
-BACKEND = "sparsesync"
-
-
-def register() -> None:
-    """Register `sparsesync` with vLLM's `WeightTransferEngineFactory` (idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "inference_space.engines.vllm_backend", "SparsesyncWeightTransferEngine"
-        )
+__all__ = ["BACKEND", "register"]

@@ -238,6 +238,7 @@ class Follower:
             try:
                 self.hook.load_full(rec.version, state)
             except Exception as e2:  # noqa: BLE001
+                self._mirror_version = None  # the engine is behind the mirror: replan from an anchor next time
                 raise SparsesyncError(
                     f"engine could not load version {rec.version} of {self.store.url}: {e2}",
                     hint="the replica keeps its last state; check the engine logs",

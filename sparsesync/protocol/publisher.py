@@ -1,6 +1,9 @@
 """The writer side: publish weight versions into a run without making training wait on the network.
 
-`Publisher.publish(state, step)` diffs against the last *published* version, encodes the
+`Publisher.publish(state, step)` brings `state` to the checkpoint's own key set
+(`checkpoint.checkpoint_state`: tied aliases once, runtime-fused experts per expert, frozen
+tensors from the previous version, unknown tensors rejected before anything is uploaded),
+diffs it against the last *published* version, encodes the
 patch, hands it to a background uploader and returns. The uploader writes the version's
 objects, checks that no newer writer has claimed the run, and writes the commit record last.
 
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
 from sparsesync.errors import (
     ConfigError,
@@ -154,6 +158,7 @@ class Publisher:
         self._raise_background_error()
         if self._closed:
             raise ConfigError("publish() after close()")
+        state = checkpoint_state(state, self._snapshot.state if self._snapshot is not None else None)
         version = step if step is not None else (self._last_version or 0) + 1
         check_version(version, self.store.url)
         if self._last_version is not None and version <= self._last_version:

@@ -1,0 +1,5 @@
+"""Engine integrations: what any user of an inference engine needs to follow a sparsesync run.
+
+`sparsesync.integrations.vllm`: the vLLM plugin, weight-transfer backend, apply and engine-side
+check. Importing this package imports no engine.
+"""

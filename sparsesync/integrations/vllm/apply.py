@@ -1,0 +1,123 @@
+"""Apply sparsesync versions to a running vLLM `LLM`, and prove they reached the forward pass.
+
+`WeightSync(llm, checkpoint_state)` drives one engine from any caller (the replica app's
+`VllmEngine`, a user's own script). Guarantees:
+
+- Weights reach vLLM only through its weight-transfer API (`start_weight_update` /
+  `update_weights` / `finish_weight_update(weight_version=...)`, finish in a `finally`); vLLM's
+  weight version moves only when the update succeeded and its read-back matched (the worker
+  raises `EngineCheckError` otherwise, see `backend.py`).
+- Every version switch, failed or not, resets vLLM's prefix cache, so no request is served
+  with KV computed by another version's weights.
+- "reload" mode (CPU): each update sends every checkpoint tensor of every vLLM layer it
+  touches (`Layout.complete_groups`: q/k/v together, gate/up together, all experts of a MoE
+  layer together) and nothing else; the values come from `self.state`, a CPU copy of the served
+  weights in checkpoint coordinates. "sparse" mode (GPU): indices and values only.
+- Staging: in memory for single-process engines; otherwise a file under /dev/shm that every
+  worker reads (multi-process, tensor parallel), removed after the update.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sparsesync.codec.apply import SparseUpdate
+from sparsesync.errors import EngineError
+from sparsesync.integrations.vllm.layout import DEFAULT_PACKED, Layout
+
+
+def _packed_mapping(worker: Any) -> dict[str, list[str]]:
+    """Runs in the worker (collective_rpc): the model's fused-module table."""
+    model = worker.model_runner.get_model()
+    return {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+
+
+def _single_process(llm: Any) -> bool:
+    pc = llm.llm_engine.vllm_config.parallel_config
+    return (
+        os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        and pc.distributed_executor_backend == "uni"
+        and pc.world_size == 1
+    )
+
+
+class WeightSync:
+    """Moves one vLLM engine from version to version (see module docstring)."""
+
+    def __init__(self, llm: Any, state: dict[str, torch.Tensor], *, mode: str = "reload", check: bool = True, run_url: str = "") -> None:
+        from sparsesync.integrations.vllm import plugin
+
+        plugin.register()
+        if mode not in ("reload", "sparse"):
+            raise EngineError(f"vllm update mode '{mode}': expected 'reload' or 'sparse'")
+        self.llm = llm
+        self.mode = mode
+        self.state = state  # what vLLM serves, checkpoint coordinates (CPU); written in place
+        self.in_memory = _single_process(llm)
+        try:
+            packed = llm.collective_rpc(_packed_mapping)[0] or DEFAULT_PACKED
+        except Exception:  # noqa: BLE001 - engines may refuse callables over RPC
+            packed = DEFAULT_PACKED
+        self.layout = Layout({k: tuple(v.shape) for k, v in state.items()}, packed)
+        shapes = {k: list(v.shape) for k, v in state.items()}
+        llm.init_weight_transfer_engine({"init_info": {"run_url": run_url, "shapes": shapes, "check": check}})
+
+    @torch.no_grad()
+    def load(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Replace every weight with `tensors` (checkpoint names, complete key set)."""
+        for name, t in tensors.items():
+            self.state[name].copy_(t)
+        self._transfer(version, "dense", {"tensors": dict(self.state)})
+
+    @torch.no_grad()
+    def patch(self, version: int, updates: Mapping[str, SparseUpdate], digests: Mapping[str, str] | None = None) -> list[str]:
+        """Write the changed elements of one version; returns the checkpoint tensors sent."""
+        for name, upd in updates.items():
+            self.state[name].view(-1).index_put_((upd.indices,), upd.values)
+        if self.mode == "sparse":
+            payload = {
+                "updates": {n: (u.indices, u.values) for n, u in updates.items()},
+                "shapes": {n: list(self.state[n].shape) for n in updates},
+                "digests": dict(digests or {}),
+            }
+            self._transfer(version, "sparse", payload)
+            return sorted(updates)
+        names = self.layout.complete_groups(updates)
+        self._transfer(version, "dense", {"tensors": {n: self.state[n] for n in names}})
+        return names
+
+    def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:
+        from sparsesync.integrations.vllm.backend import stage, stage_file, unstage
+
+        handle = path = None
+        if payload is not None:
+            if self.in_memory:
+                handle = stage(payload)
+            else:
+                path = stage_file(kind, payload)
+        info: dict[str, Any] = {"kind": kind, "handle": handle, "path": path}
+        if payload is None:
+            info["handle"] = "sparsesync-missing"  # a handle that was never staged (failure tests)
+        ok = False
+        try:
+            self.llm.start_weight_update()
+            try:
+                self.llm.update_weights({"update_info": info})
+                ok = True
+            finally:
+                try:
+                    self.llm.finish_weight_update(weight_version=str(version) if ok else None)
+                except RuntimeError:
+                    if ok:
+                        raise  # a failed update already closed the session in the worker
+        finally:
+            if handle is not None:
+                unstage(handle)
+            if path is not None:
+                os.unlink(path)
+            if not self.llm.reset_prefix_cache():  # KV of the old weights must never be reused
+                raise EngineError("vLLM refused to reset its prefix cache after a weight update", hint="no request may run during an update")

@@ -1,0 +1,227 @@
+"""Read a vLLM model's weights back, in checkpoint coordinates, from what its forward pass reads.
+
+Runs inside vLLM's worker. Digests of a CPU copy prove nothing about the engine: on CPU vLLM
+repacks linear weights into opaque kernel handles (oneDNN, sgl) and MoE experts into a
+kernel layout, and a tied LM head is packed apart from the embedding it ties to. So:
+
+- a linear layer whose CPU kernel (`cpu_linear`) holds a packed copy (oneDNN, sgl) is read by
+  calling that kernel on an identity matrix: `cpu_linear(I_K) = W^T`, exact in bf16 (one
+  product per output element, accumulated in fp32), so it returns the very values the forward
+  pass multiplies with. Cost: like a prefill of K tokens through that layer, once per fused
+  layer. A kernel that multiplies with the parameter it is handed (vLLM's F.linear fallback,
+  detected with a one-row probe) is read from the parameter;
+- CPU-prepacked MoE experts are unpacked with the permutation of vLLM's own prepack op
+  (derived once per shape by packing position digits; checked to be a permutation);
+- everything else (embeddings, norms, GPU weights) is the parameter itself.
+
+`check(model, layout, expected)` compares every element of every expected tensor with the
+engine's (as float: -0.0 equals 0.0 and subnormals compare as zero, since CPU kernels may
+flush them) and returns one message per mismatching tensor. Tensor parallelism: each rank
+compares its own shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sparsesync.integrations.vllm.layout import Layout, Location
+
+_PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
+_PERMS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+
+def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
+    try:
+        mod = model.get_submodule(loc.module)
+    except AttributeError as e:
+        raise KeyError(f"vLLM model has no module '{loc.module}'") from e
+    for child in mod.modules():  # itself first; MoE: the params sit on a child (`experts.routed_experts`)
+        if loc.param in dict(child.named_parameters(recurse=False)):
+            return child
+    raise KeyError(f"vLLM module '{loc.module}' has no parameter '{loc.param}'")
+
+
+def _probe(mod: torch.nn.Module, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """W [N, K] as the layer's CPU kernel computes with it."""
+    cols = []
+    for start in range(0, k, _PROBE_ROWS):
+        eye = torch.zeros(min(_PROBE_ROWS, k - start), k, dtype=dtype, device=device)
+        eye[:, start : start + eye.shape[0]].fill_diagonal_(1)
+        out = mod.cpu_linear(eye, mod.weight, None)
+        cols.append(out.t().to(dtype))
+    return torch.cat(cols, dim=1)
+
+
+def cpu_experts(mod: torch.nn.Module) -> Any:
+    """The CPU experts implementation that prepacked `mod`'s weights (None: not prepacked)."""
+    seen: set[int] = set()
+    stack = [getattr(mod, "quant_method", None)]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen or len(seen) > 64:
+            continue
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "isa", None), str) and hasattr(obj, "_use_zentorch"):
+            return None if obj._use_zentorch else obj
+        for attr in ("moe_kernel", "impl", "fused_experts", "experts", "kernel"):
+            stack.append(getattr(obj, attr, None))
+    return None
+
+
+def _prepack_perm(shape: tuple[int, ...], isa: str) -> torch.Tensor:
+    """src[j]: the logical flat index that vLLM's MoE prepack puts at packed position j."""
+    key = (shape, isa)
+    if key not in _PERMS:
+        n = math.prod(shape)
+        pos = torch.arange(n, dtype=torch.int64)
+        src = torch.zeros(n, dtype=torch.int64)
+        for k in range(max(1, math.ceil(math.log(max(n, 2), 256)))):
+            digits = ((pos >> (8 * k)) & 255).to(torch.bfloat16).view(shape)  # 0..255: exact in bf16
+            out = torch.empty_like(digits)
+            torch.ops._C.prepack_moe_weight(digits, out, isa)
+            src += out.reshape(-1).to(torch.int64) << (8 * k)
+        if not torch.equal(torch.sort(src).values, pos):
+            raise RuntimeError(f"vLLM's MoE prepack ({isa}) of shape {list(shape)} is not a permutation: cannot read it back")
+        _PERMS[key] = src
+    return _PERMS[key]
+
+
+def _kernel_reads_parameter(mod: torch.nn.Module, p: torch.Tensor) -> bool:
+    """Whether the layer's CPU kernel multiplies with the parameter it is handed (vLLM's
+    F.linear fallback) rather than a packed copy: a zero weight handed in then gives zeros."""
+    if p.numel() == 0 or p.dim() != 2:
+        return False
+    x = torch.ones(1, p.shape[1], dtype=p.dtype, device=p.device)
+    return not bool(mod.cpu_linear(x, torch.zeros_like(p), None).any())
+
+
+def as_read(mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str], torch.Tensor] | None = None) -> torch.Tensor:
+    """The parameter as the forward pass reads it, in vLLM's (unpacked) layout. `cache` keeps
+    one read per parameter across the checkpoint tensors fused into it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    key = (id(mod), loc.param)
+    if cache is not None and key in cache:
+        return cache[key]
+    value = _as_read(mod, loc, ParallelLMHead)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def _as_read(mod: torch.nn.Module, loc: Location, head_cls: type) -> torch.Tensor:
+    p = getattr(mod, loc.param)
+    if loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, head_cls) or not _is_embedding(mod)):
+        if _kernel_reads_parameter(mod, p):
+            return p.detach()
+        k = int(getattr(mod, "input_size_per_partition", 0) or getattr(mod, "embedding_dim", 0) or p.shape[-1])
+        return _probe(mod, k, p.dtype, p.device)
+    if loc.kind in ("expert_w13", "expert_w2"):
+        impl = cpu_experts(mod)
+        if impl is not None:
+            src = _prepack_perm(tuple(p.shape), impl.isa)
+            flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+            flat[src] = p.detach().reshape(-1)
+            return flat.view(p.shape)
+    return p.detach()
+
+
+def _is_embedding(mod: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return isinstance(mod, VocabParallelEmbedding)
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return t if size == 1 else t.chunk(size, dim=dim)[rank]
+
+
+def _local_expected(mod: torch.nn.Module, loc: Location, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The rank's shard of a full checkpoint tensor (identity without tensor parallelism)."""
+    if size == 1:
+        return t
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    if isinstance(mod, QKVParallelLinear) and loc.part > 0:  # k/v heads may be replicated across ranks
+        replicas = int(getattr(mod, "num_kv_head_replicas", 1) or 1)
+        return _chunk(t, 0, rank // replicas, size // replicas)
+    if isinstance(mod, ColumnParallelLinear):
+        return _chunk(t, 0, rank, size) if t.dim() >= 1 else t
+    if isinstance(mod, RowParallelLinear):
+        return _chunk(t, 1, rank, size) if t.dim() == 2 else t
+    if loc.kind == "expert_w13":
+        return _chunk(t, 0, rank, size)
+    if loc.kind == "expert_w2":
+        return _chunk(t, 1, rank, size)
+    return t  # replicated (norms, router); vocab shards are cut in `_actual`
+
+
+def local_pair(
+    model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int, cache: dict[tuple[int, str], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(engine value, expected value), both in the rank's checkpoint coordinates."""
+    mod = module_of(model, loc)
+    full = as_read(mod, loc, cache)
+    exp = _local_expected(mod, loc, expected, rank, size)
+    if loc.kind == "vocab":
+        start = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_start_index", 0) or 0)
+        end = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_end_index", expected.shape[0]) or expected.shape[0])
+        return full[: end - start], expected[start:end]
+    if loc.kind == "fused":
+        rows = exp.shape[0]
+        row0 = loc.row0 // size if size > 1 else loc.row0
+        if size > 1 and loc.part > 0 and hasattr(mod, "num_heads"):  # QKV: offsets of the local q (and k) heads
+            q = mod.num_heads * mod.head_size
+            row0 = q + (loc.part - 1) * mod.num_kv_heads * mod.head_size
+        return full[row0 : row0 + rows], exp
+    if loc.kind == "expert_w13":
+        e = full[loc.expert]
+        rows = exp.shape[0]
+        start = 0 if loc.part == 0 else e.shape[0] // 2  # up rows start after the (padded) gate rows
+        return e[start : start + rows], exp
+    if loc.kind == "expert_w2":
+        return full[loc.expert][:, : exp.shape[1]], exp
+    return full, exp
+
+
+def flushed(t: torch.Tensor) -> torch.Tensor:
+    f = t.float()
+    return torch.where(f.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(f), f)
+
+
+def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
+    """One message per tensor of `expected` (checkpoint names) the engine does not compute with."""
+    problems = []
+    cache: dict[tuple[int, str], torch.Tensor] = {}
+    for name, want in expected.items():
+        loc = layout.locate(name)
+        try:
+            got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
+        except (KeyError, RuntimeError, IndexError) as e:
+            problems.append(f"tensor '{name}': cannot read it back ({e})")
+            continue
+        got = got.to("cpu")
+        if tuple(got.shape) != tuple(exp.shape):
+            problems.append(f"tensor '{name}': engine holds shape {list(got.shape)}, expected {list(exp.shape)}")
+            continue
+        diff = flushed(got) != flushed(exp)
+        if bool(diff.any()):
+            problems.append(f"tensor '{name}': {int(diff.sum())} of {diff.numel()} elements differ from the version ({loc.module}.{loc.param})")
+    return problems
+
+
+def check_tied_head(model: torch.nn.Module, embed: torch.Tensor, *, rank: int = 0, size: int = 1) -> list[str]:
+    """For a tied model: the LM head the logits use equals the embedding `embed`."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head, "weight"):
+        return []
+    loc = Location("lm_head", "weight", "vocab")
+    got, exp = local_pair(model, loc, embed.to("cpu"), rank, size)
+    diff = flushed(got.to("cpu")) != flushed(exp)
+    if bool(diff.any()):
+        return [f"tied LM head: {int(diff.sum())} of {diff.numel()} elements differ from 'model.embed_tokens.weight'"]
+    return []
