@@ -327,3 +327,38 @@ def test_hostile_fleet_records_are_skipped_with_a_reason(tmp_path):
 def test_status_of_a_missing_run_is_one_line(tmp_path):
     res = CliRunner().invoke(app, ["status", str(tmp_path / "nothing")])
     assert res.exit_code != 0 and "no committed version" in str(res.exception or res.output)
+
+
+def test_trainer_waits_until_its_fleet_serves_the_bound(tmp_path):
+    from sparsesync.errors import ConfigError
+    from trainer.config import TrainerConfig
+    from trainer.train import AsyncGRPOTrainer
+
+    url = str(tmp_path / "run")
+    base = {"model": {"path": "/tmp/model"}, "rollout": {"replicas": ["http://127.0.0.1:1"], "env_url": "http://127.0.0.1:2"}}
+    with pytest.raises(ConfigError, match=r"\[sync\] fleet_max_lag"):
+        TrainerConfig.from_dict({**base, "sync": {"bucket": url, "fleet_min_replicas": 1, "fleet_max_lag": -1}})
+    cfg = TrainerConfig.from_dict({**base, "sync": {"bucket": url, "fleet_min_replicas": 2, "fleet_max_lag": 1,
+                                                    "fleet_timeout_s": 20.0}})
+    trainer = AsyncGRPOTrainer(cfg)
+    g = torch.Generator().manual_seed(6)
+    state = make_state(6)
+    followers = [_follower(url, f"r{i}", poll=0.3) for i in range(2)]
+    with Publisher(url) as pub:
+        pub.publish(state, 0)
+        pub.flush()
+        try:
+            for f in followers:
+                f.start()
+            for v in (1, 2, 3):
+                state = train_step(state, g)
+                trainer.version = pub.publish(state, v)
+                trainer._wait_for_fleet(pub)
+                assert all(f.current_version >= v - 1 for f in followers)  # the bound: at most 1 behind
+            trainer.cfg.sync.fleet_timeout_s = 0.3
+            trainer.version = 10  # nobody serves 9
+            with pytest.raises(FleetTimeoutError, match="r0 at 3"):
+                trainer._wait_for_fleet(pub)
+        finally:
+            for f in followers:
+                f.stop()
