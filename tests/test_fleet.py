@@ -362,3 +362,35 @@ def test_trainer_waits_until_its_fleet_serves_the_bound(tmp_path):
         finally:
             for f in followers:
                 f.stop()
+
+
+def test_an_inference_replica_reports_its_engine_and_place(tmp_path, monkeypatch):
+    pytest.importorskip("transformers", reason="the embedded engine needs transformers")
+    from inference_space.engines.embedded import EmbeddedEngine
+    from inference_space.replica import Replica
+    from inference_space.testing import Trainer
+    from sparsesync.deploy.inference import inference_space_specs
+    from sparsesync.tiny_model import build_tiny_model
+
+    specs = inference_space_specs("me/rep", bucket=str(tmp_path), model="org/model", engine="embedded",
+                                  regions=["us", "eu"], replicas=2, allow_local_bucket=True)
+    assert [s.variables.get("SPARSESYNC_REGION") for s in specs] == ["us", "eu"]
+
+    monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "me--rep-2")
+    monkeypatch.setenv("SPARSESYNC_REGION", "eu")
+    monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
+    tiny = build_tiny_model(tmp_path / "model", seed=0)
+    url = str(tmp_path / "run")
+    replica = Replica(EmbeddedEngine(tiny), url, poll_interval=0.05)
+    with Publisher(url) as pub:
+        pub.publish(Trainer(tiny, seed=1).step(), 1)
+        pub.flush()
+        replica.start()
+        try:
+            assert pub.wait_for_fleet(1, 1, timeout=30) == ["me--rep-2"]
+            code, report = _status(url)
+            (row,) = report["replicas"]
+            assert code == 0 and row["engine"] == "embedded" and row["where"]["region"] == "eu"
+            assert replica.status()["fleet"]["heartbeat"] == "ok"
+        finally:
+            replica.close()
