@@ -163,31 +163,75 @@ def _read_only_view(folder: Path, view: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(view)], check=True)
 
 
+def _follows_without_write_access(reader_url: str, pub: Publisher, state: dict[str, torch.Tensor], first: int) -> None:
+    """`pub` has committed `state` as version `first`; a follower of `reader_url` (no write
+    access) follows two more versions bit-exactly and reports that its heartbeat is read-only."""
+    g = torch.Generator().manual_seed(2)
+    hook = TimedHook()
+    follower = _follower(reader_url, "reader", hook)
+    follower.start()
+    try:
+        for v in (first + 1, first + 2):
+            state = train_step(state, g)
+            pub.publish(state, v)
+            pub.flush()
+            follower.wait_for_version(v, timeout=20)
+            assert_bit_equal(hook.weights, state)
+        _until(lambda: follower.status().fleet["heartbeat"] == "read-only", 10, "the read-only report")
+        st = follower.status()
+        assert st.state == "following" and st.current_version == first + 2 and st.fleet["error"]
+    finally:
+        follower.stop()
+    assert read_fleet(pub.store).replicas == []  # it wrote nothing
+
+
 def test_a_replica_without_write_access_still_follows_and_says_so(tmp_path):
     url = tmp_path / "run"
-    g = torch.Generator().manual_seed(2)
     state = make_state(1)
-    with Publisher(str(url), anchor_every=0) as pub:  # one anchor: no new folder after the first version
+    with Publisher(str(url), anchor_every=0) as pub:  # one anchor: no new folder after the first delta
+        pub.publish(state, 0)
+        state = train_step(state, torch.Generator().manual_seed(9))
         pub.publish(state, 1)
         pub.flush()
         with _read_only_view(url, tmp_path / "ro") as ro:
-            hook = TimedHook()
-            follower = _follower(str(ro), "reader", hook)
-            follower.start()
-            try:
-                for v in (2, 3):
-                    state = train_step(state, g)
-                    pub.publish(state, v)
-                    pub.flush()
-                    follower.wait_for_version(v, timeout=20)
-                    assert_bit_equal(hook.weights, state)
-                _until(lambda: follower.status().fleet["heartbeat"] == "read-only", 10, "the read-only report")
-                st = follower.status()
-                assert st.state == "following" and st.current_version == 3
-                assert "read-only" in st.fleet["heartbeat"] and st.fleet["error"]
-            finally:
-                follower.stop()
-        assert read_fleet(open_store(str(url))).replicas == []  # it wrote nothing
+            _follows_without_write_access(str(ro), pub, state, 1)
+
+
+def test_a_replica_with_read_only_s3_credentials_still_follows(s3_server, monkeypatch):
+    """moto with IAM enforced: the trainer's key may write, the replica's may only get and list."""
+    import boto3
+    import moto.settings
+
+    from tests.conftest import S3_TEST_BUCKET
+
+    iam = boto3.client("iam", endpoint_url=s3_server.direct_url, aws_access_key_id="x", aws_secret_access_key="x",
+                       region_name="us-east-1")
+
+    def user(name: str, actions: list[str]) -> dict[str, str]:
+        name = f"{name}-{time.time_ns()}"
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    writer, reader = user("trainer", ["s3:*"]), user("replica", ["s3:GetObject", "s3:ListBucket"])
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("SPARSESYNC_S3_ENDPOINT", s3_server.endpoint)
+    url = f"s3://{S3_TEST_BUCKET}/read-only-{time.time_ns()}"
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # IAM enforced from here on
+    for k, v in writer.items():
+        monkeypatch.setenv(k, v)
+    state = make_state(1)
+    with Publisher(url) as pub:  # the store's client keeps the credentials it was opened with
+        pub.publish(state, 1)
+        pub.flush()
+        for k, v in reader.items():
+            monkeypatch.setenv(k, v)
+        _follows_without_write_access(url, pub, state, 1)
 
 
 def test_coordinated_replicas_apply_each_version_together(tmp_path):
