@@ -55,7 +55,7 @@ class _TimedHook:
 def _replica(url: str, replica: str, coordinated: bool, poll_s: float, results, stop, env: dict) -> None:  # type: ignore[no-untyped-def]
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, format=f"{replica} %(asctime)s %(name)s: %(message)s")
-    from sparsesync.protocol.fleet import FleetOptions
+    from sparsesync.protocol.fleet_member import FleetOptions
     from sparsesync.protocol.follower import Follower
 
     fleet = FleetOptions(replica_id=replica, interval_s=1.0, engine="bench", coordinated=coordinated,

@@ -20,7 +20,7 @@ from typing import Any
 
 from inference_space.engines import Engine
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.fleet import FleetOptions
+from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
 
 

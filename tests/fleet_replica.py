@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from sparsesync.protocol.fleet import FleetOptions
+from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
 
 

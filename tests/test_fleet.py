@@ -22,14 +22,8 @@ from typer.testing import CliRunner
 
 from sparsesync.cli import app
 from sparsesync.errors import FleetTimeoutError
-from sparsesync.protocol.fleet import (
-    MAX_RECORD_BYTES,
-    FleetOptions,
-    Heartbeat,
-    heartbeat_key,
-    read_fleet,
-    switch_key,
-)
+from sparsesync.protocol.fleet import MAX_RECORD_BYTES, Heartbeat, heartbeat_key, read_fleet, read_switch, switch_key
+from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.store import open_store
@@ -360,8 +354,6 @@ def test_hostile_fleet_records_are_skipped_with_a_reason(tmp_path):
     assert "over the" in reasons[heartbeat_key("big")] and "does not match" in reasons[heartbeat_key("renamed")]
     assert "version" in reasons[heartbeat_key("huge-version")]
     store.put(switch_key(2), b'{"format": "sparsesync-switch/1", "version": 3}')  # wrong version: ignored
-    from sparsesync.protocol.fleet import read_switch
-
     assert read_switch(store, 2) is None
     code, report = _status(url)
     assert code == 0 and report["live"] == 1 and len(report["skipped"]) == len(bad) + 1

@@ -36,7 +36,7 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreError,
 )
-from sparsesync.protocol.fleet import FleetMember, FleetOptions
+from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
 from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.run import Run, State, Step
