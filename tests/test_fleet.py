@@ -75,6 +75,23 @@ def _status(url: str, *args: str) -> tuple[int, dict]:
     return res.exit_code, json.loads(res.stdout)
 
 
+@contextmanager
+def _fleet_at_v1(url: str, followers: list[Follower], state: dict[str, torch.Tensor]) -> Iterator[Publisher]:
+    """A publisher that committed `state` as version 1, with `followers` started and serving it
+    (stopped on the way out)."""
+    with Publisher(url) as pub:
+        pub.publish(state, 1)
+        pub.flush()
+        try:
+            for f in followers:
+                f.start()
+            pub.wait_for_fleet(1, len(followers), timeout=30)
+            yield pub
+        finally:
+            for f in followers:
+                f.stop()
+
+
 @local_and_s3
 def test_status_shows_three_replicas_and_a_killed_one_ages_out(store_url):
     g = torch.Generator().manual_seed(1)
@@ -236,28 +253,19 @@ def test_coordinated_replicas_apply_each_version_together(tmp_path):
     # each polls at its own pace (0.05, 0.3, 0.6 s): alone they would go live up to 0.6 s apart
     followers = [_follower(url, f"r{i}", h, poll=[0.05, 0.3, 0.6][i], coordinated=True, switch_deadline_s=20.0)
                  for i, h in enumerate(hooks)]
-    with Publisher(url) as pub:
-        pub.publish(state, 1)
-        pub.flush()
-        try:
-            for f in followers:
-                f.start()
-            pub.wait_for_fleet(1, 3, timeout=30)
-            for v in range(2, 6):
-                state = train_step(state, g)
-                pub.publish(state, v)
-                pub.flush()
-                pub.wait_for_fleet(v, 3, timeout=30)
-                times = [h.applied_at[v] for h in hooks]
-                # all apply at the switch record's apply_at (not at their own pace)
-                assert max(times) - min(times) < 0.05, times
-                for f, h in zip(followers, hooks, strict=True):
-                    assert f.status().fleet["last_switch"]["how"] == "switch"
-                    assert_bit_equal(h.weights, state)
-            assert open_store(url).exists(switch_key(5))
-        finally:
-            for f in followers:
-                f.stop()
+    with _fleet_at_v1(url, followers, state) as pub:
+        for v in range(2, 6):
+            state = train_step(state, g)
+            pub.publish(state, v)
+            pub.flush()
+            pub.wait_for_fleet(v, 3, timeout=30)
+            times = [h.applied_at[v] for h in hooks]
+            # all apply at the switch record's apply_at (not at their own pace)
+            assert max(times) - min(times) < 0.05, times
+            for f, h in zip(followers, hooks, strict=True):
+                assert f.status().fleet["last_switch"]["how"] == "switch"
+                assert_bit_equal(h.weights, state)
+        assert open_store(url).exists(switch_key(5))
 
 
 def test_a_replica_that_cannot_stage_is_reported_not_waited_for(tmp_path):
@@ -269,32 +277,23 @@ def test_a_replica_that_cannot_stage_is_reported_not_waited_for(tmp_path):
     # alive (heartbeats every 0.1 s) but it only looks for new versions once a minute: it cannot stage in time
     stuck = Follower(url, TimedHook(), poll_interval=60, max_poll_interval=60,
                      fleet=FleetOptions(replica_id="stuck", interval_s=0.1, coordinated=True, switch_deadline_s=1.5))
-    with Publisher(url) as pub:
-        pub.publish(state, 1)
+    with _fleet_at_v1(url, [*followers, stuck], state) as pub:
+        state = train_step(state, g)
+        pub.publish(state, 2)
         pub.flush()
-        try:
-            for f in (*followers, stuck):
-                f.start()
-            pub.wait_for_fleet(1, 3, timeout=30)
-            state = train_step(state, g)
-            pub.publish(state, 2)
-            pub.flush()
-            committed_at = pub.run.newest().created_at
-            ready = pub.wait_for_fleet(2, 2, timeout=20)
-            assert sorted(ready) == ["fast-0", "fast-1"]
-            times = [h.applied_at[2] for h in hooks]
-            assert all(t >= committed_at + 1.5 for t in times)  # they waited for the stuck one...
-            assert max(times) < committed_at + 5  # ...only until the deadline
-            assert max(times) - min(times) < 0.2  # the deadline is one moment for all of them
-            assert [f.status().fleet["last_switch"]["how"] for f in followers] == ["deadline", "deadline"]
-            assert not open_store(url).exists(switch_key(2))
-            code, report = _status(url, "--max-lag", "0")
-            assert code == 3 and any("stuck serves version 1" in p for p in report["problems"])
-            with pytest.raises(FleetTimeoutError, match="stuck at 1"):
-                pub.wait_for_fleet(2, 3, timeout=0.5)
-        finally:
-            for f in (*followers, stuck):
-                f.stop()
+        committed_at = pub.run.newest().created_at
+        ready = pub.wait_for_fleet(2, 2, timeout=20)
+        assert sorted(ready) == ["fast-0", "fast-1"]
+        times = [h.applied_at[2] for h in hooks]
+        assert all(t >= committed_at + 1.5 for t in times)  # they waited for the stuck one...
+        assert max(times) < committed_at + 5  # ...only until the deadline
+        assert max(times) - min(times) < 0.2  # the deadline is one moment for all of them
+        assert [f.status().fleet["last_switch"]["how"] for f in followers] == ["deadline", "deadline"]
+        assert not open_store(url).exists(switch_key(2))
+        code, report = _status(url, "--max-lag", "0")
+        assert code == 3 and any("stuck serves version 1" in p for p in report["problems"])
+        with pytest.raises(FleetTimeoutError, match="stuck at 1"):
+            pub.wait_for_fleet(2, 3, timeout=0.5)
 
 
 def test_trainer_written_switch_record(tmp_path):
@@ -304,25 +303,16 @@ def test_trainer_written_switch_record(tmp_path):
     hooks = [TimedHook() for _ in range(2)]
     followers = [_follower(url, f"r{i}", h, coordinated=True, switch_rule="trainer", switch_deadline_s=30.0)
                  for i, h in enumerate(hooks)]
-    with Publisher(url) as pub:
-        pub.publish(state, 1)
+    with _fleet_at_v1(url, followers, state) as pub:
+        state = train_step(state, g)
+        pub.publish(state, 2)
         pub.flush()
-        try:
-            for f in followers:
-                f.start()
-            pub.wait_for_fleet(1, 2, timeout=30)
-            state = train_step(state, g)
-            pub.publish(state, 2)
-            pub.flush()
-            assert len(pub.wait_for_fleet(2, 2, timeout=20, staged=True)) == 2
-            time.sleep(0.5)
-            assert all(2 not in h.applied_at for h in hooks)  # staged, held: the rule is the trainer's
-            apply_at = pub.switch_fleet(2)
-            pub.wait_for_fleet(2, 2, timeout=20)
-            assert all(apply_at <= h.applied_at[2] < apply_at + 0.2 for h in hooks)
-        finally:
-            for f in followers:
-                f.stop()
+        assert len(pub.wait_for_fleet(2, 2, timeout=20, staged=True)) == 2
+        time.sleep(0.5)
+        assert all(2 not in h.applied_at for h in hooks)  # staged, held: the rule is the trainer's
+        apply_at = pub.switch_fleet(2)
+        pub.wait_for_fleet(2, 2, timeout=20)
+        assert all(apply_at <= h.applied_at[2] < apply_at + 0.2 for h in hooks)
 
 
 def test_hostile_fleet_records_are_skipped_with_a_reason(tmp_path):
