@@ -151,6 +151,23 @@ def test_status_shows_three_replicas_and_a_killed_one_ages_out(store_url):
         pub.close()
 
 
+def test_a_heartbeat_round_trip_on_every_backend(store_url):
+    """One replica on each backend (local, S3, HF bucket): seen live at its version, then stopped."""
+    follower = _follower(store_url, "solo")
+    with Publisher(store_url) as pub:
+        pub.publish(make_state(7), 1)
+        pub.flush()
+        follower.start()
+        try:
+            assert pub.wait_for_fleet(1, 1, timeout=60) == ["solo"]
+            (seen,) = read_fleet(pub.store).replicas
+            assert seen.live and seen.record.state_digest == pub.run.newest().state_digest
+        finally:
+            follower.stop()
+        (seen,) = read_fleet(pub.store).replicas
+        assert not seen.live and seen.record.health == "stopped"
+
+
 @contextmanager
 def _read_only_view(folder: Path, view: Path) -> Iterator[Path]:
     """`folder`, seen through a path this process cannot write: a read-only bind mount when
