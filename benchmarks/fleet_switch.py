@@ -25,10 +25,8 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402 - realistic AdamW deltas
-from protocol_lag import _s3_service  # noqa: E402 - moto's S3 server in its own process
+from protocol_lag import bench_store  # noqa: E402 - a temp folder, or moto's S3 server in its own process
 
 
 class _TimedHook:
@@ -92,8 +90,10 @@ def bench(base: str, shapes, args, coordinated: bool, env: dict) -> dict:  # typ
                 continue
             applied.setdefault(v, {})[name] = t
 
+    t0 = time.time()
     drain(1, 300)
     pub.wait_for_fleet(1, len(names), timeout=60)  # every heartbeat is up before timing starts
+    print(f"  {len(names)} replicas serve version 1 after {time.time() - t0:.1f} s", flush=True)
     published: dict[int, float] = {}
     last = args.versions + 1
     for v in range(2, last + 1):
@@ -146,38 +146,18 @@ def main() -> None:
           f"a version every {args.every} s; {args.versions} versions per mode")
     rows = []
     for kind in args.store.split(","):
-        env: dict[str, str] = {}
-        service, stop = None, None
-        tmp = Path(tempfile.mkdtemp(prefix="sparsesync-fleet-bench-"))
-        if kind == "local":
-            base = f"file://{tmp}"
-        else:
-            import boto3
-
-            ctx = mp.get_context("spawn")
-            ready, stop = ctx.Queue(), ctx.Event()
-            service = ctx.Process(target=_s3_service, args=(None, ready, stop), daemon=True)
-            service.start()
-            env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
-            os.environ.update(env)
-            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
-            base = "s3://bench/runs"
-        for coordinated in [m == "coordinated" for m in args.modes.split(",")]:
-            res = {"store": kind, **bench(base, shapes, args, coordinated, env)}
-            rows.append(res)
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"params": n, "replicas": args.replicas, "poll_s": args.poll,
-                                                       "every_s": args.every, "rows": rows}, indent=1))
-            sp, lg = res["spread_s"], res["lag_s"]
-            print(f"{kind:5} {res['mode']:11}: spread median {sp['median'] * 1e3:7.1f} ms, p90 {sp['p90'] * 1e3:7.1f} ms, "
-                  f"max {sp['max'] * 1e3:7.1f} ms | publish->last apply median {lg['median']:.2f} s "
-                  f"({res['versions_timed']} versions, {res['versions_skipped']} skipped)", flush=True)
-        if service is not None and stop is not None:
-            stop.set()
-            service.join(timeout=30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with bench_store(kind) as (base, env):
+            for coordinated in [m == "coordinated" for m in args.modes.split(",")]:
+                res = {"store": kind, **bench(base, shapes, args, coordinated, env)}
+                rows.append(res)
+                if args.json:  # after every cell: a crash later keeps what was measured
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps({"params": n, "replicas": args.replicas, "poll_s": args.poll,
+                                                           "every_s": args.every, "rows": rows}, indent=1))
+                sp, lg = res["spread_s"], res["lag_s"]
+                print(f"{kind:5} {res['mode']:11}: spread median {sp['median'] * 1e3:7.1f} ms, p90 {sp['p90'] * 1e3:7.1f} ms, "
+                      f"max {sp['max'] * 1e3:7.1f} ms | publish->last apply median {lg['median']:.2f} s "
+                      f"({res['versions_timed']} versions, {res['versions_skipped']} skipped)", flush=True)
 
 
 if __name__ == "__main__":
