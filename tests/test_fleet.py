@@ -162,6 +162,9 @@ def test_a_heartbeat_round_trip_on_every_backend(store_url):
             assert pub.wait_for_fleet(1, 1, timeout=60) == ["solo"]
             (seen,) = read_fleet(pub.store).replicas
             assert seen.live and seen.record.state_digest == pub.run.newest().state_digest
+            writes = follower.status().fleet["writes"]
+            time.sleep(1.0)
+            assert follower.status().fleet["writes"] - writes <= 11  # one per 0.1 s period, no more
         finally:
             follower.stop()
         (seen,) = read_fleet(pub.store).replicas
