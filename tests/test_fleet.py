@@ -440,3 +440,23 @@ def test_an_inference_replica_reports_its_engine_and_place(tmp_path, monkeypatch
             assert replica.status()["fleet"]["heartbeat"] == "ok"
         finally:
             replica.close()
+
+
+def test_status_watch_refreshes_until_ctrl_c_and_exits_with_the_last_verdict(tmp_path):
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        pub.publish(make_state(8), 1)
+        pub.flush()
+    exe = Path(sys.executable).with_name("sparsesync")
+    proc = subprocess.Popen([str(exe), "status", url, "--watch", "--json", "--interval", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        first, second = json.loads(proc.stdout.readline()), json.loads(proc.stdout.readline())
+        assert first["newest_version"] == second["newest_version"] == 1 and second["read_at"] > first["read_at"]
+        assert first["problems"] == ["0 live replica(s), fewer than 1"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 3  # nobody serves the run: the threshold is crossed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
