@@ -98,6 +98,10 @@ class FleetOptions:
         if not REPLICA_ID_RE.match(out.replica_id):
             raise ConfigError(f"replica id {out.replica_id!r}: 1-64 of A-Z a-z 0-9 _ . -",
                               hint="set SPARSESYNC_REPLICA_ID to such a name")
+        where = out.where or {}
+        if len(where) > 8 or any(len(k) > 40 or not isinstance(v, str) or len(v) > MAX_TEXT for k, v in where.items()):
+            raise ConfigError(f"where (fields {sorted(where)[:10]}): at most 8 string fields, names of at most 40 "
+                              f"and values of at most {MAX_TEXT} characters (readers skip larger heartbeats)")
         if not 0.01 <= out.interval_s <= 3600:
             raise ConfigError(f"heartbeat interval {out.interval_s} s: must be in [0.01, 3600]")
         if out.switch_rule not in ("all-staged", "trainer"):
@@ -253,7 +257,7 @@ class FleetMember:
                                 " (read-only: it keeps following, unseen by `sparsesync status`)" if read_only else "")
                 self._state = "read-only" if read_only else "failing"
                 self._error = str(e)[:MAX_TEXT]
-                self._next_retry = time.monotonic() + 60.0  # read-only: try again once a minute
+                self._next_retry = time.monotonic() + 60.0  # read-only: try again once a minute (failing: next period)
             return
         with self._lock:
             self._state, self._error = "ok", None
