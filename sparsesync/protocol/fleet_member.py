@@ -3,7 +3,7 @@
 Guarantees:
 - Writing never holds up following or generation: heartbeats are written from their own thread
   every `interval_s` and at once when the replica stages or applies a version (never two writes
-  within 0.25 s); a failed write is logged and retried next period. Without write access
+  closer than min(0.25 s, interval_s)); a failed write is logged and retried next period. Without write access
   (read-only credentials or folder) the replica keeps following, says "read-only" in its
   status, and tries again once a minute.
 - The gate holds only the newest version a coordinated replica has staged, and never past the
