@@ -137,6 +137,10 @@ def test_status_shows_three_replicas_and_a_killed_one_ages_out(store_url):
         gone = next(r for r in report["replicas"] if r["replica"] == "process-2")
         assert not gone["live"] and gone["health"] == "following"  # aged out, not stopped
         assert _status(store_url, "--min-replicas", "2")[0] == 0
+        shown = CliRunner().invoke(app, ["status", store_url, "--min-replicas", "2"]).stdout
+        assert "process-2" not in shown and "2 live" in shown
+        shown_all = CliRunner().invoke(app, ["status", store_url, "--all", "--min-replicas", "2"]).stdout
+        assert "process-2" in shown_all and "gone (aged out)" in shown_all
 
         for f in followers:  # a clean stop leaves the fleet at once (its last heartbeat says so)
             f.stop()
