@@ -464,3 +464,25 @@ def test_status_watch_refreshes_until_ctrl_c_and_exits_with_the_last_verdict(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_trl_weight_transfer_can_wait_for_its_fleet(tmp_path):
+    from trainer.trl_integration import SparsesyncWeightTransfer
+
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(10)
+    state = make_state(10)
+    followers = [_follower(url, f"r{i}", poll=0.3) for i in range(2)]
+    transfer = SparsesyncWeightTransfer(url, fleet_min_replicas=2, fleet_max_lag=0, fleet_timeout_s=30.0)
+    transfer.init_weight_transfer()
+    try:
+        for f in followers:
+            f.start()
+        for k in (1, 2, 3):  # the k-th update is version k
+            transfer.send_weights(iter(state.items()))
+            assert [f.current_version for f in followers] == [k, k]  # returned only once both serve it
+            state = train_step(state, g)
+    finally:
+        transfer.destroy()
+        for f in followers:
+            f.stop()
