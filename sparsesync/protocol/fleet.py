@@ -66,8 +66,6 @@ def expiry_s(interval_s: float) -> float:
     return 3 * interval_s + EXPIRY_GRACE_S
 
 
-
-
 # ------------------------------------------------------------------------------ records
 @dataclass
 class Heartbeat:
@@ -112,7 +110,7 @@ class Heartbeat:
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)[:5]}")
-        hb = cls(
+        return cls(
             replica=m[1],
             written_at=_num(raw, "written_at"),
             interval_s=min(max(_num(raw, "interval_s"), 0.01), 3600.0),
@@ -134,7 +132,6 @@ class Heartbeat:
             versions_applied=_int(raw, "versions_applied") or 0,
             seq=_int(raw, "seq") or 0,
         )
-        return hb
 
 
 @dataclass
@@ -266,8 +263,8 @@ def wait_for_fleet(
                 for s in view.live if not reached(s.record, version, staged)
             ) or "none"
             raise FleetTimeoutError(
-                f"{len(ready)} of the {min_replicas} replicas needed {'staged' if staged else 'serve'} version "
-                f"{version} of {store.url} after {timeout} s (live: {len(view.live)}; behind: {behind})",
+                f"only {len(ready)} of the {min_replicas} replicas needed {'have staged' if staged else 'serve'} "
+                f"version {version} of {store.url} after {timeout} s (live: {len(view.live)}; behind: {behind})",
                 hint="check the replicas with `sparsesync status URL`; lower min_replicas or raise the timeout",
                 ready=[s.record.replica for s in ready],
             )
