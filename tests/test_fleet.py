@@ -486,3 +486,14 @@ def test_trl_weight_transfer_can_wait_for_its_fleet(tmp_path):
         transfer.destroy()
         for f in followers:
             f.stop()
+
+
+def test_status_passes_over_a_newest_commit_name_that_is_not_a_commit(tmp_path):
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        pub.publish(make_state(11), 1)
+        pub.flush()
+        epoch = pub.epoch
+    open_store(url).put(f"commits/v{2:010d}-e{epoch:06d}.json", b"{not a commit")
+    code, report = _status(url, "--min-replicas", "0")
+    assert code == 0 and report["newest_version"] == 1

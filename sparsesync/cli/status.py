@@ -61,15 +61,9 @@ def status(
 
 def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict[str, Any]:
     """The run's newest committed version, every heartbeat, and the thresholds crossed."""
-    from sparsesync.errors import RunNotFoundError
     from sparsesync.protocol.fleet import read_fleet
-    from sparsesync.protocol.layout import COMMITS, CommitRecord, valid_commits
 
-    keys = valid_commits([o.key for o in store.list(COMMITS)])
-    if not keys:
-        raise RunNotFoundError(f"no committed version under {store.url}",
-                               hint="check the URL, or publish a first version with `sparsesync push`")
-    newest = CommitRecord.from_json(store.get(keys[-1][2]), keys[-1][2])  # only the newest is read
+    newest = _newest_commit(store)
     view = read_fleet(store)
     rows, problems = [], []
     for seen in sorted(view.replicas, key=lambda s: s.record.replica):
@@ -92,6 +86,21 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
         "thresholds": {"min_replicas": min_replicas, "max_lag": max_lag},
         "problems": problems, "ok": not problems,
     }
+
+
+def _newest_commit(store: Any) -> Any:
+    """The newest trusted commit record, reading records from the newest name down (not all of
+    them); names whose object is gone or not a commit record are passed over, as every reader does."""
+    from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
+    from sparsesync.protocol.layout import COMMITS, MAX_COMMIT_BYTES, CommitRecord, valid_commits
+
+    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
+        try:
+            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key)
+        except (ObjectNotFoundError, ProtocolError):
+            continue
+    raise RunNotFoundError(f"no committed version under {store.url}",
+                           hint="check the URL, or publish a first version with `sparsesync push`")
 
 
 def _print(report: dict[str, Any], *, as_json: bool, show_all: bool) -> None:
