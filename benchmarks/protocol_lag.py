@@ -20,6 +20,7 @@ elements change at 1e-6).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,6 +58,34 @@ def _s3_service(link_bps: float | None, ready, stop) -> None:  # type: ignore[no
     ready.put(f"http://{host}:{port}")
     stop.wait()
     server.stop()
+
+
+@contextlib.contextmanager
+def bench_store(kind: str, link_bps: float | None = None) -> Iterator[tuple[str, dict[str, str]]]:
+    """(base URL, env for child processes) of a fresh store: "local" (a temp folder) or S3
+    (moto's server in its own process, paced to `link_bps` when given); removed on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
+    service, stop = None, None
+    try:
+        if kind == "local":
+            yield f"file://{tmp}", {}
+            return
+        import boto3
+
+        ctx = mp.get_context("spawn")
+        ready, stop = ctx.Queue(), ctx.Event()
+        service = ctx.Process(target=_s3_service, args=(link_bps, ready, stop), daemon=True)
+        service.start()
+        env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
+        os.environ.update(env)
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
+        yield "s3://bench/runs", env
+    finally:
+        if service is not None and stop is not None:
+            stop.set()
+            service.join(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- followers (each in its own process) ---------------------------------------------------
@@ -186,38 +216,18 @@ def main() -> None:
           f"master weights; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
     rows = []
     for kind in args.store.split(","):
-        env: dict[str, str] = {}
-        service, stop = None, None
-        tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
-        if kind == "local":
-            base = f"file://{tmp}"
-        else:
-            import boto3
-
-            ctx = mp.get_context("spawn")
-            ready, stop = ctx.Queue(), ctx.Event()
-            service = ctx.Process(target=_s3_service, args=(args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, ready, stop), daemon=True)
-            service.start()
-            env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
-            os.environ.update(env)
-            boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
-            base = "s3://bench/runs"
-        for nf in [int(x) for x in args.followers.split(",")]:
-            res = bench(base, nf, shapes, args.versions, env, args.lr, args.warmup)
-            s, f = res["sparse"], res["full"]
-            rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
-            if args.json:  # after every cell: a crash later keeps what was measured
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
-            print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
-                  f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
-                  f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
-                  f"{f['lag_s'] / s['lag_s']:.1f}x", flush=True)
-        if service is not None and stop is not None:
-            stop.set()
-            service.join(timeout=30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None) as (base, env):
+            for nf in [int(x) for x in args.followers.split(",")]:
+                res = bench(base, nf, shapes, args.versions, env, args.lr, args.warmup)
+                s, f = res["sparse"], res["full"]
+                rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
+                if args.json:  # after every cell: a crash later keeps what was measured
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
+                print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
+                      f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
+                      f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
+                      f"{f['lag_s'] / s['lag_s']:.1f}x", flush=True)
 
 
 if __name__ == "__main__":

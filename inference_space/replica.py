@@ -20,6 +20,7 @@ from typing import Any
 
 from inference_space.engines import Engine
 from sparsesync.errors import ConfigError
+from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
 
 
@@ -46,7 +47,9 @@ class Replica:
         self.engine = engine
         self.bucket = bucket
         self.model_name = served_model_name or engine.model_name
-        self.follower: Follower | None = Follower(bucket, hook=engine, poll_interval=poll_interval) if bucket else None
+        # heartbeats into the run (and coordinated switching when SPARSESYNC_SWITCH=coordinated)
+        fleet = FleetOptions(engine=engine.name)
+        self.follower: Follower | None = Follower(bucket, hook=engine, poll_interval=poll_interval, fleet=fleet) if bucket else None
         self.started_at = time.time()
 
     def start(self) -> None:

@@ -104,6 +104,15 @@ class FencedWriterError(ProtocolError):
     """Another writer with a newer epoch took over the run; this writer must stop."""
 
 
+class FleetTimeoutError(ProtocolError, TimeoutError):
+    """Too few replicas reported a version in time (`Publisher.wait_for_fleet`). `ready` names
+    the replicas that did."""
+
+    def __init__(self, message: str, *, ready: list[str] | None = None, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.ready = list(ready or [])
+
+
 # ---------------------------------------------------------------------------- deploy
 class DeployError(SparsesyncError):
     """Rendering or creating a Space failed. `space_id` names the Space (never a token)."""

@@ -94,6 +94,9 @@ class SyncConfig:
     anchor_fraction: float = 0.5  # publisher: also anchor when deltas since the last anchor pass this x its size
     queue_size: int = 4  # publisher: versions waiting for upload before deltas are coalesced
     flush_timeout_s: float = 120.0  # at the end, wait this long for the last uploads
+    fleet_min_replicas: int = 0  # > 0: after each publish, wait until this many replicas report (heartbeats)...
+    fleet_max_lag: int = 0  # ...serving the newest published version minus at most this many versions
+    fleet_timeout_s: float = 120.0  # a wait longer than this stops the run (FleetTimeoutError names who is behind)
 
 
 @dataclass
@@ -198,6 +201,9 @@ class TrainerConfig:
         _require(s.anchor_fraction > 0, "[sync] anchor_fraction", s.anchor_fraction, "> 0")
         _require(s.queue_size >= 1, "[sync] queue_size", s.queue_size, ">= 1")
         _require(s.flush_timeout_s > 0, "[sync] flush_timeout_s", s.flush_timeout_s, "> 0")
+        _require(s.fleet_min_replicas >= 0, "[sync] fleet_min_replicas", s.fleet_min_replicas, ">= 0 (0: do not wait)")
+        _require(s.fleet_max_lag >= 0, "[sync] fleet_max_lag", s.fleet_max_lag, ">= 0")
+        _require(s.fleet_timeout_s > 0, "[sync] fleet_timeout_s", s.fleet_timeout_s, "> 0")
         _require(lg.log_every >= 1, "[log] log_every", lg.log_every, ">= 1")
 
 

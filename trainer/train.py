@@ -9,6 +9,8 @@ the environment for rewards, and put scored groups into the bounded buffer. The 
 takes one optimizer step on the GRPO loss, and every `publish_every` steps hands a cast copy
 of the weights to `Publisher.publish`, which diffs and encodes on this thread and uploads in
 the background. Replicas follow the bucket on their own; nothing but the bucket carries weights.
+With `[sync] fleet_min_replicas` = n the learner then waits until n replicas report (heartbeats
+in the bucket) serving the newest version minus at most `fleet_max_lag`.
 
 Precision: on CPU the master weights are fp32 by default and the replicas get a bf16 cast
 (`publish_dtype`); on GPU the parameters are bf16 (`master_dtype = "auto"`). The first version
@@ -180,6 +182,7 @@ class AsyncGRPOTrainer:
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
             self.version = self._first_version(publisher, state)
+            self._wait_for_fleet(publisher)
             initial_version = self.version
             workers.initial_version = initial_version
             workers.start()
@@ -203,6 +206,7 @@ class AsyncGRPOTrainer:
                     state = publish_state(model, self.publish_dtype)
                     self.version = publisher.publish(state, self.version + 1)
                 t_publish = time.time() - t2
+                t_fleet = self._wait_for_fleet(publisher)
                 # per-version sync metrics arrive as the uploader commits
                 new_commits = publisher.metrics[n_commits_seen:]
                 n_commits_seen += len(new_commits)
@@ -232,6 +236,7 @@ class AsyncGRPOTrainer:
                     "wait_s": t_wait,
                     "train_s": t_train,
                     "publish_s": t_publish,
+                    "fleet_wait_s": t_fleet,
                     "step_s": now - t0,
                     "full_bytes": full_bytes,
                     **_sync_fields(publisher.metrics),
@@ -281,6 +286,17 @@ class AsyncGRPOTrainer:
                      "(`sparsesync pull`)",
             ) from e
         return publisher.committed_version
+
+    def _wait_for_fleet(self, publisher: Publisher) -> float:
+        """With `[sync] fleet_min_replicas` = n: block until n replicas report (in their bucket
+        heartbeats) serving at least the newest published version minus `fleet_max_lag`, so
+        from here on they generate with weights at most that many versions old. Seconds waited."""
+        s = self.cfg.sync
+        if not s.fleet_min_replicas:
+            return 0.0
+        t0 = time.time()
+        publisher.wait_for_fleet(max(self.version - s.fleet_max_lag, 0), s.fleet_min_replicas, s.fleet_timeout_s)
+        return time.time() - t0
 
     def _take(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int) -> list[Group]:
         """`n` groups from the buffer, checking on the workers while waiting."""

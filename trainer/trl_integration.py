@@ -23,7 +23,9 @@ Guarantees: each published version is exactly the `dtype` cast of the tensors ha
 for the copy and unmerged after), so a follower reconstructs it bit for bit; `pause` and
 `resume` never block on replicas (with sparsesync a replica pauses only for its own local
 apply); publication never waits for the network except in `destroy` / `on_train_end`, which
-flush the last versions (`flush_timeout_s`). Only the main process publishes.
+flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
+`SparsesyncWeightTransfer`, in `send_weights`, which then returns once n replicas report (bucket
+heartbeats) serving version k - `fleet_max_lag`. Only the main process publishes.
 
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
 `send_weights`; the callback reads `model.state_dict()` on the main process and therefore
@@ -159,13 +161,21 @@ class SparsesyncWeightTransfer(_PublishedViews):
         bucket: run URL (local folder, `s3://bucket/prefix`, `hf://buckets/ns/name/prefix`).
         dtype: what the replicas receive (bf16 by default, whatever the trainer trains in).
         flush_timeout_s: how long `destroy` waits for the last uploads.
+        fleet_min_replicas: > 0: `send_weights` of version k returns once this many replicas
+            report serving k - `fleet_max_lag` or newer (`Publisher.wait_for_fleet`; a bound on
+            the staleness of the rollouts that follow); waiting past `fleet_timeout_s` raises.
         **publisher_options: `PublisherConfig` fields (`anchor_every`, `queue_size`, ...).
     """
 
     def __init__(self, bucket: str, *, dtype: torch.dtype = torch.bfloat16, flush_timeout_s: float = 300.0,
+                 fleet_min_replicas: int = 0, fleet_max_lag: int = 0, fleet_timeout_s: float = 120.0,
                  **publisher_options: Any) -> None:
+        if fleet_min_replicas < 0 or fleet_max_lag < 0 or fleet_timeout_s <= 0:
+            raise ConfigError(f"fleet_min_replicas={fleet_min_replicas}, fleet_max_lag={fleet_max_lag}, "
+                              f"fleet_timeout_s={fleet_timeout_s}: expected >= 0, >= 0 and > 0")
         # version k = the k-th update, matching the `model_version` TRL tags rollouts with
         self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options, first_version=1)
+        self._fleet = (fleet_min_replicas, fleet_max_lag, fleet_timeout_s)
         self.pauses = 0
         self.resumes = 0
 
@@ -181,7 +191,10 @@ class SparsesyncWeightTransfer(_PublishedViews):
         """Publish the streamed `(name, tensor)` pairs as the next version (diff+encode here,
         upload in the background). The k-th call publishes version k on a fresh run, the number
         TRL's trainer tags the rollouts of that policy with (`model_version`)."""
-        self._v.publish(inference_state(iterator, self._v.dtype))
+        version = self._v.publish(inference_state(iterator, self._v.dtype))
+        min_replicas, max_lag, timeout = self._fleet
+        if min_replicas and self._v.publisher is not None:
+            self._v.publisher.wait_for_fleet(max(version - max_lag, 0), min_replicas, timeout)
 
     def resume(self) -> None:
         """Nothing to resume (see `pause`)."""

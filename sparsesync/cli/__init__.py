@@ -11,6 +11,7 @@ import typer
 
 from sparsesync.cli import demo, deploy, run_info, weights
 from sparsesync.cli._errors import run_guarded
+from sparsesync.cli.status import status
 
 app = typer.Typer(
     help="Ship RL weight updates as sparse, digest-checked safetensors patches through a bucket.",
@@ -25,6 +26,7 @@ app.command()(run_info.inspect)
 app.command()(run_info.verify)
 app.command()(run_info.gc)
 app.command()(demo.demo)
+app.command()(status)
 app.add_typer(deploy.app, name="deploy")
 
 

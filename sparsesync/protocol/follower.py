@@ -14,6 +14,9 @@ Guarantees:
   replica: the follower refetches, then falls back to the newest anchor that reaches the
   newest version, and meanwhile keeps the last good version with state "degraded".
 
+With `fleet=FleetOptions(...)` the follower also writes a heartbeat into the run and may switch
+versions together with the other replicas (`sparsesync.protocol.fleet`).
+
 New versions are found by polling the commit listing with backoff (cheap: one listing of
 `commits/`); stores that can push change notifications (`Store.wait_for_change`) wake it early.
 """
@@ -37,6 +40,7 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreError,
 )
+from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
 from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.run import Run, State, Step
@@ -68,6 +72,7 @@ class Follower:
         *,
         poll_interval: float = 1.0,
         max_poll_interval: float = 15.0,
+        fleet: FleetOptions | None = None,
     ) -> None:
         self.store = open_store(url) if isinstance(url, str) else url
         self._owns_store = isinstance(url, str)
@@ -89,6 +94,9 @@ class Follower:
             last_error=None, last_fetch_s=None, last_apply_s=None, last_apply_at=None,
             versions_applied=0, anchor_loads=0,
         )
+        # heartbeat + switch gate (None: this follower is not part of the fleet view)
+        self.fleet = FleetMember(self.store, fleet.resolved(poll_interval), lambda: self.status().to_dict(),
+                                 self._stop) if fleet is not None else None
 
     # -- public API -------------------------------------------------------------------
     @property
@@ -97,7 +105,10 @@ class Follower:
 
     def status(self) -> FollowerStatus:
         with self._changed:
-            return FollowerStatus(**self._status.to_dict())
+            st = FollowerStatus(**self._status.to_dict())
+        if self.fleet is not None:
+            st.fleet = self.fleet.describe()
+        return st
 
     def sync_once(self) -> int | None:
         """Bring the replica to the newest committed version; returns the version served.
@@ -150,6 +161,8 @@ class Follower:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="sparsesync-follow", daemon=True)
         self._thread.start()
+        if self.fleet is not None:
+            self.fleet.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -158,6 +171,8 @@ class Follower:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.fleet is not None:
+            self.fleet.stop()  # its last heartbeat says "stopped"
         if self._owns_store:
             self.store.close()  # e.g. ends the HF bucket events feed
         self._set(state="stopped")
@@ -200,6 +215,7 @@ class Follower:
                     e._sparsesync_key = rec.anchor[0].key  # type: ignore[attr-defined]
                     raise
                 fetch_s = time.perf_counter() - t0
+                self._gate(rec, last=step is steps[-1])
                 t1 = time.perf_counter()
                 self._call_hook(lambda: self.hook.load_full(rec.version, state), rec, state)
                 self.mirror, self.digests, self._mirror_version = state, digests, rec.version
@@ -209,9 +225,15 @@ class Follower:
                 self._mirror_version = rec.version
                 fetch_s = time.perf_counter() - t0
                 full = {name: self.mirror[name] for name in updates}
+                self._gate(rec, last=step is steps[-1])
                 t1 = time.perf_counter()
                 self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
+
+    def _gate(self, rec: CommitRecord, *, last: bool) -> None:
+        """Coordinated switching: hold the newest staged version until the fleet switches to it."""
+        if self.fleet is not None and last:
+            self.fleet.gate(rec.version, rec.created_at, self.current_version)
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
@@ -255,6 +277,8 @@ class Follower:
             anchor_loads=st.anchor_loads + int(anchor),
             lag=self._lag(st.newest_version),
         )
+        if self.fleet is not None:
+            self.fleet.applied(rec.version, rec.state_digest)
 
     def _lag(self, newest: int | None) -> int | None:
         cur = self._status.current_version

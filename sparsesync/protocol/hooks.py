@@ -51,6 +51,7 @@ class FollowerStatus:
     last_apply_at: float | None  # unix time of the last successful apply
     versions_applied: int
     anchor_loads: int
+    fleet: dict[str, Any] | None = None  # heartbeat and switching (FleetMember.describe()); None: not in the fleet
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

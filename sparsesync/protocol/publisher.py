@@ -257,6 +257,22 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def wait_for_fleet(self, version: int, min_replicas: int, timeout: float, *, staged: bool = False) -> list[str]:
+        """Block until `min_replicas` live replicas report serving `version` or newer (with
+        `staged`: have staged it); returns their ids. FleetTimeoutError names who is behind.
+        Replicas report through their heartbeats (`sparsesync.protocol.fleet`)."""
+        from sparsesync.protocol.fleet import wait_for_fleet
+
+        return [s.record.replica for s in wait_for_fleet(self.store, version, min_replicas, timeout, staged=staged)]
+
+    def switch_fleet(self, version: int, apply_in_s: float | None = None) -> float:
+        """Tell coordinated replicas to apply `version` together: writes its switch record (once)
+        and returns its apply_at (unix time). Default lead: the slowest live replica's poll."""
+        from sparsesync.protocol.fleet import read_fleet, switch_lead_s, write_switch
+
+        lead = switch_lead_s(read_fleet(self.store)) if apply_in_s is None else apply_in_s
+        return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead).apply_at
+
     @property
     def pending(self) -> int:
         """Versions published but not yet committed."""

@@ -1,0 +1,142 @@
+"""`sparsesync status URL`: the newest committed version and what every replica serves, read
+from the bucket alone (the replicas' heartbeats, `sparsesync.protocol.fleet`).
+
+Exit status: 0 when the fleet is healthy; 3 when a threshold is crossed: fewer than
+`--min-replicas` live replicas, a live replica more than `--max-lag` versions behind the newest
+committed version, or a live replica "degraded"; 1 on an error (no run, store unreachable).
+With `--watch` the table refreshes until Ctrl-C, and the exit status is that of the last look.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+console = Console(highlight=False)
+EXIT_UNHEALTHY = 3
+
+
+def status(
+    url: Annotated[str, typer.Argument(help="Run URL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every --interval seconds until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
+    min_replicas: Annotated[int, typer.Option(help="Exit 3 when fewer live replicas report.")] = 1,
+    max_lag: Annotated[int, typer.Option(help="Exit 3 when a live replica is more versions behind the newest.")] = 2,
+    show_all: Annotated[bool, typer.Option("--all", help="Also list replicas that stopped or aged out.")] = False,
+) -> None:
+    """Show the run's newest version and every replica's version, lag, age and health."""
+    from sparsesync.store import open_store
+
+    store = open_store(url)
+    if not watch:
+        report = fleet_report(store, min_replicas=min_replicas, max_lag=max_lag)
+        _print(report, as_json=as_json, show_all=show_all)
+        if not report["ok"]:
+            raise typer.Exit(EXIT_UNHEALTHY)
+        return
+    from rich.live import Live
+
+    last: dict[str, Any] = {"ok": True}
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                last = fleet_report(store, min_replicas=min_replicas, max_lag=max_lag)
+                if as_json:
+                    print(json.dumps(last), flush=True)
+                else:
+                    live.update(_table(last, show_all=show_all), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    if not last["ok"]:
+        raise typer.Exit(EXIT_UNHEALTHY)
+
+
+def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict[str, Any]:
+    """The run's newest committed version, every heartbeat, and the thresholds crossed."""
+    from sparsesync.protocol.fleet import read_fleet
+
+    newest = _newest_commit(store)
+    view = read_fleet(store)
+    rows, problems = [], []
+    for seen in sorted(view.replicas, key=lambda s: s.record.replica):
+        r = seen.record
+        behind = None if r.version is None else max(newest.version - r.version, 0)
+        rows.append({**seen.to_dict(), "behind": behind})
+        if not seen.live:
+            continue
+        if r.version is None or (behind is not None and behind > max_lag):
+            problems.append(f"{r.replica} serves version {r.version}, newest is {newest.version} (max lag {max_lag})")
+        if r.health == "degraded":
+            problems.append(f"{r.replica} is degraded: {r.last_error}")
+    n_live = sum(1 for s in view.replicas if s.live)
+    if n_live < min_replicas:
+        problems.insert(0, f"{n_live} live replica(s), fewer than {min_replicas}")
+    return {
+        "url": store.url, "newest_version": newest.version, "newest_committed_at": newest.created_at,
+        "read_at": view.read_at, "live": n_live, "replicas": rows,
+        "skipped": [{"key": k, "reason": why} for k, why in view.skipped],
+        "thresholds": {"min_replicas": min_replicas, "max_lag": max_lag},
+        "problems": problems, "ok": not problems,
+    }
+
+
+def _newest_commit(store: Any) -> Any:
+    """The newest trusted commit record, reading records from the newest name down (not all of
+    them); names whose object is gone or not a commit record are passed over, as every reader does."""
+    from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
+    from sparsesync.protocol.layout import COMMITS, MAX_COMMIT_BYTES, CommitRecord, valid_commits
+
+    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
+        try:
+            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key)
+        except (ObjectNotFoundError, ProtocolError):
+            continue
+    raise RunNotFoundError(f"no committed version under {store.url}",
+                           hint="check the URL, or publish a first version with `sparsesync push`")
+
+
+def _print(report: dict[str, Any], *, as_json: bool, show_all: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+    else:
+        console.print(_table(report, show_all=show_all))
+
+
+def _table(report: dict[str, Any], *, show_all: bool) -> Table:
+    ago = report["read_at"] - report["newest_committed_at"]
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+              title=f"{report['url']}: newest version {report['newest_version']} (committed {ago:.0f} s ago), "
+                    f"{report['live']} live replica(s)", title_justify="left")
+    for col in ("replica", "version", "behind", "age", "health", "staged", "engine", "where", "pause"):
+        t.add_column(col, justify="right" if col in ("version", "behind", "age", "staged", "pause") else "left",
+                     no_wrap=col != "where")
+    for r in report["replicas"]:
+        if not r["live"] and not show_all:
+            continue
+        health = r["health"] if r["live"] else ("stopped" if r["health"] == "stopped" else "gone (aged out)")
+        style = "" if r["live"] and r["health"] == "following" else ("red" if r["live"] else "dim")
+        where = " ".join(v for k, v in sorted(r["where"].items()) if k != "host") or r["where"].get("host", "")
+        t.add_row(
+            r["replica"], _str(r["version"]), _str(r["behind"]), f"{r['age_s']:.1f}s", health,
+            _str(r["staged_version"]), r["engine"], where,
+            "" if r["last_apply_s"] is None else f"{r['last_apply_s'] * 1000:.0f}ms", style=style,
+        )
+    caption = [f"[red]{p}[/]" for p in report["problems"]]
+    if report["skipped"]:
+        caption.append(f"{len(report['skipped'])} record(s) skipped: "
+                       + "; ".join(f"{s['key']}: {s['reason']}" for s in report["skipped"][:3]))
+    t.caption = "\n".join(caption) or None
+    t.caption_justify = "left"
+    return t
+
+
+def _str(v: object) -> str:
+    return "" if v is None else str(v)
