@@ -175,3 +175,38 @@ def test_hf_events_feed_wakes_followers_polling_is_the_fallback(hub_server, monk
         assert not polling.store.events_active  # the feed is gone (501): polling found it
     finally:
         polling.stop()
+
+
+def test_hf_events_feed_ignores_heartbeats(hub_server, monkeypatch):
+    """Replicas rewrite `fleet/<id>.json` every few seconds: on the events feed those writes must
+    not wake followers (each wake costs a listing of `commits/`), while a new object elsewhere
+    under the run still does."""
+    import threading
+
+    from tests.conftest import HF_TEST_BUCKET, HF_TEST_TOKEN
+
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.endpoint)
+    monkeypatch.setenv("HF_TOKEN", HF_TEST_TOKEN)
+    url = f"hf://buckets/{HF_TEST_BUCKET}/feed-{time.time_ns()}"
+    writer, watcher, stop = open_store(url), open_store(url), threading.Event()
+    hub_server.events_enabled = True
+    try:
+        writer.put("commits/.keep", b"")
+        watcher.wait_for_change(0.01, stop)  # starts the feed
+        deadline = time.monotonic() + 15
+        while not watcher.events_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.events_active
+        watcher.wait_for_change(1.0, stop)  # drain the wake-up of the feed's first reconcile
+        writer.put("fleet/replica-a.json", b"{}")
+        t0 = time.monotonic()
+        watcher.wait_for_change(2.0, stop)
+        assert time.monotonic() - t0 >= 1.9, "a heartbeat woke the follower"
+        writer.put("switches/v0000000001.json", b"{}")
+        t0 = time.monotonic()
+        watcher.wait_for_change(20.0, stop)
+        assert time.monotonic() - t0 < 15, "a switch record did not wake the follower"
+    finally:
+        hub_server.events_enabled = False
+        watcher.close()
+        writer.close()

@@ -353,7 +353,8 @@ class HfBucketStore(Store):
             root = f"{self.prefix}/" if self.prefix else ""
 
             def on_changes(changes: list[Any]) -> None:
-                if any(c.path.startswith(root) for c in changes):
+                # replicas' heartbeats (`fleet/`, rewritten every few seconds) never need a follower to look
+                if any(c.path.startswith(root) and not c.path.startswith(root + "fleet/") for c in changes):
                     self._changed.set()
 
             self._feed = BucketFollower(
