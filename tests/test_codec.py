@@ -342,6 +342,29 @@ def test_format_1_patches_still_apply():
         apply_patch(read_patch(bytes(bad)), _clone(base))
 
 
+def test_format_2_patches_still_apply():
+    """A patch written by format 2's encoder (tests/data/format_v2, written before format 3; its
+    recipe is make_fixture.py there) applies bit-exactly: classed gaps, rANS deltas, bitmap, dense."""
+    from safetensors.torch import load_file
+
+    d = Path(__file__).parent / "data" / "format_v2"
+    base, target = load_file(d / "base.safetensors"), load_file(d / "target.safetensors")
+    data = (d / "patch.safetensors").read_bytes()
+    assert xxhash.xxh3_64_hexdigest(data) == "89a90bda3f91c5a4"
+    patch = read_patch(data)
+    assert patch.header.format_version == 2
+    assert {(e.positions, e.values) for e in patch.header.tensors.values()} == {("gaps", "delta"), ("dense", "delta"), ("bitmap", "delta"), ("bitmap", "raw")}
+    assert any(e.position_params.get("thresholds") for e in patch.header.tensors.values())
+    work = _clone(base)
+    apply_patch(patch, work)
+    assert_bit_equal(work, target)
+    s, e = _span(patch.data, "w::delta")  # a flipped byte in a format 2 stream is still caught
+    bad = bytearray(patch.data)
+    bad[s + 40] ^= 0x10
+    with pytest.raises(SparsesyncError):
+        apply_patch(read_patch(bytes(bad)), _clone(base))
+
+
 # ---------------------------------------------------------------------------- anchors
 @pytest.mark.parametrize("max_shard", [1 << 30, 3000])
 def test_anchor_roundtrip(tmp_path, max_shard):
