@@ -61,6 +61,9 @@ def quantize(counts: list[int]) -> list[int]:
 
 # ---------------------------------------------------------------------------- writing
 def _varint(out: bytearray, v: int) -> None:
+    if v < 0x80:  # most fields
+        out.append(v)
+        return
     while v >= 0x80:
         out.append((v & 0x7F) | 0x80)
         v >>= 7
@@ -125,7 +128,7 @@ def build_table(rows: list[Row]) -> bytes:
         out += bytes.fromhex(r.base_digest)[::-1]
     for r in rows:
         out += bytes.fromhex(r.target_digest)[::-1]
-    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(bytes(out))
+    return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(bytes(out))
 
 
 def _unit(role: str, dtype: str) -> int:
