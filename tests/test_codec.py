@@ -456,6 +456,23 @@ def test_parse_header_from_range_reads(monkeypatch):
     assert calls == [(0, 16), (16, 8 + n - 16), (8 + n, span - 8 - n)]
 
 
+def test_a_part_of_a_version_is_read_by_range():
+    """From the header and table alone (one range request), each tensor's streams are one byte
+    range, and a run of consecutive tensors too: what a follower holding part of a model fetches."""
+    base, target = _case()
+    base["b"], target["b"] = make_pair(13, torch.float32, (30, 30), 0.3)
+    data = _encode(base, target)
+    header = fetch_header(lambda start, length: data[start : start + length])
+    patch = read_patch(data)
+    ranges = header.byte_ranges()
+    assert list(ranges) == ["a", "b", "x"] and ranges["a"][1] == ranges["b"][0] and ranges["x"][1] == len(data)
+    for name, (s, e) in ranges.items():
+        assert data[s:e] == b"".join(patch.stream(name, role) for role in _table.ROLE_ORDER if role in patch.header.tensors[name].streams)
+    assert header.byte_ranges(["b"]) == {"b": ranges["b"]}
+    with pytest.raises(ValueError, match="format 2"):
+        read_patch((Path(__file__).parent / "data" / "format_v2" / "patch.safetensors").read_bytes()).header.byte_ranges()
+
+
 # ---------------------------------------------------------------------------- rejections
 # Every test below forges a real safetensors patch (by editing bytes or the header), hands it
 # to `read_patch` + `apply_patch`, and checks two things: the error names the tensor, the bad

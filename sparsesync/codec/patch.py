@@ -75,6 +75,19 @@ class PatchHeader:
     base_state_digest: str
     target_state_digest: str
     tensors: dict[str, TensorEntry]
+    streams_start: int = 0  # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
+
+    def byte_ranges(self, names: list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Format 3: the file's [start, end) holding all streams of each tensor of `names`
+        (default: every touched tensor), from the header alone: a part of a version is read by
+        range. Formats 1 and 2 place streams by size, not by tensor: ValueError."""
+        if self.format_version < 3:
+            raise ValueError(f"patch format {self.format_version} does not place each tensor's streams together; read the whole file")
+        out, off = {}, self.streams_start
+        for name, e in self.tensors.items():
+            out[name] = (off, off + e.nbytes)
+            off += e.nbytes
+        return out if names is None else {n: out[n] for n in names}
 
 
 @dataclass(frozen=True)
@@ -315,8 +328,10 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
     for key in ("base_state_digest", "target_state_digest"):
         if not _DIGEST_RE.match(meta[key]):
             raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
+    start = 0
     if version == 3:
         tensors, streams = _table_entries(table, buf)
+        start = table[STREAMS_KEY].start
     else:
         try:
             raw = json.loads(meta["tensors"])
@@ -329,7 +344,7 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
         extra = sorted(set(table) - used)
         if extra:
             raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
-    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors), streams
+    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start), streams
 
 
 def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, TensorEntry], dict[str, Stream]]:
