@@ -3,10 +3,12 @@ plain TRL-style extraction (torch nonzero + gather + safetensors save) in the sa
 
     nice .venv/bin/python benchmarks/codec_bench.py                 # 0.6B params (~8 GB RAM, ~3-5 min on 2 cores)
     nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
+    nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   # speed sweep
 
 Writes benchmarks/results/codec_bench.json (override with --json) and prints a table.
 
-Reports, per training mode (fp32 master weights / pure bf16) and learning rate: density, bytes
+Reports, per training mode (fp32 master weights / pure bf16) and learning rate (--lrs, plus one
+per target density of --densities, found by bisection on a small model of the same shape): density, bytes
 per changed element for TRL's prototype encodings (int32 index + bf16 = 6 B; uint16 gap + bf16
 = 4 B), the position entropy bound (per tensor; and conditioned on the base's exponent), ours;
 diff+encode and decode+apply throughput in GB of model weights per second.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -90,14 +93,30 @@ def trl_apply(data: bytes, tensors: dict[str, torch.Tensor]) -> None:
             tensors[name].view(-1)[idx.long()] = d[name + ".values"]
 
 
-def run(params: float, lrs: list[float], modes: list[str], seed: int, reps: int = 3) -> list[dict]:
+def lr_for_density(mode: str, density: float, seed: int) -> float:
+    """The learning rate at which one `step` changes about `density` of the elements of a
+    5M-parameter model of the same shape and weight distribution (bisection in log lr)."""
+    small = make_weights(qwen_like_shapes(5e6), seed)
+    n = sum(t.numel() for t in small.values())
+    lo, hi = math.log(1e-10), math.log(1e-2)
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        stepped = step(small, math.exp(mid), master=(mode == "master"), seed=seed + 1)
+        got = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(small.values(), stepped.values())) / n
+        lo, hi = (mid, hi) if got < density else (lo, mid)
+    if hi < math.log(1e-9):  # with master weights a step changes some elements at any lr (ties of the residual at a power of two)
+        print(f"density {density} is below what mode {mode} reaches at any learning rate: its cell runs at the floor", flush=True)
+    return float(f"{math.exp((lo + hi) / 2):.3g}")
+
+
+def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int = 3) -> list[dict]:
     shapes = qwen_like_shapes(params)
     base = make_weights(shapes, seed)
     n_params = sum(t.numel() for t in base.values())
     model_gb = sum(t.numel() * t.element_size() for t in base.values()) / 1e9
     print(f"model: {n_params / 1e6:.1f}M params, {model_gb:.2f} GB bf16, {len(base)} tensors, torch threads {torch.get_num_threads()}", flush=True)
     rows = []
-    for mode in modes:
+    for mode, lrs in lrs_by_mode.items():
         for lr in lrs:
             target = step(base, lr, master=(mode == "master"), seed=seed + 1)
             gc.collect()
@@ -205,12 +224,18 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=0.6e9, help="model size in parameters (default 0.6e9)")
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
     ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
+    ap.add_argument("--densities", default="", help="comma-separated target densities (e.g. 0.001,0.01,0.1): one learning rate each, per mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is reported; medians in the JSON)")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codec_bench.json", help="write the rows here")
     a = ap.parse_args()
     t_start = time.perf_counter()
-    rows = run(a.params, [float(x) for x in a.lrs.split(",")], a.modes.split(","), a.seed, a.reps)
+    lrs_by_mode = {
+        mode: [float(x) for x in a.lrs.split(",") if x] + [lr_for_density(mode, float(d), a.seed) for d in a.densities.split(",") if d]
+        for mode in a.modes.split(",")
+    }
+    print(f"learning rates: {lrs_by_mode}", flush=True)
+    rows = run(a.params, lrs_by_mode, a.seed, a.reps)
     print("\nbytes per changed element (B): TRL6 = int32 index + bf16, TRL4 = uint16 gap + bf16, H(pos) = position entropy per tensor,")
     print("H|exp = same conditioned on the base's exponent, ours = whole patch file (pos + val + header); throughput in GB of bf16 weights/s")
     hdr = f"{'mode':7} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} {'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} {'TRL apply s':>11}"
@@ -224,10 +249,10 @@ def main() -> None:
     env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
-    print(f"{'mode':7} {'lr':>7} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
+    print(f"{'mode':7} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
     for r in rows:
         print(
-            f"{r['mode']:7} {r['lr']:7.0e} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
+            f"{r['mode']:7} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
             f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
         )
     print(f"wrote {a.json}")

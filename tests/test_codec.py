@@ -32,10 +32,11 @@ from sparsesync.codec import (
     verify_digests,
     write_anchor,
 )
-from sparsesync.codec import _container
+from sparsesync.codec import _container, _table
 from sparsesync.codec import _encodings as E
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
-from sparsesync.codec.patch import EncodedTensor, assemble_patch
+from sparsesync.codec import patch as patch_module
+from sparsesync.codec.patch import HEADER_PREFIX, EncodedTensor, assemble_patch, fetch_header, header_span
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, SparsesyncError
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] + [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
@@ -253,15 +254,32 @@ def test_perfectly_predictable_changes_roundtrip(n):
         assert read_patch(data).nbytes < 1000
 
 
-def test_interop_raw_streams_are_plain_int32_and_dtype():
+def test_patch_is_a_plain_safetensors_file():
+    """safetensors' own loader opens a patch: two U8 tensors, the table, then every stream."""
     b, t = make_pair(1, torch.bfloat16, (16, 16), 0.02)
     data = roundtrip({"m.w": b}, {"m.w": t}, with_base=False)
     loaded = st_load(data)
-    e = read_patch(data).header.tensors["m.w"]
-    if e.positions == "raw_i32":
-        assert loaded["m.w::indices"].dtype == torch.int32
-    if e.values == "raw":
-        assert loaded["m.w::values"].dtype == torch.bfloat16
+    assert sorted(loaded) == ["streams", "table"] and {v.dtype for v in loaded.values()} == {torch.uint8}
+    n = header_length(data[:8])
+    assert loaded["table"].numpy().tobytes() + loaded["streams"].numpy().tobytes() == data[8 + n :]
+
+
+def test_fixed_cost_per_touched_tensor_is_at_most_24_bytes():
+    """400 touched tensors of one changed element each: the JSON header stays the same size as
+    for one tensor, and the table (names, digests, dtypes, shapes, encodings, sizes) costs at
+    most 24 B per tensor (docs/format.md, "The table")."""
+    sizes = {}
+    for k in (1, 400):
+        base = {f"model.layers.{i}.mlp.w{j}": make_pair(i * 7 + j, torch.bfloat16, (32, 64), 0.0)[0] for i in range(k // 4 or 1) for j in range(4 if k > 1 else 1)}
+        target = _clone(base)
+        for name, x in target.items():
+            bits(x).reshape(-1)[hash(name) % x.numel()] += 1
+        data = _encode(base, target)
+        meta, table = _container.parse_container(memoryview(data))
+        sizes[k] = (header_length(data[:8]), table["table"].nbytes)
+        assert len(read_patch(data).header.tensors) == k
+    assert sizes[400][0] <= sizes[1][0] + 8  # a digit or two of the two sizes, within the padding
+    assert sizes[400][1] <= 24 * 400, sizes
 
 
 # ---------------------------------------------------------------------------- golden bytes
@@ -275,33 +293,45 @@ def _golden_patch() -> bytes:
 
 
 def test_golden_bytes_pin_the_format():
+    """The worked example of docs/format.md, byte for byte."""
     data = _golden_patch()
     n = header_length(data[:8])
-    header = json.loads(data[8 : 8 + n])
-    meta = header.pop("__metadata__")
-    assert meta["format"] == "sparsesync.patch" and meta["format_version"] == "2"
-    assert (meta["base_version"], meta["target_version"]) == ("7", "8")
-    entry = json.loads(meta["tensors"])["w"]
-    assert (entry["positions"], entry["values"], entry["n_changed"]) == ("bitmap", "raw", 3)
-    assert header["w::values"] == {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}
-    # bf16 -2.0+1ulp, 3.0-1ulp, -0.0+1ulp little-endian, then the zstd-framed bitmap 0b00110010
-    assert data[8 + n :] == bytes.fromhex("01c03f400180" "28b52ffd200109000032")
+    assert data[8 : 8 + n] == GOLDEN_HEADER.encode() + b" " * 6
+    meta, table = _container.parse_container(memoryview(data))
+    t, s = table["table"], table["streams"]
+    assert (t.start, t.end, s.end) == (8 + n, 8 + n + 35, len(data))
+    # count 1; name "w" (shared 0, 1 byte); dtype 6 = BF16; shape [8]; positions bitmap (2) | values raw (0 << 4);
+    # n_changed 3; bitmap 10 B; base digest 435a492afd86f993, target digest ea4fa02af92e67dc (u64 little-endian)
+    assert _table.inflate(data[t.start : t.end]) == bytes.fromhex("01" "000177" "06" "0108" "02" "03" "0a" "93f986fd2a495a43" "dc672ef92aa04fea")
+    assert data[t.start : t.start + 4] == bytes.fromhex("28b52ffd")  # the table is one zstd frame
+    # the zstd-framed bitmap 0b00110010 (elements 1, 4, 5), then bf16 -2.0+1ulp, 3.0-1ulp, -0.0+1ulp little-endian
+    assert data[s.start :] == bytes.fromhex("28b52ffd200109000032" "01c03f400180")
     assert (len(data), xxhash.xxh3_64_hexdigest(data)) == GOLDEN
 
 
-def test_golden_bytes_raw_interop_form():
+GOLDEN_HEADER = (
+    '{"__metadata__":{"format":"sparsesync.patch","format_version":"3","base_version":"7","target_version":"8",'
+    '"base_state_digest":"323480d7f4240df9","target_state_digest":"c268f5f00aa0fd73"},'
+    '"table":{"dtype":"U8","shape":[35],"data_offsets":[0,35]},"streams":{"dtype":"U8","shape":[16],"data_offsets":[35,51]}}'
+)
+
+
+def test_golden_bytes_raw_form():
     base = torch.tensor([1.0, -2.0, 0.5, 0.0], dtype=torch.bfloat16)
     tgt = base.clone()
     bits(tgt)[[1, 3]] += 1
     ch = diff_state({"w": base}, {"w": tgt})["w"]
     data = _forced(ch, base, "raw_i32", "raw", [])
-    n = header_length(data[:8])
-    assert data[8 + n :] == bytes.fromhex("01000000" "03000000" "01c0" "0100")
+    meta, table = _container.parse_container(memoryview(data))
+    t, s = table["table"], table["streams"]
+    # positions raw_i32 (0) | values raw: n_changed 2, no explicit sizes (8 B of indices, 4 B of values follow from it)
+    assert _table.inflate(data[t.start : t.end])[:9] == bytes.fromhex("01" "000178" "06" "0104" "00" "02")
+    assert data[s.start :] == bytes.fromhex("01000000" "03000000" "01c0" "0100")
     assert (len(data), xxhash.xxh3_64_hexdigest(data)) == GOLDEN_RAW
 
 
-GOLDEN = (640, "58ab88c91a764d75")
-GOLDEN_RAW = (636, "2a0c0b2a3a0f66ca")
+GOLDEN = (371, "61d9b4c1a7b9abd7")
+GOLDEN_RAW = (366, "924c0dacbd7b5961")
 
 
 def test_golden_bytes_entropy_coded_streams():
@@ -322,22 +352,33 @@ GOLDEN_GAPS = "609bd4fa0000000068a295e6040000008cab95e60400000050a82eb300000000"
 GOLDEN_DELTA = "9bb6432006000000108018200600000082b2f087010000009fa4fbdf00000000"
 
 
-def test_format_1_patches_still_apply():
-    """A patch written by format 1's encoder (constriction's ANS; tests/data/format_v1) applies bit-exactly."""
+@pytest.mark.parametrize(
+    "version, encodings, flip",
+    [
+        (1, {("gaps", "delta"), ("dense", "delta")}, ("w::gaps", 2)),  # constriction's ANS
+        (2, {("gaps", "delta"), ("dense", "delta"), ("bitmap", "delta"), ("bitmap", "raw")}, ("w::delta", 40)),  # rANS, JSON entries
+    ],
+)
+def test_older_format_patches_still_apply(version, encodings, flip):
+    """Patches written by the format 1 and format 2 encoders (tests/data/format_v1, format_v2; the
+    latter written before format 3 by the recipe make_fixture.py there) apply bit-exactly, and a
+    flipped byte in a coded stream is still caught."""
     from safetensors.torch import load_file
 
-    d = Path(__file__).parent / "data" / "format_v1"
+    d = Path(__file__).parent / "data" / f"format_v{version}"
     base, target = load_file(d / "base.safetensors"), load_file(d / "target.safetensors")
-    patch = read_patch(d / "patch.safetensors")
-    assert patch.header.format_version == 1
-    assert {(e.positions, e.values) for e in patch.header.tensors.values()} == {("gaps", "delta"), ("dense", "delta")}
+    data = (d / "patch.safetensors").read_bytes()
+    assert version == 1 or xxhash.xxh3_64_hexdigest(data) == "89a90bda3f91c5a4"  # today's bytes of format 2
+    patch = read_patch(data)
+    assert patch.header.format_version == version
+    assert {(e.positions, e.values) for e in patch.header.tensors.values()} == encodings
     assert any(e.position_params.get("thresholds") for e in patch.header.tensors.values())
     work = _clone(base)
     apply_patch(patch, work)
     assert_bit_equal(work, target)
-    s, e = _span(patch.data, "w::gaps")  # a flipped word in a format 1 stream is still caught
+    s, _ = _span(patch.data, flip[0])
     bad = bytearray(patch.data)
-    bad[s + 2] ^= 0x10
+    bad[s + flip[1]] ^= 0x10
     with pytest.raises(SparsesyncError):
         apply_patch(read_patch(bytes(bad)), _clone(base))
 
@@ -373,10 +414,51 @@ def test_anchor_missing_shard(tmp_path):
         load_anchor([files[0], files[-1]])
 
 
-def test_parse_header_from_range_reads():
+def test_parse_header_from_range_reads(monkeypatch):
     data = _golden_patch()
     n = header_length(data[:8])
-    assert parse_header(data[8 : 8 + n]) == read_patch(data).header
+    assert header_span(data[:8]) == 8 + n  # the JSON header first ...
+    span = header_span(data[: 8 + n])  # ... which says where the table ends
+    assert parse_header(data[:span]) == read_patch(data).header
+    with pytest.raises(PatchFormatError, match="table"):
+        parse_header(data[: span - 1])
+    v2 = (Path(__file__).parent / "data" / "format_v2" / "patch.safetensors").read_bytes()
+    assert parse_header(v2[: header_span(v2)]) == read_patch(v2).header  # formats 1 and 2: the JSON header alone
+    calls = []
+
+    def reader(d: bytes):  # noqa: ANN202
+        def read_range(start: int, length: int) -> bytes:
+            calls.append((start, length))
+            return d[start : start + length]
+
+        return read_range
+
+    base, target = _case()
+    for d in (data, _encode(base, target), v2):
+        calls.clear()
+        assert fetch_header(reader(d)) == read_patch(d).header
+        assert calls == [(0, HEADER_PREFIX)]  # one range request
+    monkeypatch.setattr(patch_module, "HEADER_PREFIX", 16)  # a header + table larger than the first request
+    calls.clear()
+    assert fetch_header(reader(data)) == read_patch(data).header
+    assert calls == [(0, 16), (16, 8 + n - 16), (8 + n, span - 8 - n)]
+
+
+def test_a_part_of_a_version_is_read_by_range():
+    """From the header and table alone (one range request), each tensor's streams are one byte
+    range, and a run of consecutive tensors too: what a follower holding part of a model fetches."""
+    base, target = _case()
+    base["b"], target["b"] = make_pair(13, torch.float32, (30, 30), 0.3)
+    data = _encode(base, target)
+    header = fetch_header(lambda start, length: data[start : start + length])
+    patch = read_patch(data)
+    ranges = header.byte_ranges()
+    assert list(ranges) == ["a", "b", "x"] and ranges["a"][1] == ranges["b"][0] and ranges["x"][1] == len(data)
+    for name, (s, e) in ranges.items():
+        assert data[s:e] == b"".join(patch.stream(name, role) for role in _table.ROLE_ORDER if role in patch.header.tensors[name].streams)
+    assert header.byte_ranges(["b"]) == {"b": ranges["b"]}
+    with pytest.raises(ValueError, match="format 2"):
+        read_patch((Path(__file__).parent / "data" / "format_v2" / "patch.safetensors").read_bytes()).header.byte_ranges()
 
 
 # ---------------------------------------------------------------------------- rejections
@@ -424,10 +506,35 @@ def _header(data: bytes) -> tuple[int, dict]:
 
 
 def _span(data: bytes, key: str) -> tuple[int, int]:
-    """Absolute byte range of stream `key` in the file."""
-    n, h = _header(data)
-    s, e = h[key]["data_offsets"]
-    return 8 + n + s, 8 + n + e
+    """Absolute byte range of stream `key` ('<tensor>::<role>') in the file."""
+    s = read_patch(data)._streams[key]
+    return s.start, s.end
+
+
+def _unpack(data: bytes) -> tuple[dict, list[_table.Row], dict[str, dict[str, bytes]]]:
+    """A format 3 patch as (metadata, table rows, tensor -> role -> stream bytes)."""
+    patch = read_patch(data)
+    meta, table = _container.parse_container(memoryview(data))
+    t = table["table"]
+    rows = _table.parse_table(_table.inflate(data[t.start : t.end]))
+    return meta, rows, {n: {role: patch.stream(n, role) for role in e.streams} for n, e in patch.header.tensors.items()}
+
+
+def _pack(meta: dict, rows: list[_table.Row], streams: dict[str, dict[str, bytes]], *, table: bytes | None = None) -> bytes:
+    """The file of `_unpack`'s parts (explicit stream sizes taken from the streams' bytes), or
+    with the compressed `table` given as is."""
+    for r in rows:
+        r.sizes = {role: len(streams[r.name][role]) for role in _table.explicit_roles(r.positions, r.position_params, r.values, r.value_params) if role in streams[r.name]}
+    table = _table.build_table(rows) if table is None else table
+    blob = b"".join(streams[r.name][role] for r in rows for role in _table.ROLE_ORDER if role in streams[r.name])
+    return _container.write_container(meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)])
+
+
+def _edit_table(data: bytes, fn) -> bytes:  # noqa: ANN001 - fn(inflated table bytes) -> new inflated bytes
+    meta, rows, streams = _unpack(data)
+    t = _container.parse_container(memoryview(data))[1]["table"]
+    raw = fn(bytearray(_table.inflate(data[t.start : t.end])))
+    return _pack(meta, rows, streams, table=zstandard.ZstdCompressor(write_content_size=True).compress(bytes(raw)))
 
 
 def _edit_header(data: bytes, fn) -> bytes:  # noqa: ANN001 - fn(header dict) edits in place
@@ -438,24 +545,18 @@ def _edit_header(data: bytes, fn) -> bytes:  # noqa: ANN001 - fn(header dict) ed
     return struct.pack("<Q", len(hb)) + hb + data[8 + n :]
 
 
-def _edit_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001 - fn(entry dict) edits in place
-    def edit(h: dict) -> None:
-        tensors = json.loads(h["__metadata__"]["tensors"])
-        fn(tensors[name])
-        h["__metadata__"]["tensors"] = json.dumps(tensors)
-
-    return _edit_header(data, edit)
+def _edit_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001 - fn(vars of the tensor's table row) edits in place
+    meta, rows, streams = _unpack(data)
+    fn(vars(next(r for r in rows if r.name == name)))
+    return _pack(meta, rows, streams)
 
 
 def _restream(data: bytes, key: str, new: bytes) -> bytes:
-    """The same patch with stream `key` (a 1-D stream) replaced by `new` (container rebuilt)."""
-    meta, table = _container.parse_container(memoryview(data))
-    streams = []
-    for k, s in table.items():
-        raw = data[s.start : s.end] if k != key else new
-        size = _container.ST_DTYPES[s.dtype][1]
-        streams.append((k, s.dtype, s.shape if k != key else (len(new) // size,), raw))
-    return _container.write_container(meta, streams)
+    """The same patch with stream `key` replaced by `new` (table sizes and container rebuilt)."""
+    meta, rows, streams = _unpack(data)
+    name, role = key.split("::")
+    streams[name][role] = new
+    return _pack(meta, rows, streams)
 
 
 def _i32(data: bytes, key: str) -> np.ndarray:
@@ -545,18 +646,23 @@ def test_reject_duplicate_and_unsorted_indices():
 def test_reject_stream_length_mismatch():
     base, target = _case()
     n = diff_state(base, target)["x"].n_changed
-    _rejects(_raw_patch(base, target, short_values="x"), _clone(base), PatchFormatError, "x::values", f"BF16 [{n - 1}]", f"expected BF16 [{n}]")
+    # raw values sized by n_changed: one value short leaves the table's sizes past the streams
+    _rejects(_raw_patch(base, target, short_values="x"), _clone(base), PatchFormatError, "tensor 'x'", "stream 'values' ends at byte")
     # a compressed stream one byte too long
     ch = diff_state({"x": base["x"]}, {"x": target["x"]})["x"]
     data = _forced(ch, base["x"], "gaps", "delta", [])
-    s, e = _span(data, "x::gaps_low")
-    _rejects(_restream(data, "x::gaps_low", data[s:e] + b"\0"), {"x": base["x"].clone()}, PatchFormatError, "tensor 'x'", f"'gaps_low' has {e - s + 1} bytes, expected {e - s}")
-    s, e = _span(data, "x::gaps")
+    s, e = _span(data, "x::gaps_low")  # its size follows from the classes' n and k: the streams tensor is then too long
+    _rejects(_restream(data, "x::gaps_low", data[s:e] + b"\0"), {"x": base["x"].clone()}, PatchFormatError, "the table's streams cover", "the 'streams' tensor has")
+    s, e = _span(data, "x::gaps")  # an explicit size: the ANS decoder sees the odd length
     _rejects(_restream(data, "x::gaps", data[s:e] + b"\0"), {"x": base["x"].clone()}, PatchFormatError, "tensor 'x'", "multiple of 4")
-    # a header that promises more (or fewer) changes than the streams hold
+    # a table that promises more (or fewer) changes than the streams hold
     real = _encode(base, target)
+    assert read_patch(real).header.tensors["x"].positions == "gaps"
+    for d in (-1, 1):
+        _rejects(_edit_entry(real, "x", lambda e, d=d: e["position_params"]["classes"][0].update(n=e["position_params"]["classes"][0]["n"] + d)), _clone(base), PatchFormatError)
+    raw = _raw_patch(base, target)
     for wrong in (n - 1, n + 1):
-        _rejects(_edit_entry(real, "x", lambda e, w=wrong: e.update(n_changed=w)), _clone(base), PatchFormatError, "tensor 'x'")
+        _rejects(_edit_entry(raw, "x", lambda e, w=wrong: e.update(n_changed=w)), _clone(base), PatchFormatError, "streams")
 
 
 def _small_patches() -> list[bytes]:
@@ -613,13 +719,76 @@ def test_reject_bad_header_json():
         (b"[" * n, "not UTF-8 JSON"),  # nesting deeper than the JSON parser's recursion limit
     ]:
         _rejects(data[:8] + junk + data[8 + n :], _clone(base), PatchFormatError, needle)
-    deep = _edit_header(data, lambda h: h["__metadata__"].update(tensors="[" * 100_000))
-    _rejects(deep, _clone(base), PatchFormatError, "metadata tensors is not JSON")
-    huge_int = _edit_header(data, lambda h: h["__metadata__"].update(tensors='{"x": ' + "9" * 5000 + "}"))
-    _rejects(huge_int, _clone(base), PatchFormatError, "metadata tensors is not JSON")
-    _rejects(_edit_header(data, lambda h: h["__metadata__"].update(tensors="[1]")), _clone(base), PatchFormatError, "expected an object")
-    _rejects(_edit_entry(data, "x", lambda e: e.update(streams=5)), _clone(base), PatchFormatError, "tensor 'x'", "streams is 5")
-    _rejects(_edit_entry(data, "x", lambda e: e.pop("base_digest")), _clone(base), PatchFormatError, "tensor 'x'", "entry fields")
+    _rejects(_edit_header(data, lambda h: h["__metadata__"].update(tensors="{}")), _clone(base), PatchFormatError, "metadata keys")  # format 2's entries in a format 3 file
+    _rejects(_edit_header(data, lambda h: h.update(extra=h.pop("streams"))), _clone(base), PatchFormatError, "expected exactly 'table' then 'streams'")
+    swapped = _edit_header(data, lambda h: h.update(table=h["streams"], streams=h["table"]))
+    _rejects(swapped, _clone(base), PatchFormatError, "expected exactly 'table' then 'streams'")
+
+
+def test_reject_hostile_tables():
+    """Every malformed table (zstd frame, counts, names, codes, shapes, models, sizes) is a
+    PatchFormatError naming the field, found within bounded time and memory; nothing applied."""
+    import time
+    import tracemalloc
+
+    base, target = _case()
+    data = _encode(base, target)
+    raw = _raw_patch(base, target)
+    meta, rows, streams = _unpack(data)
+
+    def edit_rows(d: bytes, fn) -> bytes:  # noqa: ANN001 - fn(rows) edits in place
+        m, r, st = _unpack(d)
+        fn(r)
+        return _pack(m, r, st)
+
+    def bytes_at(i: int, value: bytes):  # noqa: ANN202 - replaces inflated table bytes [i, i + len(value))
+        return lambda t: t[:i] + value + t[i + len(value) :]
+
+    # the raw patch's inflated table: count (byte 0); names "a" (00 01 61) and "x" (00 01 78) at 1-6;
+    # dtypes at 7-8; shapes [40, 50] and [60, 70] at 9-14; encodings at 15-16; then n_changed, digests
+    assert _table.inflate(raw[_span(raw, "a::indices")[0] - _container.parse_container(memoryview(raw))[1]["table"].nbytes : _span(raw, "a::indices")[0]])[:17] == bytes.fromhex("02" "000161" "000178" "0606" "022832" "023c46" "0000")
+    cases = [
+        (_pack(meta, rows, streams, table=b"not zstd"), ("patch table", "not a zstd frame")),
+        (_pack(meta, rows, streams, table=zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 64)), ("patch table", "unknown number of")),
+        (_pack(meta, rows, streams, table=bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0])), ("patch table", "declares 1099511627776 inflated bytes")),
+        (_edit_table(data, lambda t: t + b"\0"), ("patch table", "1 bytes left after the last field")),
+        (_edit_table(data, lambda t: t[:-1]), ("patch table", "ends inside target digests")),
+        (_edit_table(data, bytes_at(0, b"\xff\xff\xff\x7f")), ("patch table", "declares 268435455 records")),
+        (_edit_table(data, bytes_at(0, b"\x82\x00")), ("patch table", "overlong varint")),
+        (_edit_table(raw, bytes_at(4, b"\x02")), ("patch table", "name 1: shared prefix length is over 1")),
+        (_edit_table(raw, bytes_at(6, b"a")), ("patch table", "does not sort after name 0", "unique and sorted")),
+        (_edit_table(raw, bytes_at(6, b"\xff")), ("patch table", "name 1 is not UTF-8")),
+        (_edit_table(raw, bytes_at(5, b"\xff\xff\x7f")), ("patch table", "name 1: suffix length is over 65536")),
+        (_edit_table(raw, bytes_at(8, b"\x63")), ("patch table", "tensor 'x': dtype code 99")),
+        (_edit_table(raw, bytes_at(12, b"\x11")), ("patch table", "tensor 'x': 17 dims")),
+        (_edit_table(raw, bytes_at(16, b"\x0f")), ("patch table", "tensor 'x': encoding code 0x0f")),
+        (_edit_table(raw, bytes_at(16, b"\x20")), ("patch table", "tensor 'x': encoding code 0x20")),
+        (edit_rows(data, lambda r: r[1].position_params.update(thresholds=[3, 2], classes=r[1].position_params["classes"] * 3)), ("patch table", "tensor 'x': gaps thresholds [3, 2]")),
+        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(k=49)), ("patch table", "tensor 'x': gaps k=49", "at most 48")),
+        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1] * 70)), ("patch table", "quotient model alphabet size 69")),
+        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1 << 14, 5, 0])), ("patch table", "frequencies sum to 16389")),
+        (edit_rows(data, lambda r: r[1].value_params.update(counts=[[1 << 15, 0]])), ("patch table", "tensor 'x': delta model frequency is over 16384")),
+        (edit_rows(data, lambda r: r[1].value_params.update(thresholds=[0], counts=[[1, 1]] * 2)), ("patch table", "tensor 'x': delta thresholds [0]")),
+        (edit_rows(data, lambda r: r[1].position_params.update(thresholds=list(range(1, 9)), classes=r[1].position_params["classes"] * 9)), ("patch table", "gaps thresholds [1, 2, 3, 4, 5, 6, 7, 8]")),
+        (_pack(meta, rows, {**streams, "x": {**streams["x"], "gaps": streams["x"]["gaps"] + b"\0" * 4}}, table=_table.build_table(rows)), ("the table's streams cover",)),
+        (edit_rows(raw, lambda r: r[1].__dict__.update(n_changed=0)), ("tensor 'x'", "n_changed is 0")),
+        (edit_rows(raw, lambda r: r[1].__dict__.update(n_changed=1 << 40)), ("tensor 'x'", "n_changed is 1099511627776")),
+        (edit_rows(raw, lambda r: r[1].__dict__.update(shape=(1 << 30, 1 << 30))), ("patch table", "tensor 'x': shape", "more than 2^48 elements")),
+        (edit_rows(raw, lambda r: r[0].__dict__.update(name="x")), ("patch table", "does not sort after name 0")),  # a duplicate name
+    ]
+    for bad, needles in cases:
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        _rejects(bad, _clone(base), PatchFormatError, *needles)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert time.perf_counter() - t0 < 1.0 and peak < 16 << 20, (needles, peak)
+    # explicit sizes past the streams tensor: the rows as written, one size made larger
+    rows[1].sizes["gaps"] += 1 << 47
+    table = _table.build_table(rows)
+    blob = b"".join(streams[r.name][role] for r in rows for role in _table.ROLE_ORDER if role in streams[r.name])
+    bad = _container.write_container(meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)])
+    _rejects(bad, _clone(base), PatchFormatError, "tensor 'x'", "stream 'gaps' ends at byte 140737488")
 
 
 def test_reject_header_length_beyond_file():
@@ -640,10 +809,10 @@ def test_reject_data_offsets_outside_file():
         ([8, 4], "expected [start, end]"),
         ([-4, 0], "data_offsets [-4, 0]"),
     ]:
-        bad = _edit_header(data, lambda h, o=offs: h["x::values"].update(data_offsets=o))
-        _rejects(bad, _clone(base), PatchFormatError, "x::values", needle)
-    # two streams over the same bytes: streams must tile the data section
-    overlap = _edit_header(data, lambda h: h["a::values"].update(data_offsets=h["x::values"]["data_offsets"], shape=h["x::values"]["shape"]))
+        bad = _edit_header(data, lambda h, o=offs: h["streams"].update(data_offsets=o))
+        _rejects(bad, _clone(base), PatchFormatError, "'streams'", needle)
+    # the two tensors over the same bytes: they must tile the data section
+    overlap = _edit_header(data, lambda h: h["table"].update(data_offsets=h["streams"]["data_offsets"], shape=h["streams"]["shape"]))
     _rejects(overlap, _clone(base), PatchFormatError, "tile")
 
 
@@ -659,23 +828,19 @@ def test_reject_huge_declared_sizes_quickly_without_allocating():
     s, e = _span(bitmap, "x::bitmap")
     bomb = bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0])  # declares 1 TiB
     cases = [
-        (_edit_header(raw, lambda h: h["x::values"].update(shape=[2**40])), PatchFormatError, ("x::values", "expected 2199023255552")),
-        (_edit_header(raw, lambda h: h["x::values"].update(shape=[2**30, 2**30])), PatchFormatError, ("x::values", "more than")),
-        (_edit_entry(raw, "x", lambda en: en.update(shape=[2**40], positions="dense", streams={"values": "x::values"})), PatchFormatError, ("tensor 'x'", "expected BF16 [1099511627776]")),
-        (_edit_entry(data, "x", lambda en: en.update(shape=[2**20, 2**20])), PatchMismatchError, ("tensor 'x'", "shape [60, 70]", "expected [1048576, 1048576]")),
-        (_edit_entry(data, "x", lambda en: en.update(shape=[2**60])), PatchFormatError, ("tensor 'x'", "expected at most")),
-        (_edit_entry(data, "x", lambda en: en.update(n_changed=2**40)), PatchFormatError, ("tensor 'x'", "n_changed")),
+        (_edit_header(raw, lambda h: h["streams"].update(shape=[2**40])), PatchFormatError, ("'streams'", "expected 1099511627776")),
+        (_edit_header(raw, lambda h: h["streams"].update(shape=[2**30, 2**30])), PatchFormatError, ("'streams'", "more than")),
+        (_edit_entry(raw, "x", lambda en: en.update(shape=(2**40,), positions="dense")), PatchFormatError, ("tensor 'x'", "stream 'values' ends at byte 21990232")),
+        (_edit_entry(data, "x", lambda en: en.update(shape=(2**20, 2**20))), PatchMismatchError, ("tensor 'x'", "shape [60, 70]", "expected [1048576, 1048576]")),
+        (_edit_entry(raw, "x", lambda en: en.update(n_changed=2**40)), PatchFormatError, ("tensor 'x'", "n_changed")),
         (_restream(bitmap, "x::bitmap", bomb), PatchFormatError, ("tensor 'x'", "declares 1099511627776 decompressed bytes", f"expected {(4200 + 7) // 8}")),
         (_restream(bitmap, "x::bitmap", zstandard.ZstdCompressor(write_content_size=False).compress(bitmap[s:e])), PatchFormatError, ("tensor 'x'", "decompressed bytes")),
+        (_edit_entry(data, "x", lambda en: en["position_params"]["classes"][0].update(n=2**40)), PatchFormatError, ("tensor 'x'", "n_changed is 1099511627")),
     ]
-    if read_patch(data).header.tensors["x"].positions == "gaps":
-        cases.append((
-            _edit_entry(data, "x", lambda en: en["position_params"]["classes"][0].update(n=2**40)), PatchFormatError, ("tensor 'x'", "n=1099511627776"),
-        ))
     for bad, exc, needles in cases:
         tracemalloc.start()
         t0 = time.perf_counter()
-        work = {"x": base["x"].clone()} if bad is bitmap or "bitmap" in str(needles) else _clone(base)
+        work = {"x": base["x"].clone()} if "decompressed" in str(needles) else _clone(base)
         _rejects(bad, work, exc, *needles)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -685,47 +850,56 @@ def test_reject_huge_declared_sizes_quickly_without_allocating():
 def test_reject_wrong_stream_dtypes():
     base, target = _case()
     raw = _raw_patch(base, target)
-    n = diff_state(base, target)["x"].n_changed
-    _rejects(_edit_header(raw, lambda h: h["x::indices"].update(dtype="F32")), _clone(base), PatchFormatError, "x::indices", f"is F32 [{n}]", f"expected I32 [{n}]")
-    _rejects(_edit_header(raw, lambda h: h["x::values"].update(dtype="F16")), _clone(base), PatchFormatError, "x::values", "is F16", "expected BF16")
-    _rejects(_edit_header(raw, lambda h: h["x::values"].update(dtype="Q4")), _clone(base), PatchFormatError, "x::values", "dtype 'Q4'")
-    data = _encode(base, target)
-    key = next(k for k in read_patch(data).header.tensors["x"].streams.values())
-    _rejects(_edit_header(data, lambda h: h[key].update(dtype="I8")), _clone(base), PatchFormatError, key, "is I8", "expected U8")
+    _rejects(_edit_header(raw, lambda h: h["table"].update(dtype="I8")), _clone(base), PatchFormatError, "'table' is I8", "expected U8")
+    _rejects(_edit_header(raw, lambda h: h["streams"].update(dtype="I8")), _clone(base), PatchFormatError, "'streams' I8", "expected U8")
+    _rejects(_edit_header(raw, lambda h: h["streams"].update(dtype="Q4")), _clone(base), PatchFormatError, "'streams'", "dtype 'Q4'")
 
 
 def test_reject_unknown_encodings():
-    base, target = _case()
-    data = _encode(base, target)
-    _rejects(_edit_entry(data, "x", lambda e: e.update(positions="rle")), _clone(base), PatchFormatError, "tensor 'x'", "position encoding 'rle'", "'raw_i32'")
-    _rejects(_edit_entry(data, "x", lambda e: e.update(values="xor")), _clone(base), PatchFormatError, "tensor 'x'", "value encoding 'xor'", "'delta'")
-    _rejects(_edit_entry(data, "x", lambda e: e.update(dtype="F4")), _clone(base), PatchFormatError, "tensor 'x'", "dtype 'F4'")
+    """Unknown codes in a format 3 table: test_reject_hostile_tables. A format 2 entry's are checked too."""
+    d = Path(__file__).parent / "data" / "format_v2"
+    base = dict(st_load((d / "base.safetensors").read_bytes()))
+    data = (d / "patch.safetensors").read_bytes()
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(positions="rle")), _clone(base), PatchFormatError, "tensor 'x'", "position encoding 'rle'", "'raw_i32'")
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(values="xor")), _clone(base), PatchFormatError, "tensor 'x'", "value encoding 'xor'", "'delta'")
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(dtype="F4")), _clone(base), PatchFormatError, "tensor 'x'", "dtype 'F4'")
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(streams=5)), _clone(base), PatchFormatError, "tensor 'x'", "streams is 5")
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.pop("base_digest")), _clone(base), PatchFormatError, "tensor 'x'", "entry fields")
+    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(position_params={"thresholds": [3, 2], "classes": []})), _clone(base), PatchFormatError, "tensor 'x'")
+
+
+def _edit_v2_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001 - fn(format 2 JSON entry) edits in place
+    def edit(h: dict) -> None:
+        tensors = json.loads(h["__metadata__"]["tensors"])
+        fn(tensors[name])
+        h["__metadata__"]["tensors"] = json.dumps(tensors)
+
+    return _edit_header(data, edit)
 
 
 def test_reject_bad_encoding_parameters():
-    """Hostile parameters of the compressed encodings: rejected, never an uncaught exception."""
+    """Well-formed but wrong models and class sizes: rejected or undone, never an uncaught exception."""
     base, target = _case()
     data = _encode(base, target)
     e = read_patch(data).header.tensors["x"]
     assert (e.positions, e.values) == ("gaps", "delta")
-    hostile = [{}, None, [], 5, "x", {"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": []}]}, {"thresholds": [3, 2], "classes": []},
-               {"thresholds": [], "classes": [{"n": 1, "k": 99, "counts": [1, 1]}]}, {"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": ""}]},
-               {"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": [1, -1]}]}, {"thresholds": [], "classes": [5]}]
-    for p in hostile:
-        _rejects(_edit_entry(data, "x", lambda en, p=p: en.update(position_params=p)), _clone(base), PatchFormatError, "tensor 'x'")
-        _rejects(_edit_entry(data, "x", lambda en, p=p: en.update(value_params=p)), _clone(base), PatchFormatError, "tensor 'x'")
-    _rejects(_edit_entry(data, "x", lambda en: en["value_params"].update(counts=[[1, 0]] * 9)), _clone(base), PatchFormatError, "tensor 'x'")
+    hostile_p = [{"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": [1 << 14, 0]}]},  # n_changed no longer matches the streams
+                 {"thresholds": [], "classes": [{"n": e.n_changed, "k": 0, "counts": [1, (1 << 14) - 1]}]}]  # every quotient escapes
+    for p in hostile_p:
+        _rejects(_edit_entry(data, "x", lambda en, p=p: en.update(position_params=p)), _clone(base), PatchFormatError)
+    for counts in ([[0, 0]], [[1, (1 << 14) - 1]], [[(1 << 14) - 1, 1]]):  # no model; models the stream was not coded with
+        _rejects(_edit_entry(data, "x", lambda en, c=counts: en["value_params"].update(counts=c)), _clone(base), (PatchFormatError, DigestMismatchError))
 
 
 def test_reject_unknown_format_version():
     data = _golden_patch()
     base = {"w": torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -0.0, 8.0, 0.25], dtype=torch.bfloat16)}
-    for v in ("3", "0", "1.0", "2 ", ""):
+    for v in ("4", "0", "3.0", "3 ", ""):
         bad = _edit_header(data, lambda h, v=v: h["__metadata__"].update(format_version=v))
-        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected one of 1, 2")
+        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected one of 1, 2, 3")
         assert "upgrade sparsesync" in err.hint
         with pytest.raises(PatchFormatError, match="format_version"):
-            parse_header(bad[8 : 8 + header_length(bad[:8])])
+            parse_header(bad[: header_span(bad)])
     _rejects(_edit_header(data, lambda h: h["__metadata__"].update(format="other")), _clone(base), PatchFormatError, "format 'other'", "'sparsesync.patch'")
     _rejects(_edit_header(data, lambda h: h["__metadata__"].pop("base_version")), _clone(base), PatchFormatError, "metadata keys")
     _rejects(_edit_header(data, lambda h: h["__metadata__"].update(base_version="9")), _clone(base), PatchFormatError, "base_version 9 >= target_version 8")

@@ -90,19 +90,18 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the header as JSON.")] = False,
 ) -> None:
     """Show a patch's header (versions, digests, per-tensor encodings) without reading its body."""
-    from sparsesync.codec import header_length, parse_header
+    from sparsesync.codec import fetch_header
     from sparsesync.store import open_store
 
     if Path(target).exists():
         if not Path(target).is_file():  # a FIFO or a device would hang or never end
             fail(f"{target} is not a regular file", "name a patch file (.safetensors)")
         with open(target, "rb") as f:
-            first = f.read(8)
-            header = parse_header(f.read(header_length(first)))
+            header = fetch_header(lambda start, length: (f.seek(start), f.read(length))[1])
     else:
         root, _, key = target.rpartition("/")
         store = open_store(root)
-        header = parse_header(store.get_range(key, 8, header_length(store.get_range(key, 0, 8))))
+        header = fetch_header(lambda start, length: store.get_range(key, start, length))
     if as_json:
         from dataclasses import asdict
 

@@ -66,7 +66,8 @@ def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
     streams = {role: patch.stream(e.name, role) for role in e.streams}
     try:
         idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)
-        idx = _encodings.check_indices(ctx, idx) if e.positions != "dense" else idx
+        if e.positions not in ("dense", "gaps"):  # gaps decode to n_changed strictly increasing positions in range by construction
+            idx = _encodings.check_indices(ctx, idx)
         vals = _encodings.VALUES[e.values][1](e.value_params, streams, idx, ctx)
     except PatchFormatError:
         raise

@@ -14,21 +14,24 @@ import math
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from sparsesync.codec import _container, _encodings, _parallel
+from sparsesync.codec import _container, _encodings, _parallel, _table
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 2  # what the encoder writes
-READABLE_VERSIONS = (1, 2)  # 1 differs only in its entropy coder (docs/format.md)
+FORMAT_VERSION = 3  # what the encoder writes
+READABLE_VERSIONS = (1, 2, 3)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table (docs/format.md)
 _DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
-_META_KEYS = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest", "tensors"}
+_META_KEYS_V3 = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest"}
+_META_KEYS = _META_KEYS_V3 | {"tensors"}  # formats 1 and 2
+TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors
+HEADER_PREFIX = 64 << 10  # bytes a reader fetches first: header and table of any patch of up to ~2,000 tensors
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,19 @@ class PatchHeader:
     base_state_digest: str
     target_state_digest: str
     tensors: dict[str, TensorEntry]
+    streams_start: int = 0  # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
+
+    def byte_ranges(self, names: list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Format 3: the file's [start, end) holding all streams of each tensor of `names`
+        (default: every touched tensor), from the header alone: a part of a version is read by
+        range. Formats 1 and 2 place streams by size, not by tensor: ValueError."""
+        if self.format_version < 3:
+            raise ValueError(f"patch format {self.format_version} does not place each tensor's streams together; read the whole file")
+        out, off = {}, self.streams_start
+        for name, e in self.tensors.items():
+            out[name] = (off, off + e.nbytes)
+            off += e.nbytes
+        return out if names is None else {n: out[n] for n in names}
 
 
 @dataclass(frozen=True)
@@ -168,24 +184,18 @@ def assemble_patch(
     ]:
         if not isinstance(d, str) or not _DIGEST_RE.match(d):
             raise PatchFormatError(f"{what} {d!r}, expected 16 lowercase hex digits", hint="use codec.tensor_digest / codec.state_digest")
-    entries: dict[str, dict] = {}
-    streams: list[tuple[str, str, tuple[int, ...], bytes]] = []
+    rows, blobs = [], []
     for name in sorted(encoded):
         e = encoded[name]
-        entries[name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "n_changed": e.n_changed,
-            "positions": e.positions,
-            "position_params": e.position_params,
-            "values": e.values,
-            "value_params": e.value_params,
-            "base_digest": base_digests[name],
-            "target_digest": target_digests[name],
-            "streams": {role: stream_key(name, role) for role in e.streams},
-        }
-        for role, (sdt, shape, data) in e.streams.items():
-            streams.append((stream_key(name, role), sdt, shape, data))
+        pp, vp = e.position_params, e.value_params
+        if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
+            pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
+        if e.values == "delta":
+            vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
+        explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
+        rows.append(_table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digests[name], target_digests[name],
+                               {role: len(e.streams[role][2]) for role in explicit}))
+        blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -193,9 +203,9 @@ def assemble_patch(
         "target_version": str(target_version),
         "base_state_digest": base_state_digest,
         "target_state_digest": target_state_digest,
-        "tensors": json.dumps(entries, separators=(",", ":"), ensure_ascii=False),
     }
-    return _container.write_container(meta, streams)
+    table, data = _table.build_table(rows), b"".join(blobs)
+    return _container.write_container(meta, [(TABLE_KEY, "U8", (len(table),), table), (STREAMS_KEY, "U8", (len(data),), data)])
 
 
 def encode_changes(
@@ -294,7 +304,9 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), n_changed, pos, val, raw["base_digest"], raw["target_digest"], pparams, vparams, dict(sroles), sizes)
 
 
-def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
+def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple[PatchHeader, dict[str, Stream]]:
+    """The header and every tensor's streams (format 3: located through the table, which `buf`,
+    the file or a prefix of it, must hold)."""
     if meta.get("format") != FORMAT_NAME:
         raise _fmt(f"metadata format {meta.get('format')!r:.40}, expected {FORMAT_NAME!r}")
     if meta.get("format_version") not in [str(v) for v in READABLE_VERSIONS]:
@@ -302,8 +314,10 @@ def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
             f"patch format_version {meta.get('format_version')!r:.20}, expected one of {', '.join(map(str, READABLE_VERSIONS))}",
             hint="upgrade sparsesync to read newer patches",
         )
-    if set(meta) != _META_KEYS:
-        raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(_META_KEYS)}")
+    version = int(meta["format_version"])
+    keys = _META_KEYS_V3 if version == 3 else _META_KEYS
+    if set(meta) != keys:
+        raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(keys)}")
     versions = []
     for key in ("base_version", "target_version"):
         if not re.fullmatch(r"0|[1-9][0-9]{0,17}", meta[key]):
@@ -314,31 +328,111 @@ def _header(meta: dict[str, str], table: dict[str, Stream]) -> PatchHeader:
     for key in ("base_state_digest", "target_state_digest"):
         if not _DIGEST_RE.match(meta[key]):
             raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
-    try:
-        raw = json.loads(meta["tensors"])
-    except (ValueError, RecursionError) as e:  # ValueError: JSON syntax, ints over 4300 digits
-        raise _fmt(f"metadata tensors is not JSON ({type(e).__name__}: {str(e):.200})") from None
-    if not isinstance(raw, dict):
-        raise _fmt(f"metadata tensors is a JSON {type(raw).__name__}, expected an object")
-    tensors = {name: _entry(name, raw[name], table) for name in sorted(raw)}
-    used = {k for e in tensors.values() for k in e.streams.values()}
-    extra = sorted(set(table) - used)
-    if extra:
-        raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
-    return PatchHeader(int(meta["format_version"]), versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors)
+    start = 0
+    if version == 3:
+        tensors, streams = _table_entries(table, buf)
+        start = table[STREAMS_KEY].start
+    else:
+        try:
+            raw = json.loads(meta["tensors"])
+        except (ValueError, RecursionError) as e:  # ValueError: JSON syntax, ints over 4300 digits
+            raise _fmt(f"metadata tensors is not JSON ({type(e).__name__}: {str(e):.200})") from None
+        if not isinstance(raw, dict):
+            raise _fmt(f"metadata tensors is a JSON {type(raw).__name__}, expected an object")
+        tensors, streams = {name: _entry(name, raw[name], table) for name in sorted(raw)}, table
+        used = {k for e in tensors.values() for k in e.streams.values()}
+        extra = sorted(set(table) - used)
+        if extra:
+            raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
+    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start), streams
+
+
+def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, TensorEntry], dict[str, Stream]]:
+    """Format 3: the entries of the binary table and where each tensor's streams lie in `streams`."""
+    if set(table) != {TABLE_KEY, STREAMS_KEY} or table[TABLE_KEY].end != table[STREAMS_KEY].start:
+        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly '{TABLE_KEY}' then '{STREAMS_KEY}' (format 3)")
+    t, d = table[TABLE_KEY], table[STREAMS_KEY]
+    if t.dtype != "U8" or d.dtype != "U8":
+        raise _fmt(f"'{TABLE_KEY}' is {t.dtype} and '{STREAMS_KEY}' {d.dtype}, expected U8")
+    if len(buf) < t.end:
+        raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {t.end}")
+    rows = _table.parse_table(_table.inflate(bytes(buf[t.start : t.end])))
+    off, located, tensors = d.start, {}, {}
+    for r in rows:
+        where = f"tensor '{r.name}'"
+        numel = math.prod(r.shape)
+        if not 1 <= r.n_changed <= max(numel, 1):
+            raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
+        probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest, r.position_params, r.value_params)
+        ctx = ctx_for(probe)
+        layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
+        roles = {}
+        for role in (x for x in _table.ROLE_ORDER if x in layout):
+            sdt, sshape = layout[role]
+            if sshape is not None:
+                size = math.prod(sshape) * _container.ST_DTYPES[sdt][1]
+            elif role == "gaps_low":
+                size = (sum(c["n"] * c["k"] for c in r.position_params["classes"]) + 7) // 8
+            else:
+                size = r.sizes[role]
+            key = stream_key(r.name, role)
+            located[key] = Stream(key, sdt, sshape if sshape is not None else (size,), off, off + size)
+            roles[role] = key
+            off += size
+            if off > d.end:
+                raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
+        raw = {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
+               "values": r.values, "value_params": r.value_params, "base_digest": r.base_digest, "target_digest": r.target_digest, "streams": roles}
+        tensors[r.name] = _entry(r.name, raw, located)
+    if off != d.end:
+        raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
+    return tensors, located
 
 
 def header_length(first8: bytes) -> int:
-    """The header's length from a patch's first 8 bytes; read bytes [8, 8 + n) and `parse_header` them."""
+    """The JSON header's length from a patch's first 8 bytes (see `header_span` for the table)."""
     return _container.header_length(first8)
 
 
-def parse_header(header_bytes: bytes) -> PatchHeader:
-    """A patch header from its JSON bytes alone (no data section needed, e.g. from a range read)."""
-    meta, table = _container.parse_header_json(header_bytes)
+def header_span(prefix: bytes) -> int:
+    """How many bytes from the start of a patch file `parse_header` needs: the length prefix and
+    JSON header, and for format 3 the table right after them. `prefix` (the file's first bytes)
+    must hold the JSON header; if it does not, the answer is 8 + its length: fetch that, ask again."""
+    n = 8 + _container.header_length(prefix[:8])
+    if len(prefix) < n:
+        return n
+    meta, table = _container.parse_header_json(bytes(prefix[8:n]))
+    info = table.get(TABLE_KEY)
+    if meta.get("format_version") != "3" or not isinstance(info, dict):
+        return n
+    offs = info.get("data_offsets")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1] <= _table.MAX_TABLE_BYTES):
+        raise _fmt(f"'{TABLE_KEY}' data_offsets {offs!r:.80}, expected [start, end] with end at most {_table.MAX_TABLE_BYTES}")
+    return n + offs[1]
+
+
+def parse_header(prefix: bytes) -> PatchHeader:
+    """A patch's header from the file's first `header_span` bytes (or more; the streams are not
+    needed): one range read of HEADER_PREFIX bytes holds it for patches of up to ~2,000 tensors."""
+    n = 8 + _container.header_length(prefix[:8])
+    if len(prefix) < n:
+        raise _fmt(f"{len(prefix)} bytes given, the JSON header ends at byte {n}")
+    meta, table = _container.parse_header_json(bytes(prefix[8:n]))
     ends = [info.get("data_offsets", [0, 0])[-1] for info in table.values() if isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and info.get("data_offsets")]
     data_len = max([e for e in ends if type(e) is int] or [0])
-    return _header(meta, _container.parse_streams(table, 0, data_len))
+    return _header(meta, _container.parse_streams(table, n, data_len), prefix)[0]
+
+
+def fetch_header(read_range: Callable[[int, int], bytes]) -> PatchHeader:
+    """A patch's header through `read_range(start, length)` (e.g. a store's `get_range` of the
+    patch's key): one request of HEADER_PREFIX bytes, a second only for a larger header + table."""
+    prefix = read_range(0, HEADER_PREFIX)
+    for _ in range(2):  # the JSON header's length, then the table's
+        need = header_span(prefix)
+        if need <= len(prefix) or len(prefix) < HEADER_PREFIX:
+            break
+        prefix += read_range(len(prefix), need - len(prefix))
+    return parse_header(prefix)
 
 
 def read_patch(data: bytes | bytearray | memoryview | os.PathLike | str) -> Patch:
@@ -349,7 +443,8 @@ def read_patch(data: bytes | bytearray | memoryview | os.PathLike | str) -> Patc
     else:
         buf = bytes(data)
     meta, table = _container.parse_container(memoryview(buf))
-    return Patch(_header(meta, table), buf, table)
+    header, streams = _header(meta, table, buf)
+    return Patch(header, buf, streams)
 
 
 def patch_stream_arrays(patch: Patch, name: str) -> dict[str, bytes]:
