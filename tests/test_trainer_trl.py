@@ -1,4 +1,4 @@
-"""TRL's real trainers publishing through sparsesync (trainer/trl_integration.py), on CPU.
+"""TRL's real trainers publishing through sparsesync (sparsesync/integrations/trl.py), on CPU.
 
 - `trl.GRPOTrainer` trains 2 steps on the tiny model with `SparsesyncCallback`; a Follower
   rebuilds every version bit for bit.
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
-from trainer.trl_integration import (  # noqa: E402
+from sparsesync.integrations.trl import (  # noqa: E402
     SparsesyncCallback,
     SparsesyncWeightTransfer,
     checkpoint_name,
