@@ -229,8 +229,32 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         if not state.is_world_process_zero:
             return
         self._v.open()
-        if self.publish_initial and model is not None:
+        assert self._v.publisher is not None
+        committed = self._v.publisher.committed_version
+        if committed is not None and model is not None:
+            self._continue(model, state.global_step, committed)
+        elif self.publish_initial and model is not None:
             self._publish(model, state.global_step)
+
+    def _continue(self, model: torch.nn.Module, step: int, committed: int) -> None:
+        """Training (re)starts at `step` on a run whose newest version is `committed`: continue it
+        with deltas when the model holds exactly that version, refuse before training otherwise."""
+        url = self._v.bucket
+        if step < committed:
+            raise ConfigError(
+                f"training starts at step {step} but {url} already holds version {committed}; "
+                f"versions {step + 1}..{committed} would be published twice with different weights",
+                hint=f"resume from the newest checkpoint (checkpoint-{committed}) or publish to a new run URL",
+            )
+        if step > committed:  # the run is behind this checkpoint: the next publish is a fresh anchor
+            if self.publish_initial:
+                self._publish(model, step)
+            return
+        weights = model_state(getattr(model, "module", model), self._v.dtype)
+        self._v.publisher.resume(weights)  # type: ignore[union-attr]  # PatchMismatchError unless the digests match
+        self._v.version, self._v.names = committed, frozenset(weights)
+        self._v.digest = state_digest(tensor_digests(weights))
+        log.info("sparsesync: continuing %s from its version %d", url, committed)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
         if state.is_world_process_zero and model is not None and state.global_step % self.every_n_steps == 0:
