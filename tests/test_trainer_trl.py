@@ -215,3 +215,25 @@ def test_async_grpo_weight_transfer_protocol(tiny_model: Path, tmp_path: Path, m
     expected = inference_state(trainer.model.named_parameters())
     assert _bits_equal(follower.mirror, expected)
     assert state_digest(follower.digests) == transfer.state_digest
+
+
+def test_callback_refuses_an_fsdp_sharded_model_before_training(tiny_model: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
+
+    from sparsesync.errors import ConfigError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+        cb = SparsesyncCallback(str(tmp_path / "bucket"))
+        cb.on_train_begin(None, TrainerState(), TrainerControl(), model=model)  # unsharded: published
+        assert cb.version == 0
+        fully_shard(model, mesh=None)
+        with pytest.raises(ConfigError, match="sharded model: the model is wrapped by FSDP"):
+            SparsesyncCallback(str(tmp_path / "bucket2")).on_train_begin(None, TrainerState(), TrainerControl(), model=model)
+        assert not (tmp_path / "bucket2" / "commits").exists()  # nothing published
+        cb._v.close()
+    finally:
+        dist.destroy_process_group()

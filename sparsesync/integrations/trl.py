@@ -27,9 +27,15 @@ flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n 
 `SparsesyncWeightTransfer`, in `send_weights`, which then returns once n replicas report (bucket
 heartbeats) serving version k - `fleet_max_lag`. Only the main process publishes.
 
+Resume: `SparsesyncCallback` on a run that already has versions continues it when training
+starts at the run's newest version and the model's weights have that version's state digest
+(the next versions are deltas against it); training that starts at an older step is refused in
+`on_train_begin`, before the first step, naming both versions and the fix.
+
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
 `send_weights`; the callback reads `model.state_dict()` on the main process and therefore
-needs unsharded parameters (single process or DDP).
+needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
+`on_train_begin` (`sharding`).
 """
 
 from __future__ import annotations
@@ -81,6 +87,47 @@ def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
     finally:
         if peft:
             model.unmerge_adapter()  # type: ignore[operator]
+
+
+def sharding(model: torch.nn.Module | None = None) -> str | None:
+    """Why `model`'s parameters are sharded across processes (FSDP, DeepSpeed ZeRO-3), or None.
+
+    Read as TRL's trainers read it: accelerate's state (`fsdp_plugin`, a DeepSpeed plugin at
+    ZeRO stage 3) when one is initialized, and the model's own wrapping (an FSDP or FSDP2
+    module, parameters partitioned by ZeRO-3, which carry `ds_id`).
+    """
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state:  # initialized by a Trainer / Accelerator in this process
+        acc = AcceleratorState()
+        if getattr(acc, "fsdp_plugin", None) is not None:
+            return "accelerate runs FSDP (fsdp_plugin is set)"
+        ds = getattr(acc, "deepspeed_plugin", None)
+        if ds is not None and getattr(ds, "zero_stage", None) == 3:
+            return "accelerate runs DeepSpeed ZeRO stage 3"
+    if model is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch < 2.6
+            FSDPModule = FullyShardedDataParallel  # noqa: N806
+        for m in model.modules():
+            if isinstance(m, FullyShardedDataParallel | FSDPModule):
+                return f"the model is wrapped by {type(m).__name__}"
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            return "the model's parameters are partitioned by DeepSpeed ZeRO-3"
+    return None
+
+
+def _refuse_sharded(model: torch.nn.Module | None) -> None:
+    why = sharding(model)
+    if why is not None:
+        raise ConfigError(
+            f"sparsesync cannot publish a sharded model: {why}; each process holds only a shard of the weights",
+            hint="train with a single process or DDP (or ZeRO stage 1/2), or publish from TRL's async GRPO "
+                 "trainer (SparsesyncWeightTransfer), which gathers the parameters before send_weights",
+        )
 
 
 class _Versions:
@@ -226,6 +273,7 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+        _refuse_sharded(model)  # on every rank, before anything is published or trained
         if not state.is_world_process_zero:
             return
         self._v.open()
