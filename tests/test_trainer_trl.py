@@ -148,6 +148,19 @@ def test_grpo_resume_from_an_older_checkpoint_fails_before_training(tiny_model: 
     assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2, 3, 4]  # nothing published
 
 
+def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
+    from sparsesync.errors import PatchMismatchError
+
+    bucket = tmp_path / "bucket"
+    _grpo(tiny_model, tmp_path / "a", SparsesyncCallback(str(bucket), anchor_every=0), max_steps=2).train()
+    _grpo(tiny_model, tmp_path / "b", SparsesyncCallback(str(tmp_path / "other"), anchor_every=0), max_steps=4).train()
+    trainer = _grpo(tiny_model, tmp_path / "b", SparsesyncCallback(str(bucket), anchor_every=0), max_steps=6)
+    # step 2 of another run (its learning-rate schedule spans 4 steps): the same number, other weights
+    with pytest.raises(PatchMismatchError, match="version 2 of"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2]
+
+
 def test_old_import_path_still_works() -> None:
     import sparsesync.integrations.trl as lib
     import trainer.trl_integration as old
