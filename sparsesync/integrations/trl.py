@@ -299,7 +299,8 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
                 self._publish(model, step)
             return
         weights = model_state(getattr(model, "module", model), self._v.dtype)
-        self._v.publisher.resume(weights)  # type: ignore[union-attr]  # PatchMismatchError unless the digests match
+        assert self._v.publisher is not None
+        self._v.publisher.resume(weights)  # PatchMismatchError unless the state digests match
         self._v.version, self._v.names = committed, frozenset(weights)
         self._v.digest = state_digest(tensor_digests(weights))
         log.info("sparsesync: continuing %s from its version %d", url, committed)
