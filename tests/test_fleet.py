@@ -467,7 +467,7 @@ def test_status_watch_refreshes_until_ctrl_c_and_exits_with_the_last_verdict(tmp
 
 
 def test_trl_weight_transfer_can_wait_for_its_fleet(tmp_path):
-    from trainer.trl_integration import SparsesyncWeightTransfer
+    from sparsesync.integrations.trl import SparsesyncWeightTransfer
 
     url = str(tmp_path / "run")
     g = torch.Generator().manual_seed(10)

@@ -1,4 +1,4 @@
-"""TRL's real trainers publishing through sparsesync (trainer/trl_integration.py), on CPU.
+"""TRL's real trainers publishing through sparsesync (sparsesync/integrations/trl.py), on CPU.
 
 - `trl.GRPOTrainer` trains 2 steps on the tiny model with `SparsesyncCallback`; a Follower
   rebuilds every version bit for bit.
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
-from trainer.trl_integration import (  # noqa: E402
+from sparsesync.integrations.trl import (  # noqa: E402
     SparsesyncCallback,
     SparsesyncWeightTransfer,
     checkpoint_name,
@@ -90,6 +90,85 @@ def test_grpo_trainer_callback_publishes_bit_exact(tiny_model: Path, tmp_path: P
     assert state_digest(follower.digests) == cb.state_digest == state_digest(tensor_digests(final))
 
 
+def _grpo(model: Path, out: Path, callback: SparsesyncCallback, max_steps: int):  # noqa: ANN202
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions: list[str], **_: object) -> list[float]:
+        return [len(set(s)) / 16 for s in completions]
+
+    args = GRPOConfig(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="steps", save_steps=2, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
+    )
+    return GRPOTrainer(model=str(model), reward_funcs=reward, args=args, callbacks=[callback],
+                       train_dataset=Dataset.from_dict({"prompt": ["Repeat the letter a:"] * 16}))
+
+
+def test_grpo_resume_continues_the_run_and_pull_is_bit_exact(tiny_model: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from sparsesync.cli import app
+
+    bucket, out = tmp_path / "bucket", tmp_path / "out"
+    _grpo(tiny_model, out, SparsesyncCallback(str(bucket), anchor_every=0), max_steps=4).train()
+    assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2, 3, 4]
+
+    # a new process resumes from the newest checkpoint: the run goes on with deltas from version 4
+    cb = SparsesyncCallback(str(bucket), anchor_every=0)
+    trainer = _grpo(tiny_model, out, cb, max_steps=6)
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    commits = Run(str(bucket)).commits()
+    assert [c.version for c in commits] == [0, 1, 2, 3, 4, 5, 6]
+    assert [c.base_version for c in commits[5:]] == [4, 5]  # deltas against the version it verified it holds
+    final = model_state(trainer.model)
+    assert cb.version == 6 and cb.state_digest == state_digest(tensor_digests(final))
+
+    result = CliRunner().invoke(app, ["pull", str(bucket), str(tmp_path / "pulled.safetensors")])
+    assert result.exit_code == 0, result.output
+    assert _bits_equal(load_file(str(tmp_path / "pulled.safetensors")), final)
+
+
+def test_grpo_resume_from_an_older_checkpoint_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
+    from sparsesync.errors import ConfigError
+
+    bucket, out = tmp_path / "bucket", tmp_path / "out"
+    _grpo(tiny_model, out, SparsesyncCallback(str(bucket), anchor_every=0), max_steps=4).train()
+    trainer = _grpo(tiny_model, out, SparsesyncCallback(str(bucket), anchor_every=0), max_steps=6)
+    steps: list[int] = []
+    trainer.add_callback(type("_Steps", (__import__("transformers").TrainerCallback,), {
+        "on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})())
+    with pytest.raises(ConfigError) as e:
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    msg = str(e.value)
+    assert "step 2" in msg and "version 4" in msg and "checkpoint-4" in msg and "new run URL" in msg, msg
+    assert steps == []  # refused before the first training step
+    assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2, 3, 4]  # nothing published
+
+
+def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
+    from sparsesync.errors import PatchMismatchError
+
+    bucket = tmp_path / "bucket"
+    _grpo(tiny_model, tmp_path / "a", SparsesyncCallback(str(bucket), anchor_every=0), max_steps=2).train()
+    _grpo(tiny_model, tmp_path / "b", SparsesyncCallback(str(tmp_path / "other"), anchor_every=0), max_steps=4).train()
+    trainer = _grpo(tiny_model, tmp_path / "b", SparsesyncCallback(str(bucket), anchor_every=0), max_steps=6)
+    # step 2 of another run (its learning-rate schedule spans 4 steps): the same number, other weights
+    with pytest.raises(PatchMismatchError, match="version 2 of"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2]
+
+
+def test_old_import_path_still_works() -> None:
+    import sparsesync.integrations.trl as lib
+    import trainer.trl_integration as old
+
+    assert old.SparsesyncCallback is lib.SparsesyncCallback
+    assert old.SparsesyncWeightTransfer is lib.SparsesyncWeightTransfer
+
+
 class _IdleRolloutWorker:
     """A `RolloutWorkerProtocol` that produces nothing (this test checks weight sync only)."""
 
@@ -149,3 +228,25 @@ def test_async_grpo_weight_transfer_protocol(tiny_model: Path, tmp_path: Path, m
     expected = inference_state(trainer.model.named_parameters())
     assert _bits_equal(follower.mirror, expected)
     assert state_digest(follower.digests) == transfer.state_digest
+
+
+def test_callback_refuses_an_fsdp_sharded_model_before_training(tiny_model: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
+
+    from sparsesync.errors import ConfigError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+        cb = SparsesyncCallback(str(tmp_path / "bucket"))
+        cb.on_train_begin(None, TrainerState(), TrainerControl(), model=model)  # unsharded: published
+        assert cb.version == 0
+        fully_shard(model, mesh=None)
+        with pytest.raises(ConfigError, match="sharded model: the model is wrapped by FSDP"):
+            SparsesyncCallback(str(tmp_path / "bucket2")).on_train_begin(None, TrainerState(), TrainerControl(), model=model)
+        assert not (tmp_path / "bucket2" / "commits").exists()  # nothing published
+        cb._v.close()
+    finally:
+        dist.destroy_process_group()

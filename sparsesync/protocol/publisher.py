@@ -204,7 +204,7 @@ class Publisher:
         if not commits:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
         newest = commits[-1]
-        snap = Snapshot(state, newest.version)
+        snap = Snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
         if snap.state_digest != newest.state_digest:
             raise PatchMismatchError(
                 f"the weights given to resume() have state digest {snap.state_digest}, but version "

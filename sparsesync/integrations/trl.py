@@ -1,0 +1,324 @@
+"""TRL on sparsesync: switch a TRL trainer's weight transfer to a bucket by configuration.
+
+Two entry points, one per TRL trainer:
+
+- `SparsesyncWeightTransfer` implements the weight-transfer protocol of TRL's experimental
+  async GRPO trainer (`trl.experimental.async_grpo.AsyncGRPOTrainer(weight_transfer=...)`,
+  `WeightTransferProtocol`: `init_weight_transfer` / `pause` / `send_weights` / `resume` /
+  `destroy`). Instead of an NCCL broadcast into one vLLM server, every `send_weights` publishes
+  the streamed tensors as the next version of a sparsesync run; any number of replicas in any
+  region follow the bucket.
+
+      from trl.experimental.async_grpo import AsyncGRPOTrainer
+      trainer = AsyncGRPOTrainer(model=..., args=..., weight_transfer=SparsesyncWeightTransfer("hf://buckets/me/run"))
+
+- `SparsesyncCallback` is a `transformers.TrainerCallback` for the standard
+  `trl.GRPOTrainer` (or any `Trainer`): it publishes the model's weights when training begins
+  and after every `every_n_steps` optimizer steps (version = `state.global_step`).
+
+      trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., callbacks=[SparsesyncCallback("/tmp/bucket")])
+
+Guarantees: each published version is exactly the `dtype` cast of the tensors handed over
+(base-checkpoint names: DDP's `module.` and PEFT's wrappers stripped, a PEFT adapter merged
+for the copy and unmerged after), so a follower reconstructs it bit for bit; `pause` and
+`resume` never block on replicas (with sparsesync a replica pauses only for its own local
+apply); publication never waits for the network except in `destroy` / `on_train_end`, which
+flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
+`SparsesyncWeightTransfer`, in `send_weights`, which then returns once n replicas report (bucket
+heartbeats) serving version k - `fleet_max_lag`. Only the main process publishes.
+
+Resume: `SparsesyncCallback` on a run that already has versions continues it when training
+starts at the run's newest version and the model's weights have that version's state digest
+(the next versions are deltas against it); training that starts at an older step is refused in
+`on_train_begin`, before the first step, naming both versions and the fix.
+
+Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
+`send_weights`; the callback reads `model.state_dict()` on the main process and therefore
+needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
+`on_train_begin` (`sharding`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.errors import ConfigError
+from sparsesync.protocol.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The base-checkpoint name of a (possibly wrapped) parameter, or None for adapter-only tensors."""
+    name = name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    if "lora_" in name or "original_module" in name:
+        return None
+    return name.replace("modules_to_save.default.", "")
+
+
+def inference_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """`{checkpoint name: tensor cast to dtype, contiguous, on CPU}`; a repeated name is an error."""
+    out: dict[str, torch.Tensor] = {}
+    for raw, t in named:
+        name = checkpoint_name(raw)
+        if name is None:
+            continue
+        if name in out:
+            raise ConfigError(f"tensor {name!r} (from {raw!r}) was handed over twice in one weight update")
+        out[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
+    return out
+
+
+def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The inference weights of `model` (a PEFT adapter merged for the copy), see `inference_state`."""
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
+    if peft:
+        model.merge_adapter()  # type: ignore[operator]
+    try:
+        return inference_state(model.state_dict().items(), dtype)
+    finally:
+        if peft:
+            model.unmerge_adapter()  # type: ignore[operator]
+
+
+def sharding(model: torch.nn.Module | None = None) -> str | None:
+    """Why `model`'s parameters are sharded across processes (FSDP, DeepSpeed ZeRO-3), or None.
+
+    Read as TRL's trainers read it: accelerate's state (`fsdp_plugin`, a DeepSpeed plugin at
+    ZeRO stage 3) when one is initialized, and the model's own wrapping (an FSDP or FSDP2
+    module, parameters partitioned by ZeRO-3, which carry `ds_id`).
+    """
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state:  # initialized by a Trainer / Accelerator in this process
+        acc = AcceleratorState()
+        if getattr(acc, "fsdp_plugin", None) is not None:
+            return "accelerate runs FSDP (fsdp_plugin is set)"
+        ds = getattr(acc, "deepspeed_plugin", None)
+        if ds is not None and getattr(ds, "zero_stage", None) == 3:
+            return "accelerate runs DeepSpeed ZeRO stage 3"
+    if model is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # torch < 2.6
+            FSDPModule = FullyShardedDataParallel  # noqa: N806
+        for m in model.modules():
+            if isinstance(m, FullyShardedDataParallel | FSDPModule):
+                return f"the model is wrapped by {type(m).__name__}"
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            return "the model's parameters are partitioned by DeepSpeed ZeRO-3"
+    return None
+
+
+def _refuse_sharded(model: torch.nn.Module | None) -> None:
+    why = sharding(model)
+    if why is not None:
+        raise ConfigError(
+            f"sparsesync cannot publish a sharded model: {why}; each process holds only a shard of the weights",
+            hint="train with a single process or DDP (or ZeRO stage 1/2), or publish from TRL's async GRPO "
+                 "trainer (SparsesyncWeightTransfer), which gathers the parameters before send_weights",
+        )
+
+
+class _Versions:
+    """A Publisher plus the version counter and the per-publish log both integrations share."""
+
+    def __init__(self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any],
+                 first_version: int = 0) -> None:
+        self.bucket = bucket
+        self.first_version = first_version
+        self.dtype = dtype
+        self.flush_timeout_s = flush_timeout_s
+        self.publisher_options = dict(publisher_options)
+        self.publisher: Publisher | None = None
+        self.version: int | None = None  # newest version published by this process
+        self.names: frozenset[str] | None = None
+        self.digest: str | None = None  # state digest of the newest published version
+        self.log: list[dict[str, Any]] = []  # one entry per publish: version, publish_s
+
+    def open(self) -> None:
+        if self.publisher is None:
+            self.publisher = Publisher(self.bucket, **self.publisher_options)
+
+    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+        self.open()
+        assert self.publisher is not None
+        names = frozenset(state)
+        if self.names is not None and names != self.names:
+            missing, extra = sorted(self.names - names)[:5], sorted(names - self.names)[:5]
+            raise ConfigError(f"the set of tensors changed between weight updates (missing {missing}, new {extra})",
+                              hint="publish the same tensors every time (all trainable parameters)")
+        self.names = names
+        if version is None:
+            last = self.version if self.version is not None else self.publisher.committed_version
+            version = self.first_version if last is None else last + 1
+        t0 = time.perf_counter()
+        self.version = self.publisher.publish(state, version)
+        self.digest = state_digest(tensor_digests(state))
+        self.log.append({"version": self.version, "publish_s": time.perf_counter() - t0, "state_digest": self.digest})
+        return self.version
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            try:
+                self.publisher.flush(self.flush_timeout_s)
+            finally:
+                self.publisher.close()
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The publisher's per-version metrics (changed elements, density, bytes, timings)."""
+        return list(self.publisher.metrics) if self.publisher is not None else []
+
+
+class _PublishedViews:
+    """What both integrations expose of their `_Versions` (`self._v`)."""
+
+    _v: _Versions
+
+    @property
+    def version(self) -> int | None:
+        """Newest version published."""
+        return self._v.version
+
+    @property
+    def state_digest(self) -> str | None:
+        """sparsesync state digest of the newest version published (compare with a follower's)."""
+        return self._v.digest
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self._v.metrics
+
+
+class SparsesyncWeightTransfer(_PublishedViews):
+    """TRL async GRPO `WeightTransferProtocol` over a sparsesync publisher (see module docstring).
+
+    Args:
+        bucket: run URL (local folder, `s3://bucket/prefix`, `hf://buckets/ns/name/prefix`).
+        dtype: what the replicas receive (bf16 by default, whatever the trainer trains in).
+        flush_timeout_s: how long `destroy` waits for the last uploads.
+        fleet_min_replicas: > 0: `send_weights` of version k returns once this many replicas
+            report serving k - `fleet_max_lag` or newer (`Publisher.wait_for_fleet`; a bound on
+            the staleness of the rollouts that follow); waiting past `fleet_timeout_s` raises.
+        **publisher_options: `PublisherConfig` fields (`anchor_every`, `queue_size`, ...).
+    """
+
+    def __init__(self, bucket: str, *, dtype: torch.dtype = torch.bfloat16, flush_timeout_s: float = 300.0,
+                 fleet_min_replicas: int = 0, fleet_max_lag: int = 0, fleet_timeout_s: float = 120.0,
+                 **publisher_options: Any) -> None:
+        if fleet_min_replicas < 0 or fleet_max_lag < 0 or fleet_timeout_s <= 0:
+            raise ConfigError(f"fleet_min_replicas={fleet_min_replicas}, fleet_max_lag={fleet_max_lag}, "
+                              f"fleet_timeout_s={fleet_timeout_s}: expected >= 0, >= 0 and > 0")
+        # version k = the k-th update, matching the `model_version` TRL tags rollouts with
+        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options, first_version=1)
+        self._fleet = (fleet_min_replicas, fleet_max_lag, fleet_timeout_s)
+        self.pauses = 0
+        self.resumes = 0
+
+    def init_weight_transfer(self) -> None:
+        """Open the publisher (claims the run's writer epoch). Called once on train begin."""
+        self._v.open()
+
+    def pause(self) -> None:
+        """Nothing to pause: replicas keep generating and pause only for their own local apply."""
+        self.pauses += 1
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Publish the streamed `(name, tensor)` pairs as the next version (diff+encode here,
+        upload in the background). The k-th call publishes version k on a fresh run, the number
+        TRL's trainer tags the rollouts of that policy with (`model_version`)."""
+        version = self._v.publish(inference_state(iterator, self._v.dtype))
+        min_replicas, max_lag, timeout = self._fleet
+        if min_replicas and self._v.publisher is not None:
+            self._v.publisher.wait_for_fleet(max(version - max_lag, 0), min_replicas, timeout)
+
+    def resume(self) -> None:
+        """Nothing to resume (see `pause`)."""
+        self.resumes += 1
+
+    def destroy(self) -> None:
+        """Flush the last versions to the bucket and close the publisher. Called on train end."""
+        self._v.close()
+
+
+class SparsesyncCallback(_PublishedViews, TrainerCallback):
+    """Publishes a `Trainer`'s weights through sparsesync (see module docstring).
+
+    Args:
+        bucket: run URL.
+        every_n_steps: publish after every n optimizer steps (and always at the end).
+        dtype: what the replicas receive.
+        publish_initial: publish the starting weights when training begins (version = global step).
+        flush_timeout_s: how long `on_train_end` waits for the last uploads.
+        **publisher_options: `PublisherConfig` fields.
+    """
+
+    def __init__(self, bucket: str, *, every_n_steps: int = 1, dtype: torch.dtype = torch.bfloat16,
+                 publish_initial: bool = True, flush_timeout_s: float = 300.0, **publisher_options: Any) -> None:
+        if every_n_steps < 1:
+            raise ConfigError(f"every_n_steps={every_n_steps}: expected >= 1")
+        self.every_n_steps = every_n_steps
+        self.publish_initial = publish_initial
+        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+        _refuse_sharded(model)  # on every rank, before anything is published or trained
+        if not state.is_world_process_zero:
+            return
+        self._v.open()
+        assert self._v.publisher is not None
+        committed = self._v.publisher.committed_version
+        if committed is not None and model is not None:
+            self._continue(model, state.global_step, committed)
+        elif self.publish_initial and model is not None:
+            self._publish(model, state.global_step)
+
+    def _continue(self, model: torch.nn.Module, step: int, committed: int) -> None:
+        """Training (re)starts at `step` on a run whose newest version is `committed`: continue it
+        with deltas when the model holds exactly that version, refuse before training otherwise."""
+        url = self._v.bucket
+        if step < committed:
+            raise ConfigError(
+                f"training starts at step {step} but {url} already holds version {committed}; "
+                f"versions {step + 1}..{committed} would be published twice with different weights",
+                hint=f"resume from the newest checkpoint (checkpoint-{committed}) or publish to a new run URL",
+            )
+        if step > committed:  # the run is behind this checkpoint: the next publish is a fresh anchor
+            if self.publish_initial:
+                self._publish(model, step)
+            return
+        weights = model_state(getattr(model, "module", model), self._v.dtype)
+        assert self._v.publisher is not None
+        self._v.publisher.resume(weights)  # PatchMismatchError unless the state digests match
+        self._v.version, self._v.names = committed, frozenset(weights)
+        self._v.digest = state_digest(tensor_digests(weights))
+        log.info("sparsesync: continuing %s from its version %d", url, committed)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+        if state.is_world_process_zero and model is not None and state.global_step % self.every_n_steps == 0:
+            self._publish(model, state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        if model is not None and (self._v.version is None or self._v.version < state.global_step):
+            self._publish(model, state.global_step)
+        self._v.close()
+
+    def _publish(self, model: torch.nn.Module, step: int) -> None:
+        if self._v.version is not None and step <= self._v.version:
+            return  # already published at this step (e.g. resumed at the same global step)
+        unwrapped = getattr(model, "module", model)
+        self._v.publish(model_state(unwrapped, self._v.dtype), step)
+        log.info("sparsesync: published version %d to %s", step, self._v.bucket)
