@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     user: str | None = None  # informational
+    return_token_ids: bool | None = None  # vLLM's flag (TRL sends it): token ids are always returned
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
