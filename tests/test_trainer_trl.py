@@ -363,22 +363,12 @@ def _checkpoint_keys(model_dir: Path) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-tied"])
-def test_every_path_publishes_the_checkpoint_key_set_the_embedded_engine_takes(
-        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRL's stream leaves frozen parameters (a VLM's vision tower: here a frozen decoder layer)
-    and tied duplicates out; the callback reads state_dict() of an fp32 model, where the bf16 cast
-    separates a tied head from its embedding. Both publish the checkpoint's own key set, which
-    an embedded replica following the bucket loads and applies."""
-    from inference_space.engines.embedded import EmbeddedEngine
-    from inference_space.replica import Replica
-    from sparsesync.tiny_model import build_tiny_model
+def _publish_both_paths(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """Two versions each through SparsesyncWeightTransfer (one decoder layer frozen) and
+    SparsesyncCallback (an fp32 model); returns [(bucket, trained model), ...]."""
     from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
 
-    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch=arch)
     keys = _checkpoint_keys(model_dir)
-    assert ("lm_head.weight" in keys) == (arch == "qwen3")
-
     # AsyncGRPOTrainer + SparsesyncWeightTransfer, one decoder layer frozen
     bucket = tmp_path / "async"
     trainer = _async_trainer(model_dir, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
@@ -402,14 +392,54 @@ def test_every_path_publishes_the_checkpoint_key_set_the_embedded_engine_takes(
     state.global_step = 1
     cb.on_step_end(None, state, TrainerControl(), model=model)
     cb.on_train_end(None, state, TrainerControl(), model=model)
+    runs = [(bucket, trainer.model), (cb_bucket, model)]
+    for run, _trained in runs:
+        for c in Run(str(run)).commits():
+            assert set(Run(str(run)).reconstruct(c.version)[1]) == keys, (run, c.version)
+    return runs
 
-    for run, trained in ((bucket, trainer.model), (cb_bucket, model)):
+
+def _follow(engine, runs) -> None:  # noqa: ANN001
+    """A replica of `engine` follows each run to its newest version: accepted, applied, bit-exact."""
+    from inference_space.replica import Replica
+
+    for run, trained in runs:
         newest = Run(str(run)).commits()[-1].version
-        for version in range(newest + 1):
-            if version or run == cb_bucket:
-                assert set(Run(str(run)).reconstruct(version)[1]) == keys, (run, version)
-        replica = Replica(EmbeddedEngine(model_dir), str(run))
+        replica = Replica(engine, str(run))
         assert replica.follower is not None and replica.follower.sync_once() == newest
         status = replica.status()
         assert status["state"] == "following" and status["serving_version"] == newest, status
         assert _bits_equal(replica.follower.mirror, model_state(trained))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-tied"])
+def test_every_path_publishes_the_checkpoint_key_set_the_embedded_engine_takes(
+        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's stream leaves frozen parameters (a VLM's vision tower: here a frozen decoder layer)
+    and tied duplicates out; the callback reads state_dict() of an fp32 model, where the bf16 cast
+    separates a tied head from its embedding. Both publish the checkpoint's own key set, which
+    an embedded replica following the bucket loads and applies."""
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch=arch)
+    assert ("lm_head.weight" in _checkpoint_keys(model_dir)) == (arch == "qwen3")
+    runs = _publish_both_paths(model_dir, tmp_path, monkeypatch)
+    for run in runs:
+        _follow(EmbeddedEngine(model_dir), [run])
+
+
+@pytest.mark.vllm
+def test_vllm_engine_takes_the_key_set_of_every_path_for_a_tied_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from inference_space.engines.vllm_engine import VllmEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch="qwen3-tied")
+    runs = _publish_both_paths(model_dir, tmp_path, monkeypatch)
+    engine = VllmEngine(model_dir, kv_cache_memory_bytes=16 << 20)
+    try:
+        _follow(engine, runs)  # one engine follows one run, then the other (an anchor replaces its weights)
+    finally:
+        engine.close()
