@@ -208,3 +208,25 @@ def test_trl_vllm_clients_talk_to_a_replica(tiny, tmp_path):  # type: ignore[no-
             client.generate(prompts, generation_kwargs={"presence_penalty": 0.5})
         with pytest.raises(Exception, match="400.*chat template"):
             client.chat([[{"role": "user", "content": "hi"}]], chat_template="{{ messages }}")
+
+
+def test_top_k_min_p_and_repetition_penalty_are_honoured(tiny):  # type: ignore[no-untyped-def]
+    """Sampling at temperature 1 with top_k=1, or min_p=1, is greedy decoding whatever the seed;
+    a strong repetition penalty keeps greedy decoding from repeating a token."""
+    replica = Replica(EmbeddedEngine(tiny), None)
+    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        def ids(**fields):  # type: ignore[no-untyped-def]
+            body = {"prompt": PROMPTS[0], "max_tokens": 10, "ignore_eos": True, **fields}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        greedy = ids(temperature=0.0)
+        sampled = {tuple(ids(temperature=1.0, seed=s)) for s in range(4)}
+        assert sampled != {tuple(greedy)}  # plain sampling does differ from greedy here
+        for s in range(4):
+            assert ids(temperature=1.0, seed=s, top_k=1) == greedy
+            assert ids(temperature=1.0, seed=s, min_p=1.0) == greedy
+        assert len(set(greedy)) < len(greedy)  # this tiny model repeats itself greedily
+        penalised = ids(temperature=0.0, repetition_penalty=100.0)
+        assert len(set(penalised)) == len(penalised)
