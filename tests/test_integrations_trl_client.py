@@ -95,3 +95,45 @@ def test_weight_update_fails_in_bounded_time_when_a_replica_does_not_follow_the_
             client.update_named_params(None, iter(load_checkpoint(model_dir).items()))
         assert time.monotonic() - t0 < 10
         client.close()
+
+
+def test_grpo_trainer_server_mode_resumed_continues_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resumed from its checkpoint, the trainer's first sync is an anchor after the run's newest
+    version (versions count weight syncs); the replica follows it."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions: list[str], **_: object) -> list[float]:
+        return [len(set(s)) / 16 for s in completions]
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    bucket = str(tmp_path / "bucket")
+    replica = Replica(EmbeddedEngine(model_dir), bucket, poll_interval=0.1)
+    with Server(replica) as r1:
+        def trainer(max_steps: int) -> GRPOTrainer:
+            args = GRPOConfig(
+                output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=4, learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none",
+                save_strategy="steps", save_steps=2, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True,
+                seed=0, use_vllm=True, vllm_mode="server", vllm_server_base_url=r1.url,
+                vllm_importance_sampling_correction=False,
+            )
+            with sparsesync_server_mode(bucket, anchor_every=0):
+                return GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args,
+                                   train_dataset=Dataset.from_dict({"prompt": ["Repeat the letter a:"] * 16}))
+
+        first = trainer(2)
+        first.train()
+        first.vllm_generation.vllm_client.close()
+        resumed = trainer(3)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        client = resumed.vllm_generation.vllm_client
+        client.close()
+    commits = Run(bucket).commits()
+    assert [c.version for c in commits] == [0, 1, 2] and commits[2].has_anchor and client.served == [2]
+    follower = Follower(bucket)
+    assert follower.sync_once() == 2 and replica.status()["serving_version"] == 2
+    from sparsesync.checkpoint import load_checkpoint
+
+    saved = {k: v.to(torch.bfloat16) for k, v in load_checkpoint(tmp_path / "out" / "checkpoint-2").items()}
+    assert _bits_equal(follower.mirror, saved)  # version 2 is the checkpoint the run resumed from

@@ -88,6 +88,7 @@ class SparsesyncVLLMClient:
         assert self._v.publisher is not None
         self._v.publisher.flush(self.sync_timeout_s)
         self._wait_for_replicas(version)
+        log.info("sparsesync: version %d published to %s, served by %d replica(s)", version, self._v.bucket, len(self.replicas))
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: a replica's engine drops its cached state when it applies a version."""
