@@ -79,6 +79,11 @@ def inference_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
     """`{checkpoint name: tensor cast to dtype, contiguous, on CPU}` in the checkpoint's own key
     set (`checkpoint.checkpoint_state`): names sharing one storage, a tied LM head, are kept once
     (the first) before the cast would give them separate storages. A repeated name is an error."""
+    return {name: t.to(device="cpu", dtype=dtype).contiguous() for name, t in _checkpoint_tensors(named).items()}
+
+
+def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`named` under checkpoint names, aliases kept once, not cast (see `inference_state`)."""
     raw: dict[str, torch.Tensor] = {}
     for raw_name, t in named:
         name = checkpoint_name(raw_name)
@@ -87,7 +92,7 @@ def inference_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
         if name in raw:
             raise ConfigError(f"tensor {name!r} (from {raw_name!r}) was handed over twice in one weight update")
         raw[name] = t.detach()
-    return {name: t.to(device="cpu", dtype=dtype).contiguous() for name, t in checkpoint_state(raw).items()}
+    return checkpoint_state(raw)
 
 
 def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -309,15 +314,26 @@ class SparsesyncWeightTransfer(_PublishedViews):
         assert self._v.publisher is not None
         complete = None
         if self._v.publisher.state_digest is None:  # first version here: the whole key set (frozen included)
-            model = self._model()
-            if sharding(model) is not None:
-                raise ConfigError(f"cannot read the frozen parameters of a sharded model ({sharding(model)})",
-                                  hint="train with a single process or DDP")
-            complete = inference_state(model.state_dict().items(), self._v.dtype)  # TRL merged an adapter already
+            complete = self._frozen(stream)
         version = self._v.publish(stream, version, complete=complete)
         min_replicas, max_lag, timeout = self._fleet
         if min_replicas:
             self._v.publisher.wait_for_fleet(max(version - max_lag, 0), min_replicas, timeout)
+
+    def _frozen(self, stream: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of the bound model that TRL's stream left out (frozen parameters),
+        cast like the stream; read on the main process, so refused for a sharded model that has any."""
+        model = self._model()
+        why = sharding(model)
+        if why is not None:
+            frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+            if frozen:
+                raise ConfigError(f"{len(frozen)} frozen parameter(s) ({frozen[0]!r}, ...) are not streamed by TRL and "
+                                  f"cannot be read from a sharded model ({why})",
+                                  hint="train with a single process or DDP, or leave no parameter frozen")
+            return {}
+        held = _checkpoint_tensors(model.state_dict().items())  # TRL merged an adapter already
+        return {n: t.to(device="cpu", dtype=self._v.dtype).contiguous() for n, t in held.items() if n not in stream}
 
     def resume(self) -> None:
         """Nothing to resume (see `pause`)."""
