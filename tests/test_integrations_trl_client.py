@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -137,3 +138,31 @@ def test_grpo_trainer_server_mode_resumed_continues_the_run(tmp_path: Path, monk
 
     saved = {k: v.to(torch.bfloat16) for k, v in load_checkpoint(tmp_path / "out" / "checkpoint-2").items()}
     assert _bits_equal(follower.mirror, saved)  # version 2 is the checkpoint the run resumed from
+
+
+def test_generation_from_another_version_is_refused(tmp_path: Path) -> None:
+    """Another writer takes the run over after this trainer's sync: the replica follows it, and
+    the next generation raises instead of handing TRL samples of weights it did not sync."""
+    from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.errors import ProtocolError
+    from sparsesync.protocol.publisher import Publisher
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    bucket = str(tmp_path / "bucket")
+    state = load_checkpoint(model_dir)
+    with Server(Replica(EmbeddedEngine(model_dir), bucket, poll_interval=0.1)) as r1:
+        client = SparsesyncVLLMClient(bucket, r1.url, sync_timeout_s=30.0)
+        client.init_communicator()
+        client.update_named_params(None, iter(state.items()))
+        prompt = [[5, 6, 7]]
+        assert len(client.generate(prompt, max_tokens=2)["completion_ids"]) == 1 and client.served == [0]
+        with Publisher(bucket) as other:  # a newer writer: version 1
+            other.publish({k: v.clone() for k, v in state.items()}, 1)
+            other.flush()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{r1.url}/health").json()["weight_version"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(ProtocolError, match=r"weight versions \[1\] after version 0 was published"):
+            client.generate(prompt, max_tokens=2)
+        client.close()

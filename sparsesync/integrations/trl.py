@@ -44,7 +44,8 @@ starts at the run's newest version and the model's weights have that version's s
 `on_train_begin`, before the first step, naming both versions and the fix.
 
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
-`send_weights`; the callback reads `model.state_dict()` on the main process and therefore
+`send_weights` (frozen parameters, which it does not stream, are read from the model on the
+main process: a sharded model with frozen parameters is refused at the first `send_weights`); the callback reads `model.state_dict()` on the main process and therefore
 needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
 `on_train_begin` (`sharding`).
 """
