@@ -1,7 +1,10 @@
 """The replica's HTTP API: OpenAI-compatible completions that carry what an RL trainer needs.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /sync.
-Every choice carries `prompt_token_ids`, `token_ids`, `logprobs.token_logprobs` (log p of each
+What TRL's vLLM clients send is understood: a batch of prompts (choices prompt-major),
+`return_token_ids`, `return_tokens_as_token_ids` (logprobs.tokens as "token_id:N"),
+`top_logprobs` 0; chat requests get the model's own chat template (a `chat_template`, template
+kwargs or tools are refused with 400) and a top-level `prompt_token_ids`. Every choice carries `prompt_token_ids`, `token_ids`, `logprobs.token_logprobs` (log p of each
 sampled token under the weights that produced it, raw distribution) and `weight_version` (the
 version that produced every token of it; null before the first bucket version). Malformed
 requests get 422 (schema: types, unknown fields) or 400 (values the engine refuses: seeds
@@ -52,6 +55,9 @@ class _Sampling(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     user: str | None = None  # informational
+    return_token_ids: bool | None = None  # vLLM's flag (TRL sends it): token ids are always returned
+    return_tokens_as_token_ids: bool = False  # logprobs.tokens as vLLM's "token_id:N" strings (TRL's VLLMClient)
+    top_logprobs: int | None = Field(None, ge=0)  # only 0: the sampled token's logprob
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -68,6 +74,8 @@ class _Sampling(BaseModel):
                 raise ConfigError(f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out")
         if self.logprobs is not None and not isinstance(self.logprobs, bool) and self.logprobs > 1:
             raise ConfigError(f"logprobs={self.logprobs}: only the sampled token's logprob is returned", hint="send logprobs 0 or 1")
+        if self.top_logprobs:
+            raise ConfigError(f"top_logprobs={self.top_logprobs}: only the sampled token's logprob is returned", hint="send top_logprobs 0")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         for s in stop:
             _check_text("stop", s)
@@ -85,8 +93,21 @@ def _check_text(field: str, text: str) -> None:
         raise ConfigError(f"{field}: lone surrogate {text[e.start]!r} at position {e.start}", hint="send valid UTF-16 surrogate pairs") from e
 
 
+MAX_BATCH = 256  # prompts x n in one request
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(..., description="text, or prompt token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, prompt token ids, or a batch of either (choices prompt-major)")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
+        prompts: list[str | list[int]] = list(p) if batch else [p]  # type: ignore[arg-type]
+        if len(prompts) * self.n > MAX_BATCH:
+            raise ConfigError(f"{len(prompts)} prompts x n={self.n}: more than {MAX_BATCH} completions in one request",
+                              hint="split the batch")
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -96,22 +117,37 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    chat_template: str | None = None  # only the model's own template is applied
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+
+    def check_template(self) -> None:
+        """Fields of vLLM's chat API this replica does not implement: refused unless neutral."""
+        if self.chat_template is not None:
+            raise ConfigError("chat_template: the replica applies the model's own chat template", hint="leave chat_template out")
+        if self.chat_template_kwargs:
+            raise ConfigError(f"chat_template_kwargs={self.chat_template_kwargs!r}: not supported by this replica",
+                              hint="leave chat_template_kwargs out")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ConfigError("tools / tool_choice: not supported by this replica", hint="send tools null and tool_choice 'none'")
 
 
-def _choice(c: Completion) -> dict[str, Any]:
+def _choice(c: Completion, req: _Sampling) -> dict[str, Any]:
+    tokens: list[Any] = [f"token_id:{t}" for t in c.token_ids] if req.return_tokens_as_token_ids else c.token_ids
     return {
         "index": c.index,
         "text": c.text,
         "finish_reason": c.finish_reason,
         "prompt_token_ids": c.prompt_token_ids,
         "token_ids": c.token_ids,
-        "logprobs": {"tokens": c.token_ids, "token_logprobs": c.logprobs},
+        "logprobs": {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": [None] * len(c.token_ids)},
         "weight_version": c.weight_version,
     }
 
 
-def _usage(outs: list[Completion]) -> dict[str, int]:
-    prompt = len(outs[0].prompt_token_ids) if outs else 0
+def _usage(outs: list[Completion], n: int = 1) -> dict[str, int]:
+    prompt = sum(len(c.prompt_token_ids) for c in outs[::n])
     completion = sum(len(c.token_ids) for c in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -166,15 +202,22 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
-        outs = _run(req.prompt, req)
+        try:
+            prompts = req.prompts()
+        except ConfigError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
+        outs = [c for p in prompts for c in _run(p, req)]
+        choices = [_choice(c, req) for c in outs]
+        for i, ch in enumerate(choices):  # prompt-major across the batch
+            ch["index"] = i
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": replica.model_name,
             "weight_version": _version_of(outs),
-            "choices": [_choice(c) for c in outs],
-            "usage": _usage(outs),
+            "choices": choices,
+            "usage": _usage(outs, req.n),
         }
 
     @app.post("/v1/chat/completions")
@@ -182,6 +225,7 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
         try:
             for i, m in enumerate(req.messages):
                 _check_text(f"messages[{i}].content", m.content)
+            req.check_template()
         except ConfigError as e:
             raise HTTPException(status_code=400, detail=str(e)) from e
         try:
@@ -191,7 +235,7 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
         outs = _run(ids, req)
         choices = []
         for c in outs:
-            ch = _choice(c)
+            ch = _choice(c, req)
             ch["message"] = {"role": "assistant", "content": ch.pop("text")}
             choices.append(ch)
         return {
@@ -200,8 +244,9 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True) -> FastAPI:
             "created": int(time.time()),
             "model": replica.model_name,
             "weight_version": _version_of(outs),
+            "prompt_token_ids": ids,
             "choices": choices,
-            "usage": _usage(outs),
+            "usage": _usage(outs, req.n),
         }
 
     @app.get("/v1/models")

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -474,12 +475,16 @@ def test_trl_weight_transfer_can_wait_for_its_fleet(tmp_path):
     state = make_state(10)
     followers = [_follower(url, f"r{i}", poll=0.3) for i in range(2)]
     transfer = SparsesyncWeightTransfer(url, fleet_min_replicas=2, fleet_max_lag=0, fleet_timeout_s=30.0)
+    # what the transfer reads of TRL's AsyncGRPOTrainer: model_version, and the model (nothing frozen here)
+    trl_trainer = SimpleNamespace(model_version=0, model=torch.nn.Module(), accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    transfer.bind(trl_trainer)
     transfer.init_weight_transfer()
     try:
         for f in followers:
             f.start()
         for k in (1, 2, 3):  # the k-th update is version k
             transfer.send_weights(iter(state.items()))
+            trl_trainer.model_version = k  # TRL bumps model_version once send_weights returns
             assert [f.current_version for f in followers] == [k, k]  # returned only once both serve it
             state = train_step(state, g)
     finally:

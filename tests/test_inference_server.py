@@ -157,3 +157,76 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
         replica.follower.start()
         st = wait_sync(c, lambda s: s["current_version"] == 4 and s["state"] == "following")
         assert c.post("/v1/completions", json=body).json()["weight_version"] == 4
+
+
+def test_trl_vllm_clients_talk_to_a_replica(tiny, tmp_path):  # type: ignore[no-untyped-def]
+    """TRL 1.16's own clients, unmodified, against a replica: GRPOTrainer's VLLMClient (batched
+    token-id prompts, return_tokens_as_token_ids, chat) and async GRPO's (readiness, max_model_len)."""
+    pytest.importorskip("trl")
+    from accelerate.state import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncVLLMClient
+    from trl.generation.vllm_client import VLLMClient
+
+    from sparsesync.checkpoint import load_checkpoint
+
+    bucket = str(tmp_path / "bucket")
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.publish(load_checkpoint(tiny), 3)
+        pub.flush()
+    replica = Replica(EmbeddedEngine(tiny), bucket, poll_interval=0.1)
+    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        wait_sync(c, lambda st: st["serving_version"] == 3)
+        PartialState()  # TRL's clients log through accelerate, as inside a trainer
+        async_client = AsyncVLLMClient(srv.url, server_timeout=10)
+        async_client.wait_for_server_ready(poll_interval_s=0.1)
+        assert async_client.get_max_model_len() == replica.engine.max_model_len > 0
+
+        client = VLLMClient(base_url=srv.url, connection_timeout=10)
+        assert client.model == replica.model_name
+        prompts = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 1}).json()["choices"][0]["prompt_token_ids"]
+                   for p in PROMPTS[:2]]
+        out = client.generate(prompts, n=2, temperature=0.0, top_k=5, min_p=0.05, repetition_penalty=1.2, max_tokens=5,
+                              generation_kwargs={"ignore_eos": True})
+        assert out["prompt_ids"] == prompts and len(out["completion_ids"]) == 4
+        for i, ids in enumerate(out["completion_ids"]):  # prompt-major; greedy: what one request of that prompt gives
+            one = c.post("/v1/completions", json={"prompt": prompts[i // 2], "max_tokens": 5, "temperature": 0.0, "top_k": 5,
+                                                  "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True}).json()
+            assert ids == one["choices"][0]["token_ids"] and one["weight_version"] == 3
+            assert out["logprob_token_ids"][i] == [[t] for t in ids]
+            assert [lp[0] for lp in out["logprobs"][i]] == pytest.approx(one["choices"][0]["logprobs"]["token_logprobs"])
+
+        chat = client.chat([[{"role": "user", "content": "Count to 5:"}]], n=1, temperature=0.0, max_tokens=4)
+        assert len(chat["completion_ids"]) == 1 and len(chat["logprobs"][0]) == len(chat["completion_ids"][0])
+        assert chat["prompt_ids"][0] == replica.engine.apply_chat_template([{"role": "user", "content": "Count to 5:"}])
+
+        # sampling fields the replica does not implement are refused with 400, never ignored
+        with pytest.raises(Exception, match="400.*logprobs=2: only the sampled token"):
+            client.generate(prompts, logprobs=2)
+        with pytest.raises(Exception, match="400.*top_logprobs=2: only the sampled token"):
+            client.chat([[{"role": "user", "content": "hi"}]], logprobs=2)
+        with pytest.raises(Exception, match="400.*presence_penalty"):
+            client.generate(prompts, generation_kwargs={"presence_penalty": 0.5})
+        with pytest.raises(Exception, match="400.*chat template"):
+            client.chat([[{"role": "user", "content": "hi"}]], chat_template="{{ messages }}")
+
+
+def test_top_k_min_p_and_repetition_penalty_are_honoured(tiny):  # type: ignore[no-untyped-def]
+    """Sampling at temperature 1 with top_k=1, or min_p=1, is greedy decoding whatever the seed;
+    a strong repetition penalty keeps greedy decoding from repeating a token."""
+    replica = Replica(EmbeddedEngine(tiny), None)
+    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        def ids(**fields):  # type: ignore[no-untyped-def]
+            body = {"prompt": PROMPTS[0], "max_tokens": 10, "ignore_eos": True, **fields}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        greedy = ids(temperature=0.0)
+        sampled = {tuple(ids(temperature=1.0, seed=s)) for s in range(4)}
+        assert sampled != {tuple(greedy)}  # plain sampling does differ from greedy here
+        for s in range(4):
+            assert ids(temperature=1.0, seed=s, top_k=1) == greedy
+            assert ids(temperature=1.0, seed=s, min_p=1.0) == greedy
+        assert len(set(greedy)) < len(greedy)  # this tiny model repeats itself greedily
+        penalised = ids(temperature=0.0, repetition_penalty=100.0)
+        assert len(set(penalised)) == len(penalised)

@@ -209,6 +209,7 @@ def test_async_grpo_weight_transfer_protocol(tiny_model: Path, tmp_path: Path, m
         rollout_worker=worker, weight_transfer=transfer,
     )
     assert trainer.weight_transfer is transfer
+    transfer.bind(trainer)
     # TRL's own train-begin callback: init_weight_transfer, the cold sync, then the worker starts
     trainer.callback_handler.on_train_begin(trainer.args, TrainerState(), TrainerControl())
     assert worker.started and worker.versions == [1] and transfer.version == 1
@@ -253,3 +254,192 @@ def test_callback_refuses_an_fsdp_sharded_model_before_training(tiny_model: Path
     finally:
         if ours:
             dist.destroy_process_group()
+
+
+# -- AsyncGRPOTrainer: versions = TRL's model_version, resume, the checkpoint's key set ---------
+
+def _async_trainer(model_dir: Path, out: Path, transfer: SparsesyncWeightTransfer, monkeypatch: pytest.MonkeyPatch,
+                   worker: object | None = None):  # noqa: ANN202
+    """A real AsyncGRPOTrainer built with `transfer` (bound to it) and an idle rollout worker."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as trl_async
+
+    monkeypatch.setattr(trl_async, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    args = AsyncGRPOConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=4,
+                           use_cpu=True, bf16=False, report_to="none", dtype="float32")
+    trainer = AsyncGRPOTrainer(
+        model=str(model_dir), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4}),
+        rollout_worker=worker or _IdleRolloutWorker(), weight_transfer=transfer,
+    )
+    transfer.bind(trainer)
+    return trainer
+
+
+def _train_begin(trainer) -> None:  # noqa: ANN001
+    """TRL's own train-begin callback: init_weight_transfer, the cold sync, the worker's start."""
+    from transformers import TrainerControl, TrainerState
+
+    trainer.callback_handler.on_train_begin(trainer.args, TrainerState(), TrainerControl())
+
+
+def _optimizer_step(model: torch.nn.Module, where: str = "layers.0.mlp", seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if where in name and p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+
+
+def test_weight_transfer_unbound_fails_before_publishing(tmp_path: Path) -> None:
+    from sparsesync.errors import ConfigError
+
+    transfer = SparsesyncWeightTransfer(str(tmp_path / "bucket"))
+    with pytest.raises(ConfigError, match=r"not bound to its trainer.*transfer.bind\(trainer\)"):
+        transfer.init_weight_transfer()
+    assert not (tmp_path / "bucket" / "commits").exists()
+
+
+def test_async_grpo_resume_continues_at_trls_model_version(tiny_model: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's `_inner_training_loop` restores `model_version` from the checkpoint's rollout_state.json
+    (it cannot train on CPU, so the test sets the restored value as TRL does)."""
+    from sparsesync.errors import ConfigError
+
+    bucket = tmp_path / "bucket"
+    first = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
+    _train_begin(first)
+    _optimizer_step(first.model)
+    first._sync_weight()
+    first.weight_transfer.destroy()
+    assert first.model_version == 2 and [c.version for c in Run(str(bucket)).commits()] == [1, 2]
+    saved = {k: v.clone() for k, v in first.model.state_dict().items()}  # the checkpoint at model_version 2
+
+    # resumed with the checkpoint's weights: version 3 is a delta from the version 2 it verified it holds
+    transfer = SparsesyncWeightTransfer(str(bucket), anchor_every=0)
+    resumed = _async_trainer(tiny_model, tmp_path / "out", transfer, monkeypatch)
+    resumed.model.load_state_dict(saved)
+    resumed.model_version = 2
+    _train_begin(resumed)
+    _optimizer_step(resumed.model, seed=1)
+    resumed._sync_weight()
+    transfer.destroy()
+    commits = Run(str(bucket)).commits()
+    assert resumed.model_version == 4 and [c.version for c in commits] == [1, 2, 3, 4]
+    assert [c.base_version for c in commits[2:]] == [2, 3] and not commits[2].has_anchor
+    follower = Follower(str(bucket))
+    assert follower.sync_once() == 4 and _bits_equal(follower.mirror, model_state(resumed.model))
+
+    # resumed with other weights at the run's newest version (saved between two syncs): an anchor
+    transfer = SparsesyncWeightTransfer(str(bucket), anchor_every=0)
+    other = _async_trainer(tiny_model, tmp_path / "out", transfer, monkeypatch)
+    other.model_version = 4
+    _train_begin(other)
+    transfer.destroy()
+    commits = Run(str(bucket)).commits()
+    assert [c.version for c in commits] == [1, 2, 3, 4, 5] and commits[-1].has_anchor
+    assert follower.sync_once() == 5 and _bits_equal(follower.mirror, model_state(other.model))
+
+    # resumed from an older checkpoint (model_version 3): refused before anything is published or trained
+    worker = _IdleRolloutWorker()
+    old = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket)), monkeypatch, worker)
+    old.model_version = 3
+    with pytest.raises(ConfigError) as e:
+        _train_begin(old)
+    msg = str(e.value)
+    assert "model_version is 3" in msg and "version 5" in msg and "new run URL" in msg, msg
+    assert not worker.started and [c.version for c in Run(str(bucket)).commits()] == [1, 2, 3, 4, 5]
+    old.weight_transfer.destroy()
+
+
+def _checkpoint_keys(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            keys |= set(sf.keys())
+    return keys
+
+
+def _publish_both_paths(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """Two versions each through SparsesyncWeightTransfer (one decoder layer frozen) and
+    SparsesyncCallback (an fp32 model); returns [(bucket, trained model), ...]."""
+    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState
+
+    keys = _checkpoint_keys(model_dir)
+    # AsyncGRPOTrainer + SparsesyncWeightTransfer, one decoder layer frozen
+    bucket = tmp_path / "async"
+    trainer = _async_trainer(model_dir, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
+    for name, p in trainer.model.named_parameters():
+        if "layers.1." in name:
+            p.requires_grad_(False)
+    streamed = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert keys - streamed  # TRL's stream really leaves tensors out
+    _train_begin(trainer)
+    _optimizer_step(trainer.model, where="layers.0")
+    trainer._sync_weight()
+    trainer.weight_transfer.destroy()
+
+    # SparsesyncCallback on an fp32 model (what GRPOTrainer hands it)
+    cb_bucket = tmp_path / "callback"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    cb = SparsesyncCallback(str(cb_bucket), anchor_every=0)
+    state = TrainerState()
+    cb.on_train_begin(None, state, TrainerControl(), model=model)
+    _optimizer_step(model, where="layers.1")
+    state.global_step = 1
+    cb.on_step_end(None, state, TrainerControl(), model=model)
+    cb.on_train_end(None, state, TrainerControl(), model=model)
+    runs = [(bucket, trainer.model), (cb_bucket, model)]
+    for run, _trained in runs:
+        for c in Run(str(run)).commits():
+            assert set(Run(str(run)).reconstruct(c.version)[1]) == keys, (run, c.version)
+    return runs
+
+
+def _follow(engine, runs) -> None:  # noqa: ANN001
+    """A replica of `engine` follows each run to its newest version: accepted, applied, bit-exact."""
+    from inference_space.replica import Replica
+
+    for run, trained in runs:
+        newest = Run(str(run)).commits()[-1].version
+        replica = Replica(engine, str(run))
+        assert replica.follower is not None and replica.follower.sync_once() == newest
+        status = replica.status()
+        assert status["state"] == "following" and status["serving_version"] == newest, status
+        assert _bits_equal(replica.follower.mirror, model_state(trained))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-tied"])
+def test_every_path_publishes_the_checkpoint_key_set_the_embedded_engine_takes(
+        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's stream leaves frozen parameters (a VLM's vision tower: here a frozen decoder layer)
+    and tied duplicates out; the callback reads state_dict() of an fp32 model, where the bf16 cast
+    separates a tied head from its embedding. Both publish the checkpoint's own key set, which
+    an embedded replica following the bucket loads and applies."""
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch=arch)
+    assert ("lm_head.weight" in _checkpoint_keys(model_dir)) == (arch == "qwen3")
+    runs = _publish_both_paths(model_dir, tmp_path, monkeypatch)
+    for run in runs:
+        _follow(EmbeddedEngine(model_dir), [run])
+
+
+@pytest.mark.vllm
+def test_vllm_engine_takes_the_key_set_of_every_path_for_a_tied_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from inference_space.engines.vllm_engine import VllmEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch="qwen3-tied")
+    runs = _publish_both_paths(model_dir, tmp_path, monkeypatch)
+    engine = VllmEngine(model_dir, kv_cache_memory_bytes=16 << 20)
+    try:
+        _follow(engine, runs)  # one engine follows one run, then the other (an anchor replaces its weights)
+    finally:
+        engine.close()

@@ -10,7 +10,9 @@ Two entry points, one per TRL trainer:
   region follow the bucket.
 
       from trl.experimental.async_grpo import AsyncGRPOTrainer
-      trainer = AsyncGRPOTrainer(model=..., args=..., weight_transfer=SparsesyncWeightTransfer("hf://buckets/me/run"))
+      transfer = SparsesyncWeightTransfer("hf://buckets/me/run")
+      trainer = AsyncGRPOTrainer(model=..., args=..., weight_transfer=transfer)
+      transfer.bind(trainer)  # versions = trainer.model_version; the model for frozen parameters
 
 - `SparsesyncCallback` is a `transformers.TrainerCallback` for the standard
   `trl.GRPOTrainer` (or any `Trainer`): it publishes the model's weights when training begins
@@ -18,14 +20,23 @@ Two entry points, one per TRL trainer:
 
       trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., callbacks=[SparsesyncCallback("/tmp/bucket")])
 
-Guarantees: each published version is exactly the `dtype` cast of the tensors handed over
-(base-checkpoint names: DDP's `module.` and PEFT's wrappers stripped, a PEFT adapter merged
-for the copy and unmerged after), so a follower reconstructs it bit for bit; `pause` and
+Guarantees: each published version is exactly the `dtype` cast of the tensors handed over, in
+the checkpoint's own key set (base-checkpoint names: DDP's `module.` and PEFT's wrappers
+stripped, a PEFT adapter merged for the copy and unmerged after; a tied head once; frozen
+parameters TRL's stream leaves out taken from the model, then from the previous version), so
+a follower reconstructs it bit for bit and both engines load it; `pause` and
 `resume` never block on replicas (with sparsesync a replica pauses only for its own local
 apply); publication never waits for the network except in `destroy` / `on_train_end`, which
 flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
 `SparsesyncWeightTransfer`, in `send_weights`, which then returns once n replicas report (bucket
 heartbeats) serving version k - `fleet_max_lag`. Only the main process publishes.
+
+Versions: `SparsesyncWeightTransfer` publishes version `model_version + 1` in each
+`send_weights`, the number TRL's trainer gives that policy once it returns, also after a
+resume (TRL restores `model_version` from the checkpoint); `init_weight_transfer` refuses,
+before training, a run that already holds newer versions and continues one that holds exactly
+`model_version` (deltas when the model's weights have that version's state digest, else an
+anchor). `SparsesyncCallback` publishes version `state.global_step`.
 
 Resume: `SparsesyncCallback` on a run that already has versions continues it when training
 starts at the run's newest version and the model's weights have that version's state digest
@@ -33,7 +44,8 @@ starts at the run's newest version and the model's weights have that version's s
 `on_train_begin`, before the first step, naming both versions and the fix.
 
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
-`send_weights`; the callback reads `model.state_dict()` on the main process and therefore
+`send_weights` (frozen parameters, which it does not stream, are read from the model on the
+main process: a sharded model with frozen parameters is refused at the first `send_weights`); the callback reads `model.state_dict()` on the main process and therefore
 needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
 `on_train_begin` (`sharding`).
 """
@@ -48,8 +60,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from sparsesync.codec import state_digest, tensor_digests
-from sparsesync.errors import ConfigError
+from sparsesync.checkpoint import checkpoint_state
+from sparsesync.errors import ConfigError, PatchMismatchError
 from sparsesync.protocol.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -65,16 +77,23 @@ def checkpoint_name(name: str) -> str | None:
 
 
 def inference_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """`{checkpoint name: tensor cast to dtype, contiguous, on CPU}`; a repeated name is an error."""
-    out: dict[str, torch.Tensor] = {}
-    for raw, t in named:
-        name = checkpoint_name(raw)
+    """`{checkpoint name: tensor cast to dtype, contiguous, on CPU}` in the checkpoint's own key
+    set (`checkpoint.checkpoint_state`): names sharing one storage, a tied LM head, are kept once
+    (the first) before the cast would give them separate storages. A repeated name is an error."""
+    return {name: t.to(device="cpu", dtype=dtype).contiguous() for name, t in _checkpoint_tensors(named).items()}
+
+
+def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`named` under checkpoint names, aliases kept once, not cast (see `inference_state`)."""
+    raw: dict[str, torch.Tensor] = {}
+    for raw_name, t in named:
+        name = checkpoint_name(raw_name)
         if name is None:
             continue
-        if name in out:
-            raise ConfigError(f"tensor {name!r} (from {raw!r}) was handed over twice in one weight update")
-        out[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
-    return out
+        if name in raw:
+            raise ConfigError(f"tensor {name!r} (from {raw_name!r}) was handed over twice in one weight update")
+        raw[name] = t.detach()
+    return checkpoint_state(raw)
 
 
 def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -133,10 +152,8 @@ def _refuse_sharded(model: torch.nn.Module | None) -> None:
 class _Versions:
     """A Publisher plus the version counter and the per-publish log both integrations share."""
 
-    def __init__(self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any],
-                 first_version: int = 0) -> None:
+    def __init__(self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any]) -> None:
         self.bucket = bucket
-        self.first_version = first_version
         self.dtype = dtype
         self.flush_timeout_s = flush_timeout_s
         self.publisher_options = dict(publisher_options)
@@ -150,7 +167,10 @@ class _Versions:
         if self.publisher is None:
             self.publisher = Publisher(self.bucket, **self.publisher_options)
 
-    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> int:
+    def publish(self, state: dict[str, torch.Tensor], version: int | None = None,
+                complete: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Publish `state` (the names checked against the previous call's); `complete`: the rest of
+        the checkpoint's key set (frozen tensors), published under `state` where given."""
         self.open()
         assert self.publisher is not None
         names = frozenset(state)
@@ -161,10 +181,12 @@ class _Versions:
         self.names = names
         if version is None:
             last = self.version if self.version is not None else self.publisher.committed_version
-            version = self.first_version if last is None else last + 1
+            version = 0 if last is None else last + 1
+        if complete is not None:
+            state = {**complete, **state}
         t0 = time.perf_counter()
         self.version = self.publisher.publish(state, version)
-        self.digest = state_digest(tensor_digests(state))
+        self.digest = self.publisher.state_digest
         self.log.append({"version": self.version, "publish_s": time.perf_counter() - t0, "state_digest": self.digest})
         return self.version
 
@@ -204,6 +226,11 @@ class _PublishedViews:
 class SparsesyncWeightTransfer(_PublishedViews):
     """TRL async GRPO `WeightTransferProtocol` over a sparsesync publisher (see module docstring).
 
+    Bind it to its trainer once built (`transfer.bind(trainer)`): each `send_weights` then
+    publishes version `trainer.model_version + 1`, the number TRL gives that policy right after,
+    and the first version this process publishes carries the whole checkpoint key set (TRL's
+    stream leaves frozen parameters out; later versions take them from the previous one).
+
     Args:
         bucket: run URL (local folder, `s3://bucket/prefix`, `hf://buckets/ns/name/prefix`).
         dtype: what the replicas receive (bf16 by default, whatever the trainer trains in).
@@ -220,28 +247,94 @@ class SparsesyncWeightTransfer(_PublishedViews):
         if fleet_min_replicas < 0 or fleet_max_lag < 0 or fleet_timeout_s <= 0:
             raise ConfigError(f"fleet_min_replicas={fleet_min_replicas}, fleet_max_lag={fleet_max_lag}, "
                               f"fleet_timeout_s={fleet_timeout_s}: expected >= 0, >= 0 and > 0")
-        # version k = the k-th update, matching the `model_version` TRL tags rollouts with
-        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options, first_version=1)
+        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options)
         self._fleet = (fleet_min_replicas, fleet_max_lag, fleet_timeout_s)
+        self._trainer: Any = None
         self.pauses = 0
         self.resumes = 0
 
+    def bind(self, trainer: Any) -> SparsesyncWeightTransfer:
+        """Take versions (`model_version`) and the full model from `trainer`, the
+        `AsyncGRPOTrainer` built with this transfer. Required before training; returns self."""
+        self._trainer = trainer
+        return self
+
+    def _bound(self) -> Any:
+        if self._trainer is None:
+            raise ConfigError(
+                "SparsesyncWeightTransfer is not bound to its trainer: it needs TRL's model_version (the version "
+                "numbers) and the model (frozen parameters TRL does not stream)",
+                hint="call transfer.bind(trainer) after building the AsyncGRPOTrainer, before trainer.train()",
+            )
+        return self._trainer
+
+    def _model(self) -> torch.nn.Module:
+        trainer = self._bound()
+        return trainer.accelerator.unwrap_model(trainer.model)
+
     def init_weight_transfer(self) -> None:
-        """Open the publisher (claims the run's writer epoch). Called once on train begin."""
+        """Open the publisher (claims the run's writer epoch) and line the run up with TRL's
+        `model_version` m (restored from the checkpoint on resume), before any training step:
+        a run whose newest version c is m continues (deltas from c when the model holds exactly
+        version c, checked by state digest, else an anchor at m + 1); a newer run (c > m) is
+        refused, naming both versions and the fix; an older or empty one gets an anchor."""
+        m = int(self._bound().model_version)
         self._v.open()
+        pub = self._v.publisher
+        assert pub is not None
+        c, url = pub.committed_version, self._v.bucket
+        if c is None or c < m:
+            return
+        if c > m:
+            raise ConfigError(
+                f"TRL's model_version is {m} but {url} already holds version {c}; versions {m + 1}..{c} would be "
+                f"published twice with different weights",
+                hint=f"resume from the newest checkpoint (its rollout_state.json has model_version {c}; TRL restores it "
+                     f"only with an AsyncRolloutWorker such as SparsesyncRolloutWorker) or publish to a new run URL",
+            )
+        try:
+            pub.resume(model_state(self._model(), self._v.dtype))
+        except PatchMismatchError:
+            log.info("sparsesync: the model does not hold version %d of %s (a checkpoint saved between weight "
+                     "syncs): version %d is an anchor", c, url, m + 1)
+            return
+        self._v.version, self._v.digest = c, pub.state_digest
+        log.info("sparsesync: continuing %s from its version %d", url, c)
 
     def pause(self) -> None:
         """Nothing to pause: replicas keep generating and pause only for their own local apply."""
         self.pauses += 1
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Publish the streamed `(name, tensor)` pairs as the next version (diff+encode here,
-        upload in the background). The k-th call publishes version k on a fresh run, the number
-        TRL's trainer tags the rollouts of that policy with (`model_version`)."""
-        version = self._v.publish(inference_state(iterator, self._v.dtype))
+        """Publish the streamed `(name, tensor)` pairs as version `model_version + 1` (diff+encode
+        here, upload in the background), the number TRL tags the rollouts of that policy with
+        once this returns; with `fleet_min_replicas`, return only once replicas serve it."""
+        version = int(self._bound().model_version) + 1
+        stream = inference_state(iterator, self._v.dtype)
+        self._v.open()
+        assert self._v.publisher is not None
+        complete = None
+        if self._v.publisher.state_digest is None:  # first version here: the whole key set (frozen included)
+            complete = self._frozen(stream)
+        version = self._v.publish(stream, version, complete=complete)
         min_replicas, max_lag, timeout = self._fleet
-        if min_replicas and self._v.publisher is not None:
+        if min_replicas:
             self._v.publisher.wait_for_fleet(max(version - max_lag, 0), min_replicas, timeout)
+
+    def _frozen(self, stream: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of the bound model that TRL's stream left out (frozen parameters),
+        cast like the stream; read on the main process, so refused for a sharded model that has any."""
+        model = self._model()
+        why = sharding(model)
+        if why is not None:
+            frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+            if frozen:
+                raise ConfigError(f"{len(frozen)} frozen parameter(s) ({frozen[0]!r}, ...) are not streamed by TRL and "
+                                  f"cannot be read from a sharded model ({why})",
+                                  hint="train with a single process or DDP, or leave no parameter frozen")
+            return {}
+        held = _checkpoint_tensors(model.state_dict().items())  # TRL merged an adapter already
+        return {n: t.to(device="cpu", dtype=self._v.dtype).contiguous() for n, t in held.items() if n not in stream}
 
     def resume(self) -> None:
         """Nothing to resume (see `pause`)."""
@@ -302,7 +395,7 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         assert self._v.publisher is not None
         self._v.publisher.resume(weights)  # PatchMismatchError unless the state digests match
         self._v.version, self._v.names = committed, frozenset(weights)
-        self._v.digest = state_digest(tensor_digests(weights))
+        self._v.digest = self._v.publisher.state_digest
         log.info("sparsesync: continuing %s from its version %d", url, committed)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:

@@ -274,6 +274,11 @@ class Publisher:
         return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead).apply_at
 
     @property
+    def state_digest(self) -> str | None:
+        """State digest of the newest version this publisher published or resumed from."""
+        return self._snapshot.state_digest if self._snapshot is not None else None
+
+    @property
     def pending(self) -> int:
         """Versions published but not yet committed."""
         with self._cv:

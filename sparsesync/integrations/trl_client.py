@@ -1,0 +1,201 @@
+"""TRL's `GRPOTrainer` in vLLM server mode on sparsesync: weights through the bucket, no NCCL.
+
+`GRPOTrainer(args=GRPOConfig(use_vllm=True, vllm_mode="server"))` builds TRL's `VLLMClient`,
+opens an NCCL communicator to one vLLM server and streams every parameter into it before each
+generation; it has no hook to change that transport. `SparsesyncVLLMClient` is a drop-in for
+that client (the methods `VLLMGeneration` calls in server mode), installed while the trainer is
+built by `sparsesync_server_mode`:
+
+    with sparsesync_server_mode("hf://buckets/me/run", replicas=["http://r1:7860", "http://r2:7860"]):
+        trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="server", ...), ...)
+    trainer.train()
+
+- `init_communicator` opens a sparsesync `Publisher` (no communicator, no `/server_info`).
+- `update_named_params` publishes the streamed parameters as the run's next version (a delta;
+  the first version this process writes is an anchor, also when it continues an existing run),
+  waits for the upload, then until every replica in `replicas` serves that version (`/health`),
+  so the generation that follows is on-policy exactly as with NCCL.
+- `generate` sends each prompt to a replica (`/v1/completions`, round-robin client-side:
+  no extra service; several replicas behind one trainer) and returns TRL's output shape
+  (`prompt_ids`, `completion_ids`, sampled-token `logprobs` / `logprob_token_ids`). Every answer
+  must come from the version last published: a replica answering with another version raises
+  `ProtocolError` rather than hand TRL off-policy samples.
+- The replica's logprobs are of the raw distribution (`get_server_info` says `raw_logprobs`, so
+  TRL warns about its importance-sampling correction, as it does for a vLLM server started so).
+
+Published key set: TRL streams `named_parameters()`, frozen parameters included and a tied
+head once, in checkpoint names (PEFT adapters merged by TRL before the stream).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import torch
+
+from sparsesync.errors import ConfigError, ProtocolError
+from sparsesync.integrations.trl import _Versions, inference_state
+from sparsesync.integrations.trl_rollout import parse_replica_urls
+
+log = logging.getLogger(__name__)
+
+
+class SparsesyncVLLMClient:
+    """TRL `VLLMClient` drop-in publishing to `bucket` and generating on `replicas` (see module docstring).
+
+    Args:
+        bucket: run URL.
+        replicas: replica base URLs (a list or comma-separated string).
+        dtype: what the replicas receive.
+        sync_timeout_s: how long `update_named_params` waits for the upload and the replicas.
+        request_timeout_s: per generation request.
+        max_concurrent_requests: prompts generated at the same time.
+        **publisher_options: `PublisherConfig` fields.
+    """
+
+    def __init__(self, bucket: str, replicas: str | Sequence[str], *, dtype: torch.dtype = torch.bfloat16,
+                 sync_timeout_s: float = 300.0, request_timeout_s: float = 300.0, max_concurrent_requests: int = 16,
+                 **publisher_options: Any) -> None:
+        self.replicas = parse_replica_urls(replicas)
+        self._v = _Versions(bucket, dtype, sync_timeout_s, publisher_options)
+        self.sync_timeout_s = sync_timeout_s
+        self._http = httpx.Client(timeout=request_timeout_s)
+        self._next = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen")
+        self.served: list[int | None] = []  # the weight version of every generate() call, in order
+        self.base_url = self.replicas[0]
+        self.model = self._get(self.replicas[0], "/v1/models")["data"][0]["id"]
+
+    # -- what TRL's VLLMGeneration calls ------------------------------------------------
+    def init_communicator(self, device: Any = 0) -> None:
+        """Open the publisher (claims the run's writer epoch). No communicator: nothing to open."""
+        self._v.open()
+
+    def get_server_info(self) -> dict[str, Any]:
+        """What TRL reads of vLLM's `/server_info`: the replicas return raw-distribution logprobs."""
+        return {"model_config": {"logprobs_mode": "raw_logprobs"}}
+
+    def update_named_params(self, metadata: Any, iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Publish the streamed parameters as the next version; return once every replica serves it."""
+        version = self._v.publish(inference_state(iterator, self._v.dtype))
+        assert self._v.publisher is not None
+        self._v.publisher.flush(self.sync_timeout_s)
+        self._wait_for_replicas(version)
+        log.info("sparsesync: version %d published to %s, served by %d replica(s)", version, self._v.bucket, len(self.replicas))
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to do: a replica's engine drops its cached state when it applies a version."""
+
+    def generate(self, prompts: list[str] | list[list[int]], features: Any = None, n: int = 1,
+                 repetition_penalty: float = 1.0, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, max_tokens: int = 16, logprobs: int | None = 0,
+                 structured_outputs_regex: str | None = None, generation_kwargs: dict | None = None) -> dict[str, Any]:
+        """TRL's `VLLMClient.generate`: `n` completions per prompt, prompt-major."""
+        if features is not None or structured_outputs_regex is not None:
+            raise ConfigError("image features and structured outputs are not supported by sparsesync replicas",
+                              hint="use text prompts without structured_outputs_regex")
+        body: dict[str, Any] = {"n": n, "repetition_penalty": repetition_penalty, "temperature": temperature,
+                                "top_p": top_p, "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens,
+                                "logprobs": 0 if logprobs is None else logprobs, **(generation_kwargs or {})}
+        body = {k: v for k, v in body.items() if v is not None}  # TRL's unset fields: the replica's defaults
+        replies = list(self._pool.map(lambda p: self._complete({**body, "prompt": p}), prompts))
+        choices = [c for r in replies for c in r["choices"]]
+        versions = {c["weight_version"] for c in choices}
+        expected = self._v.version
+        if expected is not None and versions != {expected}:
+            raise ProtocolError(f"replicas answered with weight versions {sorted(versions, key=str)} after version "
+                                f"{expected} was published", hint="replicas must follow this run's bucket")
+        self.served.append(versions.pop() if len(versions) == 1 else None)
+        lps = None if logprobs is None else [[[lp] for lp in c["logprobs"]["token_logprobs"]] for c in choices]
+        ids = None if logprobs is None else [[[t] for t in c["token_ids"]] for c in choices]
+        return {"prompt_ids": [r["choices"][0]["prompt_token_ids"] for r in replies],
+                "completion_ids": [c["token_ids"] for c in choices], "logprobs": lps, "logprob_token_ids": ids}
+
+    def close_communicator(self) -> None:
+        """Flush the last version and close the publisher and the HTTP client."""
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._v.close()
+        finally:
+            self._pool.shutdown(wait=False)
+            self._http.close()
+
+    @property
+    def version(self) -> int | None:
+        """Newest version published."""
+        return self._v.version
+
+    # -- internals ------------------------------------------------------------------------
+    def _get(self, url: str, path: str) -> dict[str, Any]:
+        r = self._http.get(f"{url}{path}")
+        r.raise_for_status()
+        return r.json()
+
+    def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to the next replica; a failed attempt goes to the next one (each replica once)."""
+        error: Exception | None = None
+        for _ in range(len(self.replicas)):
+            url = self.replicas[next(self._next) % len(self.replicas)]
+            try:
+                r = self._http.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError as e:
+                error = e
+                continue
+            if r.status_code == 200:
+                return r.json()
+            if r.status_code < 500:  # the request's fault: every replica would refuse it
+                raise ConfigError(f"replica {url} refused the generation request ({r.status_code}): {r.text[:300]}")
+            error = ProtocolError(f"replica {url} answered {r.status_code}: {r.text[:300]}")
+        raise ProtocolError(f"no replica of {self.replicas} answered: {error}")
+
+    def _wait_for_replicas(self, version: int) -> None:
+        deadline = time.monotonic() + self.sync_timeout_s
+        waiting = list(self.replicas)
+        seen: dict[str, Any] = {}
+        while waiting:
+            for url in list(waiting):
+                try:
+                    seen[url] = self._get(url, "/health").get("weight_version")
+                except httpx.HTTPError as e:
+                    seen[url] = f"unreachable ({type(e).__name__})"
+                if isinstance(seen[url], int) and seen[url] >= version:
+                    waiting.remove(url)
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise ProtocolError(f"after {self.sync_timeout_s} s, replicas {waiting} do not serve version "
+                                        f"{version} (they report {[seen[u] for u in waiting]})",
+                                        hint="check that they follow this run's bucket (GET /sync)")
+                time.sleep(0.05)
+
+
+@contextmanager
+def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = None, **options: Any) -> Iterator[None]:
+    """While open, a `GRPOTrainer` built with `use_vllm=True, vllm_mode="server"` gets a
+    `SparsesyncVLLMClient(bucket, replicas, **options)` instead of TRL's `VLLMClient` (`replicas`
+    default: the config's `vllm_server_base_url`, which may list several, comma-separated).
+    TRL has no setting for its client class: this swaps the name in `trl.generation.vllm_generation`
+    for the duration of the block and puts it back after."""
+    import trl.generation.vllm_generation as generation
+
+    original = generation.VLLMClient
+
+    def _client(base_url: str | None = None, **_: Any) -> SparsesyncVLLMClient:
+        urls = replicas if replicas is not None else base_url
+        if urls is None:
+            raise ConfigError("no replica URLs", hint="pass replicas= or set vllm_server_base_url in GRPOConfig")
+        return SparsesyncVLLMClient(bucket, urls, **options)
+
+    generation.VLLMClient = _client  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        generation.VLLMClient = original  # type: ignore[misc]
