@@ -23,7 +23,7 @@
  *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
  *   hw_levels() -> list[int]
  *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
- *       AMD Zen 1/2), 2 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
+ *       AMD Zen 1/2), 2 AVX2 class masks, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
  *       default: the best level); every level gives the same result (the tests run them all).
  *   rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes
  *   rans_decode(data, counts, count_offsets, segment_offsets, out) -> status
@@ -66,14 +66,15 @@
 #include <emmintrin.h>
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h> /* BMI2 and AVX-512, used only where the CPU has them (see HW levels) */
+#include <immintrin.h> /* BMI2, AVX2 and AVX-512, used only where the CPU has them (see HW levels) */
 #define SS_X86 1
 #define T512 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+#define T256 __attribute__((target("avx2,bmi2,popcnt")))
 #endif
 
 /* HW levels: which instructions a pass may use. Each level computes the same result; tests run
  * every level the CPU has (`hw_levels()`), and callers get the best one (hw=-1). */
-enum { HW_PORTABLE = 0, HW_BMI2 = 1, HW_AVX512 = 2 };
+enum { HW_PORTABLE = 0, HW_BMI2 = 1, HW_AVX2 = 2, HW_AVX512 = 3 };
 static int HW_BEST = HW_PORTABLE;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the patch format is little-endian; this file reads it with native loads"
@@ -160,6 +161,38 @@ static inline __attribute__((always_inline)) void class_masks(const uint8_t *p, 
 typedef void (*masks_fn)(const uint8_t *, int, int64_t, int, const int *, int, uint64_t *);
 
 #ifdef SS_X86
+/* The same masks with AVX2 for full blocks of 2- and 4-byte elements (bf16, fp16, fp32): the
+ * 64 keys in two vectors of 32, then one compare and movemask per vector and threshold. */
+T256 static inline __attribute__((always_inline)) void class_masks_avx2(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
+    if (cnt != 64 || (w != 2 && w != 4)) {
+        class_masks(p, w, start, cnt, thr, nt, m);
+        return;
+    }
+    const __m256i *s = (const __m256i *)(p + start * w);
+    const __m256i low7 = _mm256_set1_epi8(0x7f);
+    __m256i k[2];
+    for (int h = 0; h < 2; h++) {
+        if (w == 2) { /* 2 x 16 halfwords -> their high bytes; packus interleaves 64-bit groups, the permute restores order */
+            __m256i v0 = _mm256_srli_epi16(_mm256_loadu_si256(s + 2 * h), 8), v1 = _mm256_srli_epi16(_mm256_loadu_si256(s + 2 * h + 1), 8);
+            k[h] = _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8);
+        } else { /* 4 x 8 words -> their top bytes; the two packs interleave 32-bit groups */
+            __m256i v0 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h), 24), v1 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 1), 24);
+            __m256i v2 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 2), 24), v3 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 3), 24);
+            __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+            k[h] = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        }
+        k[h] = _mm256_and_si256(k[h], low7);
+    }
+    uint64_t prev = ~0ULL;
+    for (int c = 0; c < nt; c++) {
+        __m256i tv = _mm256_set1_epi8((char)(thr[c] - 1));
+        uint64_t ge = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(k[0], tv)) | (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(k[1], tv)) << 32;
+        m[c] = prev & ~ge;
+        prev = ge;
+    }
+    m[nt] = prev;
+}
+
 /* The same masks with AVX-512BW: compare (bits & magnitude) >= threshold << (8 * w - 8) on
  * whole lanes, 64 bytes at a time (a 64-element block is 1, 2, 4 or 8 vectors). */
 T512 static inline __attribute__((always_inline)) void class_masks_512(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
@@ -264,6 +297,13 @@ static int ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt,
 }
 
 #ifdef SS_X86
+T256 static int ranks_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_avx2)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return 0;
+}
+
 T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
 #define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
@@ -343,6 +383,13 @@ static int select_sw(const uint8_t *p, int w, int64_t n, const int *thr, int nt,
 #ifdef SS_X86
 __attribute__((target("bmi2"))) static int select_bmi2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
 #define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return -1;
+}
+
+T256 static int select_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_avx2)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
@@ -726,6 +773,8 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
 #ifdef SS_X86
     if (hw == HW_AVX512)
         ok = ranks_512(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+    else if (hw == HW_AVX2)
+        ok = ranks_avx2(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
     else
 #endif
         ok = ranks_sse(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
@@ -779,6 +828,8 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
 #ifdef SS_X86
     if (hw == HW_AVX512)
         bad = select_512(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+    else if (hw == HW_AVX2)
+        bad = select_avx2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else if (hw == HW_BMI2)
         bad = select_bmi2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else
@@ -1413,7 +1464,7 @@ static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX-512)"},
+    {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX2, 3 AVX-512)"},
     {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)"},
     {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None"},
     {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
@@ -1447,8 +1498,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* pdep is microcoded (hundreds of cycles) on AMD before Zen 3: the portable path is faster there */
     if (__builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2")) {
         HW_BEST = HW_BMI2;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-            HW_BEST = HW_AVX512;
+        if (__builtin_cpu_supports("avx2")) {
+            HW_BEST = HW_AVX2;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                HW_BEST = HW_AVX512;
+        }
     }
 #endif
     return PyModule_Create(&module);
