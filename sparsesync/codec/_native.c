@@ -41,6 +41,11 @@
  *       Histogram (int64[128]) of the magnitude keys of the elements in [s, s + block) for s in starts.
  *   thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]
  *       The class thresholds of `_select.choose_thresholds` from its two key histograms (float64[128]).
+ *   varints(data, pos, count, hi) -> (list[int] | None, pos, value, status)
+ *       `count` LEB128 varints from byte `pos` (at most 9 bytes each, no overlong forms, each
+ *       at most `hi`): (values, the byte after the last, 0, 0), or (None, where reading
+ *       stopped, the value read, status): 1 the data ends, 2 overlong, 3 over `hi`, 4 longer
+ *       than 9 bytes.
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
@@ -1019,19 +1024,68 @@ static PyObject *py_put(PyObject *self, PyObject *args) {
     const uint8_t *vp = vb.buf;
     int keep = oldb.len > 0;
     Py_BEGIN_ALLOW_THREADS
-    if (keep) {
-#define CALL(W) COPY_LOOP(W, op + i * W, dp + idx[i] * W)
+    if (keep) { /* one pass: each element's old bits are read where they are overwritten */
+#define CALL(W) for (int64_t i = 0; i < ni; i++) { memcpy(op + i * W, dp + idx[i] * W, W); memcpy(dp + idx[i] * W, vp + i * W, W); }
+        DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    } else {
+#define CALL(W) COPY_LOOP(W, dp + idx[i] * W, vp + i * W)
         DISPATCH_WIDTH(w, CALL)
 #undef CALL
     }
-#define CALL(W) COPY_LOOP(W, dp + idx[i] * W, vp + i * W)
-    DISPATCH_WIDTH(w, CALL)
-#undef CALL
     Py_END_ALLOW_THREADS
     res = Py_None;
     Py_INCREF(res);
 done:
     RELEASE(&dst, &ib, &vb, &oldb);
+    return res;
+}
+
+/* ------------------------------------------------------------------------ varints (the format-3 table) */
+static PyObject *py_varints(PyObject *self, PyObject *args) {
+    Py_buffer d;
+    Py_ssize_t pos, count;
+    unsigned long long hi;
+    if (!PyArg_ParseTuple(args, "y*nnK", &d, &pos, &count, &hi)) return NULL;
+    PyObject *out = NULL, *res = NULL;
+    if (pos < 0 || count < 0 || count > d.len) {
+        PyErr_SetString(PyExc_ValueError, "varints: pos or count out of range");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (!out) goto done;
+    const uint8_t *p = d.buf;
+    int status = 0;
+    uint64_t v = 0;
+    for (Py_ssize_t i = 0; i < count && !status; i++) {
+        v = 0;
+        int shift = 0, end = 0;
+        for (int j = 0; j < 9 && !end; j++) {
+            if (pos >= d.len) {
+                status = 1;
+                break;
+            }
+            uint8_t b = p[pos++];
+            v |= (uint64_t)(b & 0x7F) << shift;
+            shift += 7;
+            if (!(b & 0x80)) {
+                end = 1;
+                if (b == 0 && shift > 7) status = 2;
+                else if (v > hi) status = 3;
+            }
+        }
+        if (!status && !end) status = 4;
+        if (!status) {
+            PyObject *x = PyLong_FromUnsignedLongLong(v);
+            if (!x) goto done;
+            PyList_SET_ITEM(out, i, x);
+        }
+    }
+    if (status) res = Py_BuildValue("OnKi", Py_None, pos, (unsigned long long)v, status);
+    else res = Py_BuildValue("OnKi", out, pos, 0ULL, 0);
+done:
+    Py_XDECREF(out);
+    PyBuffer_Release(&d);
     return res;
 }
 
@@ -1475,6 +1529,7 @@ static PyMethodDef methods[] = {
     {"escape_costs", py_escape_costs, METH_VARARGS, "escape_costs(hists, raw_bits, out_bits, out_e) -> None"},
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
+    {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},

@@ -58,7 +58,7 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def np_uint_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy unsigned dtype holding one element's bits of `dtype`."""
-    return np.dtype(_NP_UINT[torch.empty((), dtype=dtype).element_size()])
+    return np.dtype(_NP_UINT[dtype.itemsize])
 
 
 def to_np_bits(t: torch.Tensor) -> np.ndarray:
