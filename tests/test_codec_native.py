@@ -63,6 +63,24 @@ def test_changed_slice_grows_again_when_the_density_rises():
     assert np.array_equal(idx, want) and np.array_equal(va, a[want]) and np.array_equal(vb, b[want])
 
 
+@pytest.mark.parametrize("hw", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [0, 15, 16, 17, 1001, 5000])
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
+def test_diff_into_gives_the_same_at_every_hw_level(hw, n, density):
+    _need(hw)
+    rng = np.random.default_rng(n + int(density * 100))
+    a = _bits(rng, n, 2)
+    b = _flip(rng, a, density)
+    want = np.flatnonzero(a != b)
+    got, start = [], 0
+    while start < n:  # outputs of 40: the vector steps run, then the scalar ones as they fill
+        oi, oa, ob = np.empty(40, np.int64), np.empty(40, a.dtype), np.empty(40, a.dtype)
+        k, start = _native.diff_into(a, b, 2, start, 5, oi, oa, ob, hw)
+        assert np.array_equal(oa[:k], a[oi[:k] - 5]) and np.array_equal(ob[:k], b[oi[:k] - 5])
+        got.append(oi[:k] - 5)
+    assert np.array_equal(np.concatenate(got) if got else np.zeros(0, np.int64), want)
+
+
 def test_diff_into_rejects_mismatched_sides():
     a = np.zeros(8, np.uint16)
     out = np.empty(8, np.int64), np.empty(8, np.uint16), np.empty(8, np.uint16)

@@ -9,7 +9,7 @@
  * protocol (numpy arrays, bytes); nothing here allocates Python objects in the hot loops.
  * Built by setup.py (the definition is in _build.py).
  *
- *   diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)
+ *   diff_into(a, b, width, start, offset, out_idx, out_a, out_b[, hw]) -> (count, next)
  *       Bitwise compare of two element arrays (`width` bytes per element). Writes the flat
  *       indices plus `offset` (int64) and both sides' bits of changed elements from element
  *       `start` on, in order, until the outputs are full; returns how many it wrote and where
@@ -23,7 +23,7 @@
  *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
  *   hw_levels() -> list[int]
  *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
- *       AMD Zen 1/2), 2 AVX2 class masks, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
+ *       AMD Zen 1/2), 2 AVX2 class masks and 2-byte diff, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
  *       default: the best level); every level gives the same result (the tests run them all).
  *   rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes
  *   rans_decode(data, counts, count_offsets, segment_offsets, out) -> status
@@ -465,6 +465,37 @@ static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, co
     return k;
 }
 
+#ifdef SS_X86
+/* diff_w for 2-byte elements with AVX2: 16 elements compared per step, and only the changed
+ * ones written (pext turns the byte mask into one bit per element); the tail, and the last
+ * steps before the outputs fill, go through diff_w. Same outputs as diff_w. */
+T256 static int64_t diff2_avx2(const uint8_t *a, const uint8_t *b, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
+    const uint16_t *pa = (const uint16_t *)a, *pb = (const uint16_t *)b;
+    uint16_t *qa = (uint16_t *)oa, *qb = (uint16_t *)ob;
+    int64_t k = 0, e = start;
+    while (e + 16 <= n && k + 16 <= cap) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(pa + e)), y = _mm256_loadu_si256((const __m256i *)(pb + e));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, y));
+        if (m) {
+            uint32_t bits = _pext_u32(m, 0x55555555u);
+            while (bits) {
+                int j = __builtin_ctz(bits);
+                oi[k] = base + e + j;
+                qa[k] = pa[e + j];
+                qb[k] = pb[e + j];
+                k++;
+                bits &= bits - 1;
+            }
+        }
+        e += 16;
+    }
+    int64_t rest = e;
+    k += diff_w(a, b, 2, n, e, base, cap - k, oi + k, oa + 2 * k, ob + 2 * k, &rest);
+    *next = rest;
+    return k;
+}
+#endif
+
 /* ------------------------------------------------------------------------ thresholds */
 static double xlogx_cost(double t, double c) { /* bits to code c changes among t elements */
     t = t > c ? t : c;
@@ -717,9 +748,10 @@ static PyObject *py_diff_into(PyObject *self, PyObject *args) {
     Py_buffer a, b, oi, oa, ob;
     int w;
     long long start, base;
-    if (!PyArg_ParseTuple(args, "y*y*iLLw*w*w*", &a, &b, &w, &start, &base, &oi, &oa, &ob)) return NULL;
+    int hw = -1;
+    if (!PyArg_ParseTuple(args, "y*y*iLLw*w*w*|i", &a, &b, &w, &start, &base, &oi, &oa, &ob, &hw)) return NULL;
     PyObject *res = NULL;
-    if (check_width(w) < 0) goto done;
+    if (check_width(w) < 0 || (hw = parse_hw(hw)) < 0) goto done;
     if (a.len != b.len || a.len % w) {
         PyErr_Format(PyExc_ValueError, "sides hold %zd and %zd bytes, expected equal multiples of %d", a.len, b.len, w);
         goto done;
@@ -734,9 +766,16 @@ static PyObject *py_diff_into(PyObject *self, PyObject *args) {
     }
     int64_t k = 0, next = start;
     Py_BEGIN_ALLOW_THREADS
+#ifdef SS_X86
+    if (w == 2 && hw >= HW_AVX2)
+        k = diff2_avx2(a.buf, b.buf, n, start, base, cap, oi.buf, oa.buf, ob.buf, &next);
+    else
+#endif
+    {
 #define CALL(W) k = diff_w(a.buf, b.buf, W, n, start, base, cap, oi.buf, oa.buf, ob.buf, &next)
-    DISPATCH_WIDTH(w, CALL)
+        DISPATCH_WIDTH(w, CALL)
 #undef CALL
+    }
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("LL", (long long)k, (long long)next);
 done:
@@ -1519,7 +1558,7 @@ static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX2, 3 AVX-512)"},
-    {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)"},
+    {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b[, hw]) -> (count, next)"},
     {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None"},
     {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
     {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
