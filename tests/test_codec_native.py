@@ -54,6 +54,33 @@ def test_changed_slice_grows_its_outputs(density):
     assert np.array_equal(idx, want + 7) and np.array_equal(va, a[want]) and np.array_equal(vb, b[want])
 
 
+def test_changed_slice_grows_again_when_the_density_rises():
+    rng = np.random.default_rng(2)
+    a = _bits(rng, 400_000, 2)
+    b = np.concatenate([_flip(rng, a[:200_000], 0.01), _flip(rng, a[200_000:], 0.9)])  # the first growth predicts too few
+    idx, va, vb = _changed_slice_np(a, b, 0)
+    want = np.flatnonzero(a != b)
+    assert np.array_equal(idx, want) and np.array_equal(va, a[want]) and np.array_equal(vb, b[want])
+
+
+@pytest.mark.parametrize("hw", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [0, 15, 16, 17, 1001, 5000])
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
+def test_diff_into_gives_the_same_at_every_hw_level(hw, n, density):
+    _need(hw)
+    rng = np.random.default_rng(n + int(density * 100))
+    a = _bits(rng, n, 2)
+    b = _flip(rng, a, density)
+    want = np.flatnonzero(a != b)
+    got, start = [], 0
+    while start < n:  # outputs of 40: the vector steps run, then the scalar ones as they fill
+        oi, oa, ob = np.empty(40, np.int64), np.empty(40, a.dtype), np.empty(40, a.dtype)
+        k, start = _native.diff_into(a, b, 2, start, 5, oi, oa, ob, hw)
+        assert np.array_equal(oa[:k], a[oi[:k] - 5]) and np.array_equal(ob[:k], b[oi[:k] - 5])
+        got.append(oi[:k] - 5)
+    assert np.array_equal(np.concatenate(got) if got else np.zeros(0, np.int64), want)
+
+
 def test_diff_into_rejects_mismatched_sides():
     a = np.zeros(8, np.uint16)
     out = np.empty(8, np.int64), np.empty(8, np.uint16), np.empty(8, np.uint16)
@@ -71,7 +98,7 @@ def _ref_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray) -> list
     return [(np.cumsum(cls == c) - 1)[idx[cls[idx] == c]] for c in range(len(thresholds) + 1)]
 
 
-HW = [0, 1, 2]  # portable; BMI2's pdep; AVX-512BW class masks (each run where the CPU has it)
+HW = [0, 1, 2, 3]  # portable; BMI2's pdep; AVX2 class masks; AVX-512BW class masks (each run where the CPU has it)
 
 
 def _need(hw: int) -> None:
@@ -103,7 +130,7 @@ def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
 
 def test_hw_levels_start_portable_and_unknown_levels_are_refused():
     levels = _native.hw_levels()
-    assert levels == list(range(len(levels))) and 1 <= len(levels) <= 3
+    assert levels == list(range(len(levels))) and 1 <= len(levels) <= 4
     base, idx = np.zeros(64, np.uint16), np.array([1], np.int64)
     with pytest.raises(ValueError, match="hw level 7"):
         _native.class_ranks(base, 2, b"", idx, np.array([0, 1], np.int64), np.empty(1, np.int64), 7)

@@ -37,6 +37,15 @@ def key_of(bits: np.ndarray) -> np.ndarray:
     return _top_byte(bits) & np.uint8(0x7F)
 
 
+def key_counts(bits: np.ndarray) -> np.ndarray:
+    """How many elements of `bits` have each 7-bit magnitude key (int64[128]; one C pass, no
+    temporaries). For uint8 class indices (< 128) that is how many elements each class has."""
+    out = np.empty(128, dtype=np.int64)
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    _native.key_hist(flat, flat.dtype.itemsize, np.zeros(1, dtype=np.int64), flat.size, out)
+    return out
+
+
 def class_of(bits: np.ndarray, thresholds: list[int]) -> np.ndarray:
     """Class index of each element (uint8) for the given thresholds (one C pass)."""
     out = np.empty(bits.size, dtype=np.uint8)
@@ -53,7 +62,7 @@ def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, cls: n
     """Per class c: the rank of each changed element of class c (`cls`, from `class_of` of the
     base at `idx`) among all members of class c in `base`, in index order. `idx`: sorted, unique."""
     k = len(thresholds) + 1
-    off = offsets(np.bincount(cls, minlength=k))
+    off = offsets(key_counts(cls)[:k])
     out = np.empty(idx.size, dtype=np.int64)
     _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(idx, dtype=np.int64), off, out)
     return np.split(out, off[1:-1])

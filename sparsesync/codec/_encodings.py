@@ -14,7 +14,7 @@ import numpy as np
 import zstandard
 
 from sparsesync.codec import _native
-from sparsesync.codec._classes import class_of, class_ranks, class_select, key_of, offsets  # noqa: F401 - key_of re-exported
+from sparsesync.codec._classes import class_of, class_ranks, class_select, key_counts, key_of, offsets  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
 _MAX_WINDOW = 1 << 27  # zstd window a hostile frame may ask for (our frames use far less)
@@ -410,7 +410,7 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     base = np.ascontiguousarray(ctx.base_bits(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx))
     n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
-    sizes = np.bincount(cls, minlength=n_cls).tolist() if thresholds else [base.size]
+    sizes = key_counts(cls)[:n_cls].tolist() if thresholds else [base.size]
     sym, sofs = ans_decode(ctx, "delta", streams.get("delta", b""), list(zip(counts_all, sizes)))
     es = np.array([len(c) - 1 for c in counts_all], dtype=np.int64)
     esc_data = streams.get("delta_escape", b"")

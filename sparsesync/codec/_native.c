@@ -9,7 +9,7 @@
  * protocol (numpy arrays, bytes); nothing here allocates Python objects in the hot loops.
  * Built by setup.py (the definition is in _build.py).
  *
- *   diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)
+ *   diff_into(a, b, width, start, offset, out_idx, out_a, out_b[, hw]) -> (count, next)
  *       Bitwise compare of two element arrays (`width` bytes per element). Writes the flat
  *       indices plus `offset` (int64) and both sides' bits of changed elements from element
  *       `start` on, in order, until the outputs are full; returns how many it wrote and where
@@ -23,7 +23,7 @@
  *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
  *   hw_levels() -> list[int]
  *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
- *       AMD Zen 1/2), 2 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
+ *       AMD Zen 1/2), 2 AVX2 class masks and 2-byte diff, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
  *       default: the best level); every level gives the same result (the tests run them all).
  *   rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes
  *   rans_decode(data, counts, count_offsets, segment_offsets, out) -> status
@@ -41,6 +41,11 @@
  *       Histogram (int64[128]) of the magnitude keys of the elements in [s, s + block) for s in starts.
  *   thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]
  *       The class thresholds of `_select.choose_thresholds` from its two key histograms (float64[128]).
+ *   varints(data, pos, count, hi) -> (list[int] | None, pos, value, status)
+ *       `count` LEB128 varints from byte `pos` (at most 9 bytes each, no overlong forms, each
+ *       at most `hi`): (values, the byte after the last, 0, 0), or (None, where reading
+ *       stopped, the value read, status): 1 the data ends, 2 overlong, 3 over `hi`, 4 longer
+ *       than 9 bytes.
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
@@ -66,14 +71,15 @@
 #include <emmintrin.h>
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h> /* BMI2 and AVX-512, used only where the CPU has them (see HW levels) */
+#include <immintrin.h> /* BMI2, AVX2 and AVX-512, used only where the CPU has them (see HW levels) */
 #define SS_X86 1
 #define T512 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+#define T256 __attribute__((target("avx2,bmi2,popcnt")))
 #endif
 
 /* HW levels: which instructions a pass may use. Each level computes the same result; tests run
  * every level the CPU has (`hw_levels()`), and callers get the best one (hw=-1). */
-enum { HW_PORTABLE = 0, HW_BMI2 = 1, HW_AVX512 = 2 };
+enum { HW_PORTABLE = 0, HW_BMI2 = 1, HW_AVX2 = 2, HW_AVX512 = 3 };
 static int HW_BEST = HW_PORTABLE;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the patch format is little-endian; this file reads it with native loads"
@@ -160,6 +166,38 @@ static inline __attribute__((always_inline)) void class_masks(const uint8_t *p, 
 typedef void (*masks_fn)(const uint8_t *, int, int64_t, int, const int *, int, uint64_t *);
 
 #ifdef SS_X86
+/* The same masks with AVX2 for full blocks of 2- and 4-byte elements (bf16, fp16, fp32): the
+ * 64 keys in two vectors of 32, then one compare and movemask per vector and threshold. */
+T256 static inline __attribute__((always_inline)) void class_masks_avx2(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
+    if (cnt != 64 || (w != 2 && w != 4)) {
+        class_masks(p, w, start, cnt, thr, nt, m);
+        return;
+    }
+    const __m256i *s = (const __m256i *)(p + start * w);
+    const __m256i low7 = _mm256_set1_epi8(0x7f);
+    __m256i k[2];
+    for (int h = 0; h < 2; h++) {
+        if (w == 2) { /* 2 x 16 halfwords -> their high bytes; packus interleaves 64-bit groups, the permute restores order */
+            __m256i v0 = _mm256_srli_epi16(_mm256_loadu_si256(s + 2 * h), 8), v1 = _mm256_srli_epi16(_mm256_loadu_si256(s + 2 * h + 1), 8);
+            k[h] = _mm256_permute4x64_epi64(_mm256_packus_epi16(v0, v1), 0xD8);
+        } else { /* 4 x 8 words -> their top bytes; the two packs interleave 32-bit groups */
+            __m256i v0 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h), 24), v1 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 1), 24);
+            __m256i v2 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 2), 24), v3 = _mm256_srli_epi32(_mm256_loadu_si256(s + 4 * h + 3), 24);
+            __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+            k[h] = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        }
+        k[h] = _mm256_and_si256(k[h], low7);
+    }
+    uint64_t prev = ~0ULL;
+    for (int c = 0; c < nt; c++) {
+        __m256i tv = _mm256_set1_epi8((char)(thr[c] - 1));
+        uint64_t ge = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(k[0], tv)) | (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(k[1], tv)) << 32;
+        m[c] = prev & ~ge;
+        prev = ge;
+    }
+    m[nt] = prev;
+}
+
 /* The same masks with AVX-512BW: compare (bits & magnitude) >= threshold << (8 * w - 8) on
  * whole lanes, 64 bytes at a time (a 64-element block is 1, 2, 4 or 8 vectors). */
 T512 static inline __attribute__((always_inline)) void class_masks_512(const uint8_t *p, int w, int64_t start, int cnt, const int *thr, int nt, uint64_t *m) {
@@ -264,6 +302,13 @@ static int ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt,
 }
 
 #ifdef SS_X86
+T256 static int ranks_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_avx2)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return 0;
+}
+
 T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
 #define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
@@ -348,6 +393,13 @@ __attribute__((target("bmi2"))) static int select_bmi2(const uint8_t *p, int w, 
     return -1;
 }
 
+T256 static int select_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
+#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_avx2)
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    return -1;
+}
+
 T512 static int select_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
 #define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
@@ -412,6 +464,37 @@ static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, co
     *next = e;
     return k;
 }
+
+#ifdef SS_X86
+/* diff_w for 2-byte elements with AVX2: 16 elements compared per step, and only the changed
+ * ones written (pext turns the byte mask into one bit per element); the tail, and the last
+ * steps before the outputs fill, go through diff_w. Same outputs as diff_w. */
+T256 static int64_t diff2_avx2(const uint8_t *a, const uint8_t *b, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
+    const uint16_t *pa = (const uint16_t *)a, *pb = (const uint16_t *)b;
+    uint16_t *qa = (uint16_t *)oa, *qb = (uint16_t *)ob;
+    int64_t k = 0, e = start;
+    while (e + 16 <= n && k + 16 <= cap) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(pa + e)), y = _mm256_loadu_si256((const __m256i *)(pb + e));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(x, y));
+        if (m) {
+            uint32_t bits = _pext_u32(m, 0x55555555u);
+            while (bits) {
+                int j = __builtin_ctz(bits);
+                oi[k] = base + e + j;
+                qa[k] = pa[e + j];
+                qb[k] = pb[e + j];
+                k++;
+                bits &= bits - 1;
+            }
+        }
+        e += 16;
+    }
+    int64_t rest = e;
+    k += diff_w(a, b, 2, n, e, base, cap - k, oi + k, oa + 2 * k, ob + 2 * k, &rest);
+    *next = rest;
+    return k;
+}
+#endif
 
 /* ------------------------------------------------------------------------ thresholds */
 static double xlogx_cost(double t, double c) { /* bits to code c changes among t elements */
@@ -665,9 +748,10 @@ static PyObject *py_diff_into(PyObject *self, PyObject *args) {
     Py_buffer a, b, oi, oa, ob;
     int w;
     long long start, base;
-    if (!PyArg_ParseTuple(args, "y*y*iLLw*w*w*", &a, &b, &w, &start, &base, &oi, &oa, &ob)) return NULL;
+    int hw = -1;
+    if (!PyArg_ParseTuple(args, "y*y*iLLw*w*w*|i", &a, &b, &w, &start, &base, &oi, &oa, &ob, &hw)) return NULL;
     PyObject *res = NULL;
-    if (check_width(w) < 0) goto done;
+    if (check_width(w) < 0 || (hw = parse_hw(hw)) < 0) goto done;
     if (a.len != b.len || a.len % w) {
         PyErr_Format(PyExc_ValueError, "sides hold %zd and %zd bytes, expected equal multiples of %d", a.len, b.len, w);
         goto done;
@@ -682,9 +766,16 @@ static PyObject *py_diff_into(PyObject *self, PyObject *args) {
     }
     int64_t k = 0, next = start;
     Py_BEGIN_ALLOW_THREADS
+#ifdef SS_X86
+    if (w == 2 && hw >= HW_AVX2)
+        k = diff2_avx2(a.buf, b.buf, n, start, base, cap, oi.buf, oa.buf, ob.buf, &next);
+    else
+#endif
+    {
 #define CALL(W) k = diff_w(a.buf, b.buf, W, n, start, base, cap, oi.buf, oa.buf, ob.buf, &next)
-    DISPATCH_WIDTH(w, CALL)
+        DISPATCH_WIDTH(w, CALL)
 #undef CALL
+    }
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("LL", (long long)k, (long long)next);
 done:
@@ -726,6 +817,8 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
 #ifdef SS_X86
     if (hw == HW_AVX512)
         ok = ranks_512(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+    else if (hw == HW_AVX2)
+        ok = ranks_avx2(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
     else
 #endif
         ok = ranks_sse(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
@@ -779,6 +872,8 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
 #ifdef SS_X86
     if (hw == HW_AVX512)
         bad = select_512(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+    else if (hw == HW_AVX2)
+        bad = select_avx2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else if (hw == HW_BMI2)
         bad = select_bmi2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
     else
@@ -968,19 +1063,68 @@ static PyObject *py_put(PyObject *self, PyObject *args) {
     const uint8_t *vp = vb.buf;
     int keep = oldb.len > 0;
     Py_BEGIN_ALLOW_THREADS
-    if (keep) {
-#define CALL(W) COPY_LOOP(W, op + i * W, dp + idx[i] * W)
+    if (keep) { /* one pass: each element's old bits are read where they are overwritten */
+#define CALL(W) for (int64_t i = 0; i < ni; i++) { memcpy(op + i * W, dp + idx[i] * W, W); memcpy(dp + idx[i] * W, vp + i * W, W); }
+        DISPATCH_WIDTH(w, CALL)
+#undef CALL
+    } else {
+#define CALL(W) COPY_LOOP(W, dp + idx[i] * W, vp + i * W)
         DISPATCH_WIDTH(w, CALL)
 #undef CALL
     }
-#define CALL(W) COPY_LOOP(W, dp + idx[i] * W, vp + i * W)
-    DISPATCH_WIDTH(w, CALL)
-#undef CALL
     Py_END_ALLOW_THREADS
     res = Py_None;
     Py_INCREF(res);
 done:
     RELEASE(&dst, &ib, &vb, &oldb);
+    return res;
+}
+
+/* ------------------------------------------------------------------------ varints (the format-3 table) */
+static PyObject *py_varints(PyObject *self, PyObject *args) {
+    Py_buffer d;
+    Py_ssize_t pos, count;
+    unsigned long long hi;
+    if (!PyArg_ParseTuple(args, "y*nnK", &d, &pos, &count, &hi)) return NULL;
+    PyObject *out = NULL, *res = NULL;
+    if (pos < 0 || count < 0 || count > d.len) {
+        PyErr_SetString(PyExc_ValueError, "varints: pos or count out of range");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (!out) goto done;
+    const uint8_t *p = d.buf;
+    int status = 0;
+    uint64_t v = 0;
+    for (Py_ssize_t i = 0; i < count && !status; i++) {
+        v = 0;
+        int shift = 0, end = 0;
+        for (int j = 0; j < 9 && !end; j++) {
+            if (pos >= d.len) {
+                status = 1;
+                break;
+            }
+            uint8_t b = p[pos++];
+            v |= (uint64_t)(b & 0x7F) << shift;
+            shift += 7;
+            if (!(b & 0x80)) {
+                end = 1;
+                if (b == 0 && shift > 7) status = 2;
+                else if (v > hi) status = 3;
+            }
+        }
+        if (!status && !end) status = 4;
+        if (!status) {
+            PyObject *x = PyLong_FromUnsignedLongLong(v);
+            if (!x) goto done;
+            PyList_SET_ITEM(out, i, x);
+        }
+    }
+    if (status) res = Py_BuildValue("OnKi", Py_None, pos, (unsigned long long)v, status);
+    else res = Py_BuildValue("OnKi", out, pos, 0ULL, 0);
+done:
+    Py_XDECREF(out);
+    PyBuffer_Release(&d);
     return res;
 }
 
@@ -1413,8 +1557,8 @@ static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX-512)"},
-    {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b) -> (count, next)"},
+    {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX2, 3 AVX-512)"},
+    {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b[, hw]) -> (count, next)"},
     {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None"},
     {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
     {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
@@ -1424,6 +1568,7 @@ static PyMethodDef methods[] = {
     {"escape_costs", py_escape_costs, METH_VARARGS, "escape_costs(hists, raw_bits, out_bits, out_e) -> None"},
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
+    {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
@@ -1447,8 +1592,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     /* pdep is microcoded (hundreds of cycles) on AMD before Zen 3: the portable path is faster there */
     if (__builtin_cpu_supports("bmi2") && !__builtin_cpu_is("znver1") && !__builtin_cpu_is("znver2")) {
         HW_BEST = HW_BMI2;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
-            HW_BEST = HW_AVX512;
+        if (__builtin_cpu_supports("avx2")) {
+            HW_BEST = HW_AVX2;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                HW_BEST = HW_AVX512;
+        }
     }
 #endif
     return PyModule_Create(&module);

@@ -18,7 +18,7 @@ from sparsesync.codec.diff import TensorChange
 
 MIN_CLASSED_NUMEL = 4096  # below this, class bitmaps cost more header than they save
 _HIST_SAMPLE = 1 << 18  # base elements sampled for the class-threshold search
-_BITMAP_PROBE, _BITMAP_PROBES = 1 << 19, 8  # regions compressed to estimate a bitmap's size
+_BITMAP_PROBE, _BITMAP_PROBES, _BITMAP_MIN_PROBE = 1 << 19, 8, 1 << 13  # regions compressed to estimate a bitmap's size
 
 
 def _size(streams: dict) -> int:
@@ -27,16 +27,18 @@ def _size(streams: dict) -> int:
 
 def _bitmap_estimate(idx: np.ndarray, numel: int) -> float:
     """Bytes of the `bitmap` encoding, extrapolated from _BITMAP_PROBES evenly spaced regions of
-    _BITMAP_PROBE elements (0 for tensors small enough to just encode)."""
-    if numel <= _BITMAP_PROBES * _BITMAP_PROBE:
+    at most _BITMAP_PROBE elements and at least 1/64 of the tensor (0 for tensors small enough
+    to just encode)."""
+    probe = min(_BITMAP_PROBE, max(_BITMAP_MIN_PROBE, numel // 64) // 64 * 64)
+    if numel <= 2 * _BITMAP_PROBES * probe:
         return 0.0
     total = 0
-    for s in np.linspace(0, numel - _BITMAP_PROBE, _BITMAP_PROBES).astype(np.int64):
-        lo, hi = np.searchsorted(idx, [s, s + _BITMAP_PROBE])
-        mask = np.zeros(_BITMAP_PROBE, dtype=bool)
+    for s in np.linspace(0, numel - probe, _BITMAP_PROBES).astype(np.int64):
+        lo, hi = np.searchsorted(idx, [s, s + probe])
+        mask = np.zeros(probe, dtype=bool)
         mask[idx[lo:hi] - s] = True
         total += len(E.zstd_compress(np.packbits(mask, bitorder="little")))
-    return total * numel / (_BITMAP_PROBES * _BITMAP_PROBE)
+    return total * numel / (_BITMAP_PROBES * probe)
 
 
 def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
@@ -53,7 +55,7 @@ def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classe
     hist = np.empty(128, dtype=np.int64)
     _native.key_hist(np.ascontiguousarray(base_full), base_full.dtype.itemsize, starts, block, hist)
     tot = hist.astype(np.float64) * (n / max(1, min(n, _HIST_SAMPLE)))
-    chg = np.bincount(E.key_of(base_at_idx), minlength=128).astype(np.float64)
+    chg = E.key_counts(base_at_idx).astype(np.float64)
     return _native.thresholds_dp(tot, chg, max_classes, min_gain)
 
 
@@ -75,7 +77,7 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
         pos_cands.append((_size(gs) + 60 * (len(thresholds) + 1), "gaps", lambda: (gp, gs)))
         # a bitmap costs >= H(n/numel) bits per element: only dense tensors, and only where
         # compressing a sample of it says it may beat the best so far
-        if n * 16 >= numel and _bitmap_estimate(idx, numel) < 1.1 * min(c[0] for c in pos_cands):
+        if n * 16 >= numel and _bitmap_estimate(idx, numel) < min(c[0] for c in pos_cands):
             bp, bs = E._bitmap_enc(idx, ctx)
             pos_cands.append((_size(bs), "bitmap", lambda: (bp, bs)))
     psize, pname, pbuild = min(pos_cands, key=lambda c: c[0])

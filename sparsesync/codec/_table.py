@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import zstandard
 
+from sparsesync.codec import _native
 from sparsesync.errors import PatchFormatError
 
 PROB_M = 1 << 14  # rANS probability scale (docs/format.md, "Entropy coding")
@@ -159,16 +160,21 @@ class _Reader:
         return self.data[self.pos - 1]
 
     def varint(self, what: str, hi: int = (1 << 63) - 1) -> int:
-        v = shift = 0
-        for _ in range(9):
-            b = self.byte(what)
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                if v > hi or (b == 0 and shift > 7):
-                    raise _bad(f"{what} is {v if v <= hi else f'over {hi}'}{' (overlong varint)' if b == 0 and shift > 7 else ''}, expected at most {hi}")
-                return v
-        raise _bad(f"{what}: varint longer than 9 bytes")
+        return self.varints(what, 1, hi)[0]
+
+    def varints(self, what: str, count: int, hi: int = (1 << 63) - 1) -> list[int]:
+        """`count` varints (LEB128, at most 9 bytes, no overlong forms), each at most `hi`."""
+        values, pos, v, status = _native.varints(self.data, self.pos, count, hi)
+        if status == 1:
+            raise _bad(f"ends inside {what} (at byte {pos})")
+        if status == 2:
+            raise _bad(f"{what} is {v} (overlong varint), expected at most {hi}")
+        if status == 3:
+            raise _bad(f"{what} is over {hi}, expected at most {hi}")
+        if status == 4:
+            raise _bad(f"{what}: varint longer than 9 bytes")
+        self.pos = pos
+        return values
 
     def take(self, n: int, what: str) -> bytes:
         if self.pos + n > len(self.data):
@@ -208,7 +214,7 @@ def _read_model(rd: _Reader, what: str) -> list[int]:
         return [0, 0]
     if e > _MAX_ALPHABET:
         raise _bad(f"{what} alphabet size {e}, expected 1..{_MAX_ALPHABET}")
-    f = [rd.varint(f"{what} frequency", PROB_M) for _ in range(e)]
+    f = rd.varints(f"{what} frequency", e, PROB_M)
     if sum(f) > PROB_M:
         raise _bad(f"{what} frequencies sum to {sum(f)}, expected at most {PROB_M}")
     return f + [PROB_M - sum(f)]

@@ -58,7 +58,7 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def np_uint_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy unsigned dtype holding one element's bits of `dtype`."""
-    return np.dtype(_NP_UINT[torch.empty((), dtype=dtype).element_size()])
+    return np.dtype(_NP_UINT[dtype.itemsize])
 
 
 def to_np_bits(t: torch.Tensor) -> np.ndarray:
@@ -110,21 +110,24 @@ def check_compatible(base: Mapping[str, torch.Tensor], target: Mapping[str, torc
 def _changed_slice_np(a: np.ndarray, b: np.ndarray, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_changed_slice` for CPU slices as numpy arrays of the same unsigned dtype, indices plus
     `offset` (one C pass; outputs start at 1/32 of the slice, which covers a typical RL step in
-    one go; when they fill, the rest is sized from the density so far; outputs less than half
-    full are copied to their size)."""
+    one go; when they fill, they grow once to the size the density so far predicts for the
+    whole slice, so only the part found so far is copied; outputs less than half full are
+    copied to their size)."""
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    n, parts, start = a.size, [], 0
+    n, k, start = a.size, 0, 0
     cap = min(n, max(4096, n >> 5))
+    oi, oa, ob = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
     while True:
-        oi, oa, ob = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
-        was, (k, start) = start, _native.diff_into(a, b, a.itemsize, start, offset, oi, oa, ob)
-        parts.append((oi[:k], oa[:k], ob[:k]) if 2 * k >= cap else (oi[:k].copy(), oa[:k].copy(), ob[:k].copy()))
+        got, start = _native.diff_into(a, b, a.itemsize, start, offset, oi[k:], oa[k:], ob[k:])
+        k += got
         if start >= n:
             break
-        cap = min(n - start, int((n - start) * k / max(1, start - was) * 1.25) + 4096)
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+        cap = min(n, k + int((n - start) * k / max(1, start) * 1.25) + 4096)
+        grown = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
+        for new, old in zip(grown, (oi, oa, ob)):
+            new[:k] = old[:k]
+        oi, oa, ob = grown
+    return (oi[:k], oa[:k], ob[:k]) if 2 * k >= cap else (oi[:k].copy(), oa[:k].copy(), ob[:k].copy())
 
 
 def _changed_slice(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
