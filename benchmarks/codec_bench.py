@@ -4,6 +4,7 @@ plain TRL-style extraction (torch nonzero + gather + safetensors save) in the sa
     nice .venv/bin/python benchmarks/codec_bench.py                 # 0.6B params (~8 GB RAM, ~3-5 min on 2 cores)
     nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
     nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   # speed sweep
+    nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...   # both sides on one thread (fair on a loaded machine)
 
 Writes benchmarks/results/codec_bench.json (override with --json) and prints a table.
 
@@ -225,10 +226,14 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
     ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
     ap.add_argument("--densities", default="", help="comma-separated target densities (e.g. 0.001,0.01,0.1): one learning rate each, per mode")
+    ap.add_argument("--threads", type=int, default=0, help="threads for both sides (torch and the codec's pools); default: torch's default and the codec's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is reported; medians in the JSON)")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codec_bench.json", help="write the rows here")
     a = ap.parse_args()
+    if a.threads:  # before the codec's pools start
+        torch.set_num_threads(a.threads)
+        os.environ["SPARSESYNC_CODEC_THREADS"] = str(a.threads)
     t_start = time.perf_counter()
     lrs_by_mode = {
         mode: [float(x) for x in a.lrs.split(",") if x] + [lr_for_density(mode, float(d), a.seed) for d in a.densities.split(",") if d]
@@ -246,7 +251,7 @@ def main() -> None:
             f"{r['ours_B']:6.3f} {r['ours_positions_B']:5.2f} {r['ours_values_B']:5.2f} {r['ours_header_B']:5.2f} {r['diff_encode_GBps']:9.2f} {r['trl_extract_GBps']:8.2f} {r['decode_apply_s']:7.2f} {r['trl_apply_s']:11.2f}"
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
+    env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default"), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
     print(f"{'mode':7} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
