@@ -1,0 +1,184 @@
+"""LoRA adapter runs: adapter versions through a real bucket into real engines, bit-exact.
+
+A real PEFT model on the tiny base takes real AdamW steps; every step is published as an
+adapter version; replicas (embedded, vLLM) serve base + adapter and must hold the trainer's
+adapter bit for bit and generate what a fresh engine with the same base and adapter generates.
+An adapter run and a full-weight run are never confused; a wrong base is rejected; a PEFT
+folder pushed and pulled through the CLI round-trips and loads with PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="adapter runs need peft (pip install -e '.[lora]')")
+
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from inference_space.engines import SamplingParams  # noqa: E402
+from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
+from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
+from inference_space.testing import PROMPTS  # noqa: E402
+from sparsesync.adapter import AdapterMeta, meta_from_peft  # noqa: E402
+from sparsesync.cli import app  # noqa: E402
+from sparsesync.codec import tensor_digests  # noqa: E402
+from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
+from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.run import Run  # noqa: E402
+from sparsesync.tiny_model import build_tiny_model  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("bases")
+    return {arch: build_tiny_model(root / arch, arch=arch) for arch in ("qwen3", "qwen3-tied")}
+
+
+class LoraTrainer:
+    """A real PEFT model on a tiny base taking real AdamW steps on a language-modelling loss."""
+
+    def __init__(self, base: Path, dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-2) -> None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        self.model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0),
+                                    autocast_adapter_dtype=False)
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
+        self.g = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        ids = torch.randint(1, 200, (2, 12), generator=self.g)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+
+def _greedy(engine):  # type: ignore[no-untyped-def]
+    return [(c.token_ids, c.logprobs) for p in PROMPTS for c in engine.generate(p, GREEDY)]
+
+
+def _assert_same_generation(a, b) -> None:  # type: ignore[no-untyped-def]
+    for (ta, la), (tb, lb) in zip(a, b, strict=True):
+        assert ta == tb
+        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) <= 1e-3
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.float32), ("qwen3-tied", torch.bfloat16)])
+def test_embedded_replica_follows_adapter_versions(bases, tmp_path, arch, dtype):  # type: ignore[no-untyped-def]
+    base, bucket = bases[arch], str(tmp_path / "bucket")
+    trainer = LoraTrainer(base, dtype)
+    with Publisher(bucket, anchor_every=4, anchor_fraction=100.0) as pub:  # adapters: dense deltas
+        pub.publish(trainer.model, 0)
+        pub.flush()
+        meta = Run(bucket).newest().adapter
+        assert meta is not None and meta.rank == 8 and meta.alpha == 16 and sorted(meta.target_modules) == sorted(TARGETS)
+        assert meta.dtype == str(dtype).removeprefix("torch.")
+        engine = EmbeddedAdapterEngine(base, adapter=meta)
+        follower = Follower(bucket, hook=engine, poll_interval=0.05, adapter=meta)
+        assert engine.weight_version is None and follower.sync_once() == 0
+        kinds = []
+        for step in range(1, 7):
+            trainer.step()
+            pub.publish(trainer.model, step)
+            pub.flush()
+            kinds.append(pub.metrics[-1]["kind"])
+            assert follower.sync_once() == step == engine.weight_version
+            assert tensor_digests(engine.state_dict()) == tensor_digests(trainer.adapter())
+            assert {c.weight_version for c in engine.generate(PROMPTS[0], GREEDY)} == {step}
+    assert "delta" in kinds and any("anchor" in k for k in kinds)
+    got = _greedy(engine)
+    fresh = EmbeddedAdapterEngine(base, adapter=meta)  # same base, the final adapter loaded whole
+    fresh.load_full(6, trainer.adapter())
+    _assert_same_generation(got, _greedy(fresh))
+    assert got != _greedy(EmbeddedEngine(base)), "the adapter must change what the base generates"
+
+
+def test_wrong_base_is_rejected(bases, tmp_path):  # type: ignore[no-untyped-def]
+    trainer = LoraTrainer(bases["qwen3"])
+    meta = meta_from_peft(trainer.model)
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    with pytest.raises(BaseModelMismatchError, match="trained on .* with digest"):
+        EmbeddedAdapterEngine(other, adapter=meta)
+    EmbeddedAdapterEngine(bases["qwen3"], adapter=meta)  # the right base passes
+
+
+def test_adapter_and_full_weight_runs_are_never_confused(bases, tmp_path):  # type: ignore[no-untyped-def]
+    trainer = LoraTrainer(bases["qwen3"])
+    full, lora = str(tmp_path / "full"), str(tmp_path / "lora")
+    weights = load_file(str(bases["qwen3"] / "model.safetensors"))
+    with Publisher(full) as pub:
+        pub.publish(weights, 1)
+    with Publisher(lora) as pub:
+        pub.publish(trainer.model, 1)
+    meta = Run(lora).newest().adapter
+    # publishers
+    with Publisher(full) as pub, pytest.raises(RunKindError, match="full-weight run.*LoRA adapter"):
+        pub.publish(trainer.model, 2)
+    with Publisher(lora) as pub, pytest.raises(RunKindError, match="LoRA adapter .* run.*full-weight"):
+        pub.publish(weights, 2)
+    with Publisher(str(tmp_path / "new")) as pub, pytest.raises(RunKindError, match="LoRA adapter tensors"):
+        pub.publish(trainer.adapter(), 1)  # an adapter state dict without adapter=...: not full weights
+    with Publisher(str(tmp_path / "new2"), adapter=meta) as pub, pytest.raises(RunKindError, match="not a LoRA adapter tensor"):
+        pub.publish(weights, 1)
+    other = AdapterMeta(meta.base_model, meta.base_digest, {**meta.config, "r": 4}, meta.dtype)
+    with Publisher(lora, adapter=other) as pub, pytest.raises(RunKindError, match="configuration"):
+        pub.publish({k: v for k, v in trainer.adapter().items()}, 2)
+    # followers and engines
+    with pytest.raises(RunKindError, match="is a LoRA adapter .* version; this replica serves a full-weight run"):
+        Follower(lora, hook=EmbeddedEngine(bases["qwen3"])).sync_once()
+    with pytest.raises(RunKindError, match="is a full-weight version; this replica serves a LoRA adapter"):
+        Follower(full, hook=EmbeddedAdapterEngine(bases["qwen3"], adapter=meta), adapter=meta).sync_once()
+    # pull: an adapter run becomes a PEFT folder, never a model file
+    with pytest.raises(OutputError, match="pulled into a folder"):
+        CliRunner().invoke(app, ["pull", lora, str(tmp_path / "x.safetensors")], catch_exceptions=False)
+
+
+def test_cli_push_pull_peft_folder_round_trips(bases, tmp_path):  # type: ignore[no-untyped-def]
+    trainer = LoraTrainer(bases["qwen3-tied"], torch.bfloat16)
+    run, runner = str(tmp_path / "run"), CliRunner()
+    folders = []
+    for i in range(3):
+        trainer.step()
+        folders.append(tmp_path / f"adapter{i}")
+        trainer.model.save_pretrained(folders[-1])
+        args = ["push", str(folders[-1]), run] + (["--base", str(bases["qwen3-tied"])] if i == 0 else [])
+        res = runner.invoke(app, args, catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    cfg = json.loads((folders[0] / "adapter_config.json").read_text())
+    (folders[0] / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+    with pytest.raises(ConfigError, match="--base"):  # the base is not a local folder: it must be named
+        runner.invoke(app, ["push", str(folders[0]), str(tmp_path / "run2")], catch_exceptions=False)
+    out = tmp_path / "pulled"
+    res = runner.invoke(app, ["pull", run, str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads((folders[-1] / "adapter_config.json").read_text())
+    want = load_file(str(folders[-1] / "adapter_model.safetensors"))
+    assert tensor_digests(load_file(str(out / "adapter_model.safetensors"))) == tensor_digests(want)
+    res = runner.invoke(app, ["pull", run, str(tmp_path / "v1"), "--version", "1"], catch_exceptions=False)
+    assert tensor_digests(load_file(str(tmp_path / "v1" / "adapter_model.safetensors"))) == tensor_digests(
+        load_file(str(folders[0] / "adapter_model.safetensors")))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3-tied"], dtype=torch.bfloat16), out,
+                                       autocast_adapter_dtype=False)
+    assert tensor_digests(get_peft_model_state_dict(loaded)) == tensor_digests(want)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(input_ids=ids, max_new_tokens=6, do_sample=False),
+                           trainer.model.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
