@@ -260,6 +260,18 @@ def run_adapter(commits: list[CommitRecord]) -> AdapterMeta | None:
     return commits[-1].adapter if commits else None
 
 
+def read_run_adapter(url: str) -> AdapterMeta | None:
+    """The adapter of the run at `url` as its newest commit says; None for a full-weight run, and
+    when no version can be read yet (a follower then refuses adapter versions by name)."""
+    from sparsesync.errors import SparsesyncError
+    from sparsesync.protocol.run import Run
+
+    try:
+        return run_adapter(Run(url).commits())
+    except SparsesyncError:
+        return None
+
+
 def peft_config(meta: AdapterMeta) -> Any:
     """The `peft.LoraConfig` of an adapter run (for building the engine's PEFT model)."""
     from peft import PeftConfig
@@ -318,3 +330,15 @@ def meta_for_folder(config: dict[str, Any], state: Mapping[str, torch.Tensor], b
     raise ConfigError(f"cannot tell which base weights the adapter for {url} belongs to "
                       f"(base_model_name_or_path {named!r} is not a local folder)",
                       hint="pass --base DIR, the base model's checkpoint folder, so the run records its digest")
+
+
+def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor an adapter version of `meta` holds on the model in
+    `model_dir` (built on the meta device: no weights are loaded)."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(meta), autocast_adapter_dtype=False)
+    return {k: (tuple(v.shape), meta.torch_dtype) for k, v in get_peft_model_state_dict(model).items()}
