@@ -141,14 +141,20 @@ def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any
         return json.loads((Path(tmp) / CONFIG_FILE).read_text())
 
 
-def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | None = None) -> AdapterMeta:
-    """The `AdapterMeta` of a PEFT model (hashes its base weights once)."""
-    config = peft_config_json(model, adapter_name)
-    _check_supported(config, f"adapter {adapter_name!r}")
+def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | None = None, *,
+                   dtype: torch.dtype | None = None) -> AdapterMeta:
+    """The `AdapterMeta` of a PEFT model (hashes its base weights once). `dtype`: the dtype
+    replicas receive (base and adapter), when the trainer holds them in another (fp32 master)."""
     from peft import get_peft_model_state_dict
 
-    meta = AdapterMeta(base_model or str(config.get("base_model_name_or_path") or ""), base_digest(peft_base_state(model)), config)
-    return _with_dtype(get_peft_model_state_dict(model, adapter_name=adapter_name), meta)[1]
+    config = peft_config_json(model, adapter_name)
+    _check_supported(config, f"adapter {adapter_name!r}")
+    base = peft_base_state(model)
+    if dtype is not None:
+        base = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in base.items()}
+    meta = AdapterMeta(base_model or str(config.get("base_model_name_or_path") or ""), base_digest(base), config)
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    return _with_dtype({k: v.to(dtype) for k, v in state.items()} if dtype is not None else state, meta)[1]
 
 
 def _check_supported(config: dict[str, Any], what: str) -> None:
@@ -280,6 +286,25 @@ def peft_config(meta: AdapterMeta) -> Any:
     cfg = PeftConfig.from_peft_type(**config)
     cfg.inference_mode = True
     return cfg
+
+
+def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tensor] | None = None) -> Any:
+    """`base` (a transformers model) wrapped as a PEFT model with `meta`'s adapter, its LoRA
+    parameters in the run's dtype, loaded with `state` when given (bit for bit)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    model = get_peft_model(base, peft_config(meta), autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter_key(name):
+                p.data = p.data.to(meta.torch_dtype)
+    if state is not None:
+        result = set_peft_model_state_dict(model, dict(state))
+        missing = [k for k in result.missing_keys if is_adapter_key(k)]
+        if missing or result.unexpected_keys:
+            raise ConfigError(f"the adapter state does not fit {meta.base_model!r}: missing {missing[:3]}, "
+                              f"unexpected {list(result.unexpected_keys)[:3]}")
+    return model
 
 
 def read_adapter_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -17,11 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine
-from sparsesync.adapter import AdapterMeta, check_base, is_adapter_key, peft_config
+from sparsesync.adapter import AdapterMeta, attach_adapter, check_base
 from sparsesync.errors import EngineError
 
 
@@ -34,15 +32,11 @@ class EmbeddedAdapterEngine(EmbeddedEngine):
         super().__init__(model_dir, **kwargs)
         check_base(self._sd, adapter, str(self.model_dir))
         try:
-            from peft import get_peft_model, get_peft_model_state_dict
+            from peft import get_peft_model_state_dict
         except ImportError as e:  # pragma: no cover - depends on the install
             raise EngineError("adapter runs need peft", hint="pip install 'sparsesync[lora]'") from e
         self.adapter = adapter
-        self.model = get_peft_model(self.model, peft_config(adapter), autocast_adapter_dtype=False).eval()
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if is_adapter_key(name):
-                    p.data = p.data.to(adapter.torch_dtype)
+        self.model = attach_adapter(self.model, adapter).eval()
         self._sd = dict(get_peft_model_state_dict(self.model))  # PEFT names -> views of the live LoRA parameters
         live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         if not self._sd or any(v.untyped_storage().data_ptr() not in live for v in self._sd.values()):
