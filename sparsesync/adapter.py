@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,6 +135,15 @@ def peft_base_state(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def adapter_tensors(model: Any, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """A PEFT model's adapter tensors under the names `adapter_model.safetensors` holds (views of
+    the live parameters). Only the adapter: never the base's embedding or LM head, which PEFT
+    would otherwise add when they are targeted (`save_embedding_layers=False`)."""
+    from peft import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False))
+
+
 def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any]:
     """The adapter_config.json PEFT writes for `adapter_name` of `model`, as a dict."""
     with tempfile.TemporaryDirectory(prefix="sparsesync-adapter-") as tmp:
@@ -145,15 +155,13 @@ def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | 
                    dtype: torch.dtype | None = None) -> AdapterMeta:
     """The `AdapterMeta` of a PEFT model (hashes its base weights once). `dtype`: the dtype
     replicas receive (base and adapter), when the trainer holds them in another (fp32 master)."""
-    from peft import get_peft_model_state_dict
-
     config = peft_config_json(model, adapter_name)
     _check_supported(config, f"adapter {adapter_name!r}")
     base = peft_base_state(model)
     if dtype is not None:
         base = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in base.items()}
     meta = AdapterMeta(base_model or str(config.get("base_model_name_or_path") or ""), base_digest(base), config)
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    state = adapter_tensors(model, adapter_name)
     return _with_dtype({k: v.to(dtype) for k, v in state.items()} if dtype is not None else state, meta)[1]
 
 
@@ -167,19 +175,44 @@ def _check_supported(config: dict[str, Any], what: str) -> None:
                           hint="train those modules as part of a full-weight run, or leave modules_to_save unset")
 
 
+class AdapterState(dict):  # type: ignore[type-arg]
+    """An adapter version's tensors (PEFT names) carrying the `AdapterMeta` of their run, so a
+    publisher handed it publishes an adapter run (what `peft_publish_state` returns)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], meta: AdapterMeta) -> None:
+        super().__init__(tensors)
+        self.meta = meta
+
+
+_META_CACHE: weakref.WeakKeyDictionary[Any, dict[torch.dtype, AdapterMeta]] = weakref.WeakKeyDictionary()
+
+
+def peft_publish_state(model: Any, dtype: torch.dtype) -> AdapterState | None:
+    """For a PEFT model: its adapter tensors cast to `dtype` (contiguous, CPU) with its
+    `AdapterMeta` (the base is hashed once per model and dtype); None for any other model.
+    Integrations call this so that a LoRA trainer publishes the adapter, not merged weights."""
+    if not is_peft_model(model):
+        return None
+    metas = _META_CACHE.setdefault(model, {})
+    if dtype not in metas:
+        metas[dtype] = meta_from_peft(model, dtype=dtype)
+    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in adapter_tensors(model).items()}
+    return AdapterState(state, metas[dtype])
+
+
 def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torch.Tensor], AdapterMeta | None]:
     """What `Publisher.publish` publishes for `obj`: a PEFT model becomes its adapter tensors
-    (`get_peft_model_state_dict`) and its `AdapterMeta` (`meta` when given, so the base is hashed
+    (`adapter_tensors`) and its `AdapterMeta` (`meta` when given, so the base is hashed
     once); a mapping is published as is, and must hold adapter tensors exactly when `meta` is set."""
     if is_peft_model(obj):
-        from peft import get_peft_model_state_dict
-
         if meta is None:
             meta = meta_from_peft(obj)
         elif peft_config_json(obj) != meta.config:
             raise RunKindError("the PEFT model's adapter_config differs from the one this publisher's run carries",
                                hint="publish it to a new run URL")
-        return _with_dtype(get_peft_model_state_dict(obj), meta)
+        return _with_dtype(adapter_tensors(obj), meta)
+    if isinstance(obj, AdapterState) and meta is None:
+        meta = obj.meta
     if not isinstance(obj, Mapping):
         raise ConfigError(f"cannot publish a {type(obj).__name__}", hint="pass a state dict or a peft.PeftModel")
     lora = [n for n in obj if is_adapter_key(n)]
@@ -360,10 +393,10 @@ def meta_for_folder(config: dict[str, Any], state: Mapping[str, torch.Tensor], b
 def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor an adapter version of `meta` holds on the model in
     `model_dir` (built on the meta device: no weights are loaded)."""
-    from peft import get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(meta), autocast_adapter_dtype=False)
-    return {k: (tuple(v.shape), meta.torch_dtype) for k, v in get_peft_model_state_dict(model).items()}
+    return {k: (tuple(v.shape), meta.torch_dtype) for k, v in adapter_tensors(model).items()}

@@ -235,3 +235,36 @@ def test_vllm_replica_switches_adapter_slots(bases, tmp_path):  # type: ignore[n
     finally:
         if engine is not None:
             engine.close()
+
+
+def test_trl_grpo_with_peft_config_publishes_the_adapter(bases, tmp_path):  # type: ignore[no-untyped-def]
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from sparsesync.integrations.trl import SparsesyncCallback, model_state
+
+    def reward(completions: list[str], **_: object) -> list[float]:
+        return [len(set(s)) / 16 for s in completions]
+
+    bucket, base = str(tmp_path / "bucket"), bases["qwen3"]
+    cb = SparsesyncCallback(bucket, anchor_every=0)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, learning_rate=1e-2, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, seed=0,
+    )
+    trainer = GRPOTrainer(model=str(base), reward_funcs=reward, args=args, callbacks=[cb],
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS),
+                          train_dataset=Dataset.from_dict({"prompt": ["Repeat the letter a:"] * 8}))
+    trainer.train()
+    commits = Run(bucket).commits()
+    assert [c.version for c in commits] == [0, 1, 2] and all(c.adapter is not None for c in commits)
+    meta = commits[-1].adapter
+    assert meta.rank == 8 and meta.dtype == "bfloat16"
+    _rec, final, _ = Run(bucket).reconstruct(None)
+    assert all(".lora_" in k for k in final) and len(final) == 2 * 2 * len(TARGETS)  # the adapter, not merged weights
+    assert tensor_digests(final) == tensor_digests(model_state(trainer.model))
+    engine = EmbeddedAdapterEngine(base, adapter=meta)  # the fp32 trainer's base, digested in bf16, is the model folder
+    assert Follower(bucket, hook=engine, adapter=meta).sync_once() == 2
+    assert tensor_digests(engine.state_dict()) == tensor_digests(final)

@@ -107,14 +107,9 @@ def load_policy(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) ->
 def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights replicas receive: every state-dict tensor (a PEFT model: every adapter tensor)
     cast to `dtype`, contiguous, on CPU."""
-    from sparsesync.adapter import is_peft_model
+    from sparsesync.adapter import adapter_tensors, is_peft_model
 
-    if is_peft_model(model):
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(model)
-    else:
-        state = model.state_dict()
+    state = adapter_tensors(model) if is_peft_model(model) else model.state_dict()
     return {name: t.detach().to(dtype=dtype).contiguous().cpu() for name, t in state.items()}
 
 

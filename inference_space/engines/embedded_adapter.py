@@ -19,7 +19,7 @@ from typing import Any
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine
-from sparsesync.adapter import AdapterMeta, attach_adapter, check_base
+from sparsesync.adapter import AdapterMeta, adapter_tensors, attach_adapter, check_base
 from sparsesync.errors import EngineError
 
 
@@ -31,13 +31,9 @@ class EmbeddedAdapterEngine(EmbeddedEngine):
     def __init__(self, model_dir: str | Path, *, adapter: AdapterMeta, **kwargs: Any) -> None:
         super().__init__(model_dir, **kwargs)
         check_base(self._sd, adapter, str(self.model_dir))
-        try:
-            from peft import get_peft_model_state_dict
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise EngineError("adapter runs need peft", hint="pip install 'sparsesync[lora]'") from e
         self.adapter = adapter
         self.model = attach_adapter(self.model, adapter).eval()
-        self._sd = dict(get_peft_model_state_dict(self.model))  # PEFT names -> views of the live LoRA parameters
+        self._sd = adapter_tensors(self.model)  # PEFT names -> views of the live LoRA parameters
         live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         if not self._sd or any(v.untyped_storage().data_ptr() not in live for v in self._sd.values()):
             raise EngineError(f"cannot map the adapter of {adapter.base_model!r} onto the model in {self.model_dir}",
