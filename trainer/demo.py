@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsesync.errors import DemoCheckError
-from trainer.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
+from trainer.config import LORA_ALL_LINEAR, LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
 from trainer.metrics import MetricsLogger
 from trainer.processes import ProcessSet, free_port
 
@@ -64,7 +64,7 @@ class DemoOptions:
     catch_up_timeout_s: float = 60.0
     progress: bool = True
     replica_threads: int = 1  # torch threads per replica process (they share the CPU with the trainer)
-    lora: bool = False  # train and publish a LoRA adapter (r=8, every linear layer); replicas serve base + adapter
+    lora: bool = False  # train and publish a LoRA adapter (every linear layer + LM head); replicas serve base + adapter
     lora_r: int = 8
 
 
@@ -188,6 +188,7 @@ def demo_config(opts: DemoOptions, model_dir: Path, bucket: Path, replicas: list
         log=LogConfig(jsonl=str(workdir / "metrics.jsonl"), progress=opts.progress, log_every=10),
     )
     cfg.lora.enabled, cfg.lora.r, cfg.lora.lora_alpha = opts.lora, opts.lora_r, 2 * opts.lora_r
+    cfg.lora.target_modules = [*LORA_ALL_LINEAR, "lm_head"]  # without the head, `repeat` barely moves in 100 steps
     cfg.validate()
     return cfg
 

@@ -35,7 +35,7 @@ def push(
     anchor_every: Annotated[int, typer.Option(help="Write a full anchor every N versions.")] = 50,
     public: Annotated[bool, typer.Option(help="Create the bucket public (default private).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    base: Annotated[Path | None, typer.Option(help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
+    base_model: Annotated[Path | None, typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
 ) -> None:
     """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due).
 
@@ -59,7 +59,7 @@ def push(
         task = progress.add_task(f"reading the newest version of {store.url}")
         run = Run(store)
         newest = run.newest()
-        meta = None if config is None else lora.meta_for_folder(config, state, base, newest, store.url)
+        meta = None if config is None else lora.meta_for_folder(config, state, base_model, newest, store.url)
         lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
         pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta)
         try:
