@@ -224,7 +224,7 @@ def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torc
     if meta is not None and len(lora) != len(obj):
         other = next(n for n in obj if not is_adapter_key(n))
         raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run",
-                           hint="publish get_peft_model_state_dict(model), or full weights to a full-weight run")
+                           hint="publish sparsesync.adapter.adapter_tensors(model), or full weights to a full-weight run")
     return (obj, meta) if meta is None else _with_dtype(obj, meta)
 
 
