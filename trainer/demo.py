@@ -350,7 +350,7 @@ def print_report(report: DemoReport, opts: DemoOptions, console: Console) -> Non
         sizes = [c["patch_bytes"] for c in deltas]
         dens = [c["density"] for c in deltas]
         console.print(
-            f"full model (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: median "
+            f"full {'adapter' if opts.lora else 'model'} (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: median "
             f"{_fmt_bytes(statistics.median(sizes))} ({statistics.median(sizes) / report.full_bytes:.1%} of full), "
             f"min {_fmt_bytes(min(sizes))}, max {_fmt_bytes(max(sizes))}; changed elements: median "
             f"{statistics.median(dens):.1%}, min {min(dens):.1%}, max {max(dens):.1%}")
