@@ -273,3 +273,36 @@ def test_trl_grpo_with_peft_config_publishes_the_adapter(bases, tmp_path):  # ty
     engine = EmbeddedAdapterEngine(base, adapter=meta)  # the fp32 trainer's base, digested in bf16, is the model folder
     assert Follower(bucket, hook=engine, adapter=meta).sync_once() == 2
     assert tensor_digests(engine.state_dict()) == tensor_digests(final)
+
+
+def test_trainer_lora_section_is_validated() -> None:
+    from trainer.config import TrainerConfig
+
+    base = {"model": {"path": "m"}, "rollout": {"replicas": ["http://127.0.0.1:1"], "env_url": "http://127.0.0.1:2"},
+            "sync": {"bucket": "/tmp/b"}}
+    cfg = TrainerConfig.from_dict({**base, "lora": {"enabled": True, "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}})
+    peft_cfg = cfg.lora.peft()
+    assert cfg.lora.enabled and peft_cfg.r == 4 and peft_cfg.lora_alpha == 8 and set(peft_cfg.target_modules) == {"q_proj"}
+    assert TrainerConfig.from_dict(base).lora.enabled is False
+    with pytest.raises(ConfigError, match=r"\[lora\] r = 0"):
+        TrainerConfig.from_dict({**base, "lora": {"enabled": True, "r": 0}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        TrainerConfig.from_dict({**base, "lora": {"rank": 4}})
+
+
+def test_a_commit_with_a_malformed_adapter_field_is_not_a_commit(bases, tmp_path):  # type: ignore[no-untyped-def]
+    from sparsesync.errors import MalformedCommitError
+    from sparsesync.protocol.layout import CommitRecord
+
+    bucket = str(tmp_path / "bucket")
+    with Publisher(bucket) as pub:
+        pub.publish(LoraTrainer(bases["qwen3"], torch.bfloat16).model, 1)
+    key = next(p for p in (tmp_path / "bucket" / "commits").iterdir()).relative_to(tmp_path / "bucket").as_posix()
+    raw = json.loads((tmp_path / "bucket" / key).read_bytes())
+    assert CommitRecord.from_json(json.dumps(raw).encode(), key).adapter == Run(bucket).newest().adapter
+    for bad, reason in [({**raw["adapter"], "dtype": "int8"}, "adapter.dtype"),
+                        ({**raw["adapter"], "base_digest": "xyz"}, "base_digest"),
+                        ({**raw["adapter"], "config": {**raw["adapter"]["config"], "peft_type": "IA3"}}, "peft_type"),
+                        ({**raw["adapter"], "extra": 1}, "exactly"), ([], "exactly")]:
+        with pytest.raises(MalformedCommitError, match=reason):
+            CommitRecord.from_json(json.dumps({**raw, "adapter": bad}).encode(), key)
