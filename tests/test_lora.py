@@ -216,6 +216,8 @@ def test_vllm_replica_switches_adapter_slots(bases, tmp_path):  # type: ignore[n
             pub.publish(trainer.model, 0)
             pub.flush()
             meta = Run(bucket).newest().adapter
+            with pytest.raises(BaseModelMismatchError):  # checked before vLLM starts
+                VllmAdapterEngine(build_tiny_model(tmp_path / "other", seed=1), adapter=meta)
             engine = VllmAdapterEngine(base, adapter=meta, kv_cache_memory_bytes=128 << 20)
             follower = Follower(bucket, hook=engine, adapter=meta)
             assert follower.sync_once() == 0
