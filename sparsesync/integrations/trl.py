@@ -19,9 +19,9 @@ Two entry points, one per TRL trainer:
       trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., callbacks=[SparsesyncCallback("/tmp/bucket")])
 
 Guarantees: each published version is exactly the `dtype` cast of the tensors handed over
-(base-checkpoint names: DDP's `module.` and PEFT's wrappers stripped; a PEFT model's adapter
-under PEFT's names: an adapter run, sparsesync.adapter), so a follower reconstructs it bit for
-bit; `pause` and `resume` never block on replicas (with sparsesync a replica pauses only for its own local
+(base-checkpoint names: DDP's `module.` and PEFT's wrappers stripped, a PEFT adapter merged
+for the copy and unmerged after), so a follower reconstructs it bit for bit; `pause` and
+`resume` never block on replicas (with sparsesync a replica pauses only for its own local
 apply); publication never waits for the network except in `destroy` / `on_train_end`, which
 flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
 `SparsesyncWeightTransfer`, in `send_weights`, which then returns once n replicas report (bucket
