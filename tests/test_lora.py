@@ -308,3 +308,21 @@ def test_a_commit_with_a_malformed_adapter_field_is_not_a_commit(bases, tmp_path
                         ({**raw["adapter"], "extra": 1}, "exactly"), ([], "exactly")]:
         with pytest.raises(MalformedCommitError, match=reason):
             CommitRecord.from_json(json.dumps({**raw, "adapter": bad}).encode(), key)
+
+
+@pytest.mark.slow
+def test_demo_lora_replicas_end_bit_exact_to_the_trainers_adapter(tmp_path):  # type: ignore[no-untyped-def]
+    """`sparsesync demo --lora`, short: real env, replica and trainer processes; the run is an adapter
+    run and every replica serves the trainer's final adapter. It checks the plumbing, not the reward:
+    learning `repeat` with an adapter takes ~200 steps, minutes on 2 cores (`sparsesync demo --lora`)."""
+    pytest.importorskip("openenv")
+    from trainer.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(steps=12, lr=2e-2, lora=True, workdir=tmp_path, progress=False, min_reward_gain=-1.0, replicas=1)
+    report = run_demo(opts)  # raises DemoCheckError when a check fails
+    assert report.checks["bit_exact"]["ok"] and report.checks["replica_outputs"]["ok"]
+    commits = Run(report.bucket).commits()
+    assert commits[-1].version == 12 and all(c.adapter is not None for c in commits)
+    assert commits[-1].adapter.base_model == str(tmp_path / "model") and "lm_head" in commits[-1].adapter.target_modules
+    assert [st["engine"] for st in report.replicas.values()] == ["embedded-lora"]
+    assert report.full_bytes == sum(t.numel() * 2 for t in Run(report.bucket).reconstruct(None)[1].values())  # the adapter
