@@ -6,6 +6,8 @@ Guarantees:
   follower loads the newest anchor into the engine, then applies each delta in place.
 - Fetch, verify and decode run on the follower's thread while the engine keeps generating; the
   engine is paused only inside the hook (see `engines.base` for the in-flight policy).
+- When the run is a LoRA adapter run (its newest commit at start says so), the engine serves
+  the run's base model (checked against its digest) plus the adapter (`engines.adapters`).
 - A replica whose sync fails (anchor fallback, store unreachable, bad patch, engine failure)
   keeps serving its last good version; `status()` then says state "degraded" with the error.
 """
@@ -49,7 +51,9 @@ class Replica:
         self.model_name = served_model_name or engine.model_name
         # heartbeats into the run (and coordinated switching when SPARSESYNC_SWITCH=coordinated)
         fleet = FleetOptions(engine=engine.name)
-        self.follower: Follower | None = Follower(bucket, hook=engine, poll_interval=poll_interval, fleet=fleet) if bucket else None
+        self.follower: Follower | None = Follower(
+            bucket, hook=engine, poll_interval=poll_interval, fleet=fleet, adapter=getattr(engine, "adapter", None)
+        ) if bucket else None
         self.started_at = time.time()
 
     def start(self) -> None:
@@ -114,5 +118,9 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "tensor_parallel_size": cfg.tensor_parallel_size,
         }
+    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
+        from sparsesync.adapter import read_run_adapter
+
+        kwargs["adapter"] = read_run_adapter(cfg.bucket)
     engine = make_engine(cfg.engine, cfg.model, **kwargs)
     return Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)

@@ -28,6 +28,15 @@ class ConfigError(SparsesyncError):
     """A configuration value or CLI argument is invalid."""
 
 
+class RunKindError(ConfigError):
+    """An adapter run met a full-weight publisher, follower or engine (or the reverse), or an
+    adapter of another base or configuration (`sparsesync.adapter`)."""
+
+
+class BaseModelMismatchError(ConfigError):
+    """The base weights an adapter replica starts from are not the adapter run's base."""
+
+
 class OutputError(SparsesyncError):
     """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
     What was there before is left as it was."""

@@ -22,6 +22,11 @@ Example (`trainer.toml`):
 
     [sync]
     bucket = "/tmp/run/bucket"        # local folder, s3://..., hf://buckets/ns/name/prefix
+
+    [lora]                            # optional: publish a LoRA adapter instead of full weights
+    enabled = true
+    r = 16
+    lora_alpha = 32
 """
 
 from __future__ import annotations
@@ -99,6 +104,30 @@ class SyncConfig:
     fleet_timeout_s: float = 120.0  # a wait longer than this stops the run (FleetTimeoutError names who is behind)
 
 
+LORA_ALL_LINEAR = (  # every linear layer of a Qwen3/Llama block
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+)
+
+
+@dataclass
+class LoraSection:
+    """`[lora]`: train and publish a LoRA adapter (peft.LoraConfig fields) instead of full weights."""
+
+    enabled: bool = False  # true: the run is an adapter run (sparsesync.adapter); replicas serve base + adapter
+    r: int = 16  # rank
+    lora_alpha: int = 32  # scaling numerator (scale = lora_alpha / r, or / sqrt(r) with use_rslora)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_ALL_LINEAR))  # module names to adapt
+    lora_dropout: float = 0.0
+    use_rslora: bool = False
+
+    def peft(self) -> Any:
+        """The peft.LoraConfig of this section."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.lora_alpha, target_modules=list(self.target_modules),
+                          lora_dropout=self.lora_dropout, use_rslora=self.use_rslora)
+
+
 @dataclass
 class LogConfig:
     """Where per-step metrics go."""
@@ -118,6 +147,7 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     # -- loading ----------------------------------------------------------------------
     @classmethod
@@ -205,6 +235,11 @@ class TrainerConfig:
         _require(s.fleet_max_lag >= 0, "[sync] fleet_max_lag", s.fleet_max_lag, ">= 0")
         _require(s.fleet_timeout_s > 0, "[sync] fleet_timeout_s", s.fleet_timeout_s, "> 0")
         _require(lg.log_every >= 1, "[log] log_every", lg.log_every, ">= 1")
+        la = self.lora
+        _require(la.r >= 1, "[lora] r", la.r, ">= 1")
+        _require(la.lora_alpha > 0, "[lora] lora_alpha", la.lora_alpha, "> 0")
+        _require(bool(la.target_modules), "[lora] target_modules", la.target_modules, "at least one module name")
+        _require(0 <= la.lora_dropout < 1, "[lora] lora_dropout", la.lora_dropout, "in [0, 1)")
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsesync.errors import DemoCheckError
-from trainer.config import LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
+from trainer.config import LORA_ALL_LINEAR, LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
 from trainer.metrics import MetricsLogger
 from trainer.processes import ProcessSet, free_port
 
@@ -64,6 +64,8 @@ class DemoOptions:
     catch_up_timeout_s: float = 60.0
     progress: bool = True
     replica_threads: int = 1  # torch threads per replica process (they share the CPU with the trainer)
+    lora: bool = False  # train and publish a LoRA adapter (every linear layer + LM head); replicas serve base + adapter
+    lora_r: int = 8
 
 
 @dataclass
@@ -125,6 +127,10 @@ def _run(opts: DemoOptions, console: Console, workdir: Path, bucket: Path, t_sta
         _require_vllm()
     console.print(f"[bold]sparsesync demo[/]: work folder {workdir}")
     model_dir = build_tiny_model(workdir / "model", seed=opts.seed)
+    if opts.lora:  # replicas read the adapter run's config and base digest from version 0 at start
+        from trainer.lora import publish_initial_adapter
+
+        publish_initial_adapter(demo_config(opts, model_dir, bucket, ["http://127.0.0.1:1"], "http://127.0.0.1:1", workdir))
     py = sys.executable
     env = {"OMP_NUM_THREADS": str(opts.replica_threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
@@ -181,6 +187,8 @@ def demo_config(opts: DemoOptions, model_dir: Path, bucket: Path, replicas: list
         sync=SyncConfig(bucket=str(bucket), publish_every=1, anchor_every=0, anchor_fraction=4.0, queue_size=4),
         log=LogConfig(jsonl=str(workdir / "metrics.jsonl"), progress=opts.progress, log_every=10),
     )
+    cfg.lora.enabled, cfg.lora.r, cfg.lora.lora_alpha = opts.lora, opts.lora_r, 2 * opts.lora_r
+    cfg.lora.target_modules = [*LORA_ALL_LINEAR, "lm_head"]  # without the head, `repeat` barely moves in 100 steps
     cfg.validate()
     return cfg
 
@@ -247,7 +255,7 @@ def _check(report: DemoReport, opts: DemoOptions, procs: ProcessSet, model_dir: 
     checks["bit_exact"] = {"ok": not problems, "detail": "; ".join(problems) or
                            f"bucket version {rec.version} rebuilt with the trainer's state digest {rebuilt}; "
                            f"{len(report.replicas)} replica(s) serve exactly version {rec.version} ({how})"}
-    checks["replica_outputs"] = _outputs_check(list(report.replicas), model_dir, state)
+    checks["replica_outputs"] = _outputs_check(list(report.replicas), model_dir, state, rec.adapter)
     try:
         procs.check_alive()
         checks["processes"] = {"ok": True, "detail": f"{len(procs.children)} processes alive until the end"}
@@ -255,14 +263,21 @@ def _check(report: DemoReport, opts: DemoOptions, procs: ProcessSet, model_dir: 
         checks["processes"] = {"ok": False, "detail": e.message.splitlines()[0]}
 
 
-def _outputs_check(urls: list[str], model_dir: Path, state: dict[str, Any], tol: float = 0.05) -> dict[str, Any]:
-    """Each replica's greedy completions, scored by the rebuilt final weights: the log-probs the
-    replica reports must match (a replica whose engine missed an update is off by far more)."""
+def _outputs_check(urls: list[str], model_dir: Path, state: dict[str, Any], adapter: Any = None,
+                   tol: float = 0.05) -> dict[str, Any]:
+    """Each replica's greedy completions, scored by the rebuilt final weights (an adapter run:
+    base + the rebuilt adapter): the log-probs the replica reports must match (a replica whose
+    engine missed an update is off by far more)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model.load_state_dict(state)
+    if adapter is not None:
+        from sparsesync.adapter import attach_adapter
+
+        model = attach_adapter(model, adapter, state)
+    else:
+        model.load_state_dict(state)
     model.eval()
     worst, n = 0.0, 0
     with httpx.Client(timeout=30.0) as http:
@@ -335,7 +350,7 @@ def print_report(report: DemoReport, opts: DemoOptions, console: Console) -> Non
         sizes = [c["patch_bytes"] for c in deltas]
         dens = [c["density"] for c in deltas]
         console.print(
-            f"full model (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: median "
+            f"full {'adapter' if opts.lora else 'model'} (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: median "
             f"{_fmt_bytes(statistics.median(sizes))} ({statistics.median(sizes) / report.full_bytes:.1%} of full), "
             f"min {_fmt_bytes(min(sizes))}, max {_fmt_bytes(max(sizes))}; changed elements: median "
             f"{statistics.median(dens):.1%}, min {min(dens):.1%}, max {max(dens):.1%}")

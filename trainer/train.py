@@ -105,8 +105,12 @@ def load_policy(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) ->
 
 
 def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights replicas receive: every state-dict tensor cast to `dtype`, contiguous, on CPU."""
-    return {name: t.detach().to(dtype=dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+    """The weights replicas receive: every state-dict tensor (a PEFT model: every adapter tensor)
+    cast to `dtype`, contiguous, on CPU."""
+    from sparsesync.adapter import adapter_tensors, is_peft_model
+
+    state = adapter_tensors(model) if is_peft_model(model) else model.state_dict()
+    return {name: t.detach().to(dtype=dtype).contiguous().cpu() for name, t in state.items()}
 
 
 class _StatusPoller:
@@ -157,6 +161,12 @@ class AsyncGRPOTrainer:
         t_start = time.time()
         torch.manual_seed(o.seed)
         model = load_policy(cfg, self.device, self.master_dtype)
+        adapter = None
+        if cfg.lora.enabled:  # train and publish a LoRA adapter (trainer/lora.py)
+            from trainer.lora import adapter_meta, lora_policy
+
+            model = lora_policy(model, cfg, self.master_dtype)
+            adapter = adapter_meta(model, cfg, self.publish_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         r = cfg.rollout
@@ -178,7 +188,8 @@ class AsyncGRPOTrainer:
         n_commits_seen = 0
         try:
             publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
-                                  anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size)
+                                  anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size,
+                                  adapter=adapter)
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
             self.version = self._first_version(publisher, state)

@@ -18,7 +18,13 @@ __all__ = ["ENGINES", "Completion", "Engine", "PauseStats", "SamplingParams", "m
 
 
 def make_engine(kind: str, model_dir: str | Path, **kwargs: Any) -> Engine:
-    """Build the engine `kind` serving the model in `model_dir`."""
+    """Build the engine `kind` serving the model in `model_dir` (with `adapter=AdapterMeta`: the
+    base model plus that LoRA run's adapter versions)."""
+    if kwargs.get("adapter") is not None:
+        from inference_space.engines.adapters import make_adapter_engine
+
+        return make_adapter_engine(kind, model_dir, **kwargs)
+    kwargs.pop("adapter", None)
     if kind == "embedded":
         from inference_space.engines.embedded import EmbeddedEngine
 

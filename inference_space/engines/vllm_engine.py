@@ -123,6 +123,7 @@ class VllmEngine(Engine):
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
             self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._state and a not in self._state}
         self.last_sent: list[str] = []  # checkpoint tensors the last update handed to vLLM
+        self._lora_request: Any = None  # the adapter slot every request uses (vllm_adapter.VllmAdapterEngine)
 
     # -- text ---------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -161,7 +162,8 @@ class VllmEngine(Engine):
             logprobs=0,  # the sampled token's logprob only
         )
         try:
-            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False)
+            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False,
+                                       lora_request=self._lora_request)
         except ValueError as e:  # e.g. prompt longer than max_model_len
             raise EngineError(f"vLLM refused the request: {e}", hint="send a shorter prompt or fewer tokens") from e
         result = []

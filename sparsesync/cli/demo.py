@@ -22,14 +22,17 @@ def demo(
     min_reward_gain: Annotated[float, typer.Option(help="Fail unless the mean reward rises by at least this much.")] = 0.25,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")] = None,
+    lora: Annotated[bool, typer.Option(help="Train a LoRA adapter (r=8, every linear layer and the LM head) and ship adapter versions; default lr 2e-2.")] = False,
 ) -> None:
     """Run a local async RL job: env server, inference replicas and trainer sharing weights only through a bucket folder."""
     from trainer.demo import DemoOptions, run_demo
 
     if engine not in ("embedded", "vllm"):
         raise typer.BadParameter(f"engine {engine!r}: expected embedded or vllm", param_hint="--engine")
+    if lora and lr == 2e-3:  # the full-weight default is too small for an adapter
+        lr = 2e-2
     opts = DemoOptions(steps=steps, engine=engine, replicas=replicas, lr=lr, seed=seed, workdir=workdir, keep=keep,
-                       min_reward_gain=min_reward_gain, progress=progress)
+                       min_reward_gain=min_reward_gain, progress=progress, lora=lora)
     report = run_demo(opts)
     if json_out is not None:
         json_out.write_text(report.to_json())

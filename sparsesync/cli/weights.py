@@ -29,14 +29,18 @@ def _progress() -> Progress:
 
 
 def push(
-    source: Annotated[Path, typer.Argument(help="A .safetensors file or a folder of safetensors shards.")],
+    source: Annotated[Path, typer.Argument(help="A .safetensors file, a folder of safetensors shards, or a PEFT adapter folder.")],
     url: Annotated[str, typer.Argument(help="Run URL: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")],
     step: Annotated[int | None, typer.Option(help="Version number to publish (default: newest + 1).")] = None,
     anchor_every: Annotated[int, typer.Option(help="Write a full anchor every N versions.")] = 50,
     public: Annotated[bool, typer.Option(help="Create the bucket public (default private).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    base_model: Annotated[Path | None, typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
 ) -> None:
-    """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due)."""
+    """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due).
+
+    A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
+    from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.protocol.layout import check_version
     from sparsesync.protocol.publisher import Publisher
@@ -45,13 +49,19 @@ def push(
 
     if step is not None:
         check_version(step, url)  # before anything is written to the run
-    state = load_checkpoint(source)
+    config = None
+    if lora.is_adapter_folder(source):
+        state, config = lora.read_adapter_folder(source)
+    else:
+        state = load_checkpoint(source)
     store = open_store(url, create=True, private=not public)
     with _progress() as progress:
         task = progress.add_task(f"reading the newest version of {store.url}")
         run = Run(store)
         newest = run.newest()
-        pub = Publisher(store, anchor_every=anchor_every, queue_size=1)
+        meta = None if config is None else lora.meta_for_folder(config, state, base_model, newest, store.url)
+        lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
+        pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta)
         try:
             if newest is not None:
                 _rec, base, _digests = run.reconstruct(newest.version)
@@ -82,7 +92,8 @@ def pull(
     version: Annotated[int | None, typer.Option(help="Version to materialize (default: newest committed).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact.
+    """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact
+    (an adapter run: as a PEFT adapter folder).
 
     DEST is replaced atomically; in an existing folder, other *.safetensors files and indexes are removed."""
     from sparsesync.protocol.run import Run
@@ -97,7 +108,7 @@ def pull(
 
         rec, state, _digests = run.reconstruct(version, on_step=on_step)
         progress.update(task, description=f"writing {dest}")
-        files = _write_dest(state, dest, rec.version, rec.state_digest)
+        files = _write_dest(state, dest, rec.version, rec.state_digest, rec.adapter)
     result = {"version": rec.version, "state_digest": rec.state_digest, "files": [str(f) for f in files]}
     if as_json:
         console.print_json(json.dumps(result))
@@ -109,8 +120,9 @@ def _is_model_file(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors.index.json"))
 
 
-def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str) -> list[Path]:
-    """Write `state` to DEST through a staging folder beside it (see the module docstring)."""
+def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, adapter: Any = None) -> list[Path]:
+    """Write `state` to DEST through a staging folder beside it (see the module docstring);
+    `adapter` (an AdapterMeta): as a PEFT adapter folder."""
     from safetensors.torch import save_file
 
     from sparsesync.codec import write_anchor
@@ -124,13 +136,21 @@ def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str) ->
             raise OutputError(f"{dest} exists and is not a {'file' if one_file else 'folder'}",
                               hint="name a folder, or a path ending in .safetensors for one file")
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if one_file and adapter is not None:
+            raise OutputError(f"{dest}: an adapter run is pulled into a folder (adapter_config.json + adapter_model.safetensors)",
+                              hint="name a folder for DEST")
         stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.sparsesync-", dir=dest.parent))
         if one_file:
             save_file(state, str(stage / dest.name), metadata={"sparsesync_version": str(version),
                                                                "sparsesync_state_digest": digest})
             os.replace(stage / dest.name, dest)
             return [dest]
-        files = write_anchor(state, stage / "model", version=version)
+        if adapter is not None:
+            from sparsesync.adapter import write_adapter_folder
+
+            files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
+        else:
+            files = write_anchor(state, stage / "model", version=version)
         if not dest.exists():
             os.replace(stage / "model", dest)  # DEST appears complete, or not at all
             return [dest / f.name for f in files]

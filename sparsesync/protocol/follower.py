@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
+from sparsesync.adapter import AdapterMeta, check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -73,7 +74,11 @@ class Follower:
         poll_interval: float = 1.0,
         max_poll_interval: float = 15.0,
         fleet: FleetOptions | None = None,
+        adapter: AdapterMeta | None = None,
     ) -> None:
+        """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
+        the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow)."""
+        self.adapter = adapter
         self.store = open_store(url) if isinstance(url, str) else url
         self._owns_store = isinstance(url, str)
         self.run = Run(self.store)
@@ -126,6 +131,7 @@ class Follower:
                 self._set(newest_version=None, lag=None)
                 return self.current_version
             newest = commits[-1]
+            check_follow(newest, self.adapter, self.store.url)  # a config error: raised, not degraded
             self._set(newest_version=newest.version, lag=self._lag(newest.version))
             held = next((c for c in commits if c.version == self._mirror_version), None)
             if held is not None and held.state_digest != state_digest(self.digests):
@@ -207,6 +213,7 @@ class Follower:
     def _execute(self, steps: list[Step]) -> None:
         for step in steps:
             rec = step.commit
+            check_follow(rec, self.adapter, self.store.url)
             t0 = time.perf_counter()
             if step.kind == "anchor":
                 try:

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sparsesync.adapter import AdapterMeta
 from sparsesync.errors import ConfigError, MalformedCommitError
 
 COMMIT_FORMAT = "sparsesync-commit/1"
@@ -127,6 +128,7 @@ class CommitRecord:
     base_state_digest: str | None = None
     anchor: list[ObjectRef] = field(default_factory=list)  # full snapshot files, if any
     metrics: dict[str, Any] = field(default_factory=dict)
+    adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.adapter)
     format: str = COMMIT_FORMAT
 
     @property
@@ -137,7 +139,10 @@ class CommitRecord:
         return ([self.delta] if self.delta else []) + list(self.anchor)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        raw = asdict(self)
+        if raw["adapter"] is None:
+            del raw["adapter"]  # full-weight commits stay as they were
+        return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str) -> CommitRecord:
@@ -251,6 +256,7 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
             created_at=float(created), delta=delta, base_version=base,
             base_state_digest=_str(raw, "base_state_digest", _HEX, optional=True),
             anchor=anchor, metrics=metrics,
+            adapter=None if raw.get("adapter") is None else AdapterMeta.from_dict(raw["adapter"]),
         )
     except ValueError as e:
         raise bad(str(e)) from None

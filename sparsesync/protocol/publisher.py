@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
 from sparsesync.errors import (
@@ -119,7 +120,11 @@ class _Item:
 class Publisher:
     """Publishes versions of a state dict to the run at `url` (see module docstring)."""
 
-    def __init__(self, url: str | Store, config: PublisherConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, url: str | Store, config: PublisherConfig | None = None, *, adapter: AdapterMeta | None = None,
+                 **overrides: Any) -> None:
+        """`adapter`: publish a LoRA adapter run of this base and config (a PeftModel passed to
+        `publish` brings its own; see sparsesync.adapter)."""
+        self.adapter = adapter
         self.config = config or PublisherConfig()
         for k, v in overrides.items():
             if not hasattr(self.config, k):
@@ -142,6 +147,7 @@ class Publisher:
         self._delta_bytes_since_anchor = 0
         self.metrics: list[dict[str, Any]] = []  # one per committed version, in commit order
         newest = self.run.newest()
+        self._newest = newest  # its kind (adapter or full weights) is checked at the first publish
         self.committed_version: int | None = newest.version if newest else None
         self._last_version = self.committed_version
         self.epoch = self._claim_epoch()
@@ -149,15 +155,18 @@ class Publisher:
         self._thread.start()
 
     # -- public API -------------------------------------------------------------------
-    def publish(self, state: Mapping[str, torch.Tensor], step: int | None = None) -> int:
+    def publish(self, state: Mapping[str, torch.Tensor] | Any, step: int | None = None) -> int:
         """Publish `state` as version `step` (default: previous + 1). Returns the version.
 
+        `state`: a state dict, or a `peft.PeftModel` (its adapter is published: an adapter run).
         Returns after diff+encode (and anchor serialization on anchor versions); the upload
         happens in the background.
         """
         self._raise_background_error()
         if self._closed:
             raise ConfigError("publish() after close()")
+        state, self.adapter = adapter_state(state, self.adapter)
+        check_publish(self._newest, self.adapter, self.store.url)
         state = checkpoint_state(state, self._snapshot.state if self._snapshot is not None else None)
         version = step if step is not None else (self._last_version or 0) + 1
         check_version(version, self.store.url)
@@ -469,6 +478,7 @@ class Publisher:
         rec = CommitRecord(
             version=item.version, epoch=self.epoch, writer=self.writer, state_digest=item.state_digest,
             created_at=time.time(), base_version=item.base_version, base_state_digest=item.base_state_digest,
+            adapter=self.adapter,
         )
         if item.delta is not None:
             assert item.base_version is not None

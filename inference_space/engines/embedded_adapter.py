@@ -1,0 +1,42 @@
+"""The embedded engine serving base + LoRA adapter (PEFT) for an adapter run (sparsesync.adapter).
+
+Guarantees (on top of `embedded.EmbeddedEngine`'s):
+- The base weights loaded from `model_dir` are checked once, at start, against the run's base
+  digest (`BaseModelMismatchError` on a mismatch); they are never written afterwards.
+- The engine's weights are the adapter's tensors under their PEFT names (what
+  `adapter_model.safetensors` holds), each mapped onto the live LoRA parameter of the model's
+  one adapter slot, in the run's dtype. Versions are written into those parameters in place
+  under the engine's gate (no completion mixes two adapter versions) and read back bit for bit;
+  every completion reports the adapter version that produced it.
+- Before the first adapter version the engine serves the base model alone (LoRA B is zero at
+  init) and reports weight_version None.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from inference_space.engines.base import TensorSpec
+from inference_space.engines.embedded import EmbeddedEngine
+from sparsesync.adapter import AdapterMeta, adapter_tensors, attach_adapter, check_base
+from sparsesync.errors import EngineError
+
+
+class EmbeddedAdapterEngine(EmbeddedEngine):
+    """Base model + the current adapter version of a LoRA run (see module docstring)."""
+
+    name = "embedded-lora"
+
+    def __init__(self, model_dir: str | Path, *, adapter: AdapterMeta, **kwargs: Any) -> None:
+        super().__init__(model_dir, **kwargs)
+        check_base(self._sd, adapter, str(self.model_dir))
+        self.adapter = adapter
+        self.model = attach_adapter(self.model, adapter).eval()
+        self._sd = adapter_tensors(self.model)  # PEFT names -> views of the live LoRA parameters
+        live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        if not self._sd or any(v.untyped_storage().data_ptr() not in live for v in self._sd.values()):
+            raise EngineError(f"cannot map the adapter of {adapter.base_model!r} onto the model in {self.model_dir}",
+                              hint="the adapter's target_modules do not match this model")
+        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._sd.items()}
+        self._aliases = {}

@@ -1,0 +1,402 @@
+"""LoRA adapter runs: a run whose versions are a PEFT adapter's tensors, not a model's weights.
+
+An adapter run is an ordinary run (anchors, deltas, commits; docs/protocol.md) whose tensors are
+what PEFT writes into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`,
+...), and whose every commit record names, in its `adapter` field (`AdapterMeta`), the base
+model the adapter belongs to (its id and the state digest of its weights in the checkpoint's
+own key set) and the adapter's configuration (the `adapter_config.json` content: rank, alpha,
+target modules, ...).
+
+Guarantees:
+- An adapter run and a full-weight run are never confused: a publisher refuses to add adapter
+  versions to a full-weight run and the reverse, and to change the base or the configuration
+  of an adapter run (`check_publish`); a follower built for one kind refuses the other, and an
+  adapter follower refuses versions of another base or configuration (`check_follow`); a
+  mapping with LoRA tensor names is never published as full weights.
+- The base weights a replica serves the adapter on are checked against the run's base digest
+  (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
+- `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
+  that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sparsesync.checkpoint import checkpoint_state, load_checkpoint
+from sparsesync.codec.digest import state_digest, tensor_digests
+from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError
+
+if TYPE_CHECKING:
+    from sparsesync.protocol.layout import CommitRecord
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_HEX = re.compile(r"^[0-9a-f]{8,64}$")
+_LORA_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
+_DTYPES = ("float32", "bfloat16", "float16")
+_MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json larger than this is not one
+
+
+@dataclass(frozen=True)
+class AdapterMeta:
+    """What every commit of an adapter run says about the adapter (the commit's `adapter` field)."""
+
+    base_model: str  # the base model's id or path, as the trainer named it
+    base_digest: str  # state digest of the base weights, checkpoint key set (codec.state_digest)
+    config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json content
+    dtype: str = ""  # the adapter tensors' dtype ("float32", "bfloat16"); "" until the first publish fills it
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def alpha(self) -> float:
+        return float(self.config["lora_alpha"])
+
+    @property
+    def target_modules(self) -> list[str] | str:
+        return self.config["target_modules"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base_model": self.base_model, "base_digest": self.base_digest, "config": self.config, "dtype": self.dtype}
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> AdapterMeta:
+        """Parse the commit field; ValueError with a one-line reason on anything else."""
+        if not isinstance(raw, dict) or set(raw) != {"base_model", "base_digest", "config", "dtype"}:
+            raise ValueError("adapter is not an object with exactly base_model, base_digest, config, dtype")
+        base, digest, config, dtype = raw["base_model"], raw["base_digest"], raw["config"], raw["dtype"]
+        if dtype not in _DTYPES:
+            raise ValueError(f"adapter.dtype is {dtype!r}, expected one of {', '.join(_DTYPES)}")
+        if not isinstance(base, str) or len(base) > 1024:
+            raise ValueError("adapter.base_model is not a string of at most 1024 characters")
+        if not isinstance(digest, str) or not _HEX.match(digest):
+            raise ValueError("adapter.base_digest is not a hex digest")
+        _check_config(config, "adapter.config")
+        return cls(base, digest, config, dtype)
+
+
+def _check_config(config: Any, where: str) -> None:
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{where}.peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if type(r) is not int or r < 1:
+        raise ValueError(f"{where}.r is {r!r}, expected a positive integer")
+    if type(alpha) not in (int, float):
+        raise ValueError(f"{where}.lora_alpha is {alpha!r}, expected a number")
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise ValueError(f"{where}.target_modules is {targets!r}, expected a string or a list of strings")
+
+
+# -- the writer side --------------------------------------------------------------------------
+def is_peft_model(obj: object) -> bool:
+    """True for a `peft.PeftModel` (without importing peft when it is not loaded)."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(obj, peft.PeftModel)
+
+
+def is_adapter_key(name: str) -> bool:
+    """True for a LoRA tensor name (what PEFT saves: `...q_proj.lora_A.weight`)."""
+    return _LORA_KEY.search(name) is not None
+
+
+def base_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """The digest an adapter run records for its base: the state digest of `state` (a model's
+    `state_dict()` or a loaded checkpoint) in the checkpoint's own key set."""
+    return state_digest(tensor_digests(checkpoint_state(state)))
+
+
+def peft_base_state(model: Any) -> dict[str, torch.Tensor]:
+    """The base weights of a PEFT model under the base checkpoint's names (LoRA tensors left out,
+    `.base_layer` removed); views, no copies."""
+    out = {}
+    for name, t in model.get_base_model().state_dict().items():
+        if not is_adapter_key(name):
+            out[name.replace(".base_layer.", ".")] = t
+    return out
+
+
+def adapter_tensors(model: Any, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """A PEFT model's adapter tensors under the names `adapter_model.safetensors` holds (views of
+    the live parameters). Only the adapter: never the base's embedding or LM head, which PEFT
+    would otherwise add when they are targeted (`save_embedding_layers=False`)."""
+    from peft import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False))
+
+
+def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any]:
+    """The adapter_config.json PEFT writes for `adapter_name` of `model`, as a dict."""
+    with tempfile.TemporaryDirectory(prefix="sparsesync-adapter-") as tmp:
+        model.peft_config[adapter_name].save_pretrained(tmp)
+        return json.loads((Path(tmp) / CONFIG_FILE).read_text())
+
+
+def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | None = None, *,
+                   dtype: torch.dtype | None = None) -> AdapterMeta:
+    """The `AdapterMeta` of a PEFT model (hashes its base weights once). `dtype`: the dtype
+    replicas receive (base and adapter), when the trainer holds them in another (fp32 master)."""
+    config = peft_config_json(model, adapter_name)
+    _check_supported(config, f"adapter {adapter_name!r}")
+    base = peft_base_state(model)
+    if dtype is not None:
+        base = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in base.items()}
+    meta = AdapterMeta(base_model or str(config.get("base_model_name_or_path") or ""), base_digest(base), config)
+    state = adapter_tensors(model, adapter_name)
+    return _with_dtype({k: v.to(dtype) for k, v in state.items()} if dtype is not None else state, meta)[1]
+
+
+def _check_supported(config: dict[str, Any], what: str) -> None:
+    try:
+        _check_config(config, what)
+    except ValueError as e:
+        raise ConfigError(f"{e}", hint="adapter runs carry LoRA adapters (peft.LoraConfig)") from None
+    if config.get("modules_to_save"):
+        raise ConfigError(f"{what}: modules_to_save={config['modules_to_save']!r} is not supported in adapter runs",
+                          hint="train those modules as part of a full-weight run, or leave modules_to_save unset")
+
+
+class AdapterState(dict):  # type: ignore[type-arg]
+    """An adapter version's tensors (PEFT names) carrying the `AdapterMeta` of their run, so a
+    publisher handed it publishes an adapter run (what `peft_publish_state` returns)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], meta: AdapterMeta) -> None:
+        super().__init__(tensors)
+        self.meta = meta
+
+
+_META_CACHE: weakref.WeakKeyDictionary[Any, dict[torch.dtype, AdapterMeta]] = weakref.WeakKeyDictionary()
+
+
+def peft_publish_state(model: Any, dtype: torch.dtype) -> AdapterState | None:
+    """For a PEFT model: its adapter tensors cast to `dtype` (contiguous, CPU) with its
+    `AdapterMeta` (the base is hashed once per model and dtype); None for any other model.
+    Integrations call this so that a LoRA trainer publishes the adapter, not merged weights."""
+    if not is_peft_model(model):
+        return None
+    metas = _META_CACHE.setdefault(model, {})
+    if dtype not in metas:
+        metas[dtype] = meta_from_peft(model, dtype=dtype)
+    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in adapter_tensors(model).items()}
+    return AdapterState(state, metas[dtype])
+
+
+def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torch.Tensor], AdapterMeta | None]:
+    """What `Publisher.publish` publishes for `obj`: a PEFT model becomes its adapter tensors
+    (`adapter_tensors`) and its `AdapterMeta` (`meta` when given, so the base is hashed
+    once); a mapping is published as is, and must hold adapter tensors exactly when `meta` is set."""
+    if is_peft_model(obj):
+        if meta is None:
+            meta = meta_from_peft(obj)
+        elif peft_config_json(obj) != meta.config:
+            raise RunKindError("the PEFT model's adapter_config differs from the one this publisher's run carries",
+                               hint="publish it to a new run URL")
+        return _with_dtype(adapter_tensors(obj), meta)
+    if isinstance(obj, AdapterState) and meta is None:
+        meta = obj.meta
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"cannot publish a {type(obj).__name__}", hint="pass a state dict or a peft.PeftModel")
+    lora = [n for n in obj if is_adapter_key(n)]
+    if meta is None and lora:
+        raise RunKindError(
+            f"the state holds LoRA adapter tensors ({lora[0]!r}, ...), but this publisher writes full weights",
+            hint="publish the PeftModel itself, or pass Publisher(url, adapter=AdapterMeta(...)) for an adapter state dict",
+        )
+    if meta is not None and len(lora) != len(obj):
+        other = next(n for n in obj if not is_adapter_key(n))
+        raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run",
+                           hint="publish sparsesync.adapter.adapter_tensors(model), or full weights to a full-weight run")
+    return (obj, meta) if meta is None else _with_dtype(obj, meta)
+
+
+def _with_dtype(state: Mapping[str, torch.Tensor], meta: AdapterMeta) -> tuple[Mapping[str, torch.Tensor], AdapterMeta]:
+    """`meta` with the adapter tensors' one dtype filled in; RunKindError on a mixed or changed dtype."""
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+    want = meta.dtype or (dtypes[0] if dtypes else "")
+    if dtypes != [want] or want not in _DTYPES:
+        raise RunKindError(f"the adapter tensors are {', '.join(dtypes)}, expected all {want or 'one of ' + ', '.join(_DTYPES)}",
+                           hint="cast the adapter to one dtype for the whole run (e.g. model.to(torch.bfloat16))")
+    return state, replace(meta, dtype=want)
+
+
+def check_publish(newest: CommitRecord | None, meta: AdapterMeta | None, url: str) -> None:
+    """Refuse to publish `meta`'s kind of version into a run whose newest commit is of another
+    kind, base or adapter configuration."""
+    if newest is None:
+        return
+    have = newest.adapter
+    if (have is None) != (meta is None):
+        raise RunKindError(
+            f"{url} is a {_kind(have)} run (version {newest.version}); this publisher writes a {_kind(meta)} run",
+            hint="publish to a new run URL",
+        )
+    if have is not None and meta is not None and _identity(have) != _identity(meta):
+        raise RunKindError(f"{url} carries an adapter of another {_what_differs(have, meta)} (version {newest.version})",
+                           hint="publish this adapter to a new run URL")
+
+
+def check_follow(rec: CommitRecord, expected: AdapterMeta | None, url: str) -> None:
+    """Refuse a version of another kind (adapter vs full weights), base or adapter configuration
+    than the engine following `url` was built for."""
+    have = rec.adapter
+    if (have is None) != (expected is None):
+        fix = ("start the replica on the run's base model with the adapter engine (it reads the run's adapter config)"
+               if have is not None else "follow it with a full-weight engine, not an adapter engine")
+        raise RunKindError(f"version {rec.version} of {url} is a {_kind(have)} version; this replica serves a {_kind(expected)} run",
+                           hint=fix)
+    if have is not None and expected is not None and _identity(have) != _identity(expected):
+        raise RunKindError(f"version {rec.version} of {url} carries an adapter of another {_what_differs(have, expected)}",
+                           hint="restart the replica: it builds its adapter from the run's newest version")
+
+
+def _identity(meta: AdapterMeta) -> tuple[str, dict[str, Any], str]:
+    return meta.base_digest, meta.config, meta.dtype
+
+
+def _kind(meta: AdapterMeta | None) -> str:
+    return "full-weight" if meta is None else f"LoRA adapter (r={meta.rank})"
+
+
+def _what_differs(a: AdapterMeta, b: AdapterMeta) -> str:
+    if a.base_digest != b.base_digest:
+        return "base model"
+    return "configuration (adapter_config.json)" if a.config != b.config else f"dtype ({a.dtype}, not {b.dtype})"
+
+
+# -- the reader side --------------------------------------------------------------------------
+def check_base(base_state: Mapping[str, torch.Tensor], meta: AdapterMeta, where: str) -> None:
+    """Raise BaseModelMismatchError unless `base_state` (checkpoint key set) is the run's base."""
+    got = state_digest(tensor_digests(base_state))
+    if got != meta.base_digest:
+        raise BaseModelMismatchError(
+            f"the base weights in {where} have digest {got}, but the adapter run was trained on "
+            f"{meta.base_model!r} with digest {meta.base_digest}",
+            hint=f"start the replica with the run's base model ({meta.base_model})",
+        )
+
+
+def run_adapter(commits: list[CommitRecord]) -> AdapterMeta | None:
+    """The adapter the newest of `commits` carries (None: a full-weight run, or no version yet)."""
+    return commits[-1].adapter if commits else None
+
+
+def read_run_adapter(url: str) -> AdapterMeta | None:
+    """The adapter of the run at `url` as its newest commit says; None for a full-weight run, and
+    when no version can be read yet (a follower then refuses adapter versions by name)."""
+    from sparsesync.errors import SparsesyncError
+    from sparsesync.protocol.run import Run
+
+    try:
+        return run_adapter(Run(url).commits())
+    except SparsesyncError:
+        return None
+
+
+def peft_config(meta: AdapterMeta) -> Any:
+    """The `peft.LoraConfig` of an adapter run (for building the engine's PEFT model)."""
+    from peft import PeftConfig
+
+    config = {k: v for k, v in meta.config.items() if k not in ("peft_version",)}
+    cfg = PeftConfig.from_peft_type(**config)
+    cfg.inference_mode = True
+    return cfg
+
+
+def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tensor] | None = None) -> Any:
+    """`base` (a transformers model) wrapped as a PEFT model with `meta`'s adapter, its LoRA
+    parameters in the run's dtype, loaded with `state` when given (bit for bit)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    model = get_peft_model(base, peft_config(meta), autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter_key(name):
+                p.data = p.data.to(meta.torch_dtype)
+    if state is not None:
+        result = set_peft_model_state_dict(model, dict(state))
+        missing = [k for k in result.missing_keys if is_adapter_key(k)]
+        if missing or result.unexpected_keys:
+            raise ConfigError(f"the adapter state does not fit {meta.base_model!r}: missing {missing[:3]}, "
+                              f"unexpected {list(result.unexpected_keys)[:3]}")
+    return model
+
+
+def read_adapter_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and the adapter_config.json of a PEFT adapter folder."""
+    path = Path(path)
+    cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ConfigError(f"{path} is not a PEFT adapter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE})",
+                          hint="save the adapter with model.save_pretrained(DIR)")
+    if cfg_file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{cfg_file} is over {_MAX_CONFIG_BYTES} bytes: not an adapter config")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{cfg_file} is not JSON: {e}") from None
+    _check_supported(config, str(cfg_file))
+    return load_checkpoint(weights), config
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+
+
+def write_adapter_folder(state: Mapping[str, torch.Tensor], meta: AdapterMeta, dest: Path, *, version: int,
+                         digest: str) -> list[Path]:
+    """Write `state` as a PEFT adapter folder into `dest` (which must not hold another model)."""
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(dict(state), str(dest / WEIGHTS_FILE), metadata={
+        "format": "pt", "sparsesync_version": str(version), "sparsesync_state_digest": digest})
+    (dest / CONFIG_FILE).write_text(json.dumps(meta.config, indent=2, sort_keys=True) + "\n")
+    return [dest / CONFIG_FILE, dest / WEIGHTS_FILE]
+
+
+def meta_for_folder(config: dict[str, Any], state: Mapping[str, torch.Tensor], base: Path | None,
+                    newest: CommitRecord | None, url: str) -> AdapterMeta:
+    """The `AdapterMeta` for pushing a PEFT folder with `config`: the base digest is computed from
+    `base` (a checkpoint folder), else from `base_model_name_or_path` when that is a local folder,
+    else taken from the run's newest adapter commit (same config only)."""
+    named = str(config.get("base_model_name_or_path") or "")
+    if base is None and named and Path(named).is_dir():
+        base = Path(named)
+    if base is not None:
+        return _with_dtype(state, AdapterMeta(named or str(base), base_digest(load_checkpoint(base)), config))[1]
+    if newest is not None and newest.adapter is not None and newest.adapter.config == config:
+        return newest.adapter
+    raise ConfigError(f"cannot tell which base weights the adapter for {url} belongs to "
+                      f"(base_model_name_or_path {named!r} is not a local folder)",
+                      hint="pass --base DIR, the base model's checkpoint folder, so the run records its digest")
+
+
+def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor an adapter version of `meta` holds on the model in
+    `model_dir` (built on the meta device: no weights are loaded)."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(meta), autocast_adapter_dtype=False)
+    return {k: (tuple(v.shape), meta.torch_dtype) for k, v in adapter_tensors(model).items()}
