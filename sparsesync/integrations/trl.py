@@ -21,10 +21,11 @@ Two entry points, one per TRL trainer:
       trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., callbacks=[SparsesyncCallback("/tmp/bucket")])
 
 Guarantees: each published version is exactly the `dtype` cast of the tensors handed over, in
-the checkpoint's own key set (base-checkpoint names: DDP's `module.` and PEFT's wrappers
-stripped, a PEFT adapter merged for the copy and unmerged after; a tied head once; frozen
+the checkpoint's own key set (base-checkpoint names: DDP's `module.` stripped; a tied head once; frozen
 parameters TRL's stream leaves out taken from the model, then from the previous version), so
-a follower reconstructs it bit for bit and both engines load it; `pause` and
+a follower reconstructs it bit for bit and both engines load it. A PEFT model (a
+`GRPOTrainer` with a `peft_config`) publishes its adapter instead, as an adapter run
+(`sparsesync.adapter`: PEFT names, the base's digest in every commit); `pause` and
 `resume` never block on replicas (with sparsesync a replica pauses only for its own local
 apply); publication never waits for the network except in `destroy` / `on_train_end`, which
 flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
@@ -154,7 +155,7 @@ def _refuse_sharded(model: torch.nn.Module | None) -> None:
         )
 
 
-class _Versions:
+class VersionedPublisher:
     """A Publisher plus the version counter and the per-publish log both integrations share."""
 
     def __init__(self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any]) -> None:
@@ -209,9 +210,9 @@ class _Versions:
 
 
 class _PublishedViews:
-    """What both integrations expose of their `_Versions` (`self._v`)."""
+    """What both integrations expose of their `VersionedPublisher` (`self._v`)."""
 
-    _v: _Versions
+    _v: VersionedPublisher
 
     @property
     def version(self) -> int | None:
@@ -252,7 +253,7 @@ class SparsesyncWeightTransfer(_PublishedViews):
         if fleet_min_replicas < 0 or fleet_max_lag < 0 or fleet_timeout_s <= 0:
             raise ConfigError(f"fleet_min_replicas={fleet_min_replicas}, fleet_max_lag={fleet_max_lag}, "
                               f"fleet_timeout_s={fleet_timeout_s}: expected >= 0, >= 0 and > 0")
-        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options)
+        self._v = VersionedPublisher(bucket, dtype, flush_timeout_s, publisher_options)
         self._fleet = (fleet_min_replicas, fleet_max_lag, fleet_timeout_s)
         self._trainer: Any = None
         self.pauses = 0
@@ -368,7 +369,7 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
             raise ConfigError(f"every_n_steps={every_n_steps}: expected >= 1")
         self.every_n_steps = every_n_steps
         self.publish_initial = publish_initial
-        self._v = _Versions(bucket, dtype, flush_timeout_s, publisher_options)
+        self._v = VersionedPublisher(bucket, dtype, flush_timeout_s, publisher_options)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
         _refuse_sharded(model)  # on every rank, before anything is published or trained

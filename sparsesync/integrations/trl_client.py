@@ -41,7 +41,7 @@ import httpx
 import torch
 
 from sparsesync.errors import ConfigError, ProtocolError
-from sparsesync.integrations.trl import _Versions, inference_state
+from sparsesync.integrations.trl import VersionedPublisher, inference_state
 from sparsesync.integrations.trl_rollout import parse_replica_urls
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class SparsesyncVLLMClient:
                  sync_timeout_s: float = 300.0, request_timeout_s: float = 300.0, max_concurrent_requests: int = 16,
                  **publisher_options: Any) -> None:
         self.replicas = parse_replica_urls(replicas)
-        self._v = _Versions(bucket, dtype, sync_timeout_s, publisher_options)
+        self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self.sync_timeout_s = sync_timeout_s
         self._http = httpx.Client(timeout=request_timeout_s)
         self._next = itertools.count()
