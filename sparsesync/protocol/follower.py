@@ -237,6 +237,13 @@ class Follower:
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
+        if rec.parts:  # fetched concurrently, decoded as they land, applied all or nothing
+            try:
+                return self.run.apply_delta(rec, self.mirror, self.digests)
+            except DigestMismatchError as e:
+                if getattr(e, "_sparsesync_written", False):
+                    self._mirror_version = None  # undone, but the base bits were not what we thought: reload
+                raise
         assert rec.delta is not None
         try:
             patch = self.run.load_delta(rec, self.digests)  # writes nothing
