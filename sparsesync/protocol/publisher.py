@@ -99,6 +99,7 @@ class PublisherConfig:
     retry_backoff_s: float = 0.5  # first wait after a failed upload (doubles, max 30 s)
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
     part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
+    dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
 
     def validate(self) -> None:
         if self.anchor_every < 0:
@@ -132,10 +133,21 @@ class _Item:
 
 
 class Publisher:
-    """Publishes versions of a state dict to the run at `url` (see module docstring)."""
+    """Publishes versions of a state dict to the run at `url` (see module docstring). Under an
+    initialized torch.distributed group (world size > 1), or given `group=`, it is one rank of a
+    `sparsesync.protocol.distributed.DistributedPublisher`."""
+
+    def __new__(cls, *args: Any, group: Any = None, **kwargs: Any) -> Publisher:
+        if cls is Publisher:
+            from sparsesync.protocol.distributed import DistributedPublisher, wants_distributed
+
+            if wants_distributed(group):
+                return super().__new__(DistributedPublisher)
+        return super().__new__(cls)
 
     def __init__(self, url: str | Store, config: PublisherConfig | None = None, **overrides: Any) -> None:
         self.config = config or PublisherConfig()
+        overrides.pop("group", None)  # group=None: not distributed (see __new__)
         for k, v in overrides.items():
             if not hasattr(self.config, k):
                 raise ConfigError(f"unknown publisher option {k!r}")
