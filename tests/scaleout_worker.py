@@ -65,7 +65,7 @@ def main() -> None:
         store.put = dying_put  # type: ignore[method-assign]
     out = Path(args["out"])
     pub = Publisher(store, anchor_every=args.get("anchor_every", 0), anchor_fraction=1e9,
-                    part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("timeout", 30))
+                    part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60))
     assert type(pub).__name__ == "DistributedPublisher"
     try:
         for v in range(args["first"], args["last"] + 1):

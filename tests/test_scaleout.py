@@ -74,6 +74,7 @@ def _check_versions(url: str, out: Path, versions: range) -> None:
         assert_bit_equal(state, load_file(out / f"v{v}.safetensors"))
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues(tmp_path):
     url, out = str(tmp_path / "run"), tmp_path / "full"
     out.mkdir()
@@ -119,19 +120,20 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     assert_bit_equal(state, before)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path):
     url, out = str(tmp_path / "run"), tmp_path / "full"
     out.mkdir()
-    res = _launch(4, url=url, out=str(out), first=1, last=6, kill_rank=2, kill_version=4, timeout=120)
+    res = _launch(2, url=url, out=str(out), first=1, last=6, kill_rank=1, kill_version=4, dist_timeout=8)
     codes = [r.returncode for r in res]
-    assert codes[2] == 17 and all(c == 3 for i, c in enumerate(codes) if i != 2), (codes, [r.stderr[-1500:] for r in res])
-    for i, r in enumerate(res):  # every surviving rank says loudly that version 4 was not committed
-        if i != 2:
+    assert codes == [3, 17], (codes, [r.stderr[-1500:] for r in res])
+    for i, r in enumerate(res):  # the surviving rank says loudly that version 4 was not committed
+        if i != 1:
             assert "RankFailedError" in r.stderr and "version 4" in r.stderr, r.stderr[-1500:]
     run = Run(url)
     assert [c.version for c in run.commits()] == [1, 2, 3]  # no version 4: its parts are garbage
     assert any("-v0000000004-" in o.key for o in run.store.list("deltas/"))
-    # the next writer (2 ranks now) resumes from version 3 with an anchor, then parts
+    # the next writer resumes from version 3 with an anchor, then parts
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
     assert [c.version for c in run.commits()] == [1, 2, 3, 4, 5, 6]
