@@ -64,6 +64,12 @@ def wants_distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The dim-0 rows [start, stop) of `rank` when `rows` are split as torch.chunk (FSDP2) splits them."""
+    chunk = math.ceil(rows / world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
 def local_units(state: Mapping[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[Unit], list[str]]:
     """This rank's share of `state`: ({unit key: local tensor}, units, DTensor names in order).
 
@@ -89,8 +95,7 @@ def local_units(state: Mapping[str, torch.Tensor], rank: int, world: int) -> tup
                     hint="shard with fully_shard on a 1-D mesh, or publish a full state dict from one process",
                 )
             rows = v.shape[0]
-            chunk = math.ceil(rows / world)
-            start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+            start, stop = shard_rows(rows, rank, world)
             local = v.to_local()
             if local.shape[0] != stop - start:
                 raise ConfigError(
