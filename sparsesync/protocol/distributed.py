@@ -46,7 +46,6 @@ from sparsesync.protocol.layout import (
     PartRef,
     Unit,
     anchor_prefix,
-    check_version,
     commit_key,
 )
 from sparsesync.protocol.parts import PartedSnapshot, combined_stats, group_by_bytes
@@ -136,13 +135,7 @@ class DistributedPublisher(Publisher):
         self._raise_background_error()
         if self._closed:
             raise ConfigError("publish() after close()")
-        version = step if step is not None else (self._last_version or 0) + 1
-        check_version(version, self.store.url)
-        if self._last_version is not None and version <= self._last_version:
-            raise ConfigError(
-                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
-                hint="pass a larger step, or publish to a new run URL",
-            )
+        version = self._next_version(step)
         local, units, dnames = local_units(state, self.rank, self.world)
         anchor = self._snapshot is None or self._anchor_due_all(version)
         self._wait_for_room()

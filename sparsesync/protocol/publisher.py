@@ -186,13 +186,7 @@ class Publisher:
         if self._closed:
             raise ConfigError("publish() after close()")
         state = checkpoint_state(state, self._snapshot.state if self._snapshot is not None else None)
-        version = step if step is not None else (self._last_version or 0) + 1
-        check_version(version, self.store.url)
-        if self._last_version is not None and version <= self._last_version:
-            raise ConfigError(
-                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
-                hint="pass a larger step, or publish to a new run URL",
-            )
+        version = self._next_version(step)
         if self._snapshot is None:
             t0 = time.perf_counter()
             self._snapshot = self._new_snapshot(state, version)
@@ -317,6 +311,17 @@ class Publisher:
             return len(self._pending) + int(self._busy)
 
     # -- internals --------------------------------------------------------------------
+    def _next_version(self, step: int | None) -> int:
+        """The version `publish(step)` publishes; ConfigError before anything is written if it cannot."""
+        version = step if step is not None else (self._last_version or 0) + 1
+        check_version(version, self.store.url)
+        if self._last_version is not None and version <= self._last_version:
+            raise ConfigError(
+                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
+                hint="pass a larger step, or publish to a new run URL",
+            )
+        return version
+
     def _new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
         if self.config.part_bytes:
             return PartedSnapshot.whole(state, version, self.config.part_bytes)
