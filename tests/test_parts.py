@@ -236,3 +236,24 @@ def test_parts_upload_while_later_parts_are_still_encoded(tmp_path):
         pub.flush()
     assert first_part_stored_early == [True]
     assert len(Run(url).commit(2).parts) == 6
+
+
+def test_a_run_written_in_format_1_continues_in_parts(tmp_path):
+    """A run written before parts existed (format 1: one delta file per version) is resumed by a
+    publisher that writes parts; followers cross from one format to the other."""
+    url = str(tmp_path / "run")
+    states = _publish(url, 3, part_bytes=0)
+    f = Follower(url)
+    assert f.sync_once() == 3
+    g = torch.Generator().manual_seed(11)
+    with Publisher(url, part_bytes=PART_BYTES, anchor_every=0, anchor_fraction=1e9) as pub:
+        pub.resume(states[-1])
+        for v in (4, 5):
+            states.append(train_step(states[-1], g))
+            pub.publish(states[-1], v)
+            pub.flush()
+    formats = [c.format for c in Run(url).commits()]
+    assert formats == [COMMIT_FORMAT] * 3 + [COMMIT_FORMAT_PARTS] * 2
+    assert f.sync_once() == 5
+    assert_bit_equal(f.mirror, states[-1])
+    assert verify_run(url).ok
