@@ -30,6 +30,8 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
+    if args.get("ddp"):
+        return _ddp(args, rank)
     from sparsesync.errors import SparsesyncError
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
@@ -84,6 +86,26 @@ def main() -> None:
     except SparsesyncError as e:
         print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(3)  # a peer is gone: do not wait in process-group teardown
+    dist.destroy_process_group()
+
+
+def _ddp(args: dict, rank: int) -> None:
+    """Replicated weights (DDP): a Publisher on rank 0 only ("rank0") or on every rank ("all")."""
+    from sparsesync.protocol.publisher import Publisher
+    from tests.weights import make_state, train_step
+
+    g = torch.Generator().manual_seed(7)
+    state = make_state(0)
+    pub = Publisher(args["url"], part_bytes=20_000) if args["ddp"] == "all" or rank == 0 else None
+    for v in range(1, 4):
+        if v > 1:
+            state = train_step(state, g)
+        if pub is not None:
+            pub.publish(state, v)
+            pub.flush()
+    if pub is not None:
+        pub.close()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -257,3 +257,57 @@ def test_a_run_written_in_format_1_continues_in_parts(tmp_path):
     assert f.sync_once() == 5
     assert_bit_equal(f.mirror, states[-1])
     assert verify_run(url).ok
+
+
+def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_commit(tmp_path):
+    import threading
+
+    url = str(tmp_path / "run")
+    store = open_store(url, create=True)
+    gate = threading.Event()
+    put = store.put
+
+    def held_commit(key, data):  # type: ignore[no-untyped-def]
+        if key.startswith("commits/") and "v0000000003" in key:
+            gate.wait(30)  # version 3's parts are stored, its commit is not (yet)
+        return put(key, data)
+
+    store.put = held_commit  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(2)
+    states = [make_state(0)]
+    with Publisher(store, anchor_every=0, anchor_fraction=1e9, part_bytes=PART_BYTES) as pub:
+        pub.publish(states[0], 1)
+        states.append(train_step(states[-1], g))
+        pub.publish(states[-1], 2)
+        pub.flush()
+        f = Follower(url)
+        assert f.sync_once() == 2
+        states.append(train_step(states[-1], g))
+        pub.publish(states[-1], 3)
+        keys: list[str] = []
+        for _ in range(200):  # wait until every part of version 3 is stored
+            keys = [o.key for o in open_store(url).list("deltas/v0000000002-")]
+            if len(keys) == len(group_by_bytes(states[0], PART_BYTES)):
+                break
+            threading.Event().wait(0.05)
+        # one part is damaged while the follower prefetches, then repaired before the commit lands:
+        # the prefetched copy does not match the commit's digest, so it is fetched again
+        victim = Path(url) / keys[0]
+        good = victim.read_bytes()
+        victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        assert f.sync_once() == 2  # nothing committed: prefetches version 3's parts
+        assert f._prefetch is not None and len(f._prefetch._done) == len(keys)
+        victim.write_bytes(good)
+        gate.set()
+        pub.flush()
+    fetched: list[str] = []
+    fetch = f.run.fetch
+
+    def counting_fetch(ref):  # type: ignore[no-untyped-def]
+        fetched.append(ref.key)
+        return fetch(ref)
+
+    f.run.fetch = counting_fetch  # type: ignore[method-assign]
+    assert f.sync_once() == 3
+    assert fetched == [keys[0]]  # the others were used as prefetched and decoded
+    assert_bit_equal(f.mirror, states[-1])

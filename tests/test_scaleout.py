@@ -139,3 +139,16 @@ def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path
     assert [c.version for c in run.commits()] == [1, 2, 3, 4, 5, 6]
     _check_versions(url, out, range(4, 7))
     assert verify_run(url).ok
+
+
+@pytest.mark.parametrize("who", ["rank0", "all"])
+def test_replicated_weights_are_published_by_rank_0_alone(tmp_path, who):
+    """DDP: no DTensors. A Publisher on rank 0 only (TRL's world-process-zero hook) must not wait
+    for the other ranks; one on every rank publishes once, from rank 0."""
+    url = str(tmp_path / "run")
+    res = _launch(2, url=url, out=str(tmp_path), ddp=who, timeout=120)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    commits = Run(url).commits()
+    assert [c.version for c in commits] == [1, 2, 3]
+    assert len({c.writer for c in commits}) == 1 and all(not u.rows for p in commits[-1].parts for u in p.units)
+    assert len(list(Run(url).store.list("writers/"))) <= 2  # rank 0's claim (and lock): no claim per rank

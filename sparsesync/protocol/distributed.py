@@ -22,8 +22,12 @@ DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain 
 - versions are never coalesced (every rank must commit the same versions): when `queue_size`
   versions wait for upload, `publish` waits.
 
-A new writer at any world size continues a run with an anchor (its first version); `resume()`
-is not supported here.
+The first `publish` decides the mode, alike on every rank: with DTensors in the state, the
+ranks set up the groups above (a collective: every rank must publish); without (DDP, replicated
+weights), rank 0 publishes exactly as a single-process `Publisher` and the other ranks' calls do
+nothing, so a publisher created on rank 0 only (TRL's `is_world_process_zero`) still works. A new
+writer at any world size continues a sharded run with an anchor (its first version); `resume()`
+takes replicated weights only.
 """
 
 from __future__ import annotations
@@ -119,19 +123,36 @@ class DistributedPublisher(Publisher):
         self._group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self._group)
         self.world = dist.get_world_size(self._group)
-        ranks = dist.get_process_group_ranks(self._group)
-        self._src = ranks[0]
-        timeout = timedelta(seconds=overrides.get("dist_timeout_s", (config or PublisherConfig()).dist_timeout_s))
-        # our own gloo groups: one for the caller's thread, one for the uploader (never the trainer's)
-        self._ctl = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        self._up = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        self._units: list[list[Unit]] | None = None
-        super().__init__(url, config, **overrides)
+        self._ranks = dist.get_process_group_ranks(self._group)
+        self._src = self._ranks[0]
+        self._sharded: bool | None = None  # decided by the first publish(): DTensors or not
+        super().__init__(url, config, **overrides)  # rank 0 claims the epoch here; no collective yet
+
+    def _setup(self) -> None:
+        """First sharded publish, on every rank: our own gloo groups (one for the caller's thread,
+        one for the uploader; never the trainer's), and rank 0's epoch and writer id for all."""
+        timeout = timedelta(seconds=self.config.dist_timeout_s)
+        self._ctl = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
+        self._up = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
+        got: list[Any] = [(self.epoch, self.writer)]
+        dist.broadcast_object_list(got, src=self._src, group=self._ctl)
+        self.epoch, self.writer = got[0]
 
     # -- publish ----------------------------------------------------------------------
     def publish(self, state: Mapping[str, torch.Tensor], step: int | None = None) -> int:
         """Publish this rank's share of `state` as version `step` (every rank calls it with the
         same step). Returns after diff+encode (and, on anchor versions, the gather to rank 0)."""
+        from torch.distributed.tensor import DTensor
+
+        if self._sharded is None:
+            self._sharded = any(isinstance(v, DTensor) for v in state.values())
+            if self._sharded:
+                self._setup()
+        if not self._sharded:  # replicated (DDP): rank 0 publishes it all, as one process would
+            if self.rank == 0:
+                return super().publish(state, step)
+            self._last_version = self._next_version(step)
+            return self._last_version
         self._raise_background_error()
         if self._closed:
             raise ConfigError("publish() after close()")
@@ -162,10 +183,17 @@ class DistributedPublisher(Publisher):
         return version
 
     def resume(self, state: Mapping[str, torch.Tensor]) -> None:
-        raise ConfigError(
-            "resume() is not supported by the distributed publisher",
-            hint="publish without resume(): the first version is a new anchor (at any world size)",
-        )
+        """Replicated weights: rank 0 resumes as one process does. Sharded: not supported."""
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(v, DTensor) for v in state.values()):
+            raise ConfigError(
+                "resume() is not supported with sharded (DTensor) weights",
+                hint="publish without resume(): the first version is a new anchor (at any world size)",
+            )
+        self._sharded = False
+        if self.rank == 0:
+            super().resume(state)
 
     # -- internals --------------------------------------------------------------------
     def _gather(self, state: Mapping[str, torch.Tensor], dnames: list[str]) -> dict[str, torch.Tensor] | None:
@@ -184,6 +212,8 @@ class DistributedPublisher(Publisher):
 
     def _write_anchor(self, item: _Item) -> None:
         """Rank 0: write the gathered full state (`_snapshot_full`) as the anchor of `item`."""
+        if not self._sharded:
+            return super()._write_anchor(item)
         t0 = time.perf_counter()
         d = self._staging / f"anchor-{item.version}-{item.uid}"
         files = write_anchor(self._snapshot_full, d, version=item.version)
@@ -210,6 +240,8 @@ class DistributedPublisher(Publisher):
         return float(t[0]) > cfg.anchor_fraction * max(float(t[1]), 1.0)
 
     def _anchor_due(self, version: int) -> bool:
+        if not self._sharded:
+            return super()._anchor_due(version)
         return False  # decided for all ranks at once by `_anchor_due_all`, before encoding
 
     def _wait_for_room(self) -> None:
@@ -221,23 +253,15 @@ class DistributedPublisher(Publisher):
 
     def _enqueue(self, item: _Item) -> None:
         """Queue `item` as it is (no coalescing: `_wait_for_room` bounded the queue)."""
+        if not self._sharded:
+            return super()._enqueue(item)
         with self._cv:
             self._pending.append(item)
             self._cv.notify_all()
 
     def _claim_epoch(self) -> int:
-        """Rank 0 claims the epoch; every rank takes rank 0's epoch and writer id."""
-        got: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                got = [(super()._claim_epoch(), self.writer)]
-            except SparsesyncError as e:
-                got = [str(e)]
-        dist.broadcast_object_list(got, src=self._src, group=self._ctl)
-        if isinstance(got[0], str):
-            raise RankFailedError(f"rank 0 could not claim a writer epoch of {self.store.url}: {got[0]}")
-        epoch, self.writer = got[0]
-        return epoch
+        """Rank 0 claims the epoch (others learn it in `_setup`; alone they never write)."""
+        return super()._claim_epoch() if self.rank == 0 else 0
 
     def _store_local(self, item: _Item) -> tuple[list[PartRef], list[ObjectRef]]:
         """Upload this rank's parts (and rank 0's anchor), retrying store outages a few times."""
@@ -264,6 +288,8 @@ class DistributedPublisher(Publisher):
 
     def _upload(self, item: _Item) -> None:
         """Store this rank's objects, then one collective; rank 0 commits; all learn the outcome."""
+        if not self._sharded:
+            return super()._upload(item)
         t0 = time.perf_counter()
         report: dict[str, Any] = {"rank": self.rank, "version": item.version, "error": None}
         try:

@@ -102,6 +102,12 @@ def parse_writer_key(key: str) -> tuple[int, str] | None:
     return (int(m[1]), m[2]) if m else None
 
 
+def parse_part_key(key: str) -> tuple[int, int, int, int] | None:
+    """(base, target, epoch, index) of a part object's key, or None."""
+    m = _PART_RE.match(key)
+    return (int(m[1]), int(m[2]), int(m[3]), int(m[4])) if m else None
+
+
 def object_version(key: str) -> int | None:
     """The version an anchor or delta object belongs to (its target), or None."""
     if m := _DELTA_RE.match(key) or _PART_RE.match(key):

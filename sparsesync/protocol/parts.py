@@ -13,6 +13,10 @@ Guarantees:
   is verified and decoded are the weights written, then every target digest is checked, and on any
   failure every part's writes are undone: all or nothing. With `names`, only the parts holding
   those tensors are fetched (a pipeline stage, a tensor-parallel rank).
+- Prefetch (`Prefetcher`): before a version is committed, a reader may fetch and decode the part
+  objects already stored for its held version, so that when the commit lands only the writes
+  remain. Nothing prefetched is trusted: at apply time each part's bytes must match the size and
+  digest the commit records and pass every check above, or it is fetched and decoded again.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsesync.codec import EncodedPatch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
+from sparsesync.codec import EncodedPatch, Patch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
 from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
 from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError
-from sparsesync.protocol.layout import CommitRecord, PartRef, Unit
+from sparsesync.protocol.layout import DELTAS, CommitRecord, PartRef, Unit, parse_part_key
+from sparsesync.protocol.run import bytes_digest
+from sparsesync.store import Store
 
 DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
 FETCH_THREADS = 4  # parts fetched at once by a reader
@@ -201,9 +207,60 @@ def parts_for(rec: CommitRecord, names: Sequence[str] | None) -> list[PartRef]:
     return [p for p in rec.parts if any(u.name in want for u in p.units)]
 
 
+@dataclass
+class _Decoded:
+    size: int
+    xxh3: str
+    patch: Patch
+    updates: dict[str, SparseUpdate]  # by unit key, decoded against the holder's bytes at `base`
+
+
+class Prefetcher:
+    """Fetches and decodes the stored (not yet committed) parts of the version after the one a
+    holder has, so that `apply_parts` finds them decoded (see the module docstring)."""
+
+    def __init__(self, store: Store, max_bytes: int = 1 << 30) -> None:
+        self.store = store
+        self.max_bytes = max_bytes  # part bytes held at most
+        self._base: int | None = None
+        self._done: dict[str, _Decoded | None] = {}  # key -> decoded, or None (failed: not retried)
+
+    def poll(self, base_version: int, state: Mapping[str, torch.Tensor]) -> int:
+        """Fetch and decode every new part object `base_version -> *`; returns how many."""
+        if base_version != self._base:
+            self._base, self._done = base_version, {}
+        prefix = f"{DELTAS}v{base_version:010d}-"
+        n = 0
+        for o in self.store.list(prefix):
+            if o.key in self._done or parse_part_key(o.key) is None:
+                continue
+            if sum(d.size for d in self._done.values() if d) + o.size > self.max_bytes:
+                break
+            try:
+                data = self.store.get(o.key)
+                patch = read_patch(data)
+                views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
+                updates = decode_patch(patch, views, check_base_digest=False)
+                self._done[o.key] = _Decoded(len(data), bytes_digest(data), patch, updates)
+            except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
+                self._done[o.key] = None
+            n += 1
+        return n
+
+    def take(self, ref: PartRef, base_version: int | None) -> _Decoded | None:
+        """The prefetched part `ref`, when its bytes are the ones the commit records."""
+        d = self._done.get(ref.key) if base_version == self._base else None
+        return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
+
+
+def _unit_of(key: str) -> Unit:
+    m = _SHARD_KEY.match(key)
+    return Unit(m[1], (int(m[2]), int(m[3]))) if m else Unit(key)
+
+
 def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
                 digests: MutableMapping[str, str], *, names: Sequence[str] | None = None,
-                timings: dict[str, float] | None = None) -> dict[str, SparseUpdate]:
+                timings: dict[str, float] | None = None, prefetched: Prefetcher | None = None) -> dict[str, SparseUpdate]:
     """Apply the version `rec` (in parts) to `state` in place, all or nothing; update `digests`.
 
     `fetch` returns a part's bytes checked against its size and digest (`Run.fetch`). Parts are
@@ -218,13 +275,22 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     refs = parts_for(rec, names)
     t0 = time.perf_counter()
     staged: list[_Staged] = []
+    ready = {r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None}
+    for ref in refs:
+        if ref.key in ready:
+            try:
+                staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates))
+            except Exception as e:
+                e._sparsesync_key = ref.key  # type: ignore[attr-defined]
+                raise
+    refs = [r for r in refs if r.key not in ready]
     with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, max(len(refs), 1)), thread_name_prefix="sparsesync-part") as ex:
         futures = {ex.submit(fetch, ref): ref for ref in refs}
         try:
             for fut in as_completed(futures):
                 ref = futures[fut]
                 try:
-                    staged.append(_stage(rec, ref, fut.result(), state, digests))
+                    staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
                 except Exception as e:
                     e._sparsesync_key = ref.key  # type: ignore[attr-defined]
                     raise
@@ -269,10 +335,10 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     return _global_updates(staged)
 
 
-def _stage(rec: CommitRecord, ref: PartRef, data: bytes, state: Mapping[str, torch.Tensor],
-           digests: Mapping[str, str]) -> _Staged:
-    """Check one part against the commit and the holder, and decode it (writes nothing)."""
-    patch = read_patch(data)
+def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, torch.Tensor],
+           digests: Mapping[str, str], decoded: dict[str, SparseUpdate] | None = None) -> _Staged:
+    """Check one part against the commit and the holder, and decode it (writes nothing);
+    `decoded`: its updates decoded earlier against the same held bytes (prefetch)."""
     h = patch.header
     keys = {u.key for u in ref.units}
     if (h.base_version, h.target_version) != (rec.base_version, rec.version) or (
@@ -294,7 +360,9 @@ def _stage(rec: CommitRecord, ref: PartRef, data: bytes, state: Mapping[str, tor
             f"part {ref.key} applies to units with state {ref.base_state_digest}, but the weights held are {state_digest(held)}",
             hint="the holder is not at the part's base version; reload from an anchor",
         )
-    updates = decode_patch(patch, views, check_base_digest=False)  # the held digests were checked above
+    # the held digests were checked above; a prefetched decode read these same bytes (the holder
+    # has not moved since: same base version, and its verified digests match the part's base)
+    updates = decoded if decoded is not None else decode_patch(patch, views, check_base_digest=False)
     targets = {**held, **{n: e.target_digest for n, e in h.tensors.items()}}
     if state_digest(targets) != ref.state_digest:
         raise DigestMismatchError(f"part {ref.key}: its tensors' target digests do not make up its state {ref.state_digest}",

@@ -270,14 +270,15 @@ class Run:
             )
         return updates
 
-    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str]) -> dict[str, SparseUpdate]:
+    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None) -> dict[str, SparseUpdate]:  # type: ignore[no-untyped-def]
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
-        updating `digests`. Parts are all or nothing (`parts.apply_parts`); for one file a
-        DigestMismatchError means `state` was written and must be discarded (`apply_loaded`)."""
+        updating `digests`. Parts are all or nothing (`parts.apply_parts`; `prefetched`: a
+        `parts.Prefetcher`); for one file a DigestMismatchError means `state` was written and
+        must be discarded (`apply_loaded`)."""
         if rec.parts:
             from sparsesync.protocol.parts import apply_parts
 
-            return apply_parts(self.fetch, rec, state, digests)
+            return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched)
         return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests)
 
     def reconstruct(
