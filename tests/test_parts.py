@@ -22,6 +22,23 @@ from tests.weights import assert_bit_equal, make_state, train_step
 PART_BYTES = 20_000  # the test model (~120 KB) in 4 parts
 
 
+def _held_store(url: str, hold):  # type: ignore[no-untyped-def]
+    """A real local store whose puts of keys `hold(key)` wait until the returned event is set."""
+    import threading
+
+    store = open_store(url, create=True)
+    gate = threading.Event()
+    put = store.put
+
+    def held_put(key, data):  # type: ignore[no-untyped-def]
+        if hold(key):
+            gate.wait(30)
+        return put(key, data)
+
+    store.put = held_put  # type: ignore[method-assign]
+    return store, gate
+
+
 def _publish(url: str, n: int, **kw) -> list[dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(3)
     states = [make_state(0)]
@@ -179,19 +196,8 @@ def test_commit_format_2_schema_is_strict(tmp_path):
 
 def test_lagging_uploads_coalesce_parted_versions(tmp_path):
     """With the uploader held back, waiting parted versions merge part by part into one delta."""
-    import threading
-
     url = str(tmp_path / "run")
-    store = open_store(url, create=True)
-    gate = threading.Event()
-    put = store.put
-
-    def slow_put(key, data):  # type: ignore[no-untyped-def]
-        if key.startswith("deltas/"):
-            gate.wait(30)
-        return put(key, data)
-
-    store.put = slow_put  # type: ignore[method-assign]
+    store, gate = _held_store(url, lambda key: key.startswith("deltas/"))
     g = torch.Generator().manual_seed(5)
     state = make_state(0)
     with Publisher(store, anchor_every=0, anchor_fraction=1e9, queue_size=1, part_bytes=PART_BYTES) as pub:
@@ -263,16 +269,8 @@ def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_
     import threading
 
     url = str(tmp_path / "run")
-    store = open_store(url, create=True)
-    gate = threading.Event()
-    put = store.put
-
-    def held_commit(key, data):  # type: ignore[no-untyped-def]
-        if key.startswith("commits/") and "v0000000003" in key:
-            gate.wait(30)  # version 3's parts are stored, its commit is not (yet)
-        return put(key, data)
-
-    store.put = held_commit  # type: ignore[method-assign]
+    # version 3's parts are stored, its commit is not (yet)
+    store, gate = _held_store(url, lambda key: key.startswith("commits/") and "v0000000003" in key)
     g = torch.Generator().manual_seed(2)
     states = [make_state(0)]
     with Publisher(store, anchor_every=0, anchor_fraction=1e9, part_bytes=PART_BYTES) as pub:
