@@ -15,6 +15,15 @@ elements change at 1e-6).
 
     .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, all stores
     .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
+    .venv/bin/python benchmarks/protocol_lag.py --modes sparse,parts,full --followers 1 --pin   # issue 15
+
+Modes: `sparse` one delta file per version (`part_bytes=0`), `parts` the version in parts of
+`--part-bytes` uploaded as each is encoded (followers fetch and decode parts concurrently),
+`full` the whole checkpoint. With `--pin` the trainer (this process) runs on core 0 and every
+follower on core 1 (`os.sched_setaffinity`, what `taskset` does), so they behave like separate
+machines; the S3 service is not pinned. For each sparse mode it also reports the trainer's
+diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
+1.3 x max(encode, decode+apply) + transfer (transfer: bytes over `--link-mbit` on s3-wan, else 0).
 """
 
 from __future__ import annotations
@@ -89,8 +98,14 @@ def bench_store(kind: str, link_bps: float | None = None) -> Iterator[tuple[str,
 
 
 # -- followers (each in its own process) ---------------------------------------------------
-def _sparse_follower(url: str, n_versions: int, ready, results, env: dict) -> None:  # type: ignore[no-untyped-def]
+def _pin(core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
     os.environ.update(env)
+    _pin(core)
     from sparsesync.protocol.follower import Follower
 
     f = Follower(url, poll_interval=0.02, max_poll_interval=0.05)
@@ -101,13 +116,14 @@ def _sparse_follower(url: str, n_versions: int, ready, results, env: dict) -> No
         f.sync_once()
         if f.current_version != seen:
             seen = f.current_version
-            results.put((seen, time.time()))
+            results.put((seen, time.time(), f.status().last_fetch_s))
         else:
             time.sleep(0.01)
 
 
-def _full_follower(url: str, n_versions: int, ready, results, env: dict) -> None:  # type: ignore[no-untyped-def]
+def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
     os.environ.update(env)
+    _pin(core)
     from safetensors.torch import load
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -133,10 +149,19 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict) -> None
                 weights[k].copy_(t)
         assert state_digest(tensor_digests(weights)) == expected, "full checkpoint digest mismatch"
         seen = v
-        results.put((v, time.time()))
+        results.put((v, time.time(), None))
 
 
-def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, lr: float, warmup: int) -> dict:  # type: ignore[no-untyped-def]
+def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """The weights of versions 1..n_versions (one AdamW step each), made once for every cell."""
+    seq = [make_weights(shapes, seed=0)]
+    for v in range(2, n_versions + 1):
+        seq.append(step(seq[-1], lr, master=True, seed=v))  # one AdamW step with fp32 master weights
+    return seq
+
+
+def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
+          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False) -> dict:
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -145,31 +170,34 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
 
     ctx = mp.get_context("spawn")
     out = {}
-    for mode in ("sparse", "full"):
+    for mode in modes:
         url = f"{store_url.rstrip('/')}/{mode}-{n_followers}-{time.time_ns()}"
         store = open_store(url, create=True)
-        state = make_weights(shapes, seed=0)
-        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9) if mode == "sparse" else None
+        state = seq[0]
+        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9, part_bytes=part_bytes if mode == "parts" else 0) \
+            if mode != "full" else None
         # version 1: the starting point every follower loads before timing starts
         if pub:
             pub.publish(state, 1)
             pub.flush()
         ready, results = ctx.Queue(), ctx.Queue()
-        target = _sparse_follower if mode == "sparse" else _full_follower
-        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env)) for _ in range(n_followers)]
+        target = _full_follower if mode == "full" else _sparse_follower
+        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None))
+                 for _ in range(n_followers)]
         for p in procs:
             p.start()
         for _ in procs:
             ready.get(timeout=600)
-        lags, blocked, uploaded = [], [], 0
+        lags, blocked, uploaded, encode, follower = [], [], 0, [], []
         for v in range(2, n_versions + 1):
-            state = step(state, lr, master=True, seed=v)  # one AdamW step with fp32 master weights
+            state = seq[v - 1]
             t_call = time.time()
             if pub:
                 pub.publish(state, v)
                 was_blocked = time.time() - t_call
                 pub.flush()
                 uploaded += pub.metrics[-1]["patch_bytes"]
+                enc_s = pub.metrics[-1]["diff_s"] + pub.metrics[-1]["encode_s"]
             else:
                 data = save(state)
                 was_blocked = time.time() - t_call
@@ -177,14 +205,18 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
                 uploaded += len(data)
                 store.put(f"full-done/v{v:06d}", state_digest(tensor_digests(state)).encode())
                 del data
-            applied = []
+            applied, fetch_s = [], []
             while len(applied) < n_followers:
-                ver, t = results.get(timeout=600)
+                ver, t, fs = results.get(timeout=600)
                 if ver == v:
                     applied.append(t)
+                    fetch_s.append(fs)
             if v >= 2 + warmup:  # the first deltas run cold (first decode in each process): not timed
                 lags.append(max(applied) - t_call)
                 blocked.append(was_blocked)
+                if pub:
+                    encode.append(enc_s)
+                    follower.append(max(fetch_s))
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
@@ -195,6 +227,8 @@ def bench(store_url: str, n_followers: int, shapes, n_versions: int, env: dict, 
             "lag_s": statistics.median(lags), "lags_s": lags, "blocked_s": statistics.median(blocked),
             "uploaded_per_version": uploaded / (n_versions - 1),
         }
+        if pub:  # trainer diff+encode; follower fetch+verify+decode+apply to its mirror (median)
+            out[mode].update(encode_s=statistics.median(encode), follower_s=statistics.median(follower))
     return out
 
 
@@ -207,6 +241,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of each step (fp32 master weights)")
     ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
     ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
+    ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
+    ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
+    ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers on core 1 (like taskset)")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
@@ -215,19 +252,31 @@ def main() -> None:
     print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with fp32 "
           f"master weights; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
     rows = []
+    modes = tuple(args.modes.split(","))
+    if args.pin:
+        _pin(0)
+    seq = versions(shapes, args.versions, args.lr)
     for kind in args.store.split(","):
         with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
-                res = bench(base, nf, shapes, args.versions, env, args.lr, args.warmup)
-                s, f = res["sparse"], res["full"]
-                rows.append({"store": kind, "followers": nf, "sparse": s, "full": f})
+                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin)
+                rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
-                print(f"{kind:5} followers={nf}: sparse lag {s['lag_s']:.3f} s (trainer blocked {s['blocked_s']:.3f} s, "
-                      f"uploads {s['uploaded_per_version'] / 1e6:.1f} MB/version) | full lag {f['lag_s']:.3f} s "
-                      f"(uploads {f['uploaded_per_version'] / 1e6:.0f} MB/version) | full/sparse lag "
-                      f"{f['lag_s'] / s['lag_s']:.1f}x", flush=True)
+                link = args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None
+                for mode, r in res.items():
+                    line = f"{kind:6} followers={nf} {mode:6}: lag {r['lag_s']:.3f} s, uploads {r['uploaded_per_version'] / 1e6:.2f} MB/version"
+                    if mode != "full":
+                        transfer = r["uploaded_per_version"] / link if link else 0.0
+                        bound = 1.3 * max(r["encode_s"], r["follower_s"]) + transfer
+                        line += (f", trainer blocked {r['blocked_s']:.3f} s, encode {r['encode_s']:.3f} s, follower fetch+decode+apply "
+                                 f"{r['follower_s']:.3f} s, bound 1.3*max+transfer {bound:.3f} s ({'met' if r['lag_s'] <= bound else 'NOT met'})")
+                        if "full" in res:
+                            line += f", full/{mode} lag {res['full']['lag_s'] / r['lag_s']:.1f}x"
+                        if mode == "parts" and "sparse" in res:
+                            line += f", bytes vs one file {r['uploaded_per_version'] / res['sparse']['uploaded_per_version']:.4f}x"
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,11 @@ class FencedWriterError(ProtocolError):
     """Another writer with a newer epoch took over the run; this writer must stop."""
 
 
+class RankFailedError(ProtocolError):
+    """A rank of a distributed publisher failed (or died) before its part of a version was stored:
+    the version is not committed, and every rank raises this."""
+
+
 class FleetTimeoutError(ProtocolError, TimeoutError):
     """Too few replicas reported a version in time (`Publisher.wait_for_fleet`). `ready` names
     the replicas that did."""

@@ -65,10 +65,10 @@ def test_push_pull_log_inspect_verify_gc(store_url, tmp_path):
     from sparsesync.protocol.run import Run
 
     rec = Run(store_url).commit(2)
-    header = json.loads(_invoke("inspect", f"{store_url.rstrip('/')}/{rec.delta.key}", "--json"))
+    header = json.loads(_invoke("inspect", f"{store_url.rstrip('/')}/{rec.delta_objects()[0].key}", "--json"))
     assert header["base_version"] == 1 and header["target_version"] == 2
     local = tmp_path / "p.safetensors"
-    local.write_bytes(Run(store_url).fetch(rec.delta))
+    local.write_bytes(Run(store_url).fetch(rec.delta_objects()[0]))
     assert "1 -> 2" in _invoke("inspect", str(local))
 
     assert "7/7 versions verified" in _invoke("verify", store_url)

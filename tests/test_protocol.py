@@ -299,7 +299,7 @@ def test_resume_continues_with_a_delta(store_url):
         state = train_step(state, g)
         p2.publish(state, 2)
     rec = Run(store_url).commits()[-1]
-    assert rec.delta is not None and not rec.has_anchor and rec.base_version == 1
+    assert rec.has_delta and not rec.has_anchor and rec.base_version == 1
     _rec, got, digests = Run(store_url).reconstruct(2)
     assert_bit_equal(got, state)
     assert state_digest(digests) == state_digest(tensor_digests(state))

@@ -52,7 +52,7 @@ def log(
             "version": c.version, "base_version": c.base_version, "kind": m.get("kind"),
             "epoch": c.epoch, "writer": c.writer, "state_digest": c.state_digest,
             "n_changed": m.get("n_changed"), "n_params": m.get("n_params"), "density": m.get("density"),
-            "patch_bytes": c.delta.size if c.delta else None,
+            "patch_bytes": sum(o.size for o in c.delta_objects()) if c.has_delta else None,
             "anchor_bytes": sum(o.size for o in c.anchor) if c.anchor else None,
             "diff_s": m.get("diff_s"), "encode_s": m.get("encode_s"), "upload_s": m.get("upload_s"),
             "coalesced": m.get("coalesced"),

@@ -19,6 +19,9 @@ versions together with the other replicas (`sparsesync.protocol.fleet`).
 
 New versions are found by polling the commit listing with backoff (cheap: one listing of
 `commits/`); stores that can push change notifications (`Store.wait_for_change`) wake it early.
+With `prefetch` (default), a follower that is up to date also lists the part objects stored for
+the next version and fetches and decodes them before its commit lands (`parts.Prefetcher`:
+nothing prefetched is trusted until the commit's digests and every check pass).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from sparsesync.errors import (
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
 from sparsesync.protocol.layout import CommitRecord
+from sparsesync.protocol.parts import Prefetcher
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -75,6 +79,7 @@ class Follower:
         max_poll_interval: float = 15.0,
         fleet: FleetOptions | None = None,
         adapter: AdapterMeta | None = None,
+        prefetch: bool = True,
     ) -> None:
         """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
         the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow)."""
@@ -94,6 +99,7 @@ class Follower:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prefetch = Prefetcher(self.store) if prefetch else None
         self._status = FollowerStatus(
             url=self.store.url, current_version=None, newest_version=None, lag=None, state="starting",
             last_error=None, last_fetch_s=None, last_apply_s=None, last_apply_at=None,
@@ -140,6 +146,11 @@ class Follower:
                 self._mirror_version = None  # the weights held are not what readers trust: reload
             if self._mirror_version == newest.version == self.current_version:
                 self._set(state="following", last_error=None)
+                if self._prefetch is not None:
+                    try:
+                        self._prefetch.poll(newest.version, self.mirror)
+                    except StoreError as e:
+                        log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
             for _attempt in range(3):
                 try:
@@ -244,6 +255,13 @@ class Follower:
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
+        if rec.parts:  # fetched concurrently, decoded as they land, applied all or nothing
+            try:
+                return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch)
+            except DigestMismatchError as e:
+                if getattr(e, "_sparsesync_written", False):
+                    self._mirror_version = None  # undone, but the base bits were not what we thought: reload
+                raise
         assert rec.delta is not None
         try:
             patch = self.run.load_delta(rec, self.digests)  # writes nothing

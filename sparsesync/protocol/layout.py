@@ -6,6 +6,7 @@ A run is everything under one URL prefix:
     writers/e000003-<writer>.json                      a writer's claim of epoch 3
     anchors/v0000000040-e000003-<uid>/model*.safetensors   full snapshot of version 40 (+ index)
     deltas/v0000000040-v0000000041-e000003-<uid>.safetensors  patch 40 -> 41
+    deltas/v0000000040-v0000000041-e000003-<uid>-p00002.safetensors  part 2 of patch 40 -> 41 (format 2)
     commits/v0000000041-e000003.json                   commit record of version 41, written last
 
 Every object name is unique (epoch + random uid), so nothing is ever overwritten. The names
@@ -26,6 +27,7 @@ from sparsesync.adapter import AdapterMeta
 from sparsesync.errors import ConfigError, MalformedCommitError
 
 COMMIT_FORMAT = "sparsesync-commit/1"
+COMMIT_FORMAT_PARTS = "sparsesync-commit/2"  # a version in parts (docs/protocol.md, "Versions in parts")
 WRITERS = "writers/"
 ANCHORS = "anchors/"
 DELTAS = "deltas/"
@@ -38,6 +40,7 @@ _COMMIT_RE = re.compile(r"^commits/v(\d{10})-e(\d{6})\.json$")
 _LOCK_RE = re.compile(r"^writers/e(\d{6})\.lock$")
 _WRITER_RE = re.compile(r"^writers/e(\d{6})-([A-Za-z0-9_.-]+)\.json$")
 _DELTA_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+\.safetensors$")
+_PART_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+-p(\d{5})\.safetensors$")
 _ANCHOR_RE = re.compile(r"^anchors/v(\d{10})-e(\d{6})-[0-9a-f]+/")
 _ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/[A-Za-z0-9._-]+$")
 
@@ -57,6 +60,10 @@ def commit_key(version: int, epoch: int) -> str:
 
 def delta_key(base: int, target: int, epoch: int, uid: str) -> str:
     return f"{DELTAS}v{base:010d}-v{target:010d}-e{epoch:06d}-{uid}.safetensors"
+
+
+def part_key(base: int, target: int, epoch: int, uid: str, index: int) -> str:
+    return f"{DELTAS}v{base:010d}-v{target:010d}-e{epoch:06d}-{uid}-p{index:05d}.safetensors"
 
 
 def anchor_prefix(version: int, epoch: int, uid: str) -> str:
@@ -96,9 +103,15 @@ def parse_writer_key(key: str) -> tuple[int, str] | None:
     return (int(m[1]), m[2]) if m else None
 
 
+def parse_part_key(key: str) -> tuple[int, int, int, int] | None:
+    """(base, target, epoch, index) of a part object's key, or None."""
+    m = _PART_RE.match(key)
+    return (int(m[1]), int(m[2]), int(m[3]), int(m[4])) if m else None
+
+
 def object_version(key: str) -> int | None:
     """The version an anchor or delta object belongs to (its target), or None."""
-    if m := _DELTA_RE.match(key):
+    if m := _DELTA_RE.match(key) or _PART_RE.match(key):
         return int(m[2])
     if m := _ANCHOR_RE.match(key):
         return int(m[1])
@@ -112,6 +125,32 @@ class ObjectRef:
     key: str
     size: int
     xxh3: str
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What a part covers of one tensor: all of it (`rows` None) or rows [start, stop) of dim 0."""
+
+    name: str
+    rows: tuple[int, int] | None = None
+
+    @property
+    def key(self) -> str:
+        """The name the unit's digest goes by in state digests: the tensor name, or `name[start:stop]`."""
+        return self.name if self.rows is None else f"{self.name}[{self.rows[0]}:{self.rows[1]}]"
+
+    def to_json(self) -> list[Any]:
+        return [self.name] if self.rows is None else [self.name, self.rows[0], self.rows[1]]
+
+
+@dataclass(frozen=True)
+class PartRef(ObjectRef):
+    """One part of a version: a patch object over `units`, with the state digests of those units
+    before and after (digests over `Unit.key` names, as the part's patch header says)."""
+
+    base_state_digest: str = ""
+    state_digest: str = ""
+    units: tuple[Unit, ...] = ()
 
 
 @dataclass
@@ -130,18 +169,34 @@ class CommitRecord:
     metrics: dict[str, Any] = field(default_factory=dict)
     adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.adapter)
     format: str = COMMIT_FORMAT
+    parts: list[PartRef] = field(default_factory=list)  # format 2: the delta in parts (instead of `delta`)
 
     @property
     def has_anchor(self) -> bool:
         return bool(self.anchor)
 
+    @property
+    def has_delta(self) -> bool:
+        """Whether the record carries a delta from `base_version`: one file or parts."""
+        return self.delta is not None or bool(self.parts)
+
+    def delta_objects(self) -> list[ObjectRef]:
+        return [self.delta] if self.delta else list(self.parts)
+
     def objects(self) -> list[ObjectRef]:
-        return ([self.delta] if self.delta else []) + list(self.anchor)
+        return self.delta_objects() + list(self.anchor)
 
     def to_json(self) -> bytes:
         raw = asdict(self)
         if raw["adapter"] is None:
             del raw["adapter"]  # full-weight commits stay as they were
+        if self.parts:
+            raw["format"] = COMMIT_FORMAT_PARTS
+            raw["parts"] = [{"key": p.key, "size": p.size, "xxh3": p.xxh3, "base_state_digest": p.base_state_digest,
+                             "state_digest": p.state_digest, "units": [u.to_json() for u in p.units]} for p in self.parts]
+        else:  # format 1, byte for byte what readers of format 1 know
+            raw.pop("parts")
+            raw["format"] = COMMIT_FORMAT
         return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
@@ -202,6 +257,53 @@ def _ref(raw: Any, what: str, expect: re.Pattern[str], version: int, base: int |
     return ObjectRef(key=key, size=size, xxh3=_str(raw, "xxh3", _HEX))  # type: ignore[arg-type]
 
 
+_MAX_PARTS = 100_000
+_MAX_UNITS = 1_000_000
+
+
+def _unit(raw: Any, what: str) -> Unit:
+    ok = isinstance(raw, list) and len(raw) in (1, 3) and isinstance(raw[0], str) and 0 < len(raw[0]) <= 1024
+    if ok and len(raw) == 3:
+        ok = all(type(x) is int for x in raw[1:]) and 0 <= raw[1] < raw[2] <= _MAX_OBJECT_BYTES
+    if not ok:
+        raise ValueError(f"{what} is {_show(raw)}, expected [name] or [name, start, stop] with 0 <= start < stop")
+    return Unit(raw[0], None if len(raw) == 1 else (raw[1], raw[2]))
+
+
+def _parts(raw: dict[str, Any], version: int, base: int | None) -> list[PartRef]:
+    """The `parts` of a format-2 record: at least one; every part names a part object of
+    base -> version, its digests and its units; no unit twice, no two units of a tensor overlap."""
+    plist = raw.get("parts")
+    if not isinstance(plist, list) or not 0 < len(plist) <= _MAX_PARTS:
+        raise ValueError(f"parts is {_show(plist)}, expected a list of 1 to {_MAX_PARTS} objects")
+    if base is None:
+        raise ValueError("it has parts but no base_version")
+    out, n_units, rows = [], 0, {}
+    for i, p in enumerate(plist):
+        what = f"parts[{i}]"
+        if not isinstance(p, dict) or set(p) != {"key", "size", "xxh3", "base_state_digest", "state_digest", "units"}:
+            raise ValueError(f"{what} is {_show(p)}, expected an object with exactly key, size, xxh3, "
+                             "base_state_digest, state_digest, units")
+        ref = _ref({k: p[k] for k in ("key", "size", "xxh3")}, f"delta part {i}", _PART_RE, version, base)
+        ulist = p["units"]
+        n_units += len(ulist) if isinstance(ulist, list) else 0
+        if not isinstance(ulist, list) or not ulist or n_units > _MAX_UNITS:
+            raise ValueError(f"{what}.units is {_show(ulist)}, expected a non-empty list (at most {_MAX_UNITS} in all)")
+        units = tuple(_unit(u, f"{what}.units[{j}]") for j, u in enumerate(ulist))
+        for u in units:
+            span = u.rows or (0, _MAX_OBJECT_BYTES + 1)
+            for other in rows.setdefault(u.name, []):
+                if span[0] < other[1] and other[0] < span[1]:
+                    raise ValueError(f"{what} covers tensor {u.name!r} rows that another unit covers too")
+            rows[u.name].append(span)
+        out.append(PartRef(key=ref.key, size=ref.size, xxh3=ref.xxh3,
+                           base_state_digest=_str(p, "base_state_digest", _HEX),  # type: ignore[arg-type]
+                           state_digest=_str(p, "state_digest", _HEX), units=units))  # type: ignore[arg-type]
+    if len({p.key for p in out}) != len(out):
+        raise ValueError("parts lists one object twice")
+    return out
+
+
 def _parse_commit(data: bytes, key: str) -> CommitRecord:
     def bad(reason: str) -> MalformedCommitError:
         return MalformedCommitError(key, reason)
@@ -220,8 +322,8 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
     if not isinstance(raw, dict):
         raise bad(f"the JSON is {_show(raw)}, expected an object")
     try:
-        if raw.get("format") != COMMIT_FORMAT:
-            raise ValueError(f"format is {_show(raw.get('format'))}, expected {COMMIT_FORMAT!r}")
+        if raw.get("format") not in (COMMIT_FORMAT, COMMIT_FORMAT_PARTS):
+            raise ValueError(f"format is {_show(raw.get('format'))}, expected {COMMIT_FORMAT!r} or {COMMIT_FORMAT_PARTS!r}")
         version = _int(raw, "version", 0, MAX_VERSION)
         epoch = _int(raw, "epoch", 0, MAX_EPOCH)
         if (version, epoch) != name:
@@ -235,13 +337,16 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
         delta = None if raw.get("delta") is None else _ref(raw["delta"], "delta", _DELTA_RE, version, base)  # type: ignore[arg-type]
         if delta is not None and base is None:
             raise ValueError("it has a delta but no base_version")
+        parts = _parts(raw, version, base) if raw["format"] == COMMIT_FORMAT_PARTS else []
+        if parts and delta is not None:
+            raise ValueError("it has both a delta and parts")
         anchor_raw = raw.get("anchor") or []
         if not isinstance(anchor_raw, list) or len(anchor_raw) > _MAX_ANCHOR_FILES:
             raise ValueError(f"anchor is {_show(anchor_raw)}, expected a list of at most {_MAX_ANCHOR_FILES} objects")
         anchor = [_ref(o, "anchor file", _ANCHOR_FILE_RE, version, None) for o in anchor_raw]  # type: ignore[arg-type]
         if len({o.key.rsplit("/", 1)[-1] for o in anchor}) != len(anchor):
             raise ValueError("anchor lists one file name twice")
-        if delta is None and not anchor:
+        if delta is None and not parts and not anchor:
             raise ValueError("it names neither a delta nor an anchor")
         metrics = raw.get("metrics") or {}
         if not isinstance(metrics, dict):
@@ -255,7 +360,7 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
             version=version, epoch=epoch, writer=_str(raw, "writer"), state_digest=_str(raw, "state_digest", _HEX),  # type: ignore[arg-type]
             created_at=float(created), delta=delta, base_version=base,
             base_state_digest=_str(raw, "base_state_digest", _HEX, optional=True),
-            anchor=anchor, metrics=metrics,
+            anchor=anchor, metrics=metrics, format=raw["format"], parts=parts,
             adapter=None if raw.get("adapter") is None else AdapterMeta.from_dict(raw["adapter"]),
         )
     except ValueError as e:

@@ -13,6 +13,12 @@ the network: when `queue_size` versions are waiting to upload, the newest waitin
 coalesced with the new one (B->N-1 and N-1->N become B->N; version N-1 is never committed).
 Memory: the diff snapshot (2 B/param for bf16) plus at most `queue_size` encoded deltas.
 
+Parts (`part_bytes`, default 256 MiB of tensor bytes; 0: one file per version): the version's
+delta is diffed and encoded in groups of whole tensors (`sparsesync.protocol.parts`), and each
+part is uploaded as soon as it is encoded, while the next one is encoded; the commit record
+(format 2, listing the parts) is still written last. A version is streamed this way when no
+other version waits for upload; otherwise it is encoded whole and queued (and coalesced) as above.
+
 Fencing: each Publisher claims a writer epoch (one higher than any seen; reserved with a
 create-only write where the store has one, so no two writers share an epoch there) when it
 starts, and re-lists the claims before every commit; when a newer claim exists (ordered by
@@ -57,6 +63,8 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.layout import (
     COMMITS,
+    PartRef,
+    part_key,
     MAX_COMMIT_BYTES,
     MAX_EPOCH,
     WRITERS,
@@ -74,6 +82,7 @@ from sparsesync.protocol.layout import (
     valid_commits,
     writer_key,
 )
+from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
 from sparsesync.store import Store, open_store
 
@@ -90,6 +99,8 @@ class PublisherConfig:
     queue_size: int = 4  # versions waiting for upload before deltas are coalesced
     retry_backoff_s: float = 0.5  # first wait after a failed upload (doubles, max 30 s)
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
+    part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
+    dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
 
     def validate(self) -> None:
         if self.anchor_every < 0:
@@ -98,6 +109,8 @@ class PublisherConfig:
             raise ConfigError(f"anchor_fraction={self.anchor_fraction}: must be > 0")
         if self.queue_size < 1:
             raise ConfigError(f"queue_size={self.queue_size}: must be >= 1")
+        if self.part_bytes < 0:
+            raise ConfigError(f"part_bytes={self.part_bytes}: must be >= 0 (0: one delta file per version)")
 
 
 @dataclass
@@ -115,10 +128,23 @@ class _Item:
     anchor_dir: Path | None
     metrics: dict[str, Any]
     uid: str = field(default_factory=new_uid)
+    parts: list[EncodedPart] | None = None  # the delta in parts (instead of `delta`), appended as encoded
+    sealed: bool = True  # False while parts are still being encoded (streamed to the uploader)
+    failed: bool = False  # encoding stopped half-way: never committed
 
 
 class Publisher:
-    """Publishes versions of a state dict to the run at `url` (see module docstring)."""
+    """Publishes versions of a state dict to the run at `url` (see module docstring). Under an
+    initialized torch.distributed group (world size > 1), or given `group=`, it is one rank of a
+    `sparsesync.protocol.distributed.DistributedPublisher`."""
+
+    def __new__(cls, *args: Any, group: Any = None, **kwargs: Any) -> Publisher:
+        if cls is Publisher:
+            from sparsesync.protocol.distributed import DistributedPublisher, wants_distributed
+
+            if wants_distributed(group):
+                return super().__new__(DistributedPublisher)
+        return super().__new__(cls)
 
     def __init__(self, url: str | Store, config: PublisherConfig | None = None, *, adapter: AdapterMeta | None = None,
                  **overrides: Any) -> None:
@@ -126,6 +152,7 @@ class Publisher:
         `publish` brings its own; see sparsesync.adapter)."""
         self.adapter = adapter
         self.config = config or PublisherConfig()
+        overrides.pop("group", None)  # group=None: not distributed (see __new__)
         for k, v in overrides.items():
             if not hasattr(self.config, k):
                 raise ConfigError(f"unknown publisher option {k!r}")
@@ -136,7 +163,7 @@ class Publisher:
         # host-pid-random: unique even for two publishers in one process (it breaks epoch ties, see _check_fence)
         self.writer = self.config.writer or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}".replace("_", "-")
         self._staging = Path(tempfile.mkdtemp(prefix="sparsesync-publish-"))
-        self._snapshot: Snapshot | None = None
+        self._snapshot: Snapshot | PartedSnapshot | None = None
         self._pending: deque[_Item] = deque()
         self._busy = False
         self._cv = threading.Condition()
@@ -168,16 +195,10 @@ class Publisher:
         state, self.adapter = adapter_state(state, self.adapter)
         check_publish(self._newest, self.adapter, self.store.url)
         state = checkpoint_state(state, self._snapshot.state if self._snapshot is not None else None)
-        version = step if step is not None else (self._last_version or 0) + 1
-        check_version(version, self.store.url)
-        if self._last_version is not None and version <= self._last_version:
-            raise ConfigError(
-                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
-                hint="pass a larger step, or publish to a new run URL",
-            )
+        version = self._next_version(step)
         if self._snapshot is None:
             t0 = time.perf_counter()
-            self._snapshot = Snapshot(state, version)
+            self._snapshot = self._new_snapshot(state, version)
             item = _Item(
                 version=version, base_version=None, state_digest=self._snapshot.state_digest,
                 base_state_digest=None, digests=dict(self._snapshot.digests), base_digests=None,
@@ -185,6 +206,10 @@ class Publisher:
                 metrics={"snapshot_s": time.perf_counter() - t0},
             )
             self._write_anchor(item)
+        elif isinstance(self._snapshot, PartedSnapshot):
+            self._publish_parts(state, version)
+            self._last_version = version
+            return version
         else:
             base_digests = dict(self._snapshot.digests)
             enc = self._snapshot.diff_encode(state, version)
@@ -213,7 +238,13 @@ class Publisher:
         if not commits:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
         newest = commits[-1]
-        snap = Snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
+        if any(u.rows is not None for p in newest.parts for u in p.units):
+            raise ConfigError(
+                f"version {newest.version} of {self.store.url} was published in shards by a distributed trainer; "
+                "resume() cannot check whole weights against it",
+                hint="publish without resume(): the first version is then a new anchor",
+            )
+        snap = self._new_snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
         if snap.state_digest != newest.state_digest:
             raise PatchMismatchError(
                 f"the weights given to resume() have state digest {snap.state_digest}, but version "
@@ -227,7 +258,7 @@ class Publisher:
             self._last_anchor_version = last.version
             self._anchor_bytes = sum(o.size for o in last.anchor)
             self._delta_bytes_since_anchor = sum(
-                c.delta.size for c in commits if c.delta is not None and c.version > last.version
+                o.size for c in commits if c.version > last.version for o in c.delta_objects()
             )
 
     def flush(self, timeout: float | None = None) -> None:
@@ -294,6 +325,84 @@ class Publisher:
             return len(self._pending) + int(self._busy)
 
     # -- internals --------------------------------------------------------------------
+    def _next_version(self, step: int | None) -> int:
+        """The version `publish(step)` publishes; ConfigError before anything is written if it cannot."""
+        version = step if step is not None else (self._last_version or 0) + 1
+        check_version(version, self.store.url)
+        if self._last_version is not None and version <= self._last_version:
+            raise ConfigError(
+                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
+                hint="pass a larger step, or publish to a new run URL",
+            )
+        return version
+
+    def _new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
+        if self.config.part_bytes:
+            return PartedSnapshot.whole(state, version, self.config.part_bytes)
+        return Snapshot(state, version)
+
+    def _publish_parts(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Diff and encode a delta in parts; when no other version waits, the uploader takes each
+        part as soon as it is encoded (the commit still waits for the last part)."""
+        snap = self._snapshot
+        assert isinstance(snap, PartedSnapshot)
+        item = _Item(
+            version=version, base_version=snap.version, state_digest="", base_state_digest=snap.state_digest,
+            digests={}, base_digests=snap.digests, changes=None, delta=None, anchor_dir=None, metrics={},
+            parts=[], sealed=False,
+        )
+        with self._cv:
+            stream = not self._pending  # else: encoded whole, then queued or coalesced by `_enqueue`
+            if stream:
+                self._pending.append(item)
+                self._cv.notify_all()
+
+        def on_part(part: EncodedPart) -> None:
+            with self._cv:
+                item.parts.append(part)  # type: ignore[union-attr]
+                self._cv.notify_all()
+
+        try:
+            parts = snap.diff_encode(state, version, on_part)
+            item.state_digest, item.digests = snap.state_digest, snap.digests
+            item.metrics = combined_stats(parts)
+            self._delta_bytes_since_anchor += int(item.metrics["patch_bytes"])
+            if self._anchor_due(version):
+                self._write_anchor(item)
+        except BaseException as e:
+            with self._cv:  # the snapshot may hold this version in some parts only: nothing more can be published
+                item.failed = True
+                self._error = e if isinstance(e, SparsesyncError) else SparsesyncError(
+                    f"encoding version {version} for {self.store.url} failed half-way: {e!r}",
+                    hint="start a new Publisher (its first version is an anchor)")
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            item.sealed = True
+            self._cv.notify_all()
+        if not stream:
+            self._enqueue(item)
+
+    def _upload_parts(self, item: _Item) -> list[PartRef] | None:
+        """Upload the parts of `item` as they are encoded; None when encoding failed half-way."""
+        refs, i = [], 0
+        assert item.parts is not None and item.base_version is not None
+        while True:
+            with self._cv:
+                while len(item.parts) <= i and not item.sealed and not item.failed:
+                    self._cv.wait(timeout=1.0)
+                if item.failed:
+                    return None
+                if len(item.parts) <= i:
+                    return refs
+                part = item.parts[i]
+            key = part_key(item.base_version, item.version, self.epoch, item.uid, part.index)
+            data = part.patch.data
+            self.store.put(key, data)
+            refs.append(PartRef(key, len(data), bytes_digest(data), base_state_digest=part.patch.base_state_digest,
+                                state_digest=part.patch.target_state_digest, units=part.units))
+            i += 1
+
     def _raise_background_error(self) -> None:
         if self._error is not None:
             raise self._error
@@ -400,11 +509,27 @@ class Publisher:
 
     def _coalesce(self, old: _Item, new: _Item) -> _Item:
         """Merge two waiting versions into one delta old.base -> new.version."""
+        if old.parts is not None and new.parts is not None:
+            assert old.base_version is not None and old.base_digests is not None
+            if old.anchor_dir is not None:
+                shutil.rmtree(old.anchor_dir, ignore_errors=True)
+                if new.anchor_dir is None:
+                    self._write_anchor(new)
+            parts = coalesce_parts(old.parts, new.parts, old.base_version, old.base_digests, new.version)
+            coalesced = old.metrics.get("coalesced", [old.version]) + [new.version]
+            merged = _Item(
+                version=new.version, base_version=old.base_version, state_digest=new.state_digest,
+                base_state_digest=old.base_state_digest, digests=new.digests, base_digests=old.base_digests,
+                changes=None, delta=None, anchor_dir=new.anchor_dir, parts=parts,
+                metrics={**new.metrics, **combined_stats(parts), "coalesced": coalesced},
+            )
+            log.info("uploads lag: coalesced versions %s into %s->%s (in parts)", coalesced, merged.base_version, merged.version)
+            return merged
         if old.changes is None or new.changes is None:
             # `old` is the very first version (a bare anchor): the merge is an anchor of `new`
             if old.anchor_dir:
                 shutil.rmtree(old.anchor_dir, ignore_errors=True)
-            new.changes, new.delta, new.base_version = None, None, None
+            new.changes, new.delta, new.base_version, new.parts = None, None, None, None
             new.base_state_digest = new.base_digests = None
             if new.anchor_dir is None:
                 self._write_anchor(new)
@@ -475,6 +600,9 @@ class Publisher:
 
     def _upload(self, item: _Item) -> None:
         t0 = time.perf_counter()
+        refs = self._upload_parts(item) if item.parts is not None else []
+        if refs is None:
+            return  # encoding failed half-way (publish() raised it): nothing to commit
         rec = CommitRecord(
             version=item.version, epoch=self.epoch, writer=self.writer, state_digest=item.state_digest,
             created_at=time.time(), base_version=item.base_version, base_state_digest=item.base_state_digest,
@@ -485,6 +613,7 @@ class Publisher:
             key = delta_key(item.base_version, item.version, self.epoch, item.uid)
             self.store.put(key, item.delta)
             rec.delta = ObjectRef(key, len(item.delta), bytes_digest(item.delta))
+        rec.parts = refs
         if item.anchor_dir is not None:
             prefix = anchor_prefix(item.version, self.epoch, item.uid)
             files = sorted(item.anchor_dir.iterdir())
@@ -492,7 +621,7 @@ class Publisher:
             rec.anchor = [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
         self._check_fence()
         rec.metrics = {**item.metrics, "version": item.version, "base_version": item.base_version,
-                       "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.delta else
+                       "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.has_delta else
                        ("delta+anchor" if rec.anchor else "delta")}
         self.store.put(commit_key(item.version, self.epoch), rec.to_json())
         self._confirm_visible(rec)

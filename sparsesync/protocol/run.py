@@ -174,7 +174,7 @@ class Run:
         """
         by_base: dict[int, list[CommitRecord]] = {}
         for rec in commits:
-            if (rec.delta is not None and rec.delta.key not in bad and rec.base_version is not None
+            if (rec.has_delta and not any(o.key in bad for o in rec.delta_objects()) and rec.base_version is not None
                     and rec.base_version < rec.version <= target):
                 by_base.setdefault(rec.base_version, []).append(rec)
         steps: list[Step] = []
@@ -270,6 +270,17 @@ class Run:
             )
         return updates
 
+    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None) -> dict[str, SparseUpdate]:  # type: ignore[no-untyped-def]
+        """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
+        updating `digests`. Parts are all or nothing (`parts.apply_parts`; `prefetched`: a
+        `parts.Prefetcher`); for one file a DigestMismatchError means `state` was written and
+        must be discarded (`apply_loaded`)."""
+        if rec.parts:
+            from sparsesync.protocol.parts import apply_parts
+
+            return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched)
+        return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests)
+
     def reconstruct(
         self,
         version: int | None = None,
@@ -287,6 +298,6 @@ class Run:
             if step.kind == "anchor":
                 state, digests = self.fetch_anchor(step.commit)
             else:
-                self.apply_loaded(step.commit, self.load_delta(step.commit, digests), state, digests)
+                self.apply_delta(step.commit, state, digests)
         return target, state, digests
 

@@ -50,10 +50,10 @@ def verify_run(url: str | Run) -> VerifyReport:
     for rec in commits:
         how: list[str] = []
         error = None
-        if rec.delta is not None and state is not None and held == rec.base_version:
-            how.append(f"delta from {rec.base_version}")
+        if rec.has_delta and state is not None and held == rec.base_version:
+            how.append(f"delta from {rec.base_version}" + (f" in {len(rec.parts)} parts" if rec.parts else ""))
             try:
-                run.apply_loaded(rec, run.load_delta(rec, digests), state, digests)
+                run.apply_delta(rec, state, digests)
                 held = rec.version
             except SparsesyncError as e:
                 error, state, held = f"delta: {e}", None, None

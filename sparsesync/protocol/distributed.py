@@ -1,0 +1,366 @@
+"""The publisher on every rank of a distributed trainer: each rank diffs, encodes and uploads its own shard.
+
+Under an initialized `torch.distributed` process group, `Publisher(url)` (or `Publisher(url,
+group=g)`) on every rank is a `DistributedPublisher`. `publish(model.state_dict(), step)` takes
+DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain tensors:
+
+- each rank keeps a snapshot of only its rows of every DTensor and diffs and encodes only those
+  (memory and time per rank about 1/N of the model), as parts over `name[start:stop]` units in
+  global coordinates (`sparsesync.protocol.parts`); plain (replicated) tensors are published by
+  rank 0 only. Several names for one tensor object (tied weights) are published once, under the
+  first name.
+- each rank uploads its parts in the background as they are encoded; then one collective
+  (`all_gather_object` on a gloo group of our own) carries every rank's part references and
+  digests to rank 0, which writes the commit record (fenced as a single-process writer is) and
+  broadcasts the outcome. If any rank failed or died before its parts were stored, no commit is
+  written and every surviving rank raises RankFailedError from its next `publish`/`flush`
+  (a dead rank is noticed by gloo at once, or after `dist_timeout_s`).
+- anchors (the first version, then as `anchor_every`/`anchor_fraction` say, decided alike on
+  every rank from all ranks' byte counts) are gathered to rank 0 (`DTensor.full_tensor`, one
+  tensor at a time on every rank; rank 0 holds the full state) and written by rank 0 as the
+  usual transformers-loadable anchor; such a version is an anchor only, without parts.
+- versions are never coalesced (every rank must commit the same versions): when `queue_size`
+  versions wait for upload, `publish` waits.
+
+The first `publish` decides the mode, alike on every rank: with DTensors in the state, the
+ranks set up the groups above (a collective: every rank must publish); without (DDP, replicated
+weights), rank 0 publishes exactly as a single-process `Publisher` and the other ranks' calls do
+nothing, so a publisher created on rank 0 only (TRL's `is_world_process_zero`) still works. A new
+writer at any world size continues a sharded run with an anchor (its first version); `resume()`
+takes replicated weights only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsesync.codec import state_digest, write_anchor
+from sparsesync.errors import ConfigError, RankFailedError, SparsesyncError, StoreUnavailableError
+from sparsesync.protocol.layout import (
+    CommitRecord,
+    ObjectRef,
+    PartRef,
+    Unit,
+    anchor_prefix,
+    commit_key,
+)
+from sparsesync.protocol.parts import PartedSnapshot, combined_stats, group_by_bytes
+from sparsesync.protocol.publisher import Publisher, PublisherConfig, _Item
+from sparsesync.protocol.run import file_digest
+
+log = logging.getLogger(__name__)
+_STORE_TRIES = 5  # store outages retried (with backoff) before a rank reports failure to the others
+
+
+def wants_distributed(group: Any) -> bool:
+    """Whether a Publisher created now is one rank of a distributed publisher."""
+    if group is not None:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The dim-0 rows [start, stop) of `rank` when `rows` are split as torch.chunk (FSDP2) splits them."""
+    chunk = math.ceil(rows / world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def local_units(state: Mapping[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[Unit], list[str]]:
+    """This rank's share of `state`: ({unit key: local tensor}, units, DTensor names in order).
+
+    A DTensor sharded on dim 0 of a 1-D mesh gives its local rows (none when its shard is empty);
+    a plain tensor is replicated and belongs to rank 0. Other placements raise ConfigError.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    out: dict[str, torch.Tensor] = {}
+    units: list[Unit] = []
+    dnames: list[str] = []
+    seen: set[int] = set()
+    for name, v in state.items():
+        if id(v) in seen:
+            continue  # tied: one tensor under several names, published under the first
+        seen.add(id(v))
+        if isinstance(v, DTensor):
+            dnames.append(name)
+            if v.device_mesh.ndim != 1 or tuple(v.placements) != (Shard(0),):
+                raise ConfigError(
+                    f"tensor {name!r}: DTensor placements {list(v.placements)} on a {v.device_mesh.ndim}-D mesh; "
+                    "the distributed publisher takes dim-0 shards on a 1-D mesh (FSDP2 fully_shard)",
+                    hint="shard with fully_shard on a 1-D mesh, or publish a full state dict from one process",
+                )
+            rows = v.shape[0]
+            start, stop = shard_rows(rows, rank, world)
+            local = v.to_local()
+            if local.shape[0] != stop - start:
+                raise ConfigError(
+                    f"tensor {name!r}: rank {rank} holds {local.shape[0]} rows, expected [{start}, {stop}) "
+                    f"of {rows} (torch.chunk's split over {world} ranks)",
+                    hint="the distributed publisher expects FSDP2's even dim-0 sharding",
+                )
+            if stop > start:
+                u = Unit(name, (start, stop))
+                units.append(u)
+                out[u.key] = local.detach().contiguous()
+        elif rank == 0:
+            units.append(Unit(name))
+            out[name] = v.detach().contiguous()
+    return out, units, dnames
+
+
+class DistributedPublisher(Publisher):
+    """One rank of a distributed publisher (see the module docstring). Same API as `Publisher`."""
+
+    def __init__(self, url: Any, config: PublisherConfig | None = None, *, group: Any = None, **overrides: Any) -> None:
+        self._group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self._group)
+        self.world = dist.get_world_size(self._group)
+        self._ranks = dist.get_process_group_ranks(self._group)
+        self._src = self._ranks[0]
+        self._sharded: bool | None = None  # decided by the first publish(): DTensors or not
+        super().__init__(url, config, **overrides)  # rank 0 claims the epoch here; no collective yet
+
+    def _setup(self) -> None:
+        """First sharded publish, on every rank: our own gloo groups (one for the caller's thread,
+        one for the uploader; never the trainer's), and rank 0's epoch and writer id for all."""
+        timeout = timedelta(seconds=self.config.dist_timeout_s)
+        self._ctl = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
+        self._up = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
+        got: list[Any] = [(self.epoch, self.writer)]
+        dist.broadcast_object_list(got, src=self._src, group=self._ctl)
+        self.epoch, self.writer = got[0]
+
+    # -- publish ----------------------------------------------------------------------
+    def publish(self, state: Mapping[str, torch.Tensor], step: int | None = None) -> int:
+        """Publish this rank's share of `state` as version `step` (every rank calls it with the
+        same step). Returns after diff+encode (and, on anchor versions, the gather to rank 0)."""
+        from torch.distributed.tensor import DTensor
+
+        if self._sharded is None:
+            self._sharded = isinstance(state, Mapping) and any(isinstance(v, DTensor) for v in state.values())
+            if self._sharded:
+                self._setup()
+        if self._sharded and self.adapter is not None:
+            raise ConfigError("a sharded publisher publishes full weights only, not a LoRA adapter run",
+                              hint="publish the adapter from rank 0 alone (Publisher(url, group=None)): it is small")
+        if not self._sharded:  # replicated (DDP): rank 0 publishes it all, as one process would
+            if self.rank == 0:
+                return super().publish(state, step)
+            self._last_version = self._next_version(step)
+            return self._last_version
+        self._raise_background_error()
+        if self._closed:
+            raise ConfigError("publish() after close()")
+        version = self._next_version(step)
+        local, units, dnames = local_units(state, self.rank, self.world)
+        anchor = self._snapshot is None or self._anchor_due_all(version)
+        self._wait_for_room()
+        if anchor:
+            item = _Item(version=version, base_version=None, state_digest="", base_state_digest=None, digests={},
+                         base_digests=None, changes=None, delta=None, anchor_dir=None, metrics={})
+            t0 = time.perf_counter()
+            by_key = {u.key: u for u in units}
+            groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
+            self._snapshot = PartedSnapshot(groups, local, version)
+            self._last_anchor_version, self._delta_bytes_since_anchor = version, 0
+            item.metrics["snapshot_s"] = time.perf_counter() - t0
+            full = self._gather(state, dnames)
+            if full is not None:  # rank 0
+                self._snapshot_full = full
+                self._write_anchor(item)
+                del self._snapshot_full
+                item.state_digest = state_digest(item.metrics.pop("_digests"))
+            item.digests = self._snapshot.digests
+            self._enqueue(item)
+        else:
+            self._publish_parts(local, version)
+        self._last_version = version
+        return version
+
+    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replicated weights: rank 0 resumes as one process does. Sharded: not supported."""
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(v, DTensor) for v in state.values()):
+            raise ConfigError(
+                "resume() is not supported with sharded (DTensor) weights",
+                hint="publish without resume(): the first version is a new anchor (at any world size)",
+            )
+        self._sharded = False
+        if self.rank == 0:
+            super().resume(state)
+
+    # -- internals --------------------------------------------------------------------
+    def _gather(self, state: Mapping[str, torch.Tensor], dnames: list[str]) -> dict[str, torch.Tensor] | None:
+        """The full state on rank 0 (None elsewhere): every DTensor gathered, one at a time, on
+        every rank (a collective of the trainer's own mesh); tied names kept once."""
+        full: dict[str, torch.Tensor] = {}
+        dset, seen = set(dnames), set()
+        for name, v in state.items():
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            t = v.full_tensor() if name in dset else v  # type: ignore[attr-defined]
+            if self.rank == 0:
+                full[name] = t.detach().to("cpu").contiguous()
+        return full if self.rank == 0 else None
+
+    def _write_anchor(self, item: _Item) -> None:
+        """Rank 0: write the gathered full state (`_snapshot_full`) as the anchor of `item`."""
+        if not self._sharded:
+            return super()._write_anchor(item)
+        t0 = time.perf_counter()
+        d = self._staging / f"anchor-{item.version}-{item.uid}"
+        files = write_anchor(self._snapshot_full, d, version=item.version)
+        from sparsesync.codec import tensor_digests
+
+        item.metrics["_digests"] = tensor_digests(self._snapshot_full)
+        item.anchor_dir = d
+        self._anchor_bytes = sum(f.stat().st_size for f in files)
+        item.metrics["anchor_bytes"] = self._anchor_bytes
+        item.metrics["anchor_write_s"] = time.perf_counter() - t0
+
+    def _anchor_due_all(self, version: int) -> bool:
+        """The publisher's anchor rule on all ranks' delta bytes and rank 0's anchor size (one
+        all_reduce, so every rank decides alike)."""
+        t = torch.tensor([float(self._delta_bytes_since_anchor), float(self._anchor_bytes)], dtype=torch.float64)
+        try:
+            dist.all_reduce(t, group=self._ctl)
+        except RuntimeError as e:  # gloo: a peer died or timed out
+            raise RankFailedError(f"version {version} of {self.store.url} not published: a rank did not join ({e})",
+                                  hint="a rank of the trainer died or hung; restart the job") from None
+        cfg, last = self.config, self._last_anchor_version
+        if last is None or (cfg.anchor_every and version - last >= cfg.anchor_every):
+            return True
+        return float(t[0]) > cfg.anchor_fraction * max(float(t[1]), 1.0)
+
+    def _anchor_due(self, version: int) -> bool:
+        if not self._sharded:
+            return super()._anchor_due(version)
+        return False  # decided for all ranks at once by `_anchor_due_all`, before encoding
+
+    def _wait_for_room(self) -> None:
+        """No coalescing across ranks: wait while `queue_size` versions wait for upload."""
+        with self._cv:
+            while len(self._pending) >= self.config.queue_size and self._error is None:
+                self._cv.wait(timeout=1.0)
+        self._raise_background_error()
+
+    def _enqueue(self, item: _Item) -> None:
+        """Queue `item` as it is (no coalescing: `_wait_for_room` bounded the queue)."""
+        if not self._sharded:
+            return super()._enqueue(item)
+        with self._cv:
+            self._pending.append(item)
+            self._cv.notify_all()
+
+    def _claim_epoch(self) -> int:
+        """Rank 0 claims the epoch (others learn it in `_setup`; alone they never write)."""
+        return super()._claim_epoch() if self.rank == 0 else 0
+
+    def _store_local(self, item: _Item) -> tuple[list[PartRef], list[ObjectRef]]:
+        """Upload this rank's parts (and rank 0's anchor), retrying store outages a few times."""
+        backoff = self.config.retry_backoff_s
+        for attempt in range(_STORE_TRIES):
+            try:
+                refs = self._upload_parts(item) if item.parts is not None else []
+                if refs is None:
+                    raise SparsesyncError(f"encoding version {item.version} failed on this rank")
+                anchor: list[ObjectRef] = []
+                if item.anchor_dir is not None:
+                    prefix = anchor_prefix(item.version, self.epoch, item.uid)
+                    files = sorted(item.anchor_dir.iterdir())
+                    self.store.put_many([(prefix + f.name, f) for f in files])
+                    anchor = [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
+                return refs, anchor
+            except StoreUnavailableError as e:
+                if attempt == _STORE_TRIES - 1:
+                    raise
+                log.warning("rank %d: upload of version %d failed (%s); retrying in %.1f s", self.rank, item.version, e, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+        raise AssertionError("unreachable")
+
+    def _upload(self, item: _Item) -> None:
+        """Store this rank's objects, then one collective; rank 0 commits; all learn the outcome."""
+        if not self._sharded:
+            return super()._upload(item)
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"rank": self.rank, "version": item.version, "error": None}
+        try:
+            refs, anchor = self._store_local(item)
+            report.update(parts=refs, anchor=anchor, digests=item.digests, base_digests=item.base_digests or {},
+                          metrics={k: v for k, v in item.metrics.items() if not k.startswith("_")})
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            report["error"] = f"{type(e).__name__}: {e}"
+        reports: list[Any] = [None] * self.world
+        outcome: list[Any] = [None]
+        try:
+            dist.all_gather_object(reports, report, group=self._up)
+            if self.rank == 0:
+                outcome = [self._commit_all(item, reports, t0)]
+            dist.broadcast_object_list(outcome, src=self._src, group=self._up)
+        except RuntimeError as e:  # gloo: a peer died or timed out
+            raise RankFailedError(
+                f"version {item.version} of {self.store.url} was not committed: a rank did not report its part ({e})",
+                hint="a rank of the trainer died or hung; restart the job: the next writer continues from the newest committed version",
+            ) from None
+        if outcome[0] is not None:
+            raise RankFailedError(f"version {item.version} of {self.store.url} was not committed: {outcome[0]}",
+                                  hint="fix the failing rank and restart the job: the next writer continues from the newest committed version")
+        if item.anchor_dir is not None:
+            import shutil
+
+            shutil.rmtree(item.anchor_dir, ignore_errors=True)
+        self.committed_version = item.version
+        self.metrics.append({**item.metrics, "version": item.version})
+
+    def _commit_all(self, item: _Item, reports: list[dict[str, Any]], t0: float) -> str | None:
+        """Rank 0: write the commit record from every rank's report; the error text, or None."""
+        bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
+        bad += [f"rank {r['rank']} published version {r['version']}, rank 0 {item.version}" for r in reports
+                if not r["error"] and r["version"] != item.version]
+        if bad:
+            return "; ".join(bad)
+        try:
+            anchor = [o for r in reports for o in r["anchor"]]
+            parts = [p for r in reports for p in r["parts"]]
+            digests = {k: d for r in reports for k, d in r["digests"].items()}
+            if parts:
+                sd = state_digest(digests)
+                base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
+            else:
+                sd, base_sd = item.state_digest, None
+            metrics = combined_metrics([r["metrics"] for r in reports])
+            rec = CommitRecord(
+                version=item.version, epoch=self.epoch, writer=self.writer, state_digest=sd, created_at=time.time(),
+                base_version=item.base_version if parts else None, base_state_digest=base_sd, anchor=anchor, parts=parts,
+            )
+            self._check_fence()
+            rec.metrics = {**metrics, "version": item.version, "base_version": rec.base_version, "ranks": self.world,
+                           "upload_s": time.perf_counter() - t0, "kind": "delta" if parts else "anchor"}
+            self.store.put(commit_key(item.version, self.epoch), rec.to_json())
+            self._confirm_visible(rec)
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            return f"rank 0 could not commit: {type(e).__name__}: {e}"
+        return None
+
+
+def combined_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum of the ranks' sizes; the slowest rank's times."""
+    out: dict[str, Any] = {}
+    for m in per_rank:
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = max(out.get(k, 0), v) if k.endswith("_s") else out.get(k, 0) + v
+    if out.get("n_params"):
+        out["density"] = out.get("n_changed", 0) / out["n_params"]
+    return out

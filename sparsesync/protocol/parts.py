@@ -1,0 +1,388 @@
+"""Versions in parts: a version's delta as several patches, encoded, uploaded and applied piecewise.
+
+A part is an ordinary format-3 patch (docs/format.md) over a set of *units*: whole tensors, or
+rows [start, stop) of a tensor's dim 0 (a rank's FSDP shard), named inside the patch by
+`Unit.key` (`name` or `name[start:stop]`), in global checkpoint coordinates. The commit record
+lists the parts (`layout.PartRef`, docs/protocol.md "Versions in parts").
+
+Guarantees:
+- Writer: `PartedSnapshot.diff_encode` hands each part to `on_part` as soon as it is encoded (the
+  publisher uploads it while the next part is encoded); each part's digests cover exactly its units.
+- Reader (`apply_parts`): parts are fetched concurrently and each is checked (bytes, header,
+  base state of its units) and decoded as it arrives, with nothing written; only when every part
+  is verified and decoded are the weights written, then every target digest is checked, and on any
+  failure every part's writes are undone: all or nothing. With `names`, only the parts holding
+  those tensors are fetched (a pipeline stage, a tensor-parallel rank).
+- Prefetch (`Prefetcher`): before a version is committed, a reader may fetch and decode the part
+  objects already stored for its held version, so that when the commit lands only the writes
+  remain. Nothing prefetched is trusted: at apply time each part's bytes must match the size and
+  digest the commit records and pass every check above, or it is fetched and decoded again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import torch
+
+from sparsesync.codec import EncodedPatch, Patch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
+from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
+from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError
+from sparsesync.protocol.layout import DELTAS, CommitRecord, PartRef, Unit, parse_part_key
+from sparsesync.protocol.run import bytes_digest
+from sparsesync.store import Store
+
+DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
+FETCH_THREADS = 4  # parts fetched at once by a reader
+_SHARD_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+
+
+def group_by_bytes(state: Mapping[str, torch.Tensor], part_bytes: int) -> list[list[str]]:
+    """Tensor names in sorted order, cut into consecutive groups of at most `part_bytes` tensor
+    bytes (a larger tensor is a group of its own). Deterministic: the same key set and shapes
+    give the same groups, version after version."""
+    groups: list[list[str]] = []
+    size = 0
+    for name in sorted(state):
+        n = state[name].numel() * state[name].element_size()
+        if not groups or size + n > part_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
+def unit_view(state: Mapping[str, torch.Tensor], unit: Unit) -> torch.Tensor:
+    """The tensor (or its dim-0 rows) a unit covers, as a view into `state` (contiguous when the
+    tensor is)."""
+    t = state[unit.name]
+    if unit.rows is None:
+        return t
+    start, stop = unit.rows
+    if t.dim() == 0 or stop > t.shape[0]:
+        raise PatchMismatchError(
+            f"tensor {unit.name!r}: shape {list(t.shape)} has no rows [{start}, {stop})",
+            hint="the holder's model does not match the run's (same names and shapes)",
+        )
+    return t[start:stop]
+
+
+def set_unit_digest(digests: MutableMapping[str, str], unit: Unit, digest: str) -> None:
+    """Record `digest` for `unit`, dropping the digests of whatever it overlaps (the tensor as a
+    whole, or other row ranges of it): the keys of `digests` always partition the state."""
+    if unit.rows is None:
+        stale = [k for k in digests if k == unit.name or (k.startswith(unit.name + "[") and _rows(k, unit.name))]
+    else:
+        stale = [unit.name] if unit.name in digests else []
+        for k in digests:
+            r = _rows(k, unit.name) if k.startswith(unit.name + "[") else None
+            if r is not None and r[0] < unit.rows[1] and unit.rows[0] < r[1]:
+                stale.append(k)
+    for k in stale:
+        digests.pop(k, None)
+    digests[unit.key] = digest
+
+
+def _rows(key: str, name: str) -> tuple[int, int] | None:
+    m = _SHARD_KEY.match(key)
+    return (int(m[2]), int(m[3])) if m and m[1] == name else None
+
+
+def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit) -> str:
+    """The digest of what the holder has for `unit`: recorded, or hashed from its (verified) bytes."""
+    d = digests.get(unit.key)
+    return d if d is not None else tensor_digest(unit_view(state, unit))
+
+
+# -- writer ------------------------------------------------------------------------------------
+@dataclass
+class EncodedPart:
+    """One part of a version as the writer produced it."""
+
+    index: int
+    units: tuple[Unit, ...]
+    patch: EncodedPatch
+
+
+class PartedSnapshot:
+    """The writer's copy of the last published version, split into parts (one `Snapshot` each).
+
+    `units` lists each part's units; the tensors handed to `diff_encode` are keyed by `Unit.key`.
+    Memory: the units' bytes once, as a single `Snapshot` of them would be.
+    """
+
+    def __init__(self, parts: Sequence[Sequence[Unit]], state: Mapping[str, torch.Tensor], version: int) -> None:
+        self.units = [tuple(p) for p in parts]
+        self.snapshots = [Snapshot({u.key: state[u.key] for u in units}, version) for units in self.units]
+        self.version = version
+
+    @classmethod
+    def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int) -> PartedSnapshot:
+        """Whole tensors grouped by `part_bytes` (the single-process publisher)."""
+        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version)
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every unit's tensor by `Unit.key` (references, no copy)."""
+        return {k: t for s in self.snapshots for k, t in s.state.items()}
+
+    @property
+    def digests(self) -> dict[str, str]:
+        return {k: d for s in self.snapshots for k, d in s.digests.items()}
+
+    @property
+    def state_digest(self) -> str:
+        return state_digest(self.digests)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.snapshots)
+
+    def diff_encode(self, current: Mapping[str, torch.Tensor], target_version: int,
+                    on_part: Callable[[EncodedPart], None] | None = None) -> list[EncodedPart]:
+        """Diff and encode part by part against the snapshot (which then holds `current`);
+        `on_part` gets each part as soon as it is encoded."""
+        out = []
+        for i, (units, snap) in enumerate(zip(self.units, self.snapshots, strict=True)):
+            part = EncodedPart(i, units, snap.diff_encode({u.key: current[u.key] for u in units}, target_version))
+            if on_part is not None:
+                on_part(part)
+            out.append(part)
+        self.version = target_version
+        return out
+
+
+def coalesce_parts(old: Sequence[EncodedPart], new: Sequence[EncodedPart], base_version: int,
+                   base_digests: Mapping[str, str], target_version: int) -> list[EncodedPart]:
+    """Merge two consecutive versions' parts (same units, part by part) into parts
+    base_version -> target_version (`compose_changes`, re-encoded without the base)."""
+    out = []
+    for o, n in zip(old, new, strict=True):
+        if o.units != n.units:
+            raise ValueError(f"part {o.index} covers other units in the two versions")
+        changes = compose_changes(o.patch.changes, n.patch.changes)
+        data = encode_changes(
+            changes, base_version=base_version, target_version=target_version,
+            base_digests={k: base_digests[k] for k in changes}, target_digests={k: n.patch.target_digests[k] for k in changes},
+            base_state_digest=o.patch.base_state_digest, target_state_digest=n.patch.target_state_digest,
+        )
+        st = n.patch.stats
+        n_changed = sum(c.n_changed for c in changes.values())
+        stats = PatchStats(st.n_params, n_changed, n_changed / st.n_params if st.n_params else 0.0, len(data),
+                           len(data) / n_changed if n_changed else 0.0, st.diff_s, st.encode_s)
+        out.append(EncodedPart(o.index, o.units, EncodedPatch(data, changes, base_version, target_version,
+                                                             o.patch.base_state_digest, n.patch.target_state_digest,
+                                                             n.patch.target_digests, stats)))
+    return out
+
+
+def combined_stats(parts: Sequence[EncodedPart]) -> dict[str, float | int]:
+    """The metrics of a whole version from its parts' stats (the keys of `PatchStats`)."""
+    st = [p.patch.stats for p in parts]
+    n_params, n_changed, nbytes = sum(s.n_params for s in st), sum(s.n_changed for s in st), sum(s.patch_bytes for s in st)
+    return {"n_params": n_params, "n_changed": n_changed, "density": n_changed / n_params if n_params else 0.0,
+            "patch_bytes": nbytes, "bytes_per_changed": nbytes / n_changed if n_changed else 0.0,
+            "diff_s": sum(s.diff_s for s in st), "encode_s": sum(s.encode_s for s in st), "parts": len(parts)}
+
+
+# -- reader ------------------------------------------------------------------------------------
+@dataclass
+class _Staged:
+    ref: PartRef
+    views: dict[str, torch.Tensor]  # unit key -> view into the holder's tensors
+    updates: dict[str, SparseUpdate]  # by unit key
+    targets: dict[str, str]  # unit key -> digest after applying (every unit of the part)
+
+
+def parts_for(rec: CommitRecord, names: Sequence[str] | None) -> list[PartRef]:
+    """The parts of `rec` a holder of tensors `names` (None: all) needs."""
+    if names is None:
+        return list(rec.parts)
+    want = set(names)
+    return [p for p in rec.parts if any(u.name in want for u in p.units)]
+
+
+@dataclass
+class _Decoded:
+    size: int
+    xxh3: str
+    patch: Patch
+    updates: dict[str, SparseUpdate]  # by unit key, decoded against the holder's bytes at `base`
+
+
+class Prefetcher:
+    """Fetches and decodes the stored (not yet committed) parts of the version after the one a
+    holder has, so that `apply_parts` finds them decoded (see the module docstring)."""
+
+    def __init__(self, store: Store, max_bytes: int = 1 << 30) -> None:
+        self.store = store
+        self.max_bytes = max_bytes  # part bytes held at most
+        self._base: int | None = None
+        self._done: dict[str, _Decoded | None] = {}  # key -> decoded, or None (failed: not retried)
+
+    def poll(self, base_version: int, state: Mapping[str, torch.Tensor]) -> int:
+        """Fetch and decode every new part object `base_version -> *`; returns how many."""
+        if base_version != self._base:
+            self._base, self._done = base_version, {}
+        prefix = f"{DELTAS}v{base_version:010d}-"
+        n = 0
+        for o in self.store.list(prefix):
+            if o.key in self._done or parse_part_key(o.key) is None:
+                continue
+            if sum(d.size for d in self._done.values() if d) + o.size > self.max_bytes:
+                break
+            try:
+                data = self.store.get(o.key)
+                patch = read_patch(data)
+                views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
+                updates = decode_patch(patch, views, check_base_digest=False)
+                self._done[o.key] = _Decoded(len(data), bytes_digest(data), patch, updates)
+            except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
+                self._done[o.key] = None
+            n += 1
+        return n
+
+    def take(self, ref: PartRef, base_version: int | None) -> _Decoded | None:
+        """The prefetched part `ref`, when its bytes are the ones the commit records."""
+        d = self._done.get(ref.key) if base_version == self._base else None
+        return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
+
+
+def _unit_of(key: str) -> Unit:
+    m = _SHARD_KEY.match(key)
+    return Unit(m[1], (int(m[2]), int(m[3]))) if m else Unit(key)
+
+
+def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
+                digests: MutableMapping[str, str], *, names: Sequence[str] | None = None,
+                timings: dict[str, float] | None = None, prefetched: Prefetcher | None = None) -> dict[str, SparseUpdate]:
+    """Apply the version `rec` (in parts) to `state` in place, all or nothing; update `digests`.
+
+    `fetch` returns a part's bytes checked against its size and digest (`Run.fetch`). Parts are
+    fetched `FETCH_THREADS` at a time and decoded as they arrive; nothing is written until every
+    part (of those needed for `names`, default all) is verified and decoded. Returns the changed
+    elements by tensor name in the tensor's own flat coordinates (what an engine's sparse loader
+    takes). Raises DigestMismatchError/PatchMismatchError/ProtocolError/PatchFormatError with the
+    failing part's key in `e._sparsesync_key`, leaving `state` and `digests` as they were.
+    """
+    if not rec.parts:
+        raise ProtocolError(f"version {rec.version} has no parts")
+    refs = parts_for(rec, names)
+    t0 = time.perf_counter()
+    staged: list[_Staged] = []
+    ready = {r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None}
+    for ref in refs:
+        if ref.key in ready:
+            try:
+                staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates))
+            except Exception as e:
+                e._sparsesync_key = ref.key  # type: ignore[attr-defined]
+                raise
+    refs = [r for r in refs if r.key not in ready]
+    with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, max(len(refs), 1)), thread_name_prefix="sparsesync-part") as ex:
+        futures = {ex.submit(fetch, ref): ref for ref in refs}
+        try:
+            for fut in as_completed(futures):
+                ref = futures[fut]
+                try:
+                    staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
+                except Exception as e:
+                    e._sparsesync_key = ref.key  # type: ignore[attr-defined]
+                    raise
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    t1 = time.perf_counter()
+    written: list[tuple[_Staged, dict[str, SparseUpdate]]] = []
+    try:
+        for s in staged:
+            written.append((s, write_updates(s.views, s.updates)))
+        for s in staged:
+            try:
+                verify_digests(s.views, s.targets)
+            except DigestMismatchError as e:
+                e._sparsesync_key = s.ref.key  # type: ignore[attr-defined]
+                e._sparsesync_written = True  # type: ignore[attr-defined]
+                raise
+    except BaseException:
+        for s, old in reversed(written):
+            write_updates(s.views, old)
+        raise
+    new = dict(digests)
+    for s in staged:
+        for u in s.ref.units:
+            set_unit_digest(new, u, s.targets[u.key])
+    if names is None and state_digest(new) != rec.state_digest:
+        for s, old in reversed(written):
+            write_updates(s.views, old)
+        err = DigestMismatchError(
+            f"after applying the {len(staged)} parts of version {rec.version} the state digest is "
+            f"{state_digest(new)}, expected {rec.state_digest} (undone)",
+            hint="the parts do not make up the committed version; reload from an anchor",
+        )
+        err._sparsesync_written = True  # type: ignore[attr-defined]
+        raise err
+    digests.clear()
+    digests.update(new)
+    if timings is not None:
+        timings.update(fetch_decode_s=t1 - t0, write_verify_s=time.perf_counter() - t1)
+    return _global_updates(staged)
+
+
+def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, torch.Tensor],
+           digests: Mapping[str, str], decoded: dict[str, SparseUpdate] | None = None) -> _Staged:
+    """Check one part against the commit and the holder, and decode it (writes nothing);
+    `decoded`: its updates decoded earlier against the same held bytes (prefetch)."""
+    h = patch.header
+    keys = {u.key for u in ref.units}
+    if (h.base_version, h.target_version) != (rec.base_version, rec.version) or (
+        (h.base_state_digest, h.target_state_digest) != (ref.base_state_digest, ref.state_digest)
+    ) or not set(h.tensors) <= keys:
+        raise ProtocolError(
+            f"part {ref.key} takes {h.base_version}->{h.target_version} over {len(h.tensors)} tensor(s) "
+            f"(states {h.base_state_digest}->{h.target_state_digest}), but its commit says "
+            f"{rec.base_version}->{rec.version} over its units (states {ref.base_state_digest}->{ref.state_digest})"
+        )
+    for u in ref.units:
+        if u.name not in state:
+            raise PatchMismatchError(f"part {ref.key} covers tensor {u.name!r}, which the holder lacks",
+                                     hint="hold the run's whole key set, or pass names= to apply only some tensors")
+    views = {u.key: unit_view(state, u) for u in ref.units}
+    held = {u.key: held_digest(digests, state, u) for u in ref.units}
+    if state_digest(held) != ref.base_state_digest:
+        raise PatchMismatchError(
+            f"part {ref.key} applies to units with state {ref.base_state_digest}, but the weights held are {state_digest(held)}",
+            hint="the holder is not at the part's base version; reload from an anchor",
+        )
+    # the held digests were checked above; a prefetched decode read these same bytes (the holder
+    # has not moved since: same base version, and its verified digests match the part's base)
+    updates = decoded if decoded is not None else decode_patch(patch, views, check_base_digest=False)
+    targets = {**held, **{n: e.target_digest for n, e in h.tensors.items()}}
+    if state_digest(targets) != ref.state_digest:
+        raise DigestMismatchError(f"part {ref.key}: its tensors' target digests do not make up its state {ref.state_digest}",
+                                  hint="the part is corrupt; fetch it again or reload from an anchor")
+    return _Staged(ref, views, updates, targets)
+
+
+def _global_updates(staged: Sequence[_Staged]) -> dict[str, SparseUpdate]:
+    """Updates by tensor name with flat indices in the whole tensor (row ranges offset, joined)."""
+    pieces: dict[str, list[tuple[int, SparseUpdate]]] = {}
+    for s in staged:
+        for u in s.ref.units:
+            upd = s.updates.get(u.key)
+            if upd is None:
+                continue
+            start = 0 if u.rows is None else u.rows[0]
+            row = s.views[u.key][0].numel() if u.rows is not None and s.views[u.key].dim() > 0 else 0
+            pieces.setdefault(u.name, []).append((start, SparseUpdate(upd.indices + start * row, upd.values)))
+    out = {}
+    for name, ps in pieces.items():
+        ps.sort(key=lambda p: p[0])
+        out[name] = ps[0][1] if len(ps) == 1 else SparseUpdate(torch.cat([p.indices for _, p in ps]), torch.cat([p.values for _, p in ps]))
+    return out

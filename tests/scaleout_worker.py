@@ -1,0 +1,113 @@
+"""One rank of a distributed trainer for tests/test_scaleout.py: FSDP2 on CPU (gloo), tiny Qwen3.
+
+    python -m tests.scaleout_worker '<json args>'   # with RANK, WORLD_SIZE, MASTER_PORT set
+
+Trains the tiny model (same seed on every rank) with AdamW, publishes `model.state_dict()` (DTensor
+shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
+state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
+`resume`, every rank first loads the run's newest committed version into the model. With
+`kill_rank`/`kill_version`, that rank dies (os._exit) when it starts storing its part of that version.
+Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world)
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    if args.get("ddp"):
+        return _ddp(args, rank)
+    from sparsesync.errors import SparsesyncError
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.run import Run
+    from sparsesync.store import open_store
+    from sparsesync.tiny_model import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                                         num_key_value_heads=1), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.05)
+    model = model.to(torch.bfloat16)
+    if args.get("resume"):
+        _rec, state, _d = Run(args["url"]).reconstruct()
+        model.load_state_dict(state)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.get("lr", 2e-3))
+
+    store = open_store(args["url"], create=True)
+    current = {"version": None}
+    if args.get("kill_rank") == rank:
+        put = store.put
+
+        def dying_put(key, data):  # type: ignore[no-untyped-def]
+            if key.startswith("deltas/") and current["version"] == args["kill_version"]:
+                os._exit(17)  # killed before this rank's part is stored
+            return put(key, data)
+
+        store.put = dying_put  # type: ignore[method-assign]
+    out = Path(args["out"])
+    pub = Publisher(store, anchor_every=args.get("anchor_every", 0), anchor_fraction=1e9,
+                    part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60))
+    assert type(pub).__name__ == "DistributedPublisher"
+    try:
+        for v in range(args["first"], args["last"] + 1):
+            tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1000 * v + rank))
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            current["version"] = v
+            pub.publish(model.state_dict(), v)
+            pub.flush()
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:
+                save_file({k: t.contiguous() for k, t in full.items()}, str(out / f"v{v}.safetensors"))
+        pub.close()
+    except SparsesyncError as e:
+        print(f"rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(3)  # a peer is gone: do not wait in process-group teardown
+    dist.destroy_process_group()
+
+
+def _ddp(args: dict, rank: int) -> None:
+    """Replicated weights (DDP): a Publisher on rank 0 only ("rank0") or on every rank ("all")."""
+    from sparsesync.protocol.publisher import Publisher
+    from tests.weights import make_state, train_step
+
+    g = torch.Generator().manual_seed(7)
+    state = make_state(0)
+    pub = Publisher(args["url"], part_bytes=20_000) if args["ddp"] == "all" or rank == 0 else None
+    for v in range(1, 4):
+        if v > 1:
+            state = train_step(state, g)
+        if pub is not None:
+            pub.publish(state, v)
+            pub.flush()
+    if pub is not None:
+        pub.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Scale-out: every rank of an FSDP2 trainer (gloo, CPU) publishes its own shard as parts of a version.
+
+Real torch.distributed: each test launches 2 or 4 rank processes (tests/scaleout_worker.py) that
+train a tiny Qwen3 with `fully_shard` and publish `model.state_dict()` (DTensors) through
+`Publisher(url)`; rank 0 saves the gathered full state of every version, which followers here
+must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsesync.errors import DigestMismatchError
+from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.parts import apply_parts
+from sparsesync.protocol.run import Run
+from sparsesync.protocol.verify import verify_run
+from tests.weights import assert_bit_equal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, timeout: float = 240, **args) -> list[subprocess.CompletedProcess]:  # type: ignore[no-untyped-def]
+    """Run `world` ranks of tests/scaleout_worker.py to completion; their results by rank."""
+    port = _free_port()
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.scaleout_worker", json.dumps(args)], cwd=ROOT,
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return out
+
+
+def _check_versions(url: str, out: Path, versions: range) -> None:
+    """Every version reconstructs bit-exact to the gathered full state; and a follower that steps
+    through them (anchor, then parts) holds each one."""
+    run = Run(url)
+    commits = {c.version: c for c in run.commits()}
+    assert sorted(commits) == list(versions) or set(versions) <= set(commits)
+    _rec, state, digests = run.reconstruct(versions[0])
+    assert_bit_equal(state, load_file(out / f"v{versions[0]}.safetensors"))
+    for v in versions[1:]:
+        rec = commits[v]
+        if rec.has_anchor and not rec.has_delta:
+            state, digests = run.fetch_anchor(rec)
+        else:
+            assert rec.parts and rec.base_version == v - 1
+            run.apply_delta(rec, state, digests)
+        assert_bit_equal(state, load_file(out / f"v{v}.safetensors"))
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues(tmp_path):
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=11, anchor_every=6)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    commits = run.commits()
+    assert [c.version for c in commits] == list(range(1, 12))
+    assert [c.version for c in commits if c.has_anchor] == [1, 7]  # gathered anchors, written by rank 0
+    deltas = [c for c in commits if c.parts]
+    for c in deltas:  # every rank's shard of every DTensor, in global rows, in parts of its own
+        assert len({p.key.rsplit("-", 2)[-2] for p in c.parts}) == 2  # one uid per rank
+        assert any(u.rows is not None for p in c.parts for u in p.units)
+    _check_versions(url, out, range(1, 12))
+    f = Follower(url)
+    assert f.sync_once() == 11
+    assert_bit_equal(f.mirror, load_file(out / "v11.safetensors"))
+
+    # a wider world (4 ranks) resumes from the run's newest version: its first version is an anchor
+    res = _launch(4, url=url, out=str(out), first=12, last=22, resume=True)
+    assert [r.returncode for r in res] == [0] * 4, [r.stderr[-2000:] for r in res]
+    commits = run.commits()
+    assert commits[-1].version == 22 and run.commit(12).has_anchor and not run.commit(12).has_delta
+    assert len({p.key.rsplit("-", 2)[-2] for p in run.commit(13).parts}) == 4
+    _check_versions(url, out, range(12, 23))
+    assert f.sync_once() == 22  # the follower crosses the world-size change through the anchor
+    assert_bit_equal(f.mirror, load_file(out / "v22.safetensors"))
+    assert verify_run(url).ok
+
+    # one damaged part of a sharded version: the follower applies none of them
+    run2 = tmp_path / "damaged"
+    shutil.copytree(url, run2)
+    r2 = Run(str(run2))
+    rec = r2.commit(22)
+    _r, state, digests = r2.reconstruct(21)
+    before = {k: v.clone() for k, v in state.items()}
+    victim = run2 / rec.parts[len(rec.parts) // 2].key
+    data = bytearray(victim.read_bytes())
+    data[-2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DigestMismatchError):
+        apply_parts(r2.fetch, rec, state, digests)
+    assert_bit_equal(state, before)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path):
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=6, kill_rank=1, kill_version=4, dist_timeout=8)
+    codes = [r.returncode for r in res]
+    assert codes == [3, 17], (codes, [r.stderr[-1500:] for r in res])
+    for i, r in enumerate(res):  # the surviving rank says loudly that version 4 was not committed
+        if i != 1:
+            assert "RankFailedError" in r.stderr and "version 4" in r.stderr, r.stderr[-1500:]
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2, 3]  # no version 4: its parts are garbage
+    assert any("-v0000000004-" in o.key for o in run.store.list("deltas/"))
+    # the next writer resumes from version 3 with an anchor, then parts
+    res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    assert [c.version for c in run.commits()] == [1, 2, 3, 4, 5, 6]
+    _check_versions(url, out, range(4, 7))
+    assert verify_run(url).ok
+
+
+@pytest.mark.parametrize("who", ["rank0", "all"])
+def test_replicated_weights_are_published_by_rank_0_alone(tmp_path, who):
+    """DDP: no DTensors. A Publisher on rank 0 only (TRL's world-process-zero hook) must not wait
+    for the other ranks; one on every rank publishes once, from rank 0."""
+    url = str(tmp_path / "run")
+    res = _launch(2, url=url, out=str(tmp_path), ddp=who, timeout=120)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    commits = Run(url).commits()
+    assert [c.version for c in commits] == [1, 2, 3]
+    assert len({c.writer for c in commits}) == 1 and all(not u.rows for p in commits[-1].parts for u in p.units)
+    assert len(list(Run(url).store.list("writers/"))) <= 2  # rank 0's claim (and lock): no claim per rank
