@@ -67,20 +67,20 @@ def test_request_during_staging_completes_and_pause_is_measured(tiny, tmp_path):
     bucket = str(tmp_path / "bucket")
     trainer = Trainer(tiny, seed=2)
     engine = EmbeddedEngine(tiny)
-    follower = Follower(bucket, hook=engine, poll_interval=0.02)
+    follower = Follower(bucket, hook=engine, poll_interval=0.02, prefetch=False)  # the delta is fetched while staging
     staging, release = threading.Event(), threading.Event()
-    load_delta = follower.run.load_delta
+    fetch = follower.run.fetch
 
-    def slow_load_delta(*a, **kw):  # type: ignore[no-untyped-def]  # a slow download of the patch
+    def slow_fetch(*a, **kw):  # type: ignore[no-untyped-def]  # a slow download of the patch (one file or its parts)
         staging.set()
         assert release.wait(30)
-        return load_delta(*a, **kw)
+        return fetch(*a, **kw)
 
-    follower.run.load_delta = slow_load_delta  # type: ignore[method-assign]
     with Publisher(bucket, anchor_every=0) as pub:
         pub.publish(trainer.step(), 1)
         pub.flush()
         assert follower.sync_once() == 1
+        follower.run.fetch = slow_fetch  # type: ignore[method-assign]
         follower.start()
         try:
             pub.publish(trainer.step(), 2)
