@@ -154,7 +154,9 @@ class DistributedPublisher(Publisher):
         if not self._sharded:  # replicated (DDP): rank 0 publishes it all, as one process would
             if self.rank == 0:
                 return super().publish(state, step)
-            self._last_version = self._next_version(step)
+            # nothing is published here, so nothing is checked against the run (which rank 0 may
+            # already have moved past when this rank opened it): the version rank 0 gives `step`
+            self._last_version = step if step is not None else (self._last_version or 0) + 1
             return self._last_version
         self._raise_background_error()
         if self._closed:
