@@ -12,6 +12,7 @@ completion must be the one its tagged version produces (asked of a replica direc
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import httpx
@@ -112,7 +113,10 @@ def test_async_rollout_worker_tags_samples_with_the_replicas_versions(tmp_path: 
                         p.add_(torch.randn(p.shape, generator=g) * 0.5)
             trainer._sync_weight()  # version 2: returns once one replica serves it
             assert trainer.model_version == 2
-            expected[2] = _greedy(r1.url, prompt_ids, n_tokens)
+            deadline = time.monotonic() + 30  # the replica that reported first may be the lagging one
+            while (got := _greedy(r1.url, prompt_ids, n_tokens))[1] != 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            expected[2] = got
             assert expected[2][1] == 2 and expected[2][0] != expected[1][0]
             later = []  # samples queued before the sync, then the new version's
             while sum(s.model_version == 2 for s in later) < 4:
