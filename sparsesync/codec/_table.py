@@ -71,6 +71,12 @@ def _varint(out: bytearray, v: int) -> None:
     out.append(v)
 
 
+def _put_thresholds(out: bytearray, t: list[int]) -> None:
+    """Their count, then the thresholds as bytes (read back by `_thresholds`)."""
+    out.append(len(t))
+    out += bytes(t)
+
+
 def _model(out: bytearray, f: list[int]) -> None:
     """E = len(f) - 1, then f[0 .. E-1] (f[E] = PROB_M - their sum); E = 0 for an all-zero model."""
     if not any(f):
@@ -107,8 +113,7 @@ def build_table(rows: list[Row]) -> bytes:
     for r in rows:
         if r.positions == "gaps":
             p = r.position_params
-            out.append(len(p["thresholds"]))
-            out += bytes(p["thresholds"])
+            _put_thresholds(out, p["thresholds"])
             for c in p["classes"]:
                 _varint(out, c["n"])
                 if c["n"]:
@@ -117,8 +122,7 @@ def build_table(rows: list[Row]) -> bytes:
     for r in rows:
         if r.values == "delta":
             p = r.value_params
-            out.append(len(p["thresholds"]))
-            out += bytes(p["thresholds"])
+            _put_thresholds(out, p["thresholds"])
             for f in p["counts"]:
                 _model(out, f)
     for r in rows:
