@@ -36,6 +36,7 @@ from sparsesync.codec import _container, _table
 from sparsesync.codec import _encodings as E
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.codec import patch as patch_module
+from sparsesync.codec import snapshot as snapshot_module
 from sparsesync.codec.patch import HEADER_PREFIX, EncodedTensor, assemble_patch, fetch_header, header_span
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, SparsesyncError
 
@@ -186,6 +187,42 @@ def test_snapshot_chain_with_specials_and_all_dtypes():
         apply_patch(read_patch(p.data), follower)
         assert_bit_equal(follower, state)
         assert p.target_state_digest == state_digest(tensor_digests(state)) == snap.state_digest
+
+
+def test_snapshot_fused_and_phased_paths_write_the_same_patch():
+    """Contiguous CPU tensors take the per-tensor fused path; a strided view takes the
+    phase-by-phase one. Both give the same bytes and the same advanced snapshot."""
+    base = {"a": make_pair(1, torch.bfloat16, (300, 70), 0.0)[0], "b": make_pair(2, torch.float32, (5000,), 0.0)[0], "c": make_pair(3, torch.float16, (9,), 0.0)[0]}
+    target = {k: _perturb(v, i) for i, (k, v) in enumerate(base.items())}
+    strided = {**target, "a": target["a"].t().contiguous().t()}
+    assert not strided["a"].is_contiguous()
+    fused, phased = Snapshot(base, 0), Snapshot(base, 0)
+    p1, p2 = fused.diff_encode(target, 1), phased.diff_encode(strided, 1)
+    assert p1.data == p2.data and fused.digests == phased.digests and fused.state_digest == phased.state_digest
+    assert_bit_equal(fused.state, target)
+
+
+def test_snapshot_left_as_it_was_when_one_tensor_fails_to_encode(monkeypatch):
+    base = {f"t{i}": make_pair(i, torch.bfloat16, (64, 64 * (i + 1)), 0.0)[0] for i in range(4)}
+    target = {k: _perturb(v, i) for i, (k, v) in enumerate(base.items())}
+    snap = Snapshot(base, 0)
+    before = (dict(snap.digests), snap.state_digest)
+    real = snapshot_module.encode_tensor
+
+    def failing(name, change, b=None):  # the fault: one tensor's encoder runs out of memory
+        if name == "t1":
+            raise MemoryError("injected")
+        return real(name, change, b)
+
+    monkeypatch.setattr(snapshot_module, "encode_tensor", failing)
+    with pytest.raises(MemoryError):
+        snap.diff_encode(target, 1)
+    assert_bit_equal(snap.state, base)  # the tensors already advanced were put back
+    assert (snap.digests, snap.state_digest, snap.version) == (*before, 0)
+    monkeypatch.setattr(snapshot_module, "encode_tensor", real)
+    follower = {k: v.clone() for k, v in base.items()}
+    apply_patch(read_patch(snap.diff_encode(target, 1).data), follower)
+    assert_bit_equal(follower, target)
 
 
 def _perturb(x: torch.Tensor, seed: int) -> torch.Tensor:

@@ -263,6 +263,19 @@ def test_gap_symbols_match_numpy_and_gap_ranks_inverts_them(k, e):
     assert _native.gap_ranks(sym, e, esc[:n_esc], 0, k, low, 0, int(r[-1]), out)[0] in (3, 4)  # past a smaller tensor
 
 
+@pytest.mark.parametrize("step,k0,rows", [(1, 0, 1), (1, 2, 4), (3, 5, 3), (7, 0, 4)])
+def test_gap_khist_matches_numpy_for_every_candidate_width(step, k0, rows):
+    rng = np.random.default_rng(step * 10 + k0)
+    r = np.sort(rng.choice(1 << 22, 20000, replace=False)).astype(np.int64)
+    gaps = (np.diff(r, prepend=-1) - 1)[::step]
+    got = np.empty((rows, 65), np.int64)
+    _native.gap_khist(r, step, k0, got)
+    want = np.stack([np.bincount(np.minimum(gaps >> (k0 + j), 64), minlength=65) for j in range(rows)])
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="gap_khist"):
+        _native.gap_khist(r, step, k0, np.empty((5, 65), np.int64))  # at most 4 candidate widths
+
+
 def _ref_zigzag(b: np.ndarray, t: np.ndarray) -> np.ndarray:
     bits = 8 * b.itemsize
     d = (t - b).view(np.dtype(f"i{b.itemsize}"))

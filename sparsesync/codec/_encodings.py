@@ -239,7 +239,7 @@ def _gaps_enc(
 def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
     """Per class (its sorted ranks; gap i = r[i] - r[i - 1] - 1): (remainder bits k near log2
     of the mean gap, alphabet size e of the quotients) minimizing the coded size. Each class's
-    candidate histograms come from one fine histogram (bins merge by shifting); the costs of
+    candidate histograms come from one C pass over its gaps; the costs of
     all classes' candidates are evaluated together. k is chosen on every step-th gap of large
     classes (size only, never correctness); their e then comes from all quotients."""
     rows, plans = [], []
@@ -252,13 +252,8 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
         step = max(1, r.size >> 16)
         n_sample = (r.size + step - 1) // step
         k0, k1 = max(0, base - 3), min(_MAX_K, base)
-        span = k1 - k0
-        top = MAX_ALPHABET << span
-        fine = np.empty(top + 1, dtype=np.int64)
-        _native.gap_hist(r, step, k0, top, fine)
-        shifts = np.arange(span + 1)  # row j: histogram of the quotients for k = k0 + j
-        bins = shifts[:, None] * (MAX_ALPHABET + 1) + np.minimum(np.arange(top + 1)[None, :] >> shifts[:, None], MAX_ALPHABET)
-        hists = np.bincount(bins.ravel(), weights=np.tile(fine, span + 1), minlength=(span + 1) * (MAX_ALPHABET + 1)).reshape(span + 1, MAX_ALPHABET + 1).astype(np.int64)
+        hists = np.empty((k1 - k0 + 1, MAX_ALPHABET + 1), dtype=np.int64)  # row j: the quotients' histogram for k = k0 + j
+        _native.gap_khist(r, step, k0, hists)
         plans.append((k0, n_sample, sum(len(h) for h in rows), len(hists), step > 1))
         rows.append(hists)
     bits, es = _escape_costs(np.concatenate(rows), 64) if rows else (None, None)

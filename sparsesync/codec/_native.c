@@ -1173,6 +1173,42 @@ done:
     return res;
 }
 
+/* gap_khist(ranks, step, k0, out): for every step-th gap g and j in 0..rows-1 (out is int64
+ * rows x (ALPHA + 1), rows <= 4), out[j][min(g >> (k0 + j), ALPHA)] += 1: the quotient histograms of every
+ * candidate remainder width k0, k0 + 1, ... in one pass. */
+static PyObject *py_gap_khist(PyObject *self, PyObject *args) {
+    Py_buffer rb, hb;
+    long long step;
+    int k0;
+    if (!PyArg_ParseTuple(args, "y*Liw*", &rb, &step, &k0, &hb)) return NULL;
+    PyObject *res = NULL;
+    int64_t n = rb.len / 8, rows = hb.len / (8 * (ALPHA + 1));
+    if (rb.len % 8 || step < 1 || k0 < 0 || rows < 1 || rows > 4 || k0 + rows - 1 > 63 || hb.len != rows * 8 * (ALPHA + 1)) {
+        PyErr_SetString(PyExc_ValueError, "gap_khist: bad sizes, step or k0");
+        goto done;
+    }
+    const int64_t *r = rb.buf;
+    int64_t *hist = hb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    /* one fine histogram of g >> k0 (clipped at ALPHA << (rows - 1)), then merged per row */
+    const uint64_t top = (uint64_t)ALPHA << (rows - 1);
+    int64_t fine[(ALPHA << 3) + 1];
+    memset(fine, 0, (top + 1) * 8);
+    for (int64_t i = 0; i < n; i += step) {
+        uint64_t g = gap_at(r, i) >> k0;
+        fine[g < top ? g : top]++;
+    }
+    memset(hist, 0, rows * (ALPHA + 1) * 8);
+    for (int64_t j = 0; j < rows; j++)
+        for (uint64_t q = 0; q <= top; q++) hist[j * (ALPHA + 1) + ((q >> j) < ALPHA ? (q >> j) : ALPHA)] += fine[q];
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    RELEASE(&rb, &hb);
+    return res;
+}
+
 static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
     Py_buffer gb, sb, eb, hb, lb;
     int k, e;
@@ -1571,6 +1607,7 @@ static PyMethodDef methods[] = {
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
+    {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
     {"gap_ranks", py_gap_ranks, METH_VARARGS, "gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)"},
     {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist) -> None"},

@@ -17,7 +17,7 @@ from sparsesync.codec import _native
 from sparsesync.codec.diff import TensorChange
 
 MIN_CLASSED_NUMEL = 4096  # below this, class bitmaps cost more header than they save
-_HIST_SAMPLE = 1 << 18  # base elements sampled for the class-threshold search
+_HIST_SAMPLE = 1 << 16  # base elements sampled for the class-threshold search (size only: 2^18 saved 0.1% of a patch for 4x the sampling)
 _BITMAP_PROBE, _BITMAP_PROBES, _BITMAP_MIN_PROBE = 1 << 19, 8, 1 << 13  # regions compressed to estimate a bitmap's size
 
 

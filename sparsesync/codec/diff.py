@@ -170,6 +170,19 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def diff_cpu_tensor(base: torch.Tensor, target: torch.Tensor, *, chunk_bytes: int = 256 << 20) -> TensorChange | None:
+    """The changed elements of one pair of contiguous CPU tensors of the same dtype and shape
+    (None if none changed); slices of `chunk_bytes` are compared on the codec's chunk pool."""
+    a, b = to_np_bits(bits_view(base)), to_np_bits(bits_view(target))
+    step = max(8, (chunk_bytes // a.itemsize) // 8 * 8)
+    starts = list(range(0, a.size, step))
+    found = _parallel.map_ordered(lambda s: _changed_slice_np(a[s : s + step], b[s : s + step], s), starts, "chunks")
+    parts = [p for p in found if p[0].size]
+    if not parts:
+        return None
+    return TensorChange(base.dtype, tuple(base.shape), _joined([p[0] for p in parts]), _joined([p[1] for p in parts]), _joined([p[2] for p in parts]))
+
+
 def diff_state(
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],

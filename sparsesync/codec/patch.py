@@ -147,19 +147,21 @@ class EncodedTensor:
     streams: dict[str, tuple[str, tuple[int, ...], bytes]]  # role -> (dtype, shape, bytes)
 
 
-def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, EncodedTensor]:
-    """Encode every non-empty change (the smallest encodings; see `encode_changes`). Tensors
-    are encoded on the codec's thread pool; the result does not depend on it."""
-    def one(name: str) -> EncodedTensor:
-        ch = changes[name]
-        st = _container.st_dtype_name(ch.dtype)
-        ctx = _encodings.Ctx(name, st, np_uint_dtype(ch.dtype), ch.numel, ch.n_changed, None)
-        pos, pparams, pstreams, val, vparams, vstreams = _choose(ch, ctx, base.get(name) if base is not None else None)
-        return EncodedTensor(st, tuple(ch.shape), ch.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
+def encode_tensor(name: str, change: TensorChange, base: torch.Tensor | None = None) -> EncodedTensor:
+    """Encode one non-empty change (the smallest encodings; see `encode_changes`); `base`: the
+    tensor the change was diffed against, if the encoder has it."""
+    st = _container.st_dtype_name(change.dtype)
+    ctx = _encodings.Ctx(name, st, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
+    pos, pparams, pstreams, val, vparams, vstreams = _choose(change, ctx, base)
+    return EncodedTensor(st, tuple(change.shape), change.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
 
+
+def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, EncodedTensor]:
+    """Encode every non-empty change (`encode_tensor`). Tensors are encoded on the codec's
+    thread pool; the result does not depend on it."""
     # biggest first keeps both threads busy to the end; the result is keyed by name (order-free)
     names = sorted((n for n in changes if changes[n].indices.size), key=lambda n: (-changes[n].numel, n))
-    encoded = dict(zip(names, _parallel.map_ordered(one, names)))
+    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None), names)))
     return {n: encoded[n] for n in sorted(encoded)}
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _parallel
-from sparsesync.codec.diff import TensorChange, bits_view, diff_state, put_bits, to_np_bits
+from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import state_digest, tensor_digest
-from sparsesync.codec.patch import assemble_patch, encode_tensors
+from sparsesync.codec.patch import assemble_patch, encode_tensor, encode_tensors
 
 
 @dataclass
@@ -71,23 +71,28 @@ class Snapshot:
 
     def diff_encode(self, current: Mapping[str, torch.Tensor], target_version: int, *, chunk_bytes: int = 256 << 20) -> EncodedPatch:
         """The patch from the snapshot's version to `current` (as `target_version`); then the
-        snapshot becomes `current` (only the changed elements are written)."""
+        snapshot becomes `current` (only the changed elements are written). If anything fails,
+        the snapshot is left as it was."""
         t0 = time.perf_counter()
-        changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
-        t1 = time.perf_counter()
         base_digests = dict(self.digests)
         base_sd = self.state_digest
-        encoded = encode_tensors(changes, base=self.state)  # needs the base: before advancing
-        self.apply_changes(changes)
-        data = assemble_patch(
-            encoded,
-            base_version=self.version,
-            target_version=target_version,
-            base_digests=base_digests,
-            target_digests=self.digests,
-            base_state_digest=base_sd,
-            target_state_digest=self.state_digest,
-        )
+        with _parallel.gc_paused():
+            if self._fusable(current):
+                changes, encoded, diff_s = self._diff_encode_fused(current, chunk_bytes)
+            else:
+                changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
+                diff_s = time.perf_counter() - t0
+                encoded = encode_tensors(changes, base=self.state)  # needs the base: before advancing
+                self.apply_changes(changes)
+            data = assemble_patch(
+                encoded,
+                base_version=self.version,
+                target_version=target_version,
+                base_digests=base_digests,
+                target_digests=self.digests,
+                base_state_digest=base_sd,
+                target_state_digest=self.state_digest,
+            )
         t2 = time.perf_counter()
         base_version, self.version = self.version, target_version
         n_params = sum(t.numel() for t in self.state.values())
@@ -98,10 +103,62 @@ class Snapshot:
             density=n_changed / n_params if n_params else 0.0,
             patch_bytes=len(data),
             bytes_per_changed=len(data) / n_changed if n_changed else 0.0,
-            diff_s=t1 - t0,
-            encode_s=t2 - t1,
+            diff_s=diff_s,
+            encode_s=t2 - t0 - diff_s,
         )
         return EncodedPatch(data, changes, base_version, target_version, base_sd, self.state_digest, dict(self.digests), stats)
+
+    def _fusable(self, current: Mapping[str, torch.Tensor]) -> bool:
+        """Whether every tensor pair is contiguous on the CPU with the same layout (else the
+        phase-by-phase path, which also reports layout mismatches)."""
+        if current.keys() != self.state.keys():
+            return False
+        for name, b in self.state.items():
+            t = current[name]
+            if b.device.type != "cpu" or t.device.type != "cpu" or not t.is_contiguous() or t.dtype != b.dtype or t.shape != b.shape:
+                return False
+        return True
+
+    def _diff_encode_fused(self, current: Mapping[str, torch.Tensor], chunk_bytes: int) -> tuple[dict[str, TensorChange], dict, float]:
+        """Diff, encode and advance each tensor in one task on the codec's pool (no barrier
+        between the phases; a tensor's changes are encoded while they are in cache). A failure
+        in any task puts every advanced tensor back (its change holds the old bits)."""
+
+        def one(name: str) -> tuple[TensorChange | None, object, str | None, float, float]:
+            ta = time.perf_counter()
+            ch = diff_cpu_tensor(self.state[name], current[name], chunk_bytes=chunk_bytes)
+            tb = time.perf_counter()
+            if ch is None:
+                return None, None, None, tb - ta, 0.0
+            enc = encode_tensor(name, ch, self.state[name])  # needs the base: before advancing
+            bits = to_np_bits(bits_view(self.state[name]))
+            put_bits(bits, ch.indices, ch.target_bits)
+            try:
+                digest = tensor_digest(self.state[name])
+            except BaseException:
+                put_bits(bits, ch.indices, ch.base_bits)
+                raise
+            return ch, enc, digest, tb - ta, time.perf_counter() - tb
+
+        t0 = time.perf_counter()
+        names = sorted(self.state, key=lambda n: (-self.state[n].numel(), n))  # biggest first keeps every thread busy to the end
+        results = _parallel.map_settled(one, names)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            for name, r in zip(names, results):
+                if not isinstance(r, Exception) and r[0] is not None:
+                    put_bits(to_np_bits(bits_view(self.state[name])), r[0].indices, r[0].base_bits)
+            raise failed[0]
+        wall = time.perf_counter() - t0
+        changes, encoded = {}, {}
+        for name, (ch, enc, digest, _, _) in sorted(zip(names, results)):
+            if ch is not None:
+                changes[name], encoded[name] = ch, enc
+                self.digests[name] = digest
+        if changes:
+            self.state_digest = state_digest(self.digests)
+        cpu_diff, cpu_all = sum(r[3] for r in results), sum(r[3] + r[4] for r in results)
+        return changes, encoded, wall * cpu_diff / cpu_all if cpu_all else 0.0
 
     def apply_changes(self, changes: Mapping[str, TensorChange]) -> None:
         """Write the target bits of `changes` into the snapshot and refresh the touched digests
