@@ -510,3 +510,21 @@ def test_take_and_put_check_every_index_before_writing():
         take_bits(dst, np.array([-1]))
     old = put_bits(dst, np.array([1, 2]), np.array([7, 8], np.uint16), keep_old=True)
     assert np.array_equal(old, [1, 2]) and dst[1] == 7 and dst[2] == 8
+
+
+def test_varints_put_writes_what_varints_reads():
+    rng = np.random.default_rng(0)
+    values = [0, 1, 127, 128, 16383, 16384, (1 << 63) - 1] + [int(x) for x in rng.integers(0, 1 << 40, 100)]
+    out = bytearray(b"\x07")
+    _native.varints_put(out, values, len(values))
+    got, pos, _, status = _native.varints(bytes(out), 1, len(values), (1 << 63) - 1)
+    assert (got, pos, status) == (values, len(out), 0)
+    before = bytes(out)
+    _native.varints_put(out, values, 2)  # a prefix only
+    assert bytes(out) == before + b"\x00\x01"
+    for bad, err in [([-1], ValueError), ([1 << 64], OverflowError), (["x"], TypeError)]:
+        with pytest.raises(err):
+            _native.varints_put(out, bad, 1)
+    assert bytes(out) == before + b"\x00\x01"  # a failed call appends nothing
+    with pytest.raises(ValueError, match="count"):
+        _native.varints_put(out, [1], 2)

@@ -1081,6 +1081,51 @@ done:
 }
 
 /* ------------------------------------------------------------------------ varints (the format-3 table) */
+/* varints_put(out, values, count): append values[0 .. count-1] (ints in [0, 2^63)) to the
+ * bytearray `out` as LEB128 varints, the writer's side of `varints`. */
+static PyObject *py_varints_put(PyObject *self, PyObject *args) {
+    PyObject *out, *seq;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "O!On", &PyByteArray_Type, &out, &seq, &count)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "varints_put: values must be a sequence");
+    if (!fast) return NULL;
+    PyObject *res = NULL;
+    uint8_t *buf = NULL;
+    if (count < 0 || count > PySequence_Fast_GET_SIZE(fast)) {
+        PyErr_SetString(PyExc_ValueError, "varints_put: count out of range");
+        goto done;
+    }
+    buf = PyMem_Malloc(count * 10 + 1);
+    if (!buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) goto done;
+        if (v < 0) {
+            PyErr_SetString(PyExc_ValueError, "varints_put: values must be non-negative");
+            goto done;
+        }
+        uint64_t u = (uint64_t)v;
+        while (u >= 0x80) {
+            buf[n++] = (uint8_t)((u & 0x7F) | 0x80);
+            u >>= 7;
+        }
+        buf[n++] = (uint8_t)u;
+    }
+    Py_ssize_t old = PyByteArray_GET_SIZE(out);
+    if (PyByteArray_Resize(out, old + n) < 0) goto done;
+    memcpy(PyByteArray_AS_STRING(out) + old, buf, n);
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyMem_Free(buf);
+    Py_DECREF(fast);
+    return res;
+}
+
 static PyObject *py_varints(PyObject *self, PyObject *args) {
     Py_buffer d;
     Py_ssize_t pos, count;
@@ -1605,6 +1650,7 @@ static PyMethodDef methods[] = {
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
+    {"varints_put", py_varints_put, METH_VARARGS, "varints_put(out, values, count) -> None"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},

@@ -83,8 +83,7 @@ def _model(out: bytearray, f: list[int]) -> None:
         out.append(0)
         return
     out.append(len(f) - 1)
-    for x in f[:-1]:
-        _varint(out, x)
+    _native.varints_put(out, f, len(f) - 1)
 
 
 def build_table(rows: list[Row]) -> bytes:

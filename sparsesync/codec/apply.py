@@ -120,7 +120,8 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
     names = list(patch.header.tensors)  # sorted: the first failing tensor in name order is reported
     # biggest first keeps both threads busy to the end; errors are still raised in name order
     order = sorted(names, key=lambda n: (-patch.header.tensors[n].numel, n))
-    results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order)
+    with _parallel.gc_paused():
+        results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order)
     by_name = dict(zip(order, results))
     for n in names:
         if isinstance(by_name[n], BaseException):

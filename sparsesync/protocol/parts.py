@@ -75,22 +75,27 @@ def unit_view(state: Mapping[str, torch.Tensor], unit: Unit) -> torch.Tensor:
 def set_unit_digest(digests: MutableMapping[str, str], unit: Unit, digest: str) -> None:
     """Record `digest` for `unit`, dropping the digests of whatever it overlaps (the tensor as a
     whole, or other row ranges of it): the keys of `digests` always partition the state."""
-    if unit.rows is None:
-        stale = [k for k in digests if k == unit.name or (k.startswith(unit.name + "[") and _rows(k, unit.name))]
-    else:
-        stale = [unit.name] if unit.name in digests else []
-        for k in digests:
-            r = _rows(k, unit.name) if k.startswith(unit.name + "[") else None
-            if r is not None and r[0] < unit.rows[1] and unit.rows[0] < r[1]:
-                stale.append(k)
+    set_unit_digests(digests, [(unit, digest)])
+
+
+def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Unit, str]]) -> None:
+    """`set_unit_digest` for many units of distinct keys, in one pass over `digests`."""
+    by_name: dict[str, list[Unit]] = {}
+    for unit, _ in items:
+        by_name.setdefault(unit.name, []).append(unit)
+    stale = []
+    for k in digests:
+        m = _SHARD_KEY.match(k) if k.endswith("]") else None
+        units = by_name.get(m[1] if m else k)
+        if units is None:
+            continue
+        rows = (int(m[2]), int(m[3])) if m else None
+        if any(rows is None or u.rows is None or (rows[0] < u.rows[1] and u.rows[0] < rows[1]) for u in units):
+            stale.append(k)
     for k in stale:
-        digests.pop(k, None)
-    digests[unit.key] = digest
-
-
-def _rows(key: str, name: str) -> tuple[int, int] | None:
-    m = _SHARD_KEY.match(key)
-    return (int(m[2]), int(m[3])) if m and m[1] == name else None
+        del digests[k]
+    for unit, digest in items:
+        digests[unit.key] = digest
 
 
 def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit) -> str:
@@ -315,9 +320,7 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
             write_updates(s.views, old)
         raise
     new = dict(digests)
-    for s in staged:
-        for u in s.ref.units:
-            set_unit_digest(new, u, s.targets[u.key])
+    set_unit_digests(new, [(u, s.targets[u.key]) for s in staged for u in s.ref.units])
     if names is None and state_digest(new) != rec.state_digest:
         for s, old in reversed(written):
             write_updates(s.views, old)
