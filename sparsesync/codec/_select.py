@@ -8,6 +8,7 @@ values as raw bits or as ANS-coded bit-pattern deltas (optionally per class).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -25,20 +26,23 @@ def _size(streams: dict) -> int:
     return sum(len(b) for _, _, b in streams.values())
 
 
-def _bitmap_estimate(idx: np.ndarray, numel: int) -> float:
+def _bitmap_estimate(idx: np.ndarray, numel: int, beat: float = math.inf) -> float:
     """Bytes of the `bitmap` encoding, extrapolated from _BITMAP_PROBES evenly spaced regions of
     at most _BITMAP_PROBE elements and at least 1/64 of the tensor (0 for tensors small enough
-    to just encode)."""
+    to just encode). Stops early once the probes so far extrapolate to twice `beat` (the size
+    to beat): the bitmap is then not worth its remaining probes."""
     probe = min(_BITMAP_PROBE, max(_BITMAP_MIN_PROBE, numel // 64) // 64 * 64)
     if numel <= 2 * _BITMAP_PROBES * probe:
         return 0.0
     total = 0
-    for s in np.linspace(0, numel - probe, _BITMAP_PROBES).astype(np.int64):
+    for i, s in enumerate(np.linspace(0, numel - probe, _BITMAP_PROBES).astype(np.int64)):
         lo, hi = np.searchsorted(idx, [s, s + probe])
         mask = np.zeros(probe, dtype=bool)
         mask[idx[lo:hi] - s] = True
         total += len(E.zstd_compress(np.packbits(mask, bitorder="little")))
-    return total * numel / (_BITMAP_PROBES * probe)
+        if total * numel / ((i + 1) * probe) > 2 * beat:
+            break
+    return total * numel / ((i + 1) * probe)
 
 
 def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
@@ -77,7 +81,8 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
         pos_cands.append((_size(gs) + 60 * (len(thresholds) + 1), "gaps", lambda: (gp, gs)))
         # a bitmap costs >= H(n/numel) bits per element: only dense tensors, and only where
         # compressing a sample of it says it may beat the best so far
-        if n * 16 >= numel and _bitmap_estimate(idx, numel) < min(c[0] for c in pos_cands):
+        best_pos = min(c[0] for c in pos_cands)
+        if n * 16 >= numel and _bitmap_estimate(idx, numel, best_pos) < best_pos:
             bp, bs = E._bitmap_enc(idx, ctx)
             pos_cands.append((_size(bs), "bitmap", lambda: (bp, bs)))
     psize, pname, pbuild = min(pos_cands, key=lambda c: c[0])
