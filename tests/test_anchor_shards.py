@@ -180,3 +180,47 @@ def test_anchors_in_two_folders_are_refused():
                                      ("aa", INDEX_NAME))]}
     with pytest.raises(MalformedCommitError, match="more than one folder"):
         CommitRecord.from_json(json.dumps(raw).encode(), commit_key(1, 1))
+
+
+def _gather_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of test_gather_rows_*: its torch.chunk rows of each tensor, gathered to an owner."""
+    import torch.distributed as dist
+
+    from sparsesync.protocol.anchor_shards import gather_rows
+    from sparsesync.protocol.distributed import shard_rows
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        got = {}
+        for name, t in _gather_cases().items():
+            owner = len(name) % world
+            start, stop = shard_rows(t.shape[0], rank, world)
+            whole = gather_rows(t[start:stop], t.shape, t.dtype, owner, rank=rank, world=world,
+                                group=dist.group.WORLD, ranks=list(range(world)))
+            assert (whole is not None) == (rank == owner)
+            if whole is not None:
+                got[name] = whole
+        save_file(got, f"{out}/rank{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"seven": torch.randn(7, 5, generator=g).to(torch.bfloat16),  # rows 3, 3, 1
+            "two": torch.randn(2, 3, generator=g),  # rows 1, 1 and none on the third rank
+            "vector": torch.randn(11, generator=g).to(torch.float16), "empty": torch.zeros(0, 4)}
+
+
+def test_gather_rows_brings_uneven_shards_whole_to_their_owner_alone(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gather_rank, args=(3, port, str(tmp_path)), nprocs=3, join=True)
+    got = {k: v for r in range(3) for k, v in load_file(tmp_path / f"rank{r}.safetensors").items()}
+    assert_bit_equal(got, _gather_cases())

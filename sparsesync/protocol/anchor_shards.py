@@ -73,14 +73,15 @@ def gather_rows(local: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, o
     travel, padded to one chunk per rank; a collective over `group` (global ranks `ranks`)."""
     rows = shape[0]
     chunk = math.ceil(rows / world)
-    row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-    buf = torch.zeros(chunk * row_bytes, dtype=torch.uint8)
+    size = chunk * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()  # bytes of one rank's rows
+    if size == 0:  # no elements (alike on every rank: global shape)
+        return torch.empty(tuple(shape), dtype=dtype) if rank == owner else None
+    buf = torch.zeros(size, dtype=torch.uint8)
     if local.numel():
         raw = local.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         buf[: raw.numel()] = raw
-    out = [torch.empty_like(buf) for _ in range(world)] if rank == owner else None
-    dist.gather(buf, gather_list=out, dst=ranks[owner], group=group)
-    if out is None:
+    whole = torch.empty(world * size, dtype=torch.uint8) if rank == owner else None
+    dist.gather(buf, gather_list=list(whole.split(size)) if whole is not None else None, dst=ranks[owner], group=group)
+    if whole is None:
         return None
-    flat = torch.cat(out)[: rows * row_bytes]
-    return flat.view(dtype).reshape(tuple(shape))
+    return whole[: math.prod(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).reshape(tuple(shape))
