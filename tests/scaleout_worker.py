@@ -6,7 +6,7 @@ Trains the tiny model (same seed on every rank) with AdamW, publishes `model.sta
 shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
-`pub.resume(model.state_dict())`. With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
+`pub.resume(model.state_dict())` (with `perturb`, after changing one element). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
 starts storing its part of that version. With `fence_version`, rank 0 starts another writer on the
 run (a single-process Publisher in a new process, which claims a newer epoch) before that version.
 Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
@@ -50,6 +50,9 @@ def main() -> None:
     model = model.to(torch.bfloat16)
     if args.get("resume"):
         _rec, state, _d = Run(args["url"]).reconstruct()
+        if args.get("perturb"):  # weights one ulp away from the run's newest version
+            name = sorted(state)[-1]
+            state[name].view(-1)[:1].view(torch.int16).add_(1)
         model.load_state_dict(state)
     for layer in model.model.layers:
         fully_shard(layer)

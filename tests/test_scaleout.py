@@ -140,6 +140,11 @@ def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path
     run = Run(url)
     assert [c.version for c in run.commits()] == [1, 2, 3]  # no version 4: its parts are garbage
     assert any("-v0000000004-" in o.key for o in run.store.list("deltas/"))
+    # weights that are not version 3's: resume() refuses them on every rank, before anything is written
+    res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, perturb=True)
+    assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert [c.version for c in run.commits()] == [1, 2, 3]
     # the next writer at the same world size resumes from version 3 with a delta: its shards match version 3's units
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
