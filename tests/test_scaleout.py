@@ -202,3 +202,72 @@ def test_replicated_weights_are_published_by_rank_0_alone(tmp_path, who):
     assert [c.version for c in commits] == [1, 2, 3]
     assert len({c.writer for c in commits}) == 1 and all(not u.rows for p in commits[-1].parts for u in p.units)
     assert len(list(Run(url).store.list("writers/"))) <= 2  # rank 0's claim (and lock): no claim per rank
+
+
+def _world_of_one(rank: int, port: int, url: str) -> None:
+    """A distributed publisher on one rank (DTensors on a 1-rank mesh): see the test below."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from sparsesync.errors import ConfigError, PatchMismatchError
+    from sparsesync.protocol.publisher import Publisher
+    from tests.test_parts import _held_store
+    from tests.weights import make_state, train_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(3)
+        states = [make_state(0)]
+        for _ in range(3):
+            states.append(train_step(states[-1], g))
+
+        def sharded(s):  # type: ignore[no-untyped-def]
+            return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in s.items()}
+
+        store, gate = _held_store(url, lambda key: key == "commits/v0000000002-e000001.json")
+        pub = Publisher(store, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.publish(sharded(states[0]), 1)
+        pub.flush()
+        assert pub.state_digest == Run(url).commit(1).state_digest
+        pub.publish(sharded(states[1]), 2)  # its commit waits for the gate
+        with pytest.raises(ConfigError, match="known once it is committed"):
+            pub.state_digest  # noqa: B018 - the property raises
+        gate.set()
+        pub.flush()
+        assert pub.state_digest == Run(url).commit(2).state_digest
+        pub.close()
+        other = Publisher(url, group=dist.group.WORLD)
+        with pytest.raises(PatchMismatchError, match="version 2"):
+            other.resume(sharded(states[0]))
+        other.close()
+        pub = Publisher(url, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.resume(sharded(states[1]))
+        assert pub.state_digest == Run(url).commit(2).state_digest
+        pub.publish(sharded(states[2]), 3)
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_global_digest(tmp_path):
+    """World size 1: the anchor is model.safetensors alone; `state_digest` raises until its version
+    is committed, then is the commit's; resume() with the run's weights continues with a delta."""
+    import torch.multiprocessing as mp
+
+    from tests.weights import make_state, train_step
+
+    url = str(tmp_path / "run")
+    mp.spawn(_world_of_one, args=(_free_port(), url), nprocs=1, join=True)
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2, 3]
+    assert [o.key.rsplit("/", 1)[1] for o in run.commit(1).anchor] == ["model.safetensors"]
+    rec = run.commit(3)
+    assert rec.parts and rec.base_version == 2 and not rec.has_anchor and rec.epoch == 3
+    g = torch.Generator().manual_seed(3)
+    states = [make_state(0)]
+    for _ in range(3):
+        states.append(train_step(states[-1], g))
+    for v in (1, 2, 3):
+        assert_bit_equal(run.reconstruct(v)[1], states[v - 1])
