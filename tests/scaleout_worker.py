@@ -5,8 +5,10 @@
 Trains the tiny model (same seed on every rank) with AdamW, publishes `model.state_dict()` (DTensor
 shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
-`resume`, every rank first loads the run's newest committed version into the model. With
-`kill_rank`/`kill_version`, that rank dies (os._exit) when it starts storing its part of that version.
+`resume`, every rank first loads the run's newest committed version into the model and calls
+`pub.resume(model.state_dict())` (with `perturb`, after changing one element). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
+starts storing its part of that version. With `fence_version`, rank 0 starts another writer on the
+run (a single-process Publisher in a new process, which claims a newer epoch) before that version.
 Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
 """
 
@@ -48,6 +50,9 @@ def main() -> None:
     model = model.to(torch.bfloat16)
     if args.get("resume"):
         _rec, state, _d = Run(args["url"]).reconstruct()
+        if args.get("perturb"):  # weights one ulp away from the run's newest version
+            name = sorted(state)[-1]
+            state[name].view(-1)[:1].view(torch.int16).add_(1)
         model.load_state_dict(state)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -70,6 +75,8 @@ def main() -> None:
                     part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60))
     assert type(pub).__name__ == "DistributedPublisher"
     try:
+        if args.get("resume"):
+            pub.resume(model.state_dict())
         for v in range(args["first"], args["last"] + 1):
             tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1000 * v + rank))
             loss = model(input_ids=tokens, labels=tokens).loss
@@ -77,8 +84,16 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             current["version"] = v
+            if v == args.get("fence_version") and rank == 0:
+                import subprocess
+
+                code = "from sparsesync.protocol.publisher import Publisher; Publisher(%r).close()" % args["url"]
+                env = {k: val for k, val in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+                subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
             pub.publish(model.state_dict(), v)
             pub.flush()
+            if pub.state_digest != Run(store).commit(v).state_digest:  # the global digest, on every rank
+                raise AssertionError(f"rank {rank}: state_digest {pub.state_digest} is not version {v}'s")
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 save_file({k: t.contiguous() for k, t in full.items()}, str(out / f"v{v}.safetensors"))

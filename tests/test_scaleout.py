@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from sparsesync.cli import app
 from sparsesync.errors import DigestMismatchError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.parts import apply_parts
@@ -83,7 +85,11 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     run = Run(url)
     commits = run.commits()
     assert [c.version for c in commits] == list(range(1, 12))
-    assert [c.version for c in commits if c.has_anchor] == [1, 7]  # gathered anchors, written by rank 0
+    assert [c.version for c in commits if c.has_anchor] == [1, 7]
+    for c in commits[0], commits[6]:  # sharded anchors: one file per rank, and rank 0's index
+        assert sorted(o.key.rsplit("/", 1)[1] for o in c.anchor) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    _check_transformers_loads(url, commits[6], out / "v7.safetensors", tmp_path)
     deltas = [c for c in commits if c.parts]
     for c in deltas:  # every rank's shard of every DTensor, in global rows, in parts of its own
         assert len({p.key.rsplit("-", 2)[-2] for p in c.parts}) == 2  # one uid per rank
@@ -93,11 +99,12 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     assert f.sync_once() == 11
     assert_bit_equal(f.mirror, load_file(out / "v11.safetensors"))
 
-    # a wider world (4 ranks) resumes from the run's newest version: its first version is an anchor
+    # a wider world (4 ranks) resumes from the run's newest version: other units, so its first version is an anchor
     res = _launch(4, url=url, out=str(out), first=12, last=22, resume=True)
     assert [r.returncode for r in res] == [0] * 4, [r.stderr[-2000:] for r in res]
     commits = run.commits()
     assert commits[-1].version == 22 and run.commit(12).has_anchor and not run.commit(12).has_delta
+    assert len(run.commit(12).anchor) == 5  # 4 ranks' files and the index
     assert len({p.key.rsplit("-", 2)[-2] for p in run.commit(13).parts}) == 4
     _check_versions(url, out, range(12, 23))
     assert f.sync_once() == 22  # the follower crosses the world-size change through the anchor
@@ -133,12 +140,55 @@ def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path
     run = Run(url)
     assert [c.version for c in run.commits()] == [1, 2, 3]  # no version 4: its parts are garbage
     assert any("-v0000000004-" in o.key for o in run.store.list("deltas/"))
-    # the next writer resumes from version 3 with an anchor, then parts
+    # weights that are not version 3's: resume() refuses them on every rank, before anything is written
+    res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, perturb=True)
+    assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert [c.version for c in run.commits()] == [1, 2, 3]
+    # the next writer at the same world size resumes from version 3 with a delta: its shards match version 3's units
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
     assert [c.version for c in run.commits()] == [1, 2, 3, 4, 5, 6]
+    rec = run.commit(4)
+    assert rec.parts and rec.base_version == 3 and not rec.has_anchor and rec.epoch > run.commit(3).epoch
     _check_versions(url, out, range(4, 7))
     assert verify_run(url).ok
+
+
+@pytest.mark.slow
+def test_a_commit_refused_to_rank_0_fails_every_rank_loudly(tmp_path):
+    """Another writer claims the run before version 3: rank 0 is fenced at commit, and every rank
+    raises RankFailedError naming the cause; nothing of version 3 is committed."""
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=4, fence_version=3, dist_timeout=30)
+    assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
+    for r in res:
+        assert "RankFailedError" in r.stderr and "version 3" in r.stderr and "FencedWriterError" in r.stderr, r.stderr[-1500:]
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2]
+    assert verify_run(url).ok
+
+
+def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The sharded anchor of `rec`, as stored, and `sparsesync pull` of its version: both load
+    with a plain `from_pretrained`, bit-exact."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsesync.tiny_model import tiny_config
+
+    want = load_file(full)
+    folder = tmp_path / "as-stored"
+    shutil.copytree(Path(url) / rec.anchor[0].key.rsplit("/", 1)[0], folder)
+    pulled = tmp_path / "pulled"
+    done = CliRunner().invoke(app, ["pull", url, str(pulled), "--version", str(rec.version)], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    cfg = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    for d in folder, pulled:
+        cfg.save_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        assert_bit_equal({k: v for k, v in model.state_dict().items() if k in want}, want)
+        assert set(want) <= set(model.state_dict())
 
 
 @pytest.mark.parametrize("who", ["rank0", "all"])
@@ -152,3 +202,72 @@ def test_replicated_weights_are_published_by_rank_0_alone(tmp_path, who):
     assert [c.version for c in commits] == [1, 2, 3]
     assert len({c.writer for c in commits}) == 1 and all(not u.rows for p in commits[-1].parts for u in p.units)
     assert len(list(Run(url).store.list("writers/"))) <= 2  # rank 0's claim (and lock): no claim per rank
+
+
+def _world_of_one(rank: int, port: int, url: str) -> None:
+    """A distributed publisher on one rank (DTensors on a 1-rank mesh): see the test below."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from sparsesync.errors import ConfigError, PatchMismatchError
+    from sparsesync.protocol.publisher import Publisher
+    from tests.test_parts import _held_store
+    from tests.weights import make_state, train_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(3)
+        states = [make_state(0)]
+        for _ in range(3):
+            states.append(train_step(states[-1], g))
+
+        def sharded(s):  # type: ignore[no-untyped-def]
+            return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in s.items()}
+
+        store, gate = _held_store(url, lambda key: key == "commits/v0000000002-e000001.json")
+        pub = Publisher(store, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.publish(sharded(states[0]), 1)
+        pub.flush()
+        assert pub.state_digest == Run(url).commit(1).state_digest
+        pub.publish(sharded(states[1]), 2)  # its commit waits for the gate
+        with pytest.raises(ConfigError, match="known once it is committed"):
+            pub.state_digest  # noqa: B018 - the property raises
+        gate.set()
+        pub.flush()
+        assert pub.state_digest == Run(url).commit(2).state_digest
+        pub.close()
+        other = Publisher(url, group=dist.group.WORLD)
+        with pytest.raises(PatchMismatchError, match="version 2"):
+            other.resume(sharded(states[0]))
+        other.close()
+        pub = Publisher(url, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.resume(sharded(states[1]))
+        assert pub.state_digest == Run(url).commit(2).state_digest
+        pub.publish(sharded(states[2]), 3)
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_global_digest(tmp_path):
+    """World size 1: the anchor is model.safetensors alone; `state_digest` raises until its version
+    is committed, then is the commit's; resume() with the run's weights continues with a delta."""
+    import torch.multiprocessing as mp
+
+    from tests.weights import make_state, train_step
+
+    url = str(tmp_path / "run")
+    mp.spawn(_world_of_one, args=(_free_port(), url), nprocs=1, join=True)
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2, 3]
+    assert [o.key.rsplit("/", 1)[1] for o in run.commit(1).anchor] == ["model.safetensors"]
+    rec = run.commit(3)
+    assert rec.parts and rec.base_version == 2 and not rec.has_anchor and rec.epoch == 3
+    g = torch.Generator().manual_seed(3)
+    states = [make_state(0)]
+    for _ in range(3):
+        states.append(train_step(states[-1], g))
+    for v in (1, 2, 3):
+        assert_bit_equal(run.reconstruct(v)[1], states[v - 1])

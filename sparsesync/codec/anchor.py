@@ -51,6 +51,36 @@ def _shard_plan(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list
     return shards
 
 
+def shard_name(index: int, count: int) -> str:
+    """The file name of shard `index` (1-based) of `count`: `model.safetensors` when alone,
+    else transformers' `model-0000i-of-0000N.safetensors`."""
+    return SINGLE_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: Path, *, version: int, alone: bool = False) -> dict[str, str]:
+    """Write one anchor file of whole tensors at `path`, with their digests in its metadata (and
+    the state digest when it is the anchor's only file, `alone`); returns the digests."""
+    cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    digests = {n: tensor_digest(t) for n, t in cpu.items()}
+    meta = {"format": "pt", "sparsesync.version": str(version), "sparsesync.digests": json.dumps(digests, separators=(",", ":"))}
+    if alone:
+        meta["sparsesync.state_digest"] = state_digest(digests)
+    save_file(cpu, str(path), metadata=meta)
+    return digests
+
+
+def write_anchor_index(directory: Path, weight_map: Mapping[str, str], digests: Mapping[str, str], *, version: int,
+                       total_size: int) -> Path:
+    """Write the index of a sharded anchor (tensor -> file, and the state digest over `digests`)."""
+    index = {
+        "metadata": {"total_size": total_size, "sparsesync.version": str(version), "sparsesync.state_digest": state_digest(digests)},
+        "weight_map": dict(weight_map),
+    }
+    path = Path(directory) / INDEX_NAME
+    path.write_text(json.dumps(index, indent=2, sort_keys=True))
+    return path
+
+
 def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version: int, max_shard_bytes: int = 5 << 30) -> list[Path]:
     """Write `state` as an anchor of `version` into `directory`; returns the files written
     (shards first, then the index when sharded). Memory: one shard's tensors copied to CPU."""
@@ -60,26 +90,14 @@ def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version:
     digests: dict[str, str] = {}
     files: list[Path] = []
     weight_map: dict[str, str] = {}
-    total = 0
     for i, names in enumerate(plan):
-        fname = SINGLE_NAME if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        tensors = {n: state[n].detach().to("cpu").contiguous() for n in names}
-        shard_digests = {n: tensor_digest(t) for n, t in tensors.items()}
-        digests.update(shard_digests)
-        meta = {"format": "pt", "sparsesync.version": str(version), "sparsesync.digests": json.dumps(shard_digests, separators=(",", ":"))}
-        if len(plan) == 1:
-            meta["sparsesync.state_digest"] = state_digest(shard_digests)
-        save_file(tensors, str(directory / fname), metadata=meta)
+        fname = shard_name(i + 1, len(plan))
+        digests.update(write_anchor_shard({n: state[n] for n in names}, directory / fname, version=version, alone=len(plan) == 1))
         files.append(directory / fname)
         weight_map.update({n: fname for n in names})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(plan) > 1:
-        index = {
-            "metadata": {"total_size": total, "sparsesync.version": str(version), "sparsesync.state_digest": state_digest(digests)},
-            "weight_map": weight_map,
-        }
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-        files.append(directory / INDEX_NAME)
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        files.append(write_anchor_index(directory, weight_map, digests, version=version, total_size=total))
     return files
 
 
@@ -106,6 +124,7 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
         raise PatchFormatError(f"anchor files {[str(p) for p in paths]}: expected one or more .safetensors shards and at most one index", hint="pass the anchor's files")
     state: dict[str, torch.Tensor] = {}
     digests: dict[str, str] = {}
+    home: dict[str, str] = {}  # tensor -> the file holding it
     versions: set[str] = set()
     for p in shards:
         meta = _shard_meta(p)
@@ -132,6 +151,7 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
                         )
                     state[name] = t
                     digests[name] = got
+                    home[name] = p.name
         except SafetensorError as e:
             raise _bad(p, f"not a valid safetensors file ({e})") from None
     if len(versions) != 1 or not next(iter(versions)).isdigit():
@@ -142,10 +162,16 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
         try:
             index = json.loads(index_paths[0].read_text())
             imeta, wmap = index["metadata"], index["weight_map"]
+            if not isinstance(imeta, dict):
+                raise TypeError("metadata is not an object")
         except (ValueError, RecursionError, KeyError, TypeError) as e:  # ValueError covers JSON and UTF-8 errors
             raise _bad(index_paths[0], f"not a valid index ({e})") from None
-        if set(wmap) != set(state) or {Path(f).name for f in wmap.values()} != {p.name for p in shards}:
+        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+            raise _bad(index_paths[0], "weight_map is not a map of tensor name -> file name")
+        if set(wmap) != set(state) or set(wmap.values()) != {p.name for p in shards}:
             raise _bad(index_paths[0], "weight_map does not match the shards' tensors (a shard is missing or extra)")
+        if wrong := sorted(n for n in state if wmap[n] != home[n])[:3]:
+            raise _bad(index_paths[0], f"weight_map puts tensors {wrong} in other files than the ones holding them")
         if imeta.get("sparsesync.version") != str(version):
             raise _bad(index_paths[0], f"version {imeta.get('sparsesync.version')!r}, expected {version}")
         if imeta.get("sparsesync.state_digest") != sd:

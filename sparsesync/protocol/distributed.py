@@ -16,18 +16,24 @@ DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain 
   written and every surviving rank raises RankFailedError from its next `publish`/`flush`
   (a dead rank is noticed by gloo at once, or after `dist_timeout_s`).
 - anchors (the first version, then as `anchor_every`/`anchor_fraction` say, decided alike on
-  every rank from all ranks' byte counts) are gathered to rank 0 (`DTensor.full_tensor`, one
-  tensor at a time on every rank; rank 0 holds the full state) and written by rank 0 as the
-  usual transformers-loadable anchor; such a version is an anchor only, without parts.
+  every rank from all ranks' byte counts) are sharded: each tensor is gathered whole to one rank
+  only, and every rank writes its tensors as one file of a transformers-loadable sharded
+  checkpoint (`model-0000k-of-0000n.safetensors`); rank 0 adds `model.safetensors.index.json` at
+  commit (`sparsesync.protocol.anchor_shards`; no rank holds the whole model). Such a version is
+  an anchor only, without parts.
 - versions are never coalesced (every rank must commit the same versions): when `queue_size`
   versions wait for upload, `publish` waits.
 
 The first `publish` decides the mode, alike on every rank: with DTensors in the state, the
 ranks set up the groups above (a collective: every rank must publish); without (DDP, replicated
 weights), rank 0 publishes exactly as a single-process `Publisher` and the other ranks' calls do
-nothing, so a publisher created on rank 0 only (TRL's `is_world_process_zero`) still works. A new
-writer at any world size continues a sharded run with an anchor (its first version); `resume()`
-takes replicated weights only.
+nothing, so a publisher created on rank 0 only (TRL's `is_world_process_zero`) still works.
+
+A new writer continues a sharded run with an anchor (its first version), at any world size; with
+`resume(model.state_dict())` at the world size that wrote the run's newest version (a version in
+parts: same units), its first version is a delta, once the digests of every rank's units make up
+that version's state digest (PatchMismatchError on all ranks when they do not). `state_digest` is
+the global digest of the newest committed version (after `flush()`; ConfigError before).
 """
 
 from __future__ import annotations
@@ -42,8 +48,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsesync.codec import state_digest, write_anchor
-from sparsesync.errors import ConfigError, RankFailedError, SparsesyncError, StoreUnavailableError
+from sparsesync.codec import state_digest
+from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
+from sparsesync.errors import (
+    ConfigError,
+    PatchMismatchError,
+    RankFailedError,
+    RunNotFoundError,
+    SparsesyncError,
+    StoreUnavailableError,
+)
+from sparsesync.protocol.anchor_shards import assign, gather_rows
 from sparsesync.protocol.layout import (
     CommitRecord,
     ObjectRef,
@@ -126,6 +141,7 @@ class DistributedPublisher(Publisher):
         self._ranks = dist.get_process_group_ranks(self._group)
         self._src = self._ranks[0]
         self._sharded: bool | None = None  # decided by the first publish(): DTensors or not
+        self._committed_digest: str | None = None  # sharded: the global state digest of `committed_version`
         super().__init__(url, config, **overrides)  # rank 0 claims the epoch here; no collective yet
 
     def _setup(self) -> None:
@@ -162,7 +178,7 @@ class DistributedPublisher(Publisher):
         if self._closed:
             raise ConfigError("publish() after close()")
         version = self._next_version(step)
-        local, units, dnames = local_units(state, self.rank, self.world)
+        local, units, _ = local_units(state, self.rank, self.world)
         anchor = self._snapshot is None or self._anchor_due_all(version)
         self._wait_for_room()
         if anchor:
@@ -174,12 +190,7 @@ class DistributedPublisher(Publisher):
             self._snapshot = PartedSnapshot(groups, local, version)
             self._last_anchor_version, self._delta_bytes_since_anchor = version, 0
             item.metrics["snapshot_s"] = time.perf_counter() - t0
-            full = self._gather(state, dnames)
-            if full is not None:  # rank 0
-                self._snapshot_full = full
-                self._write_anchor(item)
-                del self._snapshot_full
-                item.state_digest = state_digest(item.metrics.pop("_digests"))
+            self._write_anchor_shard(item, state)
             item.digests = self._snapshot.digests
             self._enqueue(item)
         else:
@@ -188,45 +199,128 @@ class DistributedPublisher(Publisher):
         return version
 
     def resume(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Replicated weights: rank 0 resumes as one process does. Sharded: not supported."""
+        """Continue the run from its newest committed version, whose weights `state` holds.
+
+        Replicated weights: rank 0 resumes as one process does. Sharded (a collective, on every
+        rank): when the run's newest version is in parts over the same units (written at this world
+        size), the next `publish` is a delta once every rank's unit digests make up its state
+        digest, and PatchMismatchError (on every rank) when they do not; over other units (another
+        world size, or an anchor) the next `publish` is an anchor, as without resume()."""
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(v, DTensor) for v in state.values()):
-            raise ConfigError(
-                "resume() is not supported with sharded (DTensor) weights",
-                hint="publish without resume(): the first version is a new anchor (at any world size)",
+        if not any(isinstance(v, DTensor) for v in state.values()):
+            self._sharded = False
+            if self.rank == 0:
+                super().resume(state)
+            return
+        if self._snapshot is not None or self._sharded is not None:
+            raise ConfigError("resume() must come before the first publish()")
+        self._sharded = True
+        self._setup()
+        local, units, _ = local_units(state, self.rank, self.world)
+        by_key = {u.key: u for u in units}
+        groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
+        snap = PartedSnapshot(groups, local, 0)
+        info = self._newest_info() if self.rank == 0 else None
+        got: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(got, (snap.digests, info), group=self._ctl)
+        except RuntimeError as e:
+            raise RankFailedError(f"resume() of {self.store.url}: a rank did not join ({e})",
+                                  hint="a rank of the trainer died or hung; restart the job") from None
+        info = got[0][1]
+        if info is None:
+            raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
+        digests = {k: d for held, _ in got for k, d in held.items()}
+        if info["units"] != sorted(digests):
+            log.info("resume(): version %d of %s covers other units (another world size, or an anchor): "
+                     "the first version is an anchor", info["version"], self.store.url)
+            return
+        if state_digest(digests) != info["state_digest"]:
+            raise PatchMismatchError(
+                f"the weights given to resume() on {self.world} ranks have state digest {state_digest(digests)}, "
+                f"but version {info['version']} of {self.store.url} has {info['state_digest']}",
+                hint="load the run's newest version into the model on every rank first (`Run(url).reconstruct()`)",
             )
-        self._sharded = False
-        if self.rank == 0:
-            super().resume(state)
+        snap.version = info["version"]
+        for sub in snap.snapshots:
+            sub.version = info["version"]
+        self._snapshot, self._last_anchor_version = snap, info["last_anchor"]
+        if self.rank == 0:  # summed over ranks by `_anchor_due_all`
+            self._anchor_bytes, self._delta_bytes_since_anchor = info["anchor_bytes"], info["delta_bytes"]
+        self._committed_digest = info["state_digest"]
+
+    @property
+    def state_digest(self) -> str | None:
+        """The global state digest of the newest version, once committed (sharded: see the module docstring)."""
+        if not self._sharded:
+            return super().state_digest
+        if self._last_version is not None and self._last_version != self.committed_version:
+            raise ConfigError(f"the state digest of version {self._last_version} is known once it is committed",
+                              hint="call flush() first: a sharded version's digest covers every rank's part")
+        return self._committed_digest
 
     # -- internals --------------------------------------------------------------------
-    def _gather(self, state: Mapping[str, torch.Tensor], dnames: list[str]) -> dict[str, torch.Tensor] | None:
-        """The full state on rank 0 (None elsewhere): every DTensor gathered, one at a time, on
-        every rank (a collective of the trainer's own mesh); tied names kept once."""
-        full: dict[str, torch.Tensor] = {}
-        dset, seen = set(dnames), set()
-        for name, v in state.items():
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            t = v.full_tensor() if name in dset else v  # type: ignore[attr-defined]
-            if self.rank == 0:
-                full[name] = t.detach().to("cpu").contiguous()
-        return full if self.rank == 0 else None
+    def _newest_info(self) -> dict[str, Any] | None:
+        """Rank 0, for resume(): what the run's newest version covers, and the anchor bookkeeping."""
+        commits = self.run.commits()
+        if not commits:
+            return None
+        newest = commits[-1]
+        anchors = [c for c in commits if c.has_anchor]
+        last = anchors[-1].version if anchors else None
+        return {
+            "version": newest.version, "state_digest": newest.state_digest,
+            "units": sorted(u.key for p in newest.parts for u in p.units) if newest.parts else None,
+            "last_anchor": last, "anchor_bytes": sum(o.size for o in anchors[-1].anchor) if anchors else 0,
+            "delta_bytes": sum(o.size for c in commits if last is not None and c.version > last for o in c.delta_objects()),
+        }
 
-    def _write_anchor(self, item: _Item) -> None:
-        """Rank 0: write the gathered full state (`_snapshot_full`) as the anchor of `item`."""
-        if not self._sharded:
-            return super()._write_anchor(item)
+    def _write_anchor_shard(self, item: _Item, state: Mapping[str, torch.Tensor]) -> None:
+        """Every rank: gather the tensors the plan gives this rank, whole, and write them as its
+        file of the anchor of `item` (`anchor_shards`). A failure after the collectives is reported
+        at commit, so every rank raises it."""
+        from torch.distributed.tensor import DTensor
+
         t0 = time.perf_counter()
-        d = self._staging / f"anchor-{item.version}-{item.uid}"
-        files = write_anchor(self._snapshot_full, d, version=item.version)
-        from sparsesync.codec import tensor_digests
-
-        item.metrics["_digests"] = tensor_digests(self._snapshot_full)
-        item.anchor_dir = d
-        self._anchor_bytes = sum(f.stat().st_size for f in files)
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, v in state.items():
+            if id(v) not in seen:  # tied names once, as in `local_units`
+                seen.add(id(v))
+                tensors[name] = v
+        plan = assign([(n, math.prod(v.shape) * v.element_size(), isinstance(v, DTensor)) for n, v in tensors.items()],
+                      self.world)
+        mine: dict[str, torch.Tensor] = {}
+        try:
+            got: list[Any] = [item.uid]
+            dist.broadcast_object_list(got, src=self._src, group=self._ctl)  # one folder for every rank's file
+            item.uid = got[0]
+            for name, v in tensors.items():
+                owner = plan.owner[name]
+                if isinstance(v, DTensor):
+                    t = gather_rows(v.to_local(), v.shape, v.dtype, owner, rank=self.rank, world=self.world,
+                                    group=self._ctl, ranks=self._ranks)
+                    if t is not None:
+                        mine[name] = t
+                elif owner == self.rank:
+                    mine[name] = v.detach().to("cpu").contiguous()
+        except RuntimeError as e:  # gloo: a peer died or timed out
+            raise RankFailedError(f"anchor of version {item.version} of {self.store.url}: a rank did not join ({e})",
+                                  hint="a rank of the trainer died or hung; restart the job") from None
+        item.metrics["_anchor_plan"], item.metrics["_anchor_digests"] = plan, {}
+        self._anchor_bytes = 0
+        if self.rank in plan.files:
+            try:
+                d = self._staging / f"anchor-{item.version}-{item.uid}"
+                d.mkdir(parents=True, exist_ok=True)
+                path = d / plan.files[self.rank]
+                item.anchor_dir = d
+                item.metrics["_anchor_digests"] = write_anchor_shard(mine, path, version=item.version,
+                                                                     alone=len(plan.files) == 1)
+                self._anchor_bytes = path.stat().st_size
+            except Exception as e:  # noqa: BLE001 - reported at commit, raised on every rank
+                item.metrics["_anchor_error"] = f"writing its anchor file failed: {type(e).__name__}: {e}"
         item.metrics["anchor_bytes"] = self._anchor_bytes
         item.metrics["anchor_write_s"] = time.perf_counter() - t0
 
@@ -273,6 +367,8 @@ class DistributedPublisher(Publisher):
         backoff = self.config.retry_backoff_s
         for attempt in range(_STORE_TRIES):
             try:
+                if err := item.metrics.get("_anchor_error"):
+                    raise SparsesyncError(err)
                 refs = self._upload_parts(item) if item.parts is not None else []
                 if refs is None:
                     raise SparsesyncError(f"encoding version {item.version} failed on this rank")
@@ -300,6 +396,7 @@ class DistributedPublisher(Publisher):
         try:
             refs, anchor = self._store_local(item)
             report.update(parts=refs, anchor=anchor, digests=item.digests, base_digests=item.base_digests or {},
+                          anchor_digests=item.metrics.get("_anchor_digests", {}),
                           metrics={k: v for k, v in item.metrics.items() if not k.startswith("_")})
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             report["error"] = f"{type(e).__name__}: {e}"
@@ -309,38 +406,41 @@ class DistributedPublisher(Publisher):
             dist.all_gather_object(reports, report, group=self._up)
             if self.rank == 0:
                 outcome = [self._commit_all(item, reports, t0)]
-            dist.broadcast_object_list(outcome, src=self._src, group=self._up)
+            dist.broadcast_object_list(outcome, src=self._src, group=self._up)  # (error or None, state digest)
         except RuntimeError as e:  # gloo: a peer died or timed out
             raise RankFailedError(
                 f"version {item.version} of {self.store.url} was not committed: a rank did not report its part ({e})",
                 hint="a rank of the trainer died or hung; restart the job: the next writer continues from the newest committed version",
             ) from None
-        if outcome[0] is not None:
-            raise RankFailedError(f"version {item.version} of {self.store.url} was not committed: {outcome[0]}",
+        error, digest = outcome[0]
+        if error is not None:
+            raise RankFailedError(f"version {item.version} of {self.store.url} was not committed: {error}",
                                   hint="fix the failing rank and restart the job: the next writer continues from the newest committed version")
         if item.anchor_dir is not None:
             import shutil
 
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
-        self.committed_version = item.version
-        self.metrics.append({**item.metrics, "version": item.version})
+        self.committed_version, self._committed_digest = item.version, digest
+        self.metrics.append({k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version})
 
-    def _commit_all(self, item: _Item, reports: list[dict[str, Any]], t0: float) -> str | None:
-        """Rank 0: write the commit record from every rank's report; the error text, or None."""
+    def _commit_all(self, item: _Item, reports: list[dict[str, Any]], t0: float) -> tuple[str | None, str]:
+        """Rank 0: write the commit record from every rank's report (and an anchor's index);
+        (the error text or None, the version's state digest)."""
         bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
         bad += [f"rank {r['rank']} published version {r['version']}, rank 0 {item.version}" for r in reports
                 if not r["error"] and r["version"] != item.version]
         if bad:
-            return "; ".join(bad)
+            return "; ".join(bad), ""
         try:
-            anchor = [o for r in reports for o in r["anchor"]]
+            anchor = sorted((o for r in reports for o in r["anchor"]), key=lambda o: o.key)
             parts = [p for r in reports for p in r["parts"]]
             digests = {k: d for r in reports for k, d in r["digests"].items()}
             if parts:
                 sd = state_digest(digests)
                 base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
             else:
-                sd, base_sd = item.state_digest, None
+                sd, base_sd, index = self._anchor_index(item, reports)
+                anchor += index
             metrics = combined_metrics([r["metrics"] for r in reports])
             rec = CommitRecord(
                 version=item.version, epoch=self.epoch, writer=self.writer, state_digest=sd, created_at=time.time(),
@@ -352,8 +452,25 @@ class DistributedPublisher(Publisher):
             self.store.put(commit_key(item.version, self.epoch), rec.to_json())
             self._confirm_visible(rec)
         except Exception as e:  # noqa: BLE001 - every rank raises it
-            return f"rank 0 could not commit: {type(e).__name__}: {e}"
-        return None
+            return f"rank 0 could not commit: {type(e).__name__}: {e}", ""
+        return None, sd
+
+    def _anchor_index(self, item: _Item, reports: list[dict[str, Any]]) -> tuple[str, None, list[ObjectRef]]:
+        """Rank 0, an anchor version: its state digest (whole tensors), and the index it stores
+        beside the ranks' files when there are several ([] when one file holds it all)."""
+        plan = item.metrics["_anchor_plan"]
+        digests = {k: d for r in reports for k, d in r["anchor_digests"].items()}
+        if set(digests) != set(plan.owner):
+            raise SparsesyncError(f"the ranks' anchor files hold {len(digests)} tensors, the plan {len(plan.owner)}")
+        if len(plan.files) == 1:
+            return state_digest(digests), None, []
+        d = self._staging / f"anchor-{item.version}-{item.uid}"
+        d.mkdir(parents=True, exist_ok=True)
+        item.anchor_dir = d
+        path = write_anchor_index(d, plan.weight_map, digests, version=item.version, total_size=plan.total_size)
+        key = anchor_prefix(item.version, self.epoch, item.uid) + path.name
+        self.store.put_many([(key, path)])
+        return state_digest(digests), None, [ObjectRef(key, path.stat().st_size, file_digest(path))]
 
 
 def combined_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ A run is everything under one URL prefix:
 
     writers/e000003.lock                               epoch 3 reserved (create-only, where the store has it)
     writers/e000003-<writer>.json                      a writer's claim of epoch 3
-    anchors/v0000000040-e000003-<uid>/model*.safetensors   full snapshot of version 40 (+ index)
+    anchors/v0000000040-e000003-<uid>/model*.safetensors   full snapshot of version 40 (shards + index)
     deltas/v0000000040-v0000000041-e000003-<uid>.safetensors  patch 40 -> 41
     deltas/v0000000040-v0000000041-e000003-<uid>-p00002.safetensors  part 2 of patch 40 -> 41 (format 2)
     commits/v0000000041-e000003.json                   commit record of version 41, written last
@@ -42,7 +42,9 @@ _WRITER_RE = re.compile(r"^writers/e(\d{6})-([A-Za-z0-9_.-]+)\.json$")
 _DELTA_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+\.safetensors$")
 _PART_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+-p(\d{5})\.safetensors$")
 _ANCHOR_RE = re.compile(r"^anchors/v(\d{10})-e(\d{6})-[0-9a-f]+/")
-_ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/[A-Za-z0-9._-]+$")
+_ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/"
+                             r"(?:model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+_SHARD_NAME_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 def new_uid() -> str:
@@ -304,6 +306,25 @@ def _parts(raw: dict[str, Any], version: int, base: int | None) -> list[PartRef]
     return out
 
 
+def _check_anchor_files(anchor: list[ObjectRef]) -> None:
+    """An anchor is one folder holding `model.safetensors` alone, or the shards
+    `model-0000k-of-0000n.safetensors` for k = 1..n (each once, one n) and their index."""
+    if not anchor:
+        return
+    if len({o.key.rsplit("/", 1)[0] for o in anchor}) != 1:
+        raise ValueError("anchor files lie in more than one folder")
+    names = [o.key.rsplit("/", 1)[-1] for o in anchor]
+    if len(set(names)) != len(names):
+        raise ValueError("anchor lists one file name twice")
+    if names == ["model.safetensors"]:
+        return
+    shards = sorted((int(m[1]), int(m[2])) for n in names if (m := _SHARD_NAME_RE.match(n)))
+    n = len(shards)
+    if "model.safetensors.index.json" not in names or n + 1 != len(names) or shards != [(k, n) for k in range(1, n + 1)]:
+        raise ValueError(f"anchor files {sorted(names)[:4]}{'...' if len(names) > 4 else ''} are neither model.safetensors "
+                         "alone nor shards model-0000k-of-0000n.safetensors (k = 1..n) with model.safetensors.index.json")
+
+
 def _parse_commit(data: bytes, key: str) -> CommitRecord:
     def bad(reason: str) -> MalformedCommitError:
         return MalformedCommitError(key, reason)
@@ -344,8 +365,7 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
         if not isinstance(anchor_raw, list) or len(anchor_raw) > _MAX_ANCHOR_FILES:
             raise ValueError(f"anchor is {_show(anchor_raw)}, expected a list of at most {_MAX_ANCHOR_FILES} objects")
         anchor = [_ref(o, "anchor file", _ANCHOR_FILE_RE, version, None) for o in anchor_raw]  # type: ignore[arg-type]
-        if len({o.key.rsplit("/", 1)[-1] for o in anchor}) != len(anchor):
-            raise ValueError("anchor lists one file name twice")
+        _check_anchor_files(anchor)
         if delta is None and not parts and not anchor:
             raise ValueError("it names neither a delta nor an anchor")
         metrics = raw.get("metrics") or {}

@@ -217,8 +217,7 @@ class Run:
                         f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
                         hint="the stored anchor is damaged; publish a new anchor",
                     )
-            files = [p for _k, p in items if p.suffix == ".safetensors"]
-            state, info = load_anchor(files)
+            state, info = load_anchor([p for _k, p in items])  # shards and, when sharded, the index
         if info.version != rec.version or info.state_digest != rec.state_digest:
             raise DigestMismatchError(
                 f"anchor of version {rec.version} under {self.url} holds version {info.version} "
