@@ -102,6 +102,8 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
         m = re.search(r"published version (\d+) \(state digest (\w+)\)", out)
         assert m and int(m.group(1)) == 3, out[-3000:]
         assert out.count("trained 3 steps") == 1  # rank 0 reports for the job
+        commit = re.search(r"commit record of version 3: state digest (\w+)", out)
+        assert commit and commit.group(1) == Run(bucket).commit(3).state_digest != m.group(2)
         digests = _replay(bucket)
         assert sorted(digests) == [0, 1, 2, 3] and digests[3] == m.group(2)  # the gathered full weights
         commits = Run(bucket).commits()
@@ -158,3 +160,60 @@ def test_a_killed_rank_ends_the_run_on_rank_0_in_bounded_time_without_a_torn_ver
     digests = _replay(bucket)  # whatever was committed is whole: contiguous versions, every one bit-exact
     assert len(digests) >= 3 and sorted(digests) == list(range(len(digests)))
     assert verify_run(bucket).ok
+
+
+@pytest.mark.slow
+def test_rank_0_losing_its_rollouts_stops_every_rank_with_its_error(tmp_path: Path) -> None:
+    from sparsesync.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", seed=0, arch="qwen3")
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens: every rollout fails
+    cfg = TrainerConfig.from_dict({
+        "model": {"path": str(model), "device": "cpu", "master_dtype": "float32"},
+        "rollout": {"replicas": [dead[0]], "env_url": dead[1], "request_timeout_s": 2.0},
+        "optim": {"steps": 5, "groups_per_step": 2},
+        "sync": {"bucket": str(tmp_path / "bucket")},
+        "log": {"progress": False},
+        "distributed": {"timeout_s": 60.0},
+    })
+    (tmp_path / "trainer.toml").write_text(cfg.to_toml())
+    proc = _torchrun(tmp_path / "trainer.toml")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"rank 0: error: ", out) and re.search(r"rank 1: error: .*rank 0 stopped the run at step 1", out), out[-3000:]
+    assert [c.version for c in Run(str(tmp_path / "bucket")).commits()] == [0]  # the gathered first version only
+
+
+def test_the_ranks_shares_of_a_step_average_to_the_whole_steps_gradient() -> None:
+    """Data parallel GRPO: with token_norm = the step's tokens / world, the mean of the ranks'
+    gradients (what FSDP's reduce-scatter computes) is the gradient of the whole step's loss."""
+    import torch
+
+    from trainer.buffer import Group, Sample
+    from trainer.distributed import my_groups
+    from trainer.grpo import Batch, grpo_loss
+
+    g = torch.Generator().manual_seed(0)
+    groups = [Group(i, "p", [Sample((1, 2, 3)[: 1 + (i + j) % 3], tuple(range(1 + (i * j) % 4)),
+                                    tuple(-1.0 - 0.1 * k for k in range(1 + (i * j) % 4)), 0.1 * j, 0.5 - 0.25 * j, 0)
+                             for j in range(4)]) for i in range(5)]
+    weight = torch.randn(8, 8, generator=g, dtype=torch.float64)
+
+    def grad(gs: list[Group], token_norm: float | None) -> torch.Tensor:
+        s = [x for grp in gs for x in grp.samples]
+        b = Batch.build([x.prompt_ids for x in s], [x.completion_ids for x in s], [x.logprobs for x in s],
+                        [x.advantage for x in s])
+        w = weight.clone().requires_grad_(True)
+        logits = w[b.input_ids[:, :-1]].sum(-1).float()  # a tiny differentiable "policy"
+        logp = torch.log_softmax(torch.stack([logits, -logits], -1), -1)[..., 0]
+        loss, _ = grpo_loss(logp, b, token_norm=token_norm)
+        loss.backward()
+        return w.grad  # type: ignore[return-value]
+
+    whole = grad(groups, None)
+    tokens = sum(len(x.completion_ids) for grp in groups for x in grp.samples)
+    for world in (2, 3):
+        shares = [grad(my_groups(groups, r, world), tokens / world) for r in range(world)]
+        assert sorted(grp.group_id for r in range(world) for grp in my_groups(groups, r, world)) == list(range(5))
+        assert torch.allclose(sum(shares) / world, whole, rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(grad(my_groups(groups, 0, world), None), whole)  # its own share alone is not

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     first, last = result.steps[0]["reward"], result.steps[-1]["reward"]
     print(f"trained {len(result.steps)} steps: reward {first:.3f} -> {last:.3f}; published version "
           f"{result.final_version} (state digest {result.state_digest}) to {cfg.sync.bucket}")
+    if result.commit_digest != result.state_digest:  # sharded: the record's digest is over row units
+        print(f"commit record of version {result.final_version}: state digest {result.commit_digest} "
+              f"(over the {result.world} ranks' row shards)")
     return 0
 
 

@@ -79,6 +79,7 @@ class TrainResult:
     wall_s: float = 0.0
     rank: int = 0  # under torchrun: this rank (only rank 0's steps, commits and state digest are filled in)
     world: int = 1
+    commit_digest: str = ""  # the last commit record's state digest (under torchrun: over its row units, not state_digest)
 
 
 def resolve_precision(cfg: TrainerConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
@@ -296,6 +297,9 @@ class AsyncGRPOTrainer:
                 with self._collective(ctx, "gathering the final weights"):
                     state = full_state(state, ctx.rank) or {}
             final_digest = state_digest(tensor_digests(state)) if lead else ""
+            commit_digest = final_digest
+            if ctx is not None and lead:
+                commit_digest = publisher.run.commit(self.version).state_digest
             return TrainResult(
                 steps=records, commits=list(publisher.metrics), final_version=self.version,
                 state_digest=final_digest, full_bytes=full_bytes,
@@ -303,6 +307,7 @@ class AsyncGRPOTrainer:
                 replicas={u: {"requests": s.requests, "failures": s.failures, "last_error": s.last_error}
                           for u, s in pool.stats.items()},
                 wall_s=time.time() - t_start, rank=ctx.rank if ctx else 0, world=ctx.world if ctx else 1,
+                commit_digest=commit_digest,
             )
         finally:
             poller.stop()
