@@ -151,7 +151,7 @@ def receive_batch(ctx: DistContext, step: int) -> list[Group]:
         if kind == "batch":
             return list(payload)
         if kind == "stop":
-            raise TrainerError(f"rank {ctx.rank}: rank 0 stopped the run at step {step}: {payload}")
+            raise TrainerError(f"rank 0 stopped the run at step {step}: {payload}")
 
 
 def stop_on_sigterm(rank: int) -> None:

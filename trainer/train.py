@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +219,8 @@ class AsyncGRPOTrainer:
             with self._collective(ctx, "publishing the first version"):
                 self.version = self._first_version(publisher, state, ctx)
             if lead:
-                self._wait_for_fleet(publisher)
+                with self._lead_alone(ctx):
+                    self._wait_for_fleet(publisher)
                 workers.initial_version = self.version
                 workers.start()
                 poller.start()
@@ -249,7 +250,8 @@ class AsyncGRPOTrainer:
                 t_publish = time.time() - t2
                 if not lead:
                     continue
-                t_fleet = self._wait_for_fleet(publisher)
+                with self._lead_alone(ctx):
+                    t_fleet = self._wait_for_fleet(publisher)
                 # per-version sync metrics arrive as the uploader commits
                 new_commits = publisher.metrics[n_commits_seen:]
                 n_commits_seen += len(new_commits)
@@ -392,14 +394,23 @@ class AsyncGRPOTrainer:
             return self._take(buffer, workers, n)
         if not ctx.lead:
             return receive_batch(ctx, step)
-        try:
+        with self._lead_alone(ctx):
             groups = self._take(buffer, workers, n, tick=lambda: send_batch(ctx, "wait"))
-        except SparsesyncError as e:
-            with contextlib.suppress(SparsesyncError):  # tell the others why, if they can still hear it
-                send_batch(ctx, "stop", f"{type(e).__name__}: {e}")
-            raise
         send_batch(ctx, "batch", groups)
         return groups
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _lead_alone(ctx: DistContext | None) -> Iterator[None]:
+        """Rank 0 working alone (rollouts, fleet wait) while the other ranks wait for the next
+        batch: its error is sent to them as a stop message, then raised here."""
+        try:
+            yield
+        except SparsesyncError as e:
+            if ctx is not None and ctx.lead:
+                with contextlib.suppress(SparsesyncError):  # tell the others why, if they can still hear it
+                    send_batch(ctx, "stop", f"{type(e).__name__}: {e}")
+            raise
 
     def _wait_for_fleet(self, publisher: Publisher) -> float:
         """With `[sync] fleet_min_replicas` = n: block until n replicas report (in their bucket
