@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,8 +86,11 @@ def _replay(url: str) -> dict[int, str]:
     _rec, state, digests = run.reconstruct(commits[0].version)
     out = {commits[0].version: state_digest(tensor_digests(state))}
     for rec in commits[1:]:
-        assert rec.parts and rec.base_version == rec.version - 1, rec
-        run.apply_delta(rec, state, digests)
+        if rec.has_anchor and not rec.parts:  # a new writer's first version
+            state, digests = run.fetch_anchor(rec)
+        else:
+            assert rec.parts and rec.base_version == rec.version - 1, rec
+            run.apply_delta(rec, state, digests)
         # a sharded version's record digest is over its row units (docs/protocol.md, "Units")
         assert state_digest(digests) == rec.state_digest
         out[rec.version] = state_digest(tensor_digests(state))
@@ -121,7 +125,37 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
             assert time.monotonic() < deadline, st
             time.sleep(0.3)
         assert st["state"] == "following"
+        _continue(tmp_path, config, bucket, digests[3])
     assert verify_run(bucket).ok
+
+
+def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> None:
+    """A new torchrun job on the same bucket: refused from weights that are not the run's newest;
+    from the newest (`sparsesync pull`-style folder) it continues with an anchor, version 4."""
+    from safetensors.torch import save_file
+
+    cfg = TrainerConfig.load(config)
+    cfg.optim.steps = 1
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml())  # [model] path: the starting weights, not version 3
+    proc = _torchrun(again)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and out.count("is not the weights at [model] path") == 2, out[-3000:]
+    newest = tmp_path / "newest"
+    shutil.copytree(cfg.model.path, newest)
+    for f in newest.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: t.contiguous() for k, t in Run(bucket).reconstruct(3)[1].items()}, str(newest / "model.safetensors"))
+    cfg.model.path = str(newest)
+    again.write_text(cfg.to_toml())
+    proc = _torchrun(again)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    run = Run(bucket)
+    assert [c.version for c in run.commits()] == [0, 1, 2, 3, 4]
+    assert run.commit(4).has_anchor and not run.commit(4).parts  # a new writer starts with an anchor
+    digests = _replay(bucket)
+    assert digests[3] == newest_digest and sorted(digests) == [0, 1, 2, 3, 4]
 
 
 def _rank_pid(launcher: subprocess.Popen[str], rank: int, timeout: float = 60) -> int:

@@ -51,6 +51,7 @@ from trainer.distributed import (
     launched_distributed,
     my_groups,
     receive_batch,
+    record_digest,
     send_batch,
     shard_policy,
     stop_on_sigterm,
@@ -376,8 +377,8 @@ class AsyncGRPOTrainer:
         full = full_state(state, ctx.rank)
         verdict: list[Any] = [None]
         if ctx.lead:
-            have = state_digest(tensor_digests(full or {}))
-            if have != publisher.run.commit(newest).state_digest:
+            rec = publisher.run.commit(newest)
+            if record_digest(rec, full or {}) != rec.state_digest:
                 verdict[0] = f"its newest version ({newest}) is not the weights at [model] path"
         dist.broadcast_object_list(verdict, src=0, group=ctx.group)
         if verdict[0] is not None:
