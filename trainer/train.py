@@ -17,6 +17,11 @@ Precision: on CPU the master weights are fp32 by default and the replicas get a 
 published (version 0) is the weights as loaded, so replicas started from the same model folder
 already hold it bit for bit (they report version None until they apply version 0).
 
+Under torchrun (`torchrun --nproc-per-node N -m trainer --config trainer.toml`) the same loop
+runs on every rank, data parallel on an FSDP2-sharded policy: rank 0 alone runs the rollout
+side and sends each step's groups to the others, every rank trains on its share and publishes
+its shard of `model.state_dict()` (trainer/distributed.py has the design and failure handling).
+
 Guarantees: the config is validated before anything starts; every published version is the
 exact `publish_dtype` cast of the learner's parameters after that optimizer step (its state
 digest is `TrainResult.state_digest` for the last one); a failure anywhere (rollouts dead,
