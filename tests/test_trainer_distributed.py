@@ -71,9 +71,9 @@ def _job(tmp_path: Path, arch: str, steps: int) -> Iterator[tuple[Path, str, str
         yield path, bucket, replica.url
 
 
-def _torchrun(config: Path) -> subprocess.Popen[str]:
+def _torchrun(config: Path, nproc: int = 2) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "-m", "trainer", "--config", str(config)],
         cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
