@@ -254,3 +254,23 @@ def test_the_ranks_shares_of_a_step_average_to_the_whole_steps_gradient() -> Non
         assert sorted(grp.group_id for r in range(world) for grp in my_groups(groups, r, world)) == list(range(5))
         assert torch.allclose(sum(shares) / world, whole, rtol=1e-5, atol=1e-7)
         assert not torch.allclose(grad(my_groups(groups, 0, world), None), whole)  # its own share alone is not
+
+
+def test_sigterm_from_the_launcher_becomes_a_one_line_rank_failure() -> None:
+    """torchrun stops the surviving ranks with SIGTERM when one fails: the rank unwinds (its
+    cleanup runs) and says why, instead of dying silently."""
+    code = ("import sys, time\n"
+            "from trainer.distributed import stop_on_sigterm\n"
+            "stop_on_sigterm(3)\n"
+            "try:\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(60)\n"
+            "finally:\n"
+            "    print('cleanup ran', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "cleanup ran" in out
+    assert "RankFailedError: rank 3: stopped by the launcher (signal 15): another rank of the trainer failed" in err
