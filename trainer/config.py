@@ -27,6 +27,9 @@ Example (`trainer.toml`):
     enabled = true
     r = 16
     lora_alpha = 32
+
+    [distributed]                     # optional, read only under torchrun (trainer/distributed.py)
+    timeout_s = 300.0
 """
 
 from __future__ import annotations

@@ -11,15 +11,16 @@ publishes `model.state_dict()` (DTensors) through `Publisher`, which is then a
 
 Design: rank 0 alone drives the rollout side (replica pool, rollout workers, buffer, fleet wait,
 metrics) and sends each step's groups to every rank over a gloo group of our own
-(`send_batch` / `receive_batch`); rank r trains on groups r, r + N, ... of the step (`my_groups`), with the loss
-normalized by the step's total completion tokens so FSDP's gradient average is the single-process
-gradient of the whole batch. One rollout stream keeps the staleness accounting, the env and the
+(`send_batch` / `receive_batch`); rank r trains on groups r, r + N, ... of the step
+(`my_groups`), with the loss normalized by the step's total completion tokens so FSDP's gradient
+average is the single-process gradient of the whole batch. One rollout stream keeps the staleness accounting, the env and the
 replicas' load exactly as in one process; ranks reading their own slices would need N buffers
 that agree on versions. The broadcast is tiny next to a step (token ids and log-probs).
 
 Failure: no collective waits longer than `[distributed] timeout_s`; rank 0 sends a keep-alive
-every 2 s while it waits for rollouts, and a stop message with its error when the rollout side
-fails. A rank that dies is noticed by gloo at once (its sockets close) and torchrun stops the
+every 2 s while it waits for rollouts (its fleet wait is bounded by `[sync] fleet_timeout_s`,
+which the config requires to be shorter), and a stop message with its error when it fails alone
+(rollouts, fleet wait) while the others wait for a batch. A rank that dies is noticed by gloo at once (its sockets close) and torchrun stops the
 others with SIGTERM, which `stop_on_sigterm` turns into RankFailedError, so every rank ends with
 a one-line error and no version is half committed (the distributed publisher commits only when
 every part is stored).
@@ -44,9 +45,6 @@ from sparsesync.errors import ConfigError, RankFailedError, TrainerError
 from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.parts import unit_view
 from trainer.buffer import Group
-
-KEEPALIVE_S = 2.0  # rank 0 tells the other ranks it is still waiting for rollouts this often
-
 
 def launched_distributed() -> bool:
     """Whether this process is one rank of a multi-process launch (torchrun sets WORLD_SIZE)."""
