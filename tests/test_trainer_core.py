@@ -55,6 +55,8 @@ def test_config_loads_toml_and_round_trips(tmp_path: Path) -> None:
         ("sync", {"publish_every": 0}, "[sync] publish_every"),
         ("model", {"master_dtype": "fp8"}, "expected one of"),
         ("extra", {"x": 1}, "unknown section(s) ['extra']"),
+        ("distributed", {"timeout_s": 0}, "[distributed] timeout_s"),
+        ("distributed", {"rank": 1}, "unknown key(s) ['rank']"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_key(section: str, kv: dict, needle: str) -> None:

@@ -27,6 +27,9 @@ Example (`trainer.toml`):
     enabled = true
     r = 16
     lora_alpha = 32
+
+    [distributed]                     # optional, read only under torchrun (trainer/distributed.py)
+    timeout_s = 300.0
 """
 
 from __future__ import annotations
@@ -139,6 +142,14 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """`[distributed]`: only read under torchrun (WORLD_SIZE > 1), where the run is data parallel
+    on an FSDP2-sharded policy (trainer/distributed.py); nothing here switches it on."""
+
+    timeout_s: float = 300.0  # no collective waits longer (a rank hung); must exceed [sync] fleet_timeout_s
+
+
+@dataclass
 class TrainerConfig:
     """The whole trainer configuration; see the module docstring for the TOML layout."""
 
@@ -148,6 +159,7 @@ class TrainerConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     log: LogConfig = field(default_factory=LogConfig)
     lora: LoraSection = field(default_factory=LoraSection)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     # -- loading ----------------------------------------------------------------------
     @classmethod
@@ -235,6 +247,10 @@ class TrainerConfig:
         _require(s.fleet_max_lag >= 0, "[sync] fleet_max_lag", s.fleet_max_lag, ">= 0")
         _require(s.fleet_timeout_s > 0, "[sync] fleet_timeout_s", s.fleet_timeout_s, "> 0")
         _require(lg.log_every >= 1, "[log] log_every", lg.log_every, ">= 1")
+        d = self.distributed
+        _require(d.timeout_s > (s.fleet_timeout_s if s.fleet_min_replicas else 0), "[distributed] timeout_s",
+                 d.timeout_s, "> 0, and > [sync] fleet_timeout_s when the trainer waits for its fleet "
+                 "(the other ranks wait for rank 0 meanwhile)")
         la = self.lora
         _require(la.r >= 1, "[lora] r", la.r, ">= 1")
         _require(la.lora_alpha > 0, "[lora] lora_alpha", la.lora_alpha, "> 0")

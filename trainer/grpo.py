@@ -118,8 +118,13 @@ def grpo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     is_cap: float = 2.0,
+    token_norm: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """The clipped, importance-corrected GRPO loss of the module docstring, and its stats."""
+    """The clipped, importance-corrected GRPO loss of the module docstring, and its stats.
+
+    `token_norm` divides the loss sum instead of this batch's completion-token count (data
+    parallel: the step's total tokens / world size, so the ranks' averaged gradients are the
+    gradient of the whole step's token mean); the stats stay this batch's own."""
     mask = batch.completion_mask
     n_tokens = mask.sum().clamp(min=1.0)
     log_ratio = (logp - batch.behaviour_logprobs) * mask
@@ -133,7 +138,7 @@ def grpo_loss(
         if bool(batch.stale.any()):
             seq_w_all = torch.exp(log_ratio.sum(dim=1)).clamp(max=is_cap)
             seq_w = torch.where(batch.stale, seq_w_all, seq_w)
-    loss = -(surrogate * mask * seq_w.unsqueeze(1)).sum() / n_tokens
+    loss = -(surrogate * mask * seq_w.unsqueeze(1)).sum() / (n_tokens if token_norm is None else token_norm)
     with torch.no_grad():
         is_clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
         stats = LossStats(

@@ -17,6 +17,11 @@ Precision: on CPU the master weights are fp32 by default and the replicas get a 
 published (version 0) is the weights as loaded, so replicas started from the same model folder
 already hold it bit for bit (they report version None until they apply version 0).
 
+Under torchrun (`torchrun --nproc-per-node N -m trainer --config trainer.toml`) the same loop
+runs on every rank, data parallel on an FSDP2-sharded policy: rank 0 alone runs the rollout
+side and sends each step's groups to the others, every rank trains on its share and publishes
+its shard of `model.state_dict()` (trainer/distributed.py has the design and failure handling).
+
 Guarantees: the config is validated before anything starts; every published version is the
 exact `publish_dtype` cast of the learner's parameters after that optimizer step (its state
 digest is `TrainResult.state_digest` for the last one); a failure anywhere (rollouts dead,
@@ -26,21 +31,36 @@ publisher fenced or its store unreachable past the flush timeout) stops the loop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sparsesync.codec import state_digest, tensor_digests
-from sparsesync.errors import ConfigError, PatchMismatchError, TrainerError
+from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError, TrainerError
 from sparsesync.protocol.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer
 from trainer.config import TrainerConfig
+from trainer.distributed import (
+    DistContext,
+    all_mean,
+    collective,
+    full_state,
+    init_distributed,
+    launched_distributed,
+    my_groups,
+    receive_batch,
+    record_digest,
+    send_batch,
+    shard_policy,
+    stop_on_sigterm,
+)
 from trainer.grpo import Batch, grpo_loss, token_logprobs
 from trainer.metrics import MetricsLogger
 from trainer.replicas import ReplicaPool
@@ -63,6 +83,9 @@ class TrainResult:
     buffer: dict[str, Any] = field(default_factory=dict)  # rollout buffer counters
     replicas: dict[str, Any] = field(default_factory=dict)  # per-replica request counters
     wall_s: float = 0.0
+    rank: int = 0  # under torchrun: this rank (only rank 0's steps, commits and state digest are filled in)
+    world: int = 1
+    commit_digest: str = ""  # the last commit record's state digest (under torchrun: over its row units, not state_digest)
 
 
 def resolve_precision(cfg: TrainerConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
@@ -160,6 +183,8 @@ class AsyncGRPOTrainer:
         cfg, o = self.cfg, self.cfg.optim
         t_start = time.time()
         torch.manual_seed(o.seed)
+        ctx = self._join_distributed()
+        lead = ctx is None or ctx.lead
         model = load_policy(cfg, self.device, self.master_dtype)
         adapter = None
         if cfg.lora.enabled:  # train and publish a LoRA adapter (trainer/lora.py)
@@ -167,6 +192,8 @@ class AsyncGRPOTrainer:
 
             model = lora_policy(model, cfg, self.master_dtype)
             adapter = adapter_meta(model, cfg, self.publish_dtype)
+        if ctx is not None:
+            shard_policy(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         r = cfg.rollout
@@ -180,44 +207,57 @@ class AsyncGRPOTrainer:
         )
         poller = _StatusPoller(pool)
         publisher: Publisher | None = None
-        logger = self.logger or MetricsLogger(
-            total_steps=o.steps, jsonl=cfg.log.jsonl or None, progress=cfg.log.progress,
-            trackio_project=cfg.log.trackio_project, log_every=cfg.log.log_every, config=cfg.to_dict(),
-        )
+        if lead:
+            logger = self.logger or MetricsLogger(
+                total_steps=o.steps, jsonl=cfg.log.jsonl or None, progress=cfg.log.progress,
+                trackio_project=cfg.log.trackio_project, log_every=cfg.log.log_every, config=cfg.to_dict(),
+            )
+        else:  # metrics and logging from rank 0 only
+            logger = MetricsLogger(total_steps=o.steps, jsonl=None, progress=False, trackio_project="")
         records: list[dict[str, Any]] = []
         n_commits_seen = 0
         try:
             publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
                                   anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size,
-                                  adapter=adapter)
+                                  adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s)
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
-            self.version = self._first_version(publisher, state)
-            self._wait_for_fleet(publisher)
-            initial_version = self.version
-            workers.initial_version = initial_version
-            workers.start()
-            poller.start()
+            with self._collective(ctx, "publishing the first version"):
+                self.version = self._first_version(publisher, state, ctx)
+            if lead:
+                with self._lead_alone(ctx):
+                    self._wait_for_fleet(publisher)
+                workers.initial_version = self.version
+                workers.start()
+                poller.start()
             t_prev = time.time()
             for step in range(1, o.steps + 1):
                 t0 = time.time()
-                groups = self._take(buffer, workers, o.groups_per_step)
+                groups = self._step_groups(buffer, workers, o.groups_per_step, step, ctx)
                 t_wait = time.time() - t0
-                batch, staleness, rewards = self._batch(groups)
+                batch, staleness, rewards, token_norm = self._batch(groups, ctx)
                 t1 = time.time()
-                logp = token_logprobs(model, batch)
-                loss, stats = grpo_loss(logp, batch, clip_low=o.clip_low, clip_high=o.clip_high, is_cap=o.is_cap)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm or float("inf")))
-                opt.step()
+                with self._collective(ctx, f"training step {step}"):
+                    logp = token_logprobs(model, batch)
+                    loss, stats = grpo_loss(logp, batch, clip_low=o.clip_low, clip_high=o.clip_high, is_cap=o.is_cap,
+                                            token_norm=token_norm)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = _grad_norm(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm or float("inf")))
+                    opt.step()
+                    if ctx is not None:  # the step's loss: the mean of the ranks' shares (see token_norm)
+                        stats.loss = all_mean(stats.loss, ctx)
                 t_train = time.time() - t1
                 t2 = time.time()
                 if step % cfg.sync.publish_every == 0 or step == o.steps:
                     state = publish_state(model, self.publish_dtype)
-                    self.version = publisher.publish(state, self.version + 1)
+                    with self._collective(ctx, f"publishing version {self.version + 1}"):
+                        self.version = publisher.publish(state, self.version + 1)
                 t_publish = time.time() - t2
-                t_fleet = self._wait_for_fleet(publisher)
+                if not lead:
+                    continue
+                with self._lead_alone(ctx):
+                    t_fleet = self._wait_for_fleet(publisher)
                 # per-version sync metrics arrive as the uploader commits
                 new_commits = publisher.metrics[n_commits_seen:]
                 n_commits_seen += len(new_commits)
@@ -261,14 +301,21 @@ class AsyncGRPOTrainer:
             publisher.flush(cfg.sync.flush_timeout_s)
             for m in publisher.metrics[n_commits_seen:]:
                 logger.log_event("commit", {"full_bytes": full_bytes, **m})
-            final_digest = state_digest(tensor_digests(state))
+            if ctx is not None:  # the digest of the gathered full weights (a collective)
+                with self._collective(ctx, "gathering the final weights"):
+                    state = full_state(state, ctx.rank) or {}
+            final_digest = state_digest(tensor_digests(state)) if lead else ""
+            commit_digest = final_digest
+            if ctx is not None and lead:
+                commit_digest = publisher.run.commit(self.version).state_digest
             return TrainResult(
                 steps=records, commits=list(publisher.metrics), final_version=self.version,
                 state_digest=final_digest, full_bytes=full_bytes,
                 buffer=dict(vars(buffer.stats)),
                 replicas={u: {"requests": s.requests, "failures": s.failures, "last_error": s.last_error}
                           for u, s in pool.stats.items()},
-                wall_s=time.time() - t_start,
+                wall_s=time.time() - t_start, rank=ctx.rank if ctx else 0, world=ctx.world if ctx else 1,
+                commit_digest=commit_digest,
             )
         finally:
             poller.stop()
@@ -279,12 +326,35 @@ class AsyncGRPOTrainer:
                     publisher.close(timeout=cfg.sync.flush_timeout_s)
             except Exception as e:  # noqa: BLE001 - do not mask the error that ended the run
                 log.warning("publisher did not close cleanly: %s", e)
-            if self.logger is None:
+            if self.logger is None or not lead:
                 logger.close()
 
     # -- internals --------------------------------------------------------------------
-    def _first_version(self, publisher: Publisher, state: dict[str, torch.Tensor]) -> int:
+    def _join_distributed(self) -> DistContext | None:
+        """Under torchrun: join the process group (see trainer/distributed.py); None in one process."""
+        if not launched_distributed():
+            return None
+        if self.cfg.lora.enabled:
+            raise ConfigError("[lora] enabled = true under torchrun: the sharded trainer trains and publishes full weights",
+                              hint="train a LoRA adapter in one process (python -m trainer): the adapter is small")
+        ctx = init_distributed(self.device, self.cfg.distributed.timeout_s)
+        self.device = ctx.device
+        if self.cfg.optim.groups_per_step < ctx.world:
+            raise ConfigError(f"[optim] groups_per_step = {self.cfg.optim.groups_per_step}: fewer groups than the "
+                              f"{ctx.world} ranks, so a rank would train on nothing",
+                              hint=f"set groups_per_step >= {ctx.world} (ideally a multiple of it)")
+        with contextlib.suppress(ValueError):  # only from the main thread
+            stop_on_sigterm(ctx.rank)
+        return ctx
+
+    @staticmethod
+    def _collective(ctx: DistContext | None, what: str) -> contextlib.AbstractContextManager[None]:
+        return collective(ctx, what) if ctx is not None else contextlib.nullcontext()
+
+    def _first_version(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext | None = None) -> int:
         """Publish the starting weights as version 0, or continue a run that already holds them."""
+        if ctx is not None:
+            return self._first_version_sharded(publisher, state, ctx)
         if publisher.committed_version is None:
             return publisher.publish(state, 0)
         try:
@@ -298,6 +368,56 @@ class AsyncGRPOTrainer:
             ) from e
         return publisher.committed_version
 
+    def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
+        """Sharded: version 0 on a new run. On a run that holds versions, rank 0 checks that its
+        newest is exactly the gathered starting weights; the next version (the distributed
+        publisher's first) is then a new anchor, at any world size."""
+        import torch.distributed as dist
+
+        box: list[Any] = [publisher.committed_version]
+        dist.broadcast_object_list(box, src=0, group=ctx.group)  # every rank goes by rank 0's view
+        newest = box[0]
+        if newest is None:
+            return publisher.publish(state, 0)
+        full = full_state(state, ctx.rank)
+        verdict: list[Any] = [None]
+        if ctx.lead:
+            rec = publisher.run.commit(newest)
+            if record_digest(rec, full or {}) != rec.state_digest:
+                verdict[0] = f"its newest version ({newest}) is not the weights at [model] path"
+        dist.broadcast_object_list(verdict, src=0, group=ctx.group)
+        if verdict[0] is not None:
+            raise ConfigError(f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run: {verdict[0]}",
+                              hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights "
+                                   "(`sparsesync pull`)")
+        return newest
+
+    def _step_groups(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int, step: int,
+                     ctx: DistContext | None) -> list[Group]:
+        """The step's groups: taken from the buffer (rank 0, which sends them to every rank), or
+        received from rank 0."""
+        if ctx is None:
+            return self._take(buffer, workers, n)
+        if not ctx.lead:
+            return receive_batch(ctx, step)
+        with self._lead_alone(ctx):
+            groups = self._take(buffer, workers, n, tick=lambda: send_batch(ctx, "wait"))
+        send_batch(ctx, "batch", groups)
+        return groups
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _lead_alone(ctx: DistContext | None) -> Iterator[None]:
+        """Rank 0 working alone (rollouts, fleet wait) while the other ranks wait for the next
+        batch: its error is sent to them as a stop message, then raised here."""
+        try:
+            yield
+        except SparsesyncError as e:
+            if ctx is not None and ctx.lead:
+                with contextlib.suppress(SparsesyncError):  # tell the others why, if they can still hear it
+                    send_batch(ctx, "stop", f"{type(e).__name__}: {e}")
+            raise
+
     def _wait_for_fleet(self, publisher: Publisher) -> float:
         """With `[sync] fleet_min_replicas` = n: block until n replicas report (in their bucket
         heartbeats) serving at least the newest published version minus `fleet_max_lag`, so
@@ -309,25 +429,40 @@ class AsyncGRPOTrainer:
         publisher.wait_for_fleet(max(self.version - s.fleet_max_lag, 0), s.fleet_min_replicas, s.fleet_timeout_s)
         return time.time() - t0
 
-    def _take(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int) -> list[Group]:
-        """`n` groups from the buffer, checking on the workers while waiting."""
+    def _take(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int,
+              tick: Callable[[], None] | None = None) -> list[Group]:
+        """`n` groups from the buffer, checking on the workers (and calling `tick`) every 2 s while waiting."""
         while True:
             try:
                 return buffer.take(n, self.version, timeout=2.0)
             except TimeoutError:
                 workers.check()
+                if tick is not None:
+                    tick()
             except BufferClosed:
                 workers.check()
                 raise TrainerError("the rollout buffer was stopped while the learner waited") from None
 
-    def _batch(self, groups: list[Group]) -> tuple[Batch, list[int], list[float]]:
+    def _batch(self, groups: list[Group], ctx: DistContext | None = None) -> tuple[Batch, list[int], list[float], float | None]:
+        """This rank's batch (every group in one process, its share under torchrun), the whole
+        step's staleness and rewards, and the loss's token normalizer (None: this batch's own)."""
         samples = [s for g in groups for s in g.samples]
         staleness = [max(self.version - s.version, 0) for s in samples]
+        mine, token_norm = samples, None
+        if ctx is not None:
+            mine = [s for g in my_groups(groups, ctx.rank, ctx.world) for s in g.samples]
+            token_norm = max(sum(len(s.completion_ids) for s in samples), 1) / ctx.world
         batch = Batch.build(
-            [s.prompt_ids for s in samples], [s.completion_ids for s in samples], [s.logprobs for s in samples],
-            [s.advantage for s in samples], [s.stale for s in samples], device=self.device,
+            [s.prompt_ids for s in mine], [s.completion_ids for s in mine], [s.logprobs for s in mine],
+            [s.advantage for s in mine], [s.stale for s in mine], device=self.device,
         )
-        return batch, staleness, [s.reward for s in samples]
+        return batch, staleness, [s.reward for s in samples], token_norm
+
+
+def _grad_norm(norm: torch.Tensor) -> float:
+    """clip_grad_norm_'s total norm as a float (a DTensor under FSDP2: the same value on every rank)."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def _sync_fields(commits: list[dict[str, Any]]) -> dict[str, Any]:
