@@ -218,3 +218,32 @@ def test_metrics_logger_writes_every_step_to_jsonl(tmp_path: Path) -> None:
             assert len(step_records(path)) == step  # flushed before log_step returns
     assert [r["reward"] for r in step_records(path)] == [0.1, 0.2, 0.3]
     assert read_jsonl(path)[0]["event"] == "commit" and step_records(path)[0]["nan"] is None
+
+
+def test_a_rollout_worker_stopped_by_a_bug_is_reported_at_once(monkeypatch):
+    """A worker that raises something other than a rollout failure (a bug) used to die silently,
+    and the learner waited forever on the buffer; now `check()` raises it at once."""
+    import trainer.rollout as rollout
+    from sparsesync.errors import TrainerError
+    from trainer.replicas import ReplicaPool
+
+    def buggy(*args, **kwargs):  # the fault: a programming error inside a rollout
+        raise KeyError("completion")
+
+    monkeypatch.setattr(rollout, "play_group", buggy)
+    workers = rollout.RolloutWorkers(RolloutBuffer(4, max_staleness=1), ReplicaPool(["http://127.0.0.1:9"]), "http://127.0.0.1:9",
+                                     task="t", params=rollout.SamplingParams(), workers=2)
+    workers.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                workers.check()
+            except TrainerError as e:
+                assert "crashed" in str(e) and "KeyError" in str(e)
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("check() never reported the crashed worker")
+    finally:
+        workers.stop(timeout=5)

@@ -120,6 +120,7 @@ class RolloutWorkers:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._fatal: BaseException | None = None
+        self._crash: BaseException | None = None  # an unexpected error that stopped a worker
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -137,7 +138,10 @@ class RolloutWorkers:
         self.env.close()
 
     def check(self) -> None:
-        """Raise the error that stopped the workers, if every worker has stopped on one."""
+        """Raise the error that stopped the workers, if every worker has stopped on one, or at
+        once the unexpected error (a bug, not a failed rollout) that stopped any worker."""
+        if self._crash is not None:
+            raise TrainerError(f"a rollout worker crashed: {self._crash!r}", hint="this is a bug in the rollout code; the log has the group that raised it")
         if self._fatal is not None and not any(t.is_alive() for t in self._threads):
             err = self._fatal
             raise err if isinstance(err, TrainerError) else TrainerError(f"rollout workers stopped: {err!r}")
@@ -166,3 +170,7 @@ class RolloutWorkers:
                     return
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except BaseException as e:  # not a rollout failure but a bug: no retry, and the learner is told at once
+                log.error("rollout worker stopped by an unexpected error in group %d: %r", gid, e)
+                self._crash = e
+                return
