@@ -131,7 +131,7 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
 
 def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> None:
     """A new torchrun job on the same bucket: refused from weights that are not the run's newest;
-    from the newest (`sparsesync pull`-style folder) it continues with an anchor, version 4."""
+    from the newest (`sparsesync pull`-style folder) it continues with version 4, a delta."""
     from safetensors.torch import save_file
 
     cfg = TrainerConfig.load(config)
@@ -153,7 +153,8 @@ def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> 
     assert proc.returncode == 0, out[-3000:]
     run = Run(bucket)
     assert [c.version for c in run.commits()] == [0, 1, 2, 3, 4]
-    assert run.commit(4).has_anchor and not run.commit(4).parts  # a new writer starts with an anchor
+    v4 = run.commit(4)  # the same world size: the new writer resumes with a delta in parts from version 3
+    assert v4.parts and v4.base_version == 3 and not v4.has_anchor
     digests = _replay(bucket)
     assert digests[3] == newest_digest and sorted(digests) == [0, 1, 2, 3, 4]
 

@@ -370,8 +370,9 @@ class AsyncGRPOTrainer:
 
     def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
         """Sharded: version 0 on a new run. On a run that holds versions, rank 0 checks that its
-        newest is exactly the gathered starting weights; the next version (the distributed
-        publisher's first) is then a new anchor, at any world size."""
+        newest is exactly the gathered starting weights; then the publisher resumes: the next
+        version is a delta when the newest was written in parts at this world size, else an
+        anchor."""
         import torch.distributed as dist
 
         box: list[Any] = [publisher.committed_version]
@@ -390,6 +391,8 @@ class AsyncGRPOTrainer:
             raise ConfigError(f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run: {verdict[0]}",
                               hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights "
                                    "(`sparsesync pull`)")
+        with collective(ctx, "resuming the run"):
+            publisher.resume(state)
         return newest
 
     def _step_groups(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int, step: int,
