@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -978,3 +981,14 @@ def test_target_digest_is_verified_after_apply():
     assert_bit_equal(work, target)
     verify_digests(work, tensor_digests(target))
 
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs CPU affinity and 2 CPUs")
+def test_codec_threads_follow_the_cpu_affinity():
+    """A process pinned to one core (taskset, a container's cpuset) runs the codec on one thread,
+    not one per CPU of the machine fighting over that core."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from sparsesync.codec import _parallel; print(_parallel.workers())")
+    env = {k: v for k, v in os.environ.items() if k != "SPARSESYNC_CODEC_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "1", out.stderr[-2000:]

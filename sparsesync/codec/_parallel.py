@@ -27,9 +27,13 @@ _GC_HOLDERS = [0, False]  # blocks inside `gc_paused`, and whether the collector
 
 
 def workers() -> int:
-    """Threads per pool: SPARSESYNC_CODEC_THREADS, else the CPU count, at most 4."""
+    """Threads per pool: SPARSESYNC_CODEC_THREADS, else the CPUs this process may run on (its
+    affinity: a process pinned to one core gets one thread), at most 4."""
     env = os.environ.get("SPARSESYNC_CODEC_THREADS", "")
-    return max(1, int(env)) if env.isdigit() else max(1, min(4, os.cpu_count() or 1))
+    if env.isdigit():
+        return max(1, int(env))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cpus or 1))
 
 
 def pool(kind: str) -> ThreadPoolExecutor:
