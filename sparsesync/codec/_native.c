@@ -804,11 +804,18 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nidx = ib.len / 8;
     const int64_t *idx = ib.buf;
+    int64_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < nidx; i++) {
         if (idx[i] < 0 || idx[i] >= n || (i && idx[i] <= idx[i - 1])) {
-            PyErr_Format(PyExc_ValueError, "class_ranks: index %lld at %lld out of range or order", (long long)idx[i], (long long)i);
-            goto done;
+            bad = i;
+            break;
         }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "class_ranks: index %lld at %lld out of range or order", (long long)idx[bad], (long long)bad);
+        goto done;
     }
     int64_t wr[MAXC + 1];
     memcpy(wr, off, sizeof(int64_t) * (nt + 2));
@@ -844,13 +851,21 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nr = rb.len / 8;
     const int64_t *r = rb.buf;
-    for (int c = 0; c <= nt; c++) {
+    int64_t bad_at = -1;
+    int bad_c = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int c = 0; c <= nt && bad_at < 0; c++) {
         for (int64_t i = off[c]; i < off[c + 1]; i++) {
             if (r[i] < 0 || (i > off[c] && r[i] <= r[i - 1])) {
-                PyErr_Format(PyExc_ValueError, "class_select: rank %lld in class %d is negative or not increasing", (long long)r[i], c);
-                goto done;
+                bad_at = i, bad_c = c;
+                break;
             }
         }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_at >= 0) {
+        PyErr_Format(PyExc_ValueError, "class_select: rank %lld in class %d is negative or not increasing", (long long)r[bad_at], bad_c);
+        goto done;
     }
     uint64_t *B[MAXC] = {NULL};
     int64_t lim[MAXC];
@@ -865,7 +880,10 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
             goto free_b;
         }
-        for (int64_t i = off[c]; i < off[c + 1]; i++) B[c][r[i] >> 6] |= 1ULL << (r[i] & 63);
+        uint64_t *Bc = B[c];
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t i = off[c]; i < off[c + 1]; i++) Bc[r[i] >> 6] |= 1ULL << (r[i] & 63);
+        Py_END_ALLOW_THREADS
     }
     int bad = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -1007,11 +1025,18 @@ done:
 }
 
 static int check_idx(const int64_t *idx, int64_t n_idx, int64_t n) {
+    int64_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS /* O(n) scans run without the GIL, like the passes they guard */
     for (int64_t i = 0; i < n_idx; i++) {
         if ((uint64_t)idx[i] >= (uint64_t)n) {
-            PyErr_Format(PyExc_IndexError, "index %lld at %lld, expected 0 <= index < %lld", (long long)idx[i], (long long)i, (long long)n);
-            return -1;
+            bad = i;
+            break;
         }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "index %lld at %lld, expected 0 <= index < %lld", (long long)idx[bad], (long long)bad, (long long)n);
+        return -1;
     }
     return 0;
 }
@@ -1366,11 +1391,14 @@ static int delta_common(Py_buffer *bb, Py_buffer *cb, int w, int K, int64_t *n) 
         return -1;
     }
     const uint8_t *cls = cb->buf;
-    for (int64_t i = 0; i < cb->len; i++)
-        if (cls[i] >= K) {
-            PyErr_SetString(PyExc_ValueError, "delta: class index out of range");
-            return -1;
-        }
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < cb->len && !bad; i++) bad = cls[i] >= K;
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "delta: class index out of range");
+        return -1;
+    }
     return 0;
 }
 
