@@ -271,7 +271,7 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
     if resample:
         full = np.empty((len(resample), MAX_ALPHABET + 1), dtype=np.int64)
         for row, i in zip(full, resample):
-            _native.gap_hist(ranks[i], 1, out[i][0], MAX_ALPHABET, row)
+            _native.gap_khist(ranks[i], 1, out[i][0], row[None, :])
         for i, e in zip(resample, _escape_costs(full, 64)[1]):
             out[i] = (out[i][0], int(e))
     return out

@@ -45,18 +45,18 @@
  *       `count` LEB128 varints from byte `pos` (at most 9 bytes each, no overlong forms, each
  *       at most `hi`): (values, the byte after the last, 0, 0), or (None, where reading
  *       stopped, the value read, status): 1 the data ends, 2 overlong, 3 over `hi`, 4 longer
- *       than 9 bytes.
+ *       than 9 bytes. varints_put(out, values, count) appends values[:count] to a bytearray.
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
  *       The low k bits of int64 values, least significant first, as a little-endian bit stream.
- *   gap_hist(ranks, step, shift, top, hist) / gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped
+ *   gap_khist(ranks, step, k0, hists) / gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped
  *   gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)
  *       Encoder and decoder of one class's gaps (docs/format.md, "gaps"; gap i = ranks[i] -
  *       ranks[i - 1] - 1): quotient g >> k as a symbol (escaped raw at >= e), remainder as k raw
  *       bits; the decoder turns them back into ranks and checks escapes, quotients and the
- *       running rank against the tensor's size. gap_hist counts every step-th gap >> shift,
- *       clipped at top.
+ *       running rank against the tensor's size. gap_khist counts every step-th gap's quotient
+ *       for each candidate k0, k0 + 1, ... (clipped at 64).
  *   delta_hist(base, target, width, cls, K, hist) / delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc)
  *   delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> status
  *       Encoder and decoder of the `delta` values: zigzag of the wrapped bit-pattern difference,
@@ -1215,34 +1215,6 @@ static inline uint64_t get_low(const uint8_t *d, long long bit, uint64_t mask) {
 /* gap i of a class: ranks[i] - ranks[i - 1] - 1, with ranks[-1] = -1 */
 static inline uint64_t gap_at(const int64_t *r, int64_t i) { return (uint64_t)(r[i] - (i ? r[i - 1] : -1) - 1); }
 
-static PyObject *py_gap_hist(PyObject *self, PyObject *args) {
-    Py_buffer rb, hb;
-    long long step;
-    int shift;
-    long long top;
-    if (!PyArg_ParseTuple(args, "y*LiLw*", &rb, &step, &shift, &top, &hb)) return NULL;
-    PyObject *res = NULL;
-    int64_t n = rb.len / 8;
-    if (rb.len % 8 || step < 1 || shift < 0 || shift > 63 || top < 0 || hb.len != (top + 1) * 8) {
-        PyErr_SetString(PyExc_ValueError, "gap_hist: bad sizes, step, shift or top");
-        goto done;
-    }
-    const int64_t *r = rb.buf;
-    int64_t *hist = hb.buf;
-    Py_BEGIN_ALLOW_THREADS
-    memset(hist, 0, (top + 1) * 8);
-    for (int64_t i = 0; i < n; i += step) {
-        uint64_t q = gap_at(r, i) >> shift;
-        hist[q < (uint64_t)top ? q : (uint64_t)top]++;
-    }
-    Py_END_ALLOW_THREADS
-    res = Py_None;
-    Py_INCREF(res);
-done:
-    RELEASE(&rb, &hb);
-    return res;
-}
-
 /* gap_khist(ranks, step, k0, out): for every step-th gap g and j in 0..rows-1 (out is int64
  * rows x (ALPHA + 1), rows <= 4), out[j][min(g >> (k0 + j), ALPHA)] += 1: the quotient histograms of every
  * candidate remainder width k0, k0 + 1, ... in one pass. */
@@ -1680,7 +1652,6 @@ static PyMethodDef methods[] = {
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
     {"varints_put", py_varints_put, METH_VARARGS, "varints_put(out, values, count) -> None"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
-    {"gap_hist", py_gap_hist, METH_VARARGS, "gap_hist(ranks, step, shift, top, hist) -> None"},
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
     {"gap_ranks", py_gap_ranks, METH_VARARGS, "gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)"},
