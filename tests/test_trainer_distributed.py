@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("openenv")
-psutil = pytest.importorskip("psutil")
 
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
