@@ -2,7 +2,7 @@
 
     python -m tests.scaleout_worker '<json args>'   # with RANK, WORLD_SIZE, MASTER_PORT set
 
-Trains the tiny model (same seed on every rank) with AdamW, publishes `model.state_dict()` (DTensor
+Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64) with AdamW, publishes `model.state_dict()` (DTensor
 shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
@@ -38,11 +38,12 @@ def main() -> None:
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
-    from sparsesync.tiny_model import tiny_config
+    from sparsesync.tiny_model import arch_config, tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                                                         num_key_value_heads=1), dtype=torch.float32)
+    cfg = arch_config(args["arch"], hidden=64) if args.get("arch") else tiny_config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -58,14 +58,15 @@ def _launch(world: int, timeout: float = 240, **args) -> list[subprocess.Complet
     return out
 
 
-def _check_versions(url: str, out: Path, versions: range) -> None:
-    """Every version reconstructs bit-exact to the gathered full state; and a follower that steps
-    through them (anchor, then parts) holds each one."""
+def _check_versions(url: str, out: Path, versions: range, want=None) -> None:  # type: ignore[no-untyped-def]
+    """Every version reconstructs bit-exact to the gathered full state (`want(v)`: in the checkpoint's
+    key set); and a follower that steps through them (anchor, then parts) holds each one."""
+    want = want or (lambda v: load_file(out / f"v{v}.safetensors"))
     run = Run(url)
     commits = {c.version: c for c in run.commits()}
     assert sorted(commits) == list(versions) or set(versions) <= set(commits)
     _rec, state, digests = run.reconstruct(versions[0])
-    assert_bit_equal(state, load_file(out / f"v{versions[0]}.safetensors"))
+    assert_bit_equal(state, want(versions[0]))
     for v in versions[1:]:
         rec = commits[v]
         if rec.has_anchor and not rec.has_delta:
@@ -73,7 +74,7 @@ def _check_versions(url: str, out: Path, versions: range) -> None:
         else:
             assert rec.parts and rec.base_version == v - 1
             run.apply_delta(rec, state, digests)
-        assert_bit_equal(state, load_file(out / f"v{v}.safetensors"))
+        assert_bit_equal(state, want(v))
 
 
 @pytest.mark.slow
@@ -170,25 +171,28 @@ def test_a_commit_refused_to_rank_0_fails_every_rank_loudly(tmp_path):
     assert verify_run(url).ok
 
 
-def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path, cfg=None) -> None:  # type: ignore[no-untyped-def]
     """The sharded anchor of `rec`, as stored, and `sparsesync pull` of its version: both load
-    with a plain `from_pretrained`, bit-exact."""
+    with a plain `from_pretrained` (of `cfg`, default the worker's tiny Qwen3), bit-exact, a tied
+    LM head still the embedding."""
     from transformers import AutoModelForCausalLM
 
     from sparsesync.tiny_model import tiny_config
 
     want = load_file(full)
-    folder = tmp_path / "as-stored"
+    folder = tmp_path / f"as-stored-{rec.version}"
     shutil.copytree(Path(url) / rec.anchor[0].key.rsplit("/", 1)[0], folder)
-    pulled = tmp_path / "pulled"
+    pulled = tmp_path / f"pulled-{rec.version}"
     done = CliRunner().invoke(app, ["pull", url, str(pulled), "--version", str(rec.version)], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    cfg = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    cfg = cfg or tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     for d in folder, pulled:
         cfg.save_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
         assert_bit_equal({k: v for k, v in model.state_dict().items() if k in want}, want)
         assert set(want) <= set(model.state_dict())
+        if cfg.tie_word_embeddings:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 @pytest.mark.parametrize("who", ["rank0", "all"])
@@ -271,3 +275,55 @@ def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_gl
         states.append(train_step(states[-1], g))
     for v in (1, 2, 3):
         assert_bit_equal(run.reconstruct(v)[1], states[v - 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3-tied", "qwen3-moe"])
+def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch):
+    """The shapes users bring, sharded: a tied LM head (Qwen3-0.6B; FSDP2 gives it and the embedding
+    two DTensors over one local storage) is published once, as the embedding; runtime-fused MoE
+    experts ([experts, ...] DTensors, each rank holding whole experts) are published per expert,
+    each by the rank that holds it. The run's key set is the one a single-process Publisher writes
+    for the same model, every version is bit-exact, and the sharded anchors load in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsesync.checkpoint import checkpoint_state
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.tiny_model import arch_config
+
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    cfg = arch_config(arch, hidden=64)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+    def want(v: int) -> dict[str, torch.Tensor]:  # the gathered full state, as one process holds it
+        model.load_state_dict(load_file(out / f"v{v}.safetensors"))
+        return {k: t.clone() for k, t in checkpoint_state(model.state_dict()).items()}
+
+    single = str(tmp_path / "single")
+    with Publisher(single, part_bytes=16 << 10) as pub:
+        pub.publish(model.state_dict(), 1)
+    keys = set(Run(single).reconstruct(1)[1])
+    if arch == "qwen3-tied":
+        assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    else:
+        assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys and not any(k.endswith("_proj") for k in keys)
+    run = Run(url)
+    commits = run.commits()
+    assert [c.version for c in commits if c.has_anchor] == [1, 5]
+    for c in commits:
+        assert set(run.reconstruct(c.version)[1]) == keys
+        units = {u.name for p in c.parts for u in p.units}
+        assert not c.parts or units == keys
+    _check_versions(url, out, range(1, 7), want)
+    for v in 1, 5:
+        full = load_file(out / f"v{v}.safetensors")
+        if arch == "qwen3-tied":  # the gathered head is the embedding, at every version
+            assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+        _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
+    if arch == "qwen3-moe":  # each rank wrote the experts it holds: experts 0-1 in rank 0's file, 2-3 in rank 1's
+        index = json.loads((Path(url) / run.commit(1).anchor[-1].key).read_text())["weight_map"]
+        assert [index[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)] == [
+            "model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2
