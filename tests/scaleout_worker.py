@@ -2,7 +2,8 @@
 
     python -m tests.scaleout_worker '<json args>'   # with RANK, WORLD_SIZE, MASTER_PORT set
 
-Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64) with AdamW, publishes `model.state_dict()` (DTensor
+Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64;
+`freeze`: with a frozen embedding, `trainable_only`: publishing the trainable tensors alone after the first version) with AdamW, publishes `model.state_dict()` (DTensor
 shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
@@ -55,6 +56,8 @@ def main() -> None:
             name = sorted(state)[-1]
             state[name].view(-1)[:1].view(torch.int16).add_(1)
         model.load_state_dict(state)
+    if args.get("freeze"):  # a frozen embedding (requires_grad False): AdamW leaves it as it is
+        model.model.embed_tokens.weight.requires_grad_(False)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -91,7 +94,11 @@ def main() -> None:
                 code = "from sparsesync.protocol.publisher import Publisher; Publisher(%r).close()" % args["url"]
                 env = {k: val for k, val in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
                 subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-            pub.publish(model.state_dict(), v)
+            state = model.state_dict()
+            if args.get("trainable_only") and v > args["first"]:  # as callbacks that send what changes do: no frozen tensors
+                trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+                state = {k: t for k, t in state.items() if k in trainable}
+            pub.publish(state, v)
             pub.flush()
             if pub.state_digest != Run(store).commit(v).state_digest:  # the global digest, on every rank
                 raise AssertionError(f"rank {rank}: state_digest {pub.state_digest} is not version {v}'s")

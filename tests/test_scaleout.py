@@ -323,7 +323,53 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
         if arch == "qwen3-tied":  # the gathered head is the embedding, at every version
             assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
         _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
+    if arch == "qwen3-tied":
+        _replica_keeps_the_tie(url, tmp_path, range(1, 7), want)
     if arch == "qwen3-moe":  # each rank wrote the experts it holds: experts 0-1 in rank 0's file, 2-3 in rank 1's
         index = json.loads((Path(url) / run.commit(1).anchor[-1].key).read_text())["weight_map"]
         assert [index[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)] == [
             "model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2
+
+
+@pytest.mark.slow
+def test_fsdp2_frozen_tensors_left_out_of_the_state_are_taken_from_the_previous_version(tmp_path):
+    """A frozen embedding, and after the first version a state of the trainable tensors alone (as
+    callbacks that send what changes do): every version, the periodic anchor included, still holds
+    the frozen embedding, as a single-process Publisher fills it in from the previous version."""
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=6, anchor_every=4, freeze=True, trainable_only=True)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    assert [c.version for c in run.commits() if c.has_anchor] == [1, 5]
+    _check_versions(url, out, range(1, 7))
+    first, last = load_file(out / "v1.safetensors"), load_file(out / "v6.safetensors")
+    assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+    assert not torch.equal(first["lm_head.weight"], last["lm_head.weight"])
+    assert "model.embed_tokens.weight" in run.fetch_anchor(run.commit(5))[0]
+
+
+def _replica_keeps_the_tie(url: str, tmp_path: Path, versions: range, want) -> None:  # type: ignore[no-untyped-def]
+    """An embedded (transformers) replica, loaded from the first version's pulled anchor, follows
+    the run as its commits land one by one: at every version its LM head is the embedding's
+    storage and both hold the version's embedding, bit for bit."""
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    built = build_tiny_model(tmp_path / "built", arch="qwen3-tied", hidden=64)  # for its tokenizer
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tmp_path / f"pulled-{versions[0]}", engine_dir)
+    for f in built.glob("*token*"):
+        shutil.copy(f, engine_dir / f.name)
+    landing = tmp_path / "landing"  # the run's objects, and its commits as they land
+    shutil.copytree(url, landing, ignore=shutil.ignore_patterns("commits"))
+    (landing / "commits").mkdir()
+    engine = EmbeddedEngine(engine_dir)
+    follower = Follower(str(landing), hook=engine, prefetch=False)
+    for v in versions:
+        for f in (Path(url) / "commits").glob(f"v{v:010d}-*"):
+            shutil.copy(f, landing / "commits" / f.name)
+        assert follower.sync_once() == v, follower.status().last_error
+        head, emb = engine.model.lm_head.weight, engine.model.model.embed_tokens.weight
+        assert head.data_ptr() == emb.data_ptr() and engine.weight_version == v
+        assert_bit_equal({"model.embed_tokens.weight": emb.detach()}, {"model.embed_tokens.weight": want(v)["model.embed_tokens.weight"]})

@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -190,6 +190,7 @@ class DistributedPublisher(Publisher):
         self._sharded: bool | None = None  # decided by the first publish(): DTensors or not
         self._committed_digest: str | None = None  # sharded: the global state digest of `committed_version`
         self._aliases: dict[str, str] = {}  # sharded: tied names left out (alias -> name kept), rank 0's, from `_setup`
+        self._key_set: list[ShardedTensor] | None = None  # sharded: the run's tensors (from the first version), no data
         super().__init__(url, config, **overrides)  # rank 0 claims the epoch here; no collective yet
 
     def _setup(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -228,7 +229,7 @@ class DistributedPublisher(Publisher):
         if self._closed:
             raise ConfigError("publish() after close()")
         version = self._next_version(step)
-        tensors = checkpoint_shards(state, self.rank, self.world, self._aliases)
+        tensors = self._with_frozen(checkpoint_shards(state, self.rank, self.world, self._aliases))
         local, units = local_units(tensors, self.rank, self.world)
         anchor = self._snapshot is None or self._anchor_due_all(version)
         self._wait_for_room()
@@ -268,7 +269,9 @@ class DistributedPublisher(Publisher):
             raise ConfigError("resume() must come before the first publish()")
         self._sharded = True
         self._setup(state)
-        local, units = local_units(checkpoint_shards(state, self.rank, self.world, self._aliases), self.rank, self.world)
+        tensors = checkpoint_shards(state, self.rank, self.world, self._aliases)
+        self._key_set = [replace(t, local=None) for t in tensors]
+        local, units = local_units(tensors, self.rank, self.world)
         by_key = {u.key: u for u in units}
         groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
         snap = PartedSnapshot(groups, local, 0)
@@ -312,6 +315,34 @@ class DistributedPublisher(Publisher):
         return self._committed_digest
 
     # -- internals --------------------------------------------------------------------
+    def _with_frozen(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+        """`tensors` in the run's key set, as `checkpoint_state` completes a whole state: the first
+        version sets it; later, tensors the state lacks (frozen, left out by the caller) are this
+        rank's share of the previous version (the snapshot), and names the run lacks raise ConfigError
+        on every rank alike (names are global) before anything is published."""
+        if self._key_set is None or self._snapshot is None:
+            self._key_set = [replace(t, local=None) for t in tensors]
+            return tensors
+        given = {t.name: t for t in tensors}
+        extra = sorted(given.keys() - {t.name for t in self._key_set})
+        if extra:
+            raise ConfigError(
+                f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
+                hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
+            )
+        held = self._snapshot.state
+        out = []
+        for t in self._key_set:
+            if t.name in given:
+                out.append(given[t.name])
+            elif t.holder is None:
+                start, stop = shard_rows(t.shape[0], self.rank, self.world)
+                rows = held[Unit(t.name, (start, stop)).key] if stop > start else torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+                out.append(replace(t, local=rows))
+            else:
+                out.append(replace(t, local=held[t.name] if t.holder == self.rank else None))
+        return out
+
     def _newest_info(self) -> dict[str, Any] | None:
         """Rank 0, for resume(): what the run's newest version covers, and the anchor bookkeeping."""
         commits = self.run.commits()
