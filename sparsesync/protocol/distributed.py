@@ -7,8 +7,10 @@ DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain 
 - each rank keeps a snapshot of only its rows of every DTensor and diffs and encodes only those
   (memory and time per rank about 1/N of the model), as parts over `name[start:stop]` units in
   global coordinates (`sparsesync.protocol.parts`); plain (replicated) tensors are published by
-  rank 0 only. Several names for one tensor object (tied weights) are published once, under the
-  first name.
+  rank 0 only. The key set is the checkpoint's, as a single-process publisher's
+  (`checkpoint_shards`): tied names once (FSDP2 gives them DTensors over one local storage),
+  runtime-fused MoE experts per expert (each a whole tensor of the rank whose rows hold that
+  expert), tensors a later state leaves out (frozen) from the previous version.
 - each rank uploads its parts in the background as they are encoded; then one collective
   (`all_gather_object` on a gloo group of our own) carries every rank's part references and
   digests to rank 0, which writes the commit record (fenced as a single-process writer is) and
