@@ -278,13 +278,15 @@ def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_gl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3-tied", "qwen3-moe"])
-def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch):
+@pytest.mark.parametrize(("arch", "world"), [("qwen3-tied", 2), ("qwen3-moe", 2), ("qwen3-moe", 3)])
+def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch, world):
     """The shapes users bring, sharded: a tied LM head (Qwen3-0.6B; FSDP2 gives it and the embedding
     two DTensors over one local storage) is published once, as the embedding; runtime-fused MoE
     experts ([experts, ...] DTensors, each rank holding whole experts) are published per expert,
-    each by the rank that holds it. The run's key set is the one a single-process Publisher writes
-    for the same model, every version is bit-exact, and the sharded anchors load in transformers."""
+    each by the rank that holds it (3 ranks: 4 experts in chunks of 2, the last rank holds none).
+    The run's key set is the one a single-process Publisher writes for the same model, every
+    version is bit-exact, the sharded anchors load in transformers, and an embedded replica
+    following the run holds every version in its runtime layout (a tied head still the embedding)."""
     from transformers import AutoModelForCausalLM
 
     from sparsesync.checkpoint import checkpoint_state
@@ -293,8 +295,8 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
 
     url, out = str(tmp_path / "run"), tmp_path / "full"
     out.mkdir()
-    res = _launch(2, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch)
-    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    res = _launch(world, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch)
+    assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
     cfg = arch_config(arch, hidden=64)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 
@@ -323,12 +325,14 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
         if arch == "qwen3-tied":  # the gathered head is the embedding, at every version
             assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
         _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
-    if arch == "qwen3-tied":
-        _replica_keeps_the_tie(url, tmp_path, range(1, 7), want)
+    _replica_follows(url, tmp_path, arch, range(1, 7), want)
     if arch == "qwen3-moe":  # each rank wrote the experts it holds: experts 0-1 in rank 0's file, 2-3 in rank 1's
         index = json.loads((Path(url) / run.commit(1).anchor[-1].key).read_text())["weight_map"]
         assert [index[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)] == [
-            "model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2
+            f"model-00001-of-0000{world}.safetensors"] * 2 + [f"model-00002-of-0000{world}.safetensors"] * 2
+        for v in 2, 6:  # and published them as whole tensors, rank by rank
+            units = [u for p in run.commit(v).parts for u in p.units if ".experts." in u.name]
+            assert units and all(u.rows is None for u in units)
 
 
 @pytest.mark.slow
@@ -349,14 +353,15 @@ def test_fsdp2_frozen_tensors_left_out_of_the_state_are_taken_from_the_previous_
     assert "model.embed_tokens.weight" in run.fetch_anchor(run.commit(5))[0]
 
 
-def _replica_keeps_the_tie(url: str, tmp_path: Path, versions: range, want) -> None:  # type: ignore[no-untyped-def]
+def _replica_follows(url: str, tmp_path: Path, arch: str, versions: range, want) -> None:  # type: ignore[no-untyped-def]
     """An embedded (transformers) replica, loaded from the first version's pulled anchor, follows
-    the run as its commits land one by one: at every version its LM head is the embedding's
-    storage and both hold the version's embedding, bit for bit."""
+    the run as its commits land one by one: at every version its runtime parameters hold the
+    version bit for bit (per-expert tensors in the fused experts), and a tied LM head is the
+    embedding's storage."""
     from inference_space.engines.embedded import EmbeddedEngine
     from sparsesync.tiny_model import build_tiny_model
 
-    built = build_tiny_model(tmp_path / "built", arch="qwen3-tied", hidden=64)  # for its tokenizer
+    built = build_tiny_model(tmp_path / "built", arch=arch, hidden=64)  # for its tokenizer
     engine_dir = tmp_path / "engine"
     shutil.copytree(tmp_path / f"pulled-{versions[0]}", engine_dir)
     for f in built.glob("*token*"):
@@ -370,6 +375,7 @@ def _replica_keeps_the_tie(url: str, tmp_path: Path, versions: range, want) -> N
         for f in (Path(url) / "commits").glob(f"v{v:010d}-*"):
             shutil.copy(f, landing / "commits" / f.name)
         assert follower.sync_once() == v, follower.status().last_error
+        assert engine.weight_version == v
+        assert_bit_equal(engine.state_dict(), want(v))
         head, emb = engine.model.lm_head.weight, engine.model.model.embed_tokens.weight
-        assert head.data_ptr() == emb.data_ptr() and engine.weight_version == v
-        assert_bit_equal({"model.embed_tokens.weight": emb.detach()}, {"model.embed_tokens.weight": want(v)["model.embed_tokens.weight"]})
+        assert (head.data_ptr() == emb.data_ptr()) == (arch == "qwen3-tied")
