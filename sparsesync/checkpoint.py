@@ -3,8 +3,9 @@
 `load_checkpoint` reads every tensor of a `.safetensors` file or of all `*.safetensors` files
 in a folder (a saved Hugging Face checkpoint); duplicate names across shards are an error,
 never silently overwritten. `checkpoint_state` brings a trainer's `state_dict()` to the
-checkpoint's own key set (the one every run and every engine uses). Nothing here unpickles
-anything.
+checkpoint's own key set (the one every run and every engine uses); `shared_aliases`,
+`check_tied` and `split_fused_experts` are its steps for a distributed publisher, which maps
+each rank's shards the same way. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
