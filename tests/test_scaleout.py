@@ -335,6 +335,62 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
             assert units and all(u.rows is None for u in units)
 
 
+def _tied_world_of_one(rank: int, port: int, url: str) -> None:
+    """A one-rank distributed publisher given tied DTensors (two over one local storage, as FSDP2
+    gives them): see the test below."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from sparsesync.errors import ConfigError
+    from sparsesync.protocol.publisher import Publisher
+    from tests.weights import make_state, train_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def sharded(s):  # type: ignore[no-untyped-def]
+            return {k: DTensor.from_local(v, mesh, [Shard(0)]) for k, v in s.items()}
+
+        s1 = make_state(0)
+        s1["lm_head.weight"] = s1["model.embed_tokens.weight"]
+        s2 = train_step(s1, torch.Generator().manual_seed(5))
+        s2["lm_head.weight"] = s2["model.embed_tokens.weight"]
+        pub = Publisher(url, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.publish(sharded(s1), 1)
+        untied = {**s2, "lm_head.weight": s2["lm_head.weight"].clone()}
+        untied["lm_head.weight"][0, 0] += 1
+        with pytest.raises(ConfigError, match="'lm_head.weight' was tied to 'model.embed_tokens.weight'"):
+            pub.publish(sharded(untied), 2)
+        with pytest.raises(ConfigError, match="lacks: 'model.stranger'"):
+            pub.publish(sharded({**s2, "model.stranger": torch.zeros(4, 4, dtype=torch.bfloat16)}), 2)
+        pub.publish({k: v for k, v in sharded(s2).items() if k != "model.layers.0.mlp.up_proj.weight"}, 2)  # frozen
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_tie_is_published_once_checked_every_version_and_strangers_are_refused(tmp_path):
+    """Tied DTensors are published once, under the first name; a later version whose alias holds
+    other values, or with a name the run lacks, is refused before anything is written; a tensor
+    left out is the previous version's."""
+    import torch.multiprocessing as mp
+
+    from tests.weights import make_state, train_step
+
+    url = str(tmp_path / "run")
+    mp.spawn(_tied_world_of_one, args=(_free_port(), url), nprocs=1, join=True)
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2]
+    s1 = make_state(0)
+    s1["lm_head.weight"] = s1["model.embed_tokens.weight"]
+    s2 = train_step(s1, torch.Generator().manual_seed(5))
+    s2["model.layers.0.mlp.up_proj.weight"] = s1["model.layers.0.mlp.up_proj.weight"]
+    assert_bit_equal(run.reconstruct(1)[1], {k: v for k, v in s1.items() if k != "lm_head.weight"})
+    assert_bit_equal(run.reconstruct(2)[1], {k: v for k, v in s2.items() if k != "lm_head.weight"})
+
+
 @pytest.mark.slow
 def test_fsdp2_frozen_tensors_left_out_of_the_state_are_taken_from_the_previous_version(tmp_path):
     """A frozen embedding, and after the first version a state of the trainable tensors alone (as
