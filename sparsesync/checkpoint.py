@@ -4,14 +4,14 @@
 in a folder (a saved Hugging Face checkpoint); duplicate names across shards are an error,
 never silently overwritten. `checkpoint_state` brings a trainer's `state_dict()` to the
 checkpoint's own key set (the one every run and every engine uses); `shared_aliases`,
-`check_tied` and `split_fused_experts` are its steps for a distributed publisher, which maps
+`check_tied`, `check_key_set` and `split_fused_experts` are its steps for a distributed publisher, which maps
 each rank's shards the same way. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -121,6 +121,16 @@ def check_tied(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) ->
             )
 
 
+def check_key_set(names: Iterable[str], key_set: Iterable[str]) -> None:
+    """Raise ConfigError naming the `names` outside the run's `key_set` (nothing is published then)."""
+    extra = sorted(set(names) - set(key_set))
+    if extra:
+        raise ConfigError(
+            f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
+            hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
+        )
+
+
 def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """`state` in the checkpoint's own key set (see above); `reference`: the run's previous version.
 
@@ -149,12 +159,7 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
     for alias, canonical in TIED_ALIASES.items():
         if alias in out and alias not in reference and canonical in out and torch.equal(out[alias], out[canonical]):
             out.pop(alias)
-    extra = sorted(set(out) - set(reference))
-    if extra:
-        raise ConfigError(
-            f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
-            hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
-        )
+    check_key_set(out, reference)
     for name in reference.keys() - out.keys():  # frozen: unchanged since the previous version
         out[name] = reference[name]
     return out

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsesync.checkpoint import EXPERT_KEY, check_tied, shared_aliases, split_fused_experts
+from sparsesync.checkpoint import EXPERT_KEY, check_key_set, check_tied, shared_aliases, split_fused_experts
 from sparsesync.codec import state_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
 from sparsesync.errors import (
@@ -326,12 +326,7 @@ class DistributedPublisher(Publisher):
             self._key_set = [replace(t, local=None) for t in tensors]
             return tensors
         given = {t.name: t for t in tensors}
-        extra = sorted(given.keys() - {t.name for t in self._key_set})
-        if extra:
-            raise ConfigError(
-                f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
-                hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
-            )
+        check_key_set(given, (t.name for t in self._key_set))
         held = self._snapshot.state
         out = []
         for t in self._key_set:
