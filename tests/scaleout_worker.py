@@ -3,8 +3,8 @@
     python -m tests.scaleout_worker '<json args>'   # with RANK, WORLD_SIZE, MASTER_PORT set
 
 Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64;
-`freeze`: with a frozen embedding, `trainable_only`: publishing the trainable tensors alone after the first version) with AdamW, publishes `model.state_dict()` (DTensor
-shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
+`freeze`: with a frozen embedding; `trainable_only`: publishing the trainable tensors alone after
+the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
 `pub.resume(model.state_dict())` (with `perturb`, after changing one element). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it

@@ -334,8 +334,8 @@ class DistributedPublisher(Publisher):
                 out.append(given[t.name])
             elif t.holder is None:
                 start, stop = shard_rows(t.shape[0], self.rank, self.world)
-                rows = held[Unit(t.name, (start, stop)).key] if stop > start else torch.empty((0, *t.shape[1:]), dtype=t.dtype)
-                out.append(replace(t, local=rows))
+                empty = torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+                out.append(replace(t, local=held[Unit(t.name, (start, stop)).key] if stop > start else empty))
             else:
                 out.append(replace(t, local=held[t.name] if t.holder == self.rank else None))
         return out
@@ -376,7 +376,7 @@ class DistributedPublisher(Publisher):
                     if whole is not None:
                         mine[t.name] = whole
                 elif owner == self.rank:
-                    assert t.local is not None  # a copy: experts are views into one fused tensor (safetensors refuses shared storage)
+                    assert t.local is not None  # copied: experts are views of one fused tensor, which safetensors refuses
                     mine[t.name] = t.local.detach().to("cpu", copy=True).contiguous()
         except RuntimeError as e:  # gloo: a peer died or timed out
             raise RankFailedError(f"anchor of version {item.version} of {self.store.url}: a rank did not join ({e})",
