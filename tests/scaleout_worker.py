@@ -55,7 +55,9 @@ def main() -> None:
         if args.get("perturb"):  # weights one ulp away from the run's newest version
             name = sorted(state)[-1]
             state[name].view(-1)[:1].view(torch.int16).add_(1)
-        model.load_state_dict(state)
+        got = model.load_state_dict(state, strict=False)  # a tied run has no lm_head.weight: the embedding is it
+        if got.unexpected_keys or set(got.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+            raise AssertionError(f"rank {rank}: the run's newest version does not fit the model: {got}")
     if args.get("freeze"):  # a frozen embedding (requires_grad False): AdamW leaves it as it is
         model.model.embed_tokens.weight.requires_grad_(False)
     for layer in model.model.layers:

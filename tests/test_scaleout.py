@@ -286,7 +286,8 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
     each by the rank that holds it (3 ranks: 4 experts in chunks of 2, the last rank holds none).
     The run's key set is the one a single-process Publisher writes for the same model, every
     version is bit-exact, the sharded anchors load in transformers, and an embedded replica
-    following the run holds every version in its runtime layout (a tied head still the embedding)."""
+    following the run holds every version in its runtime layout (a tied head still the embedding).
+    A tied run resumes with a delta: the next writer's units are the run's."""
     from transformers import AutoModelForCausalLM
 
     from sparsesync.checkpoint import checkpoint_state
@@ -326,6 +327,12 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
             assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
         _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
     _replica_follows(url, tmp_path, arch, range(1, 7), want)
+    if arch == "qwen3-tied":  # the next writer at the same world size resumes with a delta over the same units
+        res = _launch(world, url=url, out=str(out), first=7, last=8, resume=True, arch=arch)
+        assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
+        rec = run.commit(7)
+        assert rec.parts and rec.base_version == 6 and rec.epoch > run.commit(6).epoch
+        _check_versions(url, out, range(7, 9), want)
     if arch == "qwen3-moe":  # each rank wrote the experts it holds: experts 0-1 in rank 0's file, 2-3 in rank 1's
         index = json.loads((Path(url) / run.commit(1).anchor[-1].key).read_text())["weight_map"]
         assert [index[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)] == [
