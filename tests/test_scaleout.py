@@ -3,7 +3,8 @@
 Real torch.distributed: each test launches 2 or 4 rank processes (tests/scaleout_worker.py) that
 train a tiny Qwen3 with `fully_shard` and publish `model.state_dict()` (DTensors) through
 `Publisher(url)`; rank 0 saves the gathered full state of every version, which followers here
-must reproduce bit for bit.
+must reproduce bit for bit. The shapes users bring run too: a tied Qwen3 (as Qwen3-0.6B), a
+Qwen3-MoE with runtime-fused experts, a frozen embedding.
 """
 
 from __future__ import annotations
