@@ -3,14 +3,15 @@
 `load_checkpoint` reads every tensor of a `.safetensors` file or of all `*.safetensors` files
 in a folder (a saved Hugging Face checkpoint); duplicate names across shards are an error,
 never silently overwritten. `checkpoint_state` brings a trainer's `state_dict()` to the
-checkpoint's own key set (the one every run and every engine uses). Nothing here unpickles
-anything.
+checkpoint's own key set (the one every run and every engine uses); `shared_aliases`,
+`check_tied`, `check_key_set` and `split_fused_experts` are its steps for a distributed publisher, which maps
+each rank's shards the same way. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -64,20 +65,70 @@ def _view_key(t: torch.Tensor) -> tuple[object, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def _split_fused_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """transformers' runtime-fused experts as the per-expert tensors a checkpoint holds."""
+def split_fused_experts(name: str, t: torch.Tensor, first: int = 0) -> dict[str, torch.Tensor] | None:
+    """transformers' runtime-fused experts as the per-expert tensors a checkpoint holds (views of
+    `t`), or None when `name` is not a fused expert tensor. `first`: the expert index of `t[0]`
+    (a rank's dim-0 shard of the fused tensor holds experts first, first+1, ...)."""
     m = FUSED_EXPERT_KEY.match(name)
     if m is None or t.dim() != 3:
         return None
     layer = m["layer"]
     if m["proj"] == "down_proj":
-        return {f"{layer}.{e}.down_proj.weight": t[e] for e in range(t.shape[0])}
+        return {f"{layer}.{first + e}.down_proj.weight": t[e] for e in range(t.shape[0])}
     half = t.shape[1] // 2
     out = {}
     for e in range(t.shape[0]):
-        out[f"{layer}.{e}.gate_proj.weight"] = t[e, :half]
-        out[f"{layer}.{e}.up_proj.weight"] = t[e, half:]
+        out[f"{layer}.{first + e}.gate_proj.weight"] = t[e, :half]
+        out[f"{layer}.{first + e}.up_proj.weight"] = t[e, half:]
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def shared_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{alias: name kept} for the names whose tensor is the same view of the same storage as an
+    earlier name's (tied weights), which `checkpoint_state` keeps once under the first name.
+    DTensors are compared by their local shards (FSDP2 gives tied names two DTensor objects over
+    one local storage); empty tensors are never aliases."""
+    aliases: dict[str, str] = {}
+    by_view: dict[tuple[object, ...], str] = {}
+    for name, t in state.items():
+        local = _local(t)
+        if not local.numel():
+            continue
+        first = by_view.setdefault(_view_key(local), name)
+        if first != name:
+            aliases[name] = first
+    return aliases
+
+
+def check_tied(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
+    """Raise ConfigError when an alias of `aliases` present in `state` no longer holds the values
+    of the name kept for it (same storage, or equal): the run's key set has no place for it."""
+    for alias, kept in aliases.items():
+        if alias not in state or kept not in state:
+            continue
+        a, k = _local(state[alias]), _local(state[kept])
+        if a.numel() and _view_key(a) != _view_key(k) and not torch.equal(a, k):
+            raise ConfigError(
+                f"tensor {alias!r} was tied to {kept!r} when the run started (published once, as {kept!r}), "
+                "but now holds other values",
+                hint="keep the weights tied, or start a new run for an untied model",
+            )
+
+
+def check_key_set(names: Iterable[str], key_set: Iterable[str]) -> None:
+    """Raise ConfigError naming the `names` outside the run's `key_set` (nothing is published then)."""
+    extra = sorted(set(names) - set(key_set))
+    if extra:
+        raise ConfigError(
+            f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
+            hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
+        )
 
 
 def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -92,7 +143,7 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
     out: dict[str, torch.Tensor] = {}
     by_view: dict[tuple[object, ...], str] = {}
     for name, t in state.items():
-        parts = _split_fused_experts(name, t) if reference is None or name not in reference else None
+        parts = split_fused_experts(name, t) if reference is None or name not in reference else None
         for n, v in (parts or {name: t}).items():
             key = _view_key(v)
             first = by_view.get(key) if v.numel() else None
@@ -108,12 +159,7 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
     for alias, canonical in TIED_ALIASES.items():
         if alias in out and alias not in reference and canonical in out and torch.equal(out[alias], out[canonical]):
             out.pop(alias)
-    extra = sorted(set(out) - set(reference))
-    if extra:
-        raise ConfigError(
-            f"the state has {len(extra)} tensor(s) the run's key set lacks: {', '.join(repr(n) for n in extra[:5])}",
-            hint="publish the checkpoint's own key set (what save_pretrained writes), or start a new run",
-        )
+    check_key_set(out, reference)
     for name in reference.keys() - out.keys():  # frozen: unchanged since the previous version
         out[name] = reference[name]
     return out

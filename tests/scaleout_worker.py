@@ -2,8 +2,9 @@
 
     python -m tests.scaleout_worker '<json args>'   # with RANK, WORLD_SIZE, MASTER_PORT set
 
-Trains the tiny model (same seed on every rank) with AdamW, publishes `model.state_dict()` (DTensor
-shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
+Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64;
+`freeze`: with a frozen embedding; `trainable_only`: publishing the trainable tensors alone after
+the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
 `pub.resume(model.state_dict())` (with `perturb`, after changing one element). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
@@ -38,11 +39,12 @@ def main() -> None:
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
-    from sparsesync.tiny_model import tiny_config
+    from sparsesync.tiny_model import arch_config, tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                                                         num_key_value_heads=1), dtype=torch.float32)
+    cfg = arch_config(args["arch"], hidden=64) if args.get("arch") else tiny_config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -53,7 +55,11 @@ def main() -> None:
         if args.get("perturb"):  # weights one ulp away from the run's newest version
             name = sorted(state)[-1]
             state[name].view(-1)[:1].view(torch.int16).add_(1)
-        model.load_state_dict(state)
+        got = model.load_state_dict(state, strict=False)  # a tied run has no lm_head.weight: the embedding is it
+        if got.unexpected_keys or set(got.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+            raise AssertionError(f"rank {rank}: the run's newest version does not fit the model: {got}")
+    if args.get("freeze"):  # a frozen embedding (requires_grad False): AdamW leaves it as it is
+        model.model.embed_tokens.weight.requires_grad_(False)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -90,7 +96,11 @@ def main() -> None:
                 code = "from sparsesync.protocol.publisher import Publisher; Publisher(%r).close()" % args["url"]
                 env = {k: val for k, val in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
                 subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
-            pub.publish(model.state_dict(), v)
+            state = model.state_dict()
+            if args.get("trainable_only") and v > args["first"]:  # as callbacks that send what changes do: no frozen tensors
+                trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+                state = {k: t for k, t in state.items() if k in trainable}
+            pub.publish(state, v)
             pub.flush()
             if pub.state_digest != Run(store).commit(v).state_digest:  # the global digest, on every rank
                 raise AssertionError(f"rank {rank}: state_digest {pub.state_digest} is not version {v}'s")

@@ -40,6 +40,13 @@ def test_the_plan_spreads_tensors_by_bytes_and_keeps_replicated_ones_on_rank_0()
     assert len(assign([("a", 8, True)], 4).files) == 1  # ranks without a tensor write no file
 
 
+def test_tensors_one_rank_holds_whole_are_written_by_that_rank_and_count_in_its_load():
+    """MoE experts split from a fused tensor's dim-0 shard: no gather, their holder writes them."""
+    sizes = [("e0", 400, False), ("e1", 400, False), ("norm", 10, False), ("embed", 500, True), ("head", 500, True)]
+    plan = assign(sizes, 2, holders={"e0": 0, "e1": 1})
+    assert plan.owner == {"e0": 0, "e1": 1, "norm": 0, "embed": 1, "head": 0}
+
+
 def _sharded_run(root: Path, state: dict[str, torch.Tensor], edit=None) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
     """A run whose version 1 is a sharded anchor (3 shards + index); `edit(folder)` may change the
     files first; the commit records what is then stored (a hostile writer's record)."""

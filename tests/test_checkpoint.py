@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsesync.checkpoint import checkpoint_state
+from sparsesync.checkpoint import check_tied, checkpoint_state, shared_aliases, split_fused_experts
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.publisher import Publisher
@@ -36,6 +36,29 @@ def test_runtime_fused_experts_are_split_per_expert():
     assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
     assert torch.equal(out["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
     assert len(out) == 6
+
+
+def test_tied_aliases_are_found_by_storage_and_checked_by_value():
+    """What a sharded publisher keeps of a tie (`shared_aliases`, on local shards) and the check of
+    every later version (`check_tied`): still the same storage or equal, else a clear error."""
+    state = _tied_state_dict()
+    assert shared_aliases(state) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert shared_aliases({"a": torch.zeros(0), "b": torch.zeros(0)}) == {}  # empty shards say nothing
+    aliases = shared_aliases(state)
+    check_tied(state, aliases)
+    check_tied({**state, "lm_head.weight": state["lm_head.weight"].clone()}, aliases)  # a copy, equal
+    untied = state["lm_head.weight"].clone()
+    untied[3, 1] += 1
+    with pytest.raises(ConfigError, match="'lm_head.weight' was tied to 'model.embed_tokens.weight'"):
+        check_tied({**state, "lm_head.weight": untied}, aliases)
+
+
+def test_a_shard_of_fused_experts_is_named_from_its_first_expert():
+    gate_up = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4)  # experts 2 and 3 of 4
+    out = split_fused_experts("model.layers.0.mlp.experts.gate_up_proj", gate_up, first=2)
+    assert list(out) == [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3) for p in ("gate", "up")]
+    assert torch.equal(out["model.layers.0.mlp.experts.3.up_proj.weight"], gate_up[1, 3:])
+    assert split_fused_experts("model.layers.0.mlp.up_proj.weight", gate_up) is None
 
 
 def test_frozen_tensors_come_from_the_previous_version_and_strangers_are_refused():

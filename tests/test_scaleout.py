@@ -3,7 +3,8 @@
 Real torch.distributed: each test launches 2 or 4 rank processes (tests/scaleout_worker.py) that
 train a tiny Qwen3 with `fully_shard` and publish `model.state_dict()` (DTensors) through
 `Publisher(url)`; rank 0 saves the gathered full state of every version, which followers here
-must reproduce bit for bit.
+must reproduce bit for bit. The shapes users bring run too: a tied Qwen3 (as Qwen3-0.6B), a
+Qwen3-MoE with runtime-fused experts, a frozen embedding.
 """
 
 from __future__ import annotations
@@ -58,14 +59,15 @@ def _launch(world: int, timeout: float = 240, **args) -> list[subprocess.Complet
     return out
 
 
-def _check_versions(url: str, out: Path, versions: range) -> None:
-    """Every version reconstructs bit-exact to the gathered full state; and a follower that steps
-    through them (anchor, then parts) holds each one."""
+def _check_versions(url: str, out: Path, versions: range, want=None) -> None:  # type: ignore[no-untyped-def]
+    """Every version reconstructs bit-exact to the gathered full state (`want(v)`: in the checkpoint's
+    key set); and a follower that steps through them (anchor, then parts) holds each one."""
+    want = want or (lambda v: load_file(out / f"v{v}.safetensors"))
     run = Run(url)
     commits = {c.version: c for c in run.commits()}
     assert sorted(commits) == list(versions) or set(versions) <= set(commits)
     _rec, state, digests = run.reconstruct(versions[0])
-    assert_bit_equal(state, load_file(out / f"v{versions[0]}.safetensors"))
+    assert_bit_equal(state, want(versions[0]))
     for v in versions[1:]:
         rec = commits[v]
         if rec.has_anchor and not rec.has_delta:
@@ -73,7 +75,7 @@ def _check_versions(url: str, out: Path, versions: range) -> None:
         else:
             assert rec.parts and rec.base_version == v - 1
             run.apply_delta(rec, state, digests)
-        assert_bit_equal(state, load_file(out / f"v{v}.safetensors"))
+        assert_bit_equal(state, want(v))
 
 
 @pytest.mark.slow
@@ -170,25 +172,28 @@ def test_a_commit_refused_to_rank_0_fails_every_rank_loudly(tmp_path):
     assert verify_run(url).ok
 
 
-def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path, cfg=None) -> None:  # type: ignore[no-untyped-def]
     """The sharded anchor of `rec`, as stored, and `sparsesync pull` of its version: both load
-    with a plain `from_pretrained`, bit-exact."""
+    with a plain `from_pretrained` (of `cfg`, default the worker's tiny Qwen3), bit-exact, a tied
+    LM head still the embedding."""
     from transformers import AutoModelForCausalLM
 
     from sparsesync.tiny_model import tiny_config
 
     want = load_file(full)
-    folder = tmp_path / "as-stored"
+    folder = tmp_path / f"as-stored-{rec.version}"
     shutil.copytree(Path(url) / rec.anchor[0].key.rsplit("/", 1)[0], folder)
-    pulled = tmp_path / "pulled"
+    pulled = tmp_path / f"pulled-{rec.version}"
     done = CliRunner().invoke(app, ["pull", url, str(pulled), "--version", str(rec.version)], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    cfg = tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    cfg = cfg or tiny_config(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
     for d in folder, pulled:
         cfg.save_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
         assert_bit_equal({k: v for k, v in model.state_dict().items() if k in want}, want)
         assert set(want) <= set(model.state_dict())
+        if cfg.tie_word_embeddings:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 @pytest.mark.parametrize("who", ["rank0", "all"])
@@ -271,3 +276,170 @@ def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_gl
         states.append(train_step(states[-1], g))
     for v in (1, 2, 3):
         assert_bit_equal(run.reconstruct(v)[1], states[v - 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "world"), [("qwen3-tied", 2), ("qwen3-moe", 2), ("qwen3-moe", 3)])
+def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch, world):
+    """The shapes users bring, sharded: a tied LM head (Qwen3-0.6B; FSDP2 gives it and the embedding
+    two DTensors over one local storage) is published once, as the embedding; runtime-fused MoE
+    experts ([experts, ...] DTensors, each rank holding whole experts) are published per expert,
+    each by the rank that holds it (3 ranks: 4 experts in chunks of 2, the last rank holds none).
+    The run's key set is the one a single-process Publisher writes for the same model, every
+    version is bit-exact, the sharded anchors load in transformers, and an embedded replica
+    following the run holds every version in its runtime layout (a tied head still the embedding).
+    A tied run resumes with a delta: the next writer's units are the run's."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsesync.checkpoint import checkpoint_state
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.tiny_model import arch_config
+
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(world, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch)
+    assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
+    cfg = arch_config(arch, hidden=64)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+    def want(v: int) -> dict[str, torch.Tensor]:  # the gathered full state, as one process holds it
+        full = load_file(out / f"v{v}.safetensors")
+        if cfg.tie_word_embeddings:  # the gathered head is the embedding, at every version
+            assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+        model.load_state_dict(full)
+        return {k: t.clone() for k, t in checkpoint_state(model.state_dict()).items()}
+
+    single = str(tmp_path / "single")
+    with Publisher(single, part_bytes=16 << 10) as pub:
+        pub.publish(model.state_dict(), 1)
+    keys = set(Run(single).reconstruct(1)[1])
+    if arch == "qwen3-tied":
+        assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    else:
+        assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys and not any(k.endswith("_proj") for k in keys)
+    run = Run(url)
+    commits = run.commits()
+    assert [c.version for c in commits if c.has_anchor] == [1, 5]
+    for c in commits:
+        assert set(run.reconstruct(c.version)[1]) == keys
+        units = {u.name for p in c.parts for u in p.units}
+        assert not c.parts or units == keys
+    _check_versions(url, out, range(1, 7), want)
+    for v in 1, 5:
+        _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
+    _replica_follows(url, tmp_path, arch, range(1, 7), want)
+    if arch == "qwen3-tied":  # the next writer at the same world size resumes with a delta over the same units
+        res = _launch(world, url=url, out=str(out), first=7, last=8, resume=True, arch=arch)
+        assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
+        rec = run.commit(7)
+        assert rec.parts and rec.base_version == 6 and rec.epoch > run.commit(6).epoch
+        _check_versions(url, out, range(7, 9), want)
+    if arch == "qwen3-moe":  # each rank wrote the experts it holds: experts 0-1 in rank 0's file, 2-3 in rank 1's
+        index = json.loads((Path(url) / run.commit(1).anchor[-1].key).read_text())["weight_map"]
+        assert [index[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)] == [
+            f"model-00001-of-0000{world}.safetensors"] * 2 + [f"model-00002-of-0000{world}.safetensors"] * 2
+        for v in 2, 6:  # and published them as whole tensors, rank by rank
+            units = [u for p in run.commit(v).parts for u in p.units if ".experts." in u.name]
+            assert units and all(u.rows is None for u in units)
+
+
+def _tied_world_of_one(rank: int, port: int, url: str) -> None:
+    """A one-rank distributed publisher given tied DTensors (two over one local storage, as FSDP2
+    gives them): see the test below."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from sparsesync.errors import ConfigError
+    from sparsesync.protocol.publisher import Publisher
+    from tests.weights import make_state, train_step
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def sharded(s):  # type: ignore[no-untyped-def]
+            return {k: DTensor.from_local(v, mesh, [Shard(0)]) for k, v in s.items()}
+
+        s1 = make_state(0)
+        s1["lm_head.weight"] = s1["model.embed_tokens.weight"]
+        s2 = train_step(s1, torch.Generator().manual_seed(5))
+        s2["lm_head.weight"] = s2["model.embed_tokens.weight"]
+        pub = Publisher(url, group=dist.group.WORLD, part_bytes=20_000, anchor_every=0, anchor_fraction=1e9)
+        pub.publish(sharded(s1), 1)
+        untied = {**s2, "lm_head.weight": s2["lm_head.weight"].clone()}
+        untied["lm_head.weight"][0, 0] += 1
+        with pytest.raises(ConfigError, match="'lm_head.weight' was tied to 'model.embed_tokens.weight'"):
+            pub.publish(sharded(untied), 2)
+        with pytest.raises(ConfigError, match="lacks: 'model.stranger'"):
+            pub.publish(sharded({**s2, "model.stranger": torch.zeros(4, 4, dtype=torch.bfloat16)}), 2)
+        pub.publish({k: v for k, v in sharded(s2).items() if k != "model.layers.0.mlp.up_proj.weight"}, 2)  # frozen
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_tie_is_published_once_checked_every_version_and_strangers_are_refused(tmp_path):
+    """Tied DTensors are published once, under the first name; a later version whose alias holds
+    other values, or with a name the run lacks, is refused before anything is written; a tensor
+    left out is the previous version's."""
+    import torch.multiprocessing as mp
+
+    from tests.weights import make_state, train_step
+
+    url = str(tmp_path / "run")
+    mp.spawn(_tied_world_of_one, args=(_free_port(), url), nprocs=1, join=True)
+    run = Run(url)
+    assert [c.version for c in run.commits()] == [1, 2]
+    s1 = make_state(0)
+    s1["lm_head.weight"] = s1["model.embed_tokens.weight"]
+    s2 = train_step(s1, torch.Generator().manual_seed(5))
+    s2["model.layers.0.mlp.up_proj.weight"] = s1["model.layers.0.mlp.up_proj.weight"]
+    assert_bit_equal(run.reconstruct(1)[1], {k: v for k, v in s1.items() if k != "lm_head.weight"})
+    assert_bit_equal(run.reconstruct(2)[1], {k: v for k, v in s2.items() if k != "lm_head.weight"})
+
+
+@pytest.mark.slow
+def test_fsdp2_frozen_tensors_left_out_of_the_state_are_taken_from_the_previous_version(tmp_path):
+    """A frozen embedding, and after the first version a state of the trainable tensors alone (as
+    callbacks that send what changes do): every version, the periodic anchor included, still holds
+    the frozen embedding, as a single-process Publisher fills it in from the previous version."""
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=6, anchor_every=4, freeze=True, trainable_only=True)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    assert [c.version for c in run.commits() if c.has_anchor] == [1, 5]
+    _check_versions(url, out, range(1, 7))
+    first, last = load_file(out / "v1.safetensors"), load_file(out / "v6.safetensors")
+    assert torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+    assert not torch.equal(first["lm_head.weight"], last["lm_head.weight"])
+    assert "model.embed_tokens.weight" in run.fetch_anchor(run.commit(5))[0]
+
+
+def _replica_follows(url: str, tmp_path: Path, arch: str, versions: range, want) -> None:  # type: ignore[no-untyped-def]
+    """An embedded (transformers) replica, loaded from the first version's pulled anchor, follows
+    the run as its commits land one by one: at every version its runtime parameters hold the
+    version bit for bit (per-expert tensors in the fused experts), and a tied LM head is the
+    embedding's storage."""
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.tiny_model import build_tiny_model
+
+    built = build_tiny_model(tmp_path / "built", arch=arch, hidden=64)  # for its tokenizer
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tmp_path / f"pulled-{versions[0]}", engine_dir)
+    for f in built.glob("*token*"):
+        shutil.copy(f, engine_dir / f.name)
+    landing = tmp_path / "landing"  # the run's objects, and its commits as they land
+    shutil.copytree(url, landing, ignore=shutil.ignore_patterns("commits"))
+    (landing / "commits").mkdir()
+    engine = EmbeddedEngine(engine_dir)
+    follower = Follower(str(landing), hook=engine, prefetch=False)
+    for v in versions:
+        for f in (Path(url) / "commits").glob(f"v{v:010d}-*"):
+            shutil.copy(f, landing / "commits" / f.name)
+        assert follower.sync_once() == v, follower.status().last_error
+        assert engine.weight_version == v
+        assert_bit_equal(engine.state_dict(), want(v))
+        head, emb = engine.model.lm_head.weight, engine.model.model.embed_tokens.weight
+        assert (head.data_ptr() == emb.data_ptr()) == (arch == "qwen3-tied")

@@ -3,7 +3,8 @@
 transformers' sharded checkpoints (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`)
 hold whole tensors, while an FSDP2 rank holds rows of every tensor. So an anchor version assigns
 each tensor to one rank (`assign`: replicated plain tensors to rank 0, which publishes them
-anyway; DTensors largest first to the least loaded rank), each DTensor's rows are gathered to
+anyway; tensors one rank holds whole, as MoE experts split from a fused tensor's dim-0 shard, to
+that rank; DTensors largest first to the least loaded rank), each DTensor's rows are gathered to
 its owner alone (`gather_rows`: one gloo `gather` of byte buffers per tensor, on the publisher's
 own group, never the trainer's), and each rank writes its tensors as one shard file with their
 digests in its metadata (`codec.anchor.write_anchor_shard`). Rank 0 writes the index from the
@@ -19,7 +20,7 @@ A plan with one non-empty rank writes `model.safetensors` alone, as a single pro
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +47,18 @@ class AnchorPlan:
         return [n for n, r in self.owner.items() if r == rank]
 
 
-def assign(tensors: Sequence[tuple[str, int, bool]], world: int) -> AnchorPlan:
-    """The plan for (name, bytes, sharded) tensors over `world` ranks: plain (replicated) tensors
-    on rank 0; sharded ones largest first (ties by name) to the rank with the fewest bytes so far
-    (ties to the lowest rank). Files are numbered in rank order over the ranks that write one."""
+def assign(tensors: Sequence[tuple[str, int, bool]], world: int, holders: Mapping[str, int] | None = None) -> AnchorPlan:
+    """The plan for (name, bytes, sharded) tensors over `world` ranks: plain tensors on the rank
+    `holders` names (one rank holds them whole: a fused MoE tensor's experts), else on rank 0
+    (replicated); sharded ones largest first (ties by name) to the rank with the fewest bytes so
+    far (ties to the lowest rank). Files are numbered in rank order over the ranks that write one."""
     load = [0] * world
     owner: dict[str, int] = {}
     for name, nbytes, sharded in tensors:
         if not sharded:
-            owner[name] = 0
-            load[0] += nbytes
+            r = (holders or {}).get(name, 0)
+            owner[name] = r
+            load[r] += nbytes
     for name, nbytes, _ in sorted((t for t in tensors if t[2]), key=lambda t: (-t[1], t[0])):
         r = min(range(world), key=lambda i: (load[i], i))
         owner[name] = r

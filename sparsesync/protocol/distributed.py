@@ -7,8 +7,10 @@ DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain 
 - each rank keeps a snapshot of only its rows of every DTensor and diffs and encodes only those
   (memory and time per rank about 1/N of the model), as parts over `name[start:stop]` units in
   global coordinates (`sparsesync.protocol.parts`); plain (replicated) tensors are published by
-  rank 0 only. Several names for one tensor object (tied weights) are published once, under the
-  first name.
+  rank 0 only. The key set is the checkpoint's, as a single-process publisher's
+  (`checkpoint_shards`): tied names once (FSDP2 gives them DTensors over one local storage),
+  runtime-fused MoE experts per expert (each a whole tensor of the rank whose rows hold that
+  expert), tensors a later state leaves out (frozen) from the previous version.
 - each rank uploads its parts in the background as they are encoded; then one collective
   (`all_gather_object` on a gloo group of our own) carries every rank's part references and
   digests to rank 0, which writes the commit record (fenced as a single-process writer is) and
@@ -42,12 +44,14 @@ import logging
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sparsesync.checkpoint import EXPERT_KEY, check_key_set, check_tied, shared_aliases, split_fused_experts
 from sparsesync.codec import state_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
 from sparsesync.errors import (
@@ -88,47 +92,92 @@ def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
-def local_units(state: Mapping[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[Unit], list[str]]:
-    """This rank's share of `state`: ({unit key: local tensor}, units, DTensor names in order).
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One tensor of the checkpoint's key set as this rank holds it (alike on every rank but `local`)."""
 
-    A DTensor sharded on dim 0 of a 1-D mesh gives its local rows (none when its shard is empty);
-    a plain tensor is replicated and belongs to rank 0. Other placements raise ConfigError.
+    name: str  # its checkpoint name
+    shape: tuple[int, ...]  # global shape
+    dtype: torch.dtype
+    holder: int | None  # the rank holding it whole; None: every rank holds its dim-0 rows (shard_rows)
+    local: torch.Tensor | None  # this rank's rows (holder None), or the whole tensor where holder is this rank
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def checkpoint_shards(state: Mapping[str, torch.Tensor], rank: int, world: int,
+                      aliases: Mapping[str, str]) -> list[ShardedTensor]:
+    """`state` in the checkpoint's own key set, as `checkpoint.checkpoint_state` maps a whole state
+    (in its order), with what this rank holds of each tensor:
+
+    - the names of `aliases` (tied weights, found once by `checkpoint.shared_aliases`) are left out,
+      after checking they still hold their kept tensor's values (`checkpoint.check_tied`);
+    - a DTensor sharded on dim 0 of a 1-D mesh: its local rows, holder None; but runtime-fused MoE
+      experts ([experts, ...]: dim 0 is the expert) are split per expert (`split_fused_experts`),
+      each a whole tensor held by the rank whose rows hold that expert;
+    - a plain tensor is replicated: held by rank 0 (fused experts split there too).
+
+    Other placements raise ConfigError.
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    check_tied(state, aliases)
+    out: list[ShardedTensor] = []
+    for name, v in state.items():
+        if name in aliases:
+            continue
+        if not isinstance(v, DTensor):
+            for n, t in (split_fused_experts(name, v) or {name: v}).items():
+                out.append(ShardedTensor(n, tuple(t.shape), t.dtype, 0, t.detach() if rank == 0 else None))
+            continue
+        if v.device_mesh.ndim != 1 or tuple(v.placements) != (Shard(0),):
+            raise ConfigError(
+                f"tensor {name!r}: DTensor placements {list(v.placements)} on a {v.device_mesh.ndim}-D mesh; "
+                "the distributed publisher takes dim-0 shards on a 1-D mesh (FSDP2 fully_shard)",
+                hint="shard with fully_shard on a 1-D mesh, or publish a full state dict from one process",
+            )
+        rows = v.shape[0]
+        start, stop = shard_rows(rows, rank, world)
+        local = v.to_local().detach()
+        if local.shape[0] != stop - start:
+            raise ConfigError(
+                f"tensor {name!r}: rank {rank} holds {local.shape[0]} rows, expected [{start}, {stop}) "
+                f"of {rows} (torch.chunk's split over {world} ranks)",
+                hint="the distributed publisher expects FSDP2's even dim-0 sharding",
+            )
+        whole = split_fused_experts(name, torch.empty(tuple(v.shape), dtype=v.dtype, device="meta"))
+        if whole is None:
+            out.append(ShardedTensor(name, tuple(v.shape), v.dtype, None, local))
+            continue
+        mine = split_fused_experts(name, local, first=start) or {}
+        chunk = math.ceil(rows / world)
+        for n, t in whole.items():
+            holder = int(EXPERT_KEY.match(n)["e"]) // chunk  # type: ignore[index]
+            out.append(ShardedTensor(n, tuple(t.shape), v.dtype, holder, mine.get(n)))
+    return out
+
+
+def local_units(tensors: list[ShardedTensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[Unit]]:
+    """This rank's units of `tensors` and their local tensors by `Unit.key`: its rows of each
+    row-sharded tensor (none when its shard is empty), and the tensors it holds whole."""
     out: dict[str, torch.Tensor] = {}
     units: list[Unit] = []
-    dnames: list[str] = []
-    seen: set[int] = set()
-    for name, v in state.items():
-        if id(v) in seen:
-            continue  # tied: one tensor under several names, published under the first
-        seen.add(id(v))
-        if isinstance(v, DTensor):
-            dnames.append(name)
-            if v.device_mesh.ndim != 1 or tuple(v.placements) != (Shard(0),):
-                raise ConfigError(
-                    f"tensor {name!r}: DTensor placements {list(v.placements)} on a {v.device_mesh.ndim}-D mesh; "
-                    "the distributed publisher takes dim-0 shards on a 1-D mesh (FSDP2 fully_shard)",
-                    hint="shard with fully_shard on a 1-D mesh, or publish a full state dict from one process",
-                )
-            rows = v.shape[0]
-            start, stop = shard_rows(rows, rank, world)
-            local = v.to_local()
-            if local.shape[0] != stop - start:
-                raise ConfigError(
-                    f"tensor {name!r}: rank {rank} holds {local.shape[0]} rows, expected [{start}, {stop}) "
-                    f"of {rows} (torch.chunk's split over {world} ranks)",
-                    hint="the distributed publisher expects FSDP2's even dim-0 sharding",
-                )
-            if stop > start:
-                u = Unit(name, (start, stop))
-                units.append(u)
-                out[u.key] = local.detach().contiguous()
-        elif rank == 0:
-            units.append(Unit(name))
-            out[name] = v.detach().contiguous()
-    return out, units, dnames
+    for t in tensors:
+        if t.holder is None:
+            start, stop = shard_rows(t.shape[0], rank, world)
+            if stop <= start:
+                continue
+            u = Unit(t.name, (start, stop))
+        elif t.holder == rank:
+            u = Unit(t.name)
+        else:
+            continue
+        assert t.local is not None
+        units.append(u)
+        out[u.key] = t.local.contiguous()
+    return out, units
 
 
 class DistributedPublisher(Publisher):
@@ -142,17 +191,21 @@ class DistributedPublisher(Publisher):
         self._src = self._ranks[0]
         self._sharded: bool | None = None  # decided by the first publish(): DTensors or not
         self._committed_digest: str | None = None  # sharded: the global state digest of `committed_version`
+        self._aliases: dict[str, str] = {}  # sharded: tied names left out (alias -> name kept), rank 0's, from `_setup`
+        self._key_set: list[ShardedTensor] | None = None  # sharded: the run's tensors (from the first version), no data
         super().__init__(url, config, **overrides)  # rank 0 claims the epoch here; no collective yet
 
-    def _setup(self) -> None:
+    def _setup(self, state: Mapping[str, torch.Tensor]) -> None:
         """First sharded publish, on every rank: our own gloo groups (one for the caller's thread,
-        one for the uploader; never the trainer's), and rank 0's epoch and writer id for all."""
+        one for the uploader; never the trainer's), and rank 0's epoch, writer id and tied names
+        for all (rank 0 holds rows of every non-empty tensor, so it sees every tie; a rank with an
+        empty shard could not, and every rank must plan the same key set)."""
         timeout = timedelta(seconds=self.config.dist_timeout_s)
         self._ctl = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
         self._up = dist.new_group(ranks=self._ranks, backend="gloo", timeout=timeout)
-        got: list[Any] = [(self.epoch, self.writer)]
+        got: list[Any] = [(self.epoch, self.writer, shared_aliases(state) if self.rank == 0 else None)]
         dist.broadcast_object_list(got, src=self._src, group=self._ctl)
-        self.epoch, self.writer = got[0]
+        self.epoch, self.writer, self._aliases = got[0]
 
     # -- publish ----------------------------------------------------------------------
     def publish(self, state: Mapping[str, torch.Tensor], step: int | None = None) -> int:
@@ -163,7 +216,7 @@ class DistributedPublisher(Publisher):
         if self._sharded is None:
             self._sharded = isinstance(state, Mapping) and any(isinstance(v, DTensor) for v in state.values())
             if self._sharded:
-                self._setup()
+                self._setup(state)
         if self._sharded and self.adapter is not None:
             raise ConfigError("a sharded publisher publishes full weights only, not a LoRA adapter run",
                               hint="publish the adapter from rank 0 alone (Publisher(url, group=None)): it is small")
@@ -178,7 +231,8 @@ class DistributedPublisher(Publisher):
         if self._closed:
             raise ConfigError("publish() after close()")
         version = self._next_version(step)
-        local, units, _ = local_units(state, self.rank, self.world)
+        tensors = self._with_frozen(checkpoint_shards(state, self.rank, self.world, self._aliases))
+        local, units = local_units(tensors, self.rank, self.world)
         anchor = self._snapshot is None or self._anchor_due_all(version)
         self._wait_for_room()
         if anchor:
@@ -190,7 +244,7 @@ class DistributedPublisher(Publisher):
             self._snapshot = PartedSnapshot(groups, local, version)
             self._last_anchor_version, self._delta_bytes_since_anchor = version, 0
             item.metrics["snapshot_s"] = time.perf_counter() - t0
-            self._write_anchor_shard(item, state)
+            self._write_anchor_shard(item, tensors)
             item.digests = self._snapshot.digests
             self._enqueue(item)
         else:
@@ -216,8 +270,10 @@ class DistributedPublisher(Publisher):
         if self._snapshot is not None or self._sharded is not None:
             raise ConfigError("resume() must come before the first publish()")
         self._sharded = True
-        self._setup()
-        local, units, _ = local_units(state, self.rank, self.world)
+        self._setup(state)
+        tensors = checkpoint_shards(state, self.rank, self.world, self._aliases)
+        self._key_set = [replace(t, local=None) for t in tensors]
+        local, units = local_units(tensors, self.rank, self.world)
         by_key = {u.key: u for u in units}
         groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
         snap = PartedSnapshot(groups, local, 0)
@@ -261,6 +317,29 @@ class DistributedPublisher(Publisher):
         return self._committed_digest
 
     # -- internals --------------------------------------------------------------------
+    def _with_frozen(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+        """`tensors` in the run's key set, as `checkpoint_state` completes a whole state: the first
+        version sets it; later, tensors the state lacks (frozen, left out by the caller) are this
+        rank's share of the previous version (the snapshot), and names the run lacks raise ConfigError
+        on every rank alike (names are global) before anything is published."""
+        if self._key_set is None or self._snapshot is None:
+            self._key_set = [replace(t, local=None) for t in tensors]
+            return tensors
+        given = {t.name: t for t in tensors}
+        check_key_set(given, (t.name for t in self._key_set))
+        held = self._snapshot.state
+        out = []
+        for t in self._key_set:
+            if t.name in given:
+                out.append(given[t.name])
+            elif t.holder is None:
+                start, stop = shard_rows(t.shape[0], self.rank, self.world)
+                empty = torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+                out.append(replace(t, local=held[Unit(t.name, (start, stop)).key] if stop > start else empty))
+            else:
+                out.append(replace(t, local=held[t.name] if t.holder == self.rank else None))
+        return out
+
     def _newest_info(self) -> dict[str, Any] | None:
         """Rank 0, for resume(): what the run's newest version covers, and the anchor bookkeeping."""
         commits = self.run.commits()
@@ -276,35 +355,29 @@ class DistributedPublisher(Publisher):
             "delta_bytes": sum(o.size for c in commits if last is not None and c.version > last for o in c.delta_objects()),
         }
 
-    def _write_anchor_shard(self, item: _Item, state: Mapping[str, torch.Tensor]) -> None:
+    def _write_anchor_shard(self, item: _Item, tensors: list[ShardedTensor]) -> None:
         """Every rank: gather the tensors the plan gives this rank, whole, and write them as its
         file of the anchor of `item` (`anchor_shards`). A failure after the collectives is reported
         at commit, so every rank raises it."""
-        from torch.distributed.tensor import DTensor
-
         t0 = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, v in state.items():
-            if id(v) not in seen:  # tied names once, as in `local_units`
-                seen.add(id(v))
-                tensors[name] = v
-        plan = assign([(n, math.prod(v.shape) * v.element_size(), isinstance(v, DTensor)) for n, v in tensors.items()],
-                      self.world)
+        plan = assign([(t.name, t.nbytes, t.holder is None) for t in tensors], self.world,
+                      holders={t.name: t.holder for t in tensors if t.holder is not None})
         mine: dict[str, torch.Tensor] = {}
         try:
             got: list[Any] = [item.uid]
             dist.broadcast_object_list(got, src=self._src, group=self._ctl)  # one folder for every rank's file
             item.uid = got[0]
-            for name, v in tensors.items():
-                owner = plan.owner[name]
-                if isinstance(v, DTensor):
-                    t = gather_rows(v.to_local(), v.shape, v.dtype, owner, rank=self.rank, world=self.world,
-                                    group=self._ctl, ranks=self._ranks)
-                    if t is not None:
-                        mine[name] = t
+            for t in tensors:
+                owner = plan.owner[t.name]
+                if t.holder is None:
+                    assert t.local is not None
+                    whole = gather_rows(t.local, t.shape, t.dtype, owner, rank=self.rank, world=self.world,
+                                        group=self._ctl, ranks=self._ranks)
+                    if whole is not None:
+                        mine[t.name] = whole
                 elif owner == self.rank:
-                    mine[name] = v.detach().to("cpu").contiguous()
+                    assert t.local is not None  # copied: experts are views of one fused tensor, which safetensors refuses
+                    mine[t.name] = t.local.detach().to("cpu", copy=True).contiguous()
         except RuntimeError as e:  # gloo: a peer died or timed out
             raise RankFailedError(f"anchor of version {item.version} of {self.store.url}: a rank did not join ({e})",
                                   hint="a rank of the trainer died or hung; restart the job") from None
