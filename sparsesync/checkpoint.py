@@ -134,7 +134,8 @@ def check_key_set(names: Iterable[str], key_set: Iterable[str]) -> None:
 def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """`state` in the checkpoint's own key set (see above); `reference`: the run's previous version.
 
-    Tensors sharing one storage are kept once (the name in `reference`, else the first);
+    Tensors sharing one storage are kept once (the name in `reference`, else the first; under
+    every name the run's key set has);
     runtime-fused experts are split per expert; with a `reference`, a tied alias equal to its
     embedding is dropped and tensors missing from `state` (frozen) are taken from `reference`.
     Raises ConfigError naming the tensors when `state` holds names `reference` does not (nothing
@@ -150,10 +151,11 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
             if first is None:
                 by_view[key] = n
                 out[n] = v
-            elif reference is not None and n in reference and first not in reference:
-                out.pop(first)
-                by_view[key] = n
-                out[n] = v
+            elif reference is not None and n in reference:
+                if first not in reference:  # the run knows this tensor under `n`
+                    out.pop(first)
+                    by_view[key] = n
+                out[n] = v  # both names in the run's key set: both stay (else one would be refilled, stale, from `reference`)
     if reference is None:
         return out
     for alias, canonical in TIED_ALIASES.items():

@@ -28,6 +28,20 @@ def test_tied_alias_kept_once_under_the_checkpoint_name():
     assert sorted(out) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
 
 
+def test_a_run_that_holds_both_tied_names_gets_both_fresh_when_the_tie_comes_back():
+    """A run whose key set has the head and the embedding as two tensors (its trainer cast them
+    apart) continued from a state where they share one storage: both names carry the new values.
+    Before, the head was dropped as an alias and then refilled from the previous version: a
+    stale LM head."""
+    old = {k: v.clone() for k, v in _tied_state_dict().items()}  # the run's previous version: two tensors
+    new = _tied_state_dict()
+    new["model.embed_tokens.weight"].add_(1)  # a step later, tied again (lm_head is the same storage)
+    out = checkpoint_state(new, reference=old)
+    assert sorted(out) == sorted(old)
+    assert torch.equal(out["lm_head.weight"], new["model.embed_tokens.weight"])
+    assert not torch.equal(out["lm_head.weight"], old["lm_head.weight"])
+
+
 def test_runtime_fused_experts_are_split_per_expert():
     gate_up = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4).to(torch.bfloat16)
     down = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3).to(torch.bfloat16)

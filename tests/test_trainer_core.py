@@ -247,3 +247,20 @@ def test_a_rollout_worker_stopped_by_a_bug_is_reported_at_once(monkeypatch):
             pytest.fail("check() never reported the crashed worker")
     finally:
         workers.stop(timeout=5)
+
+
+def test_publish_state_keeps_a_tied_head_one_tensor_when_it_casts():
+    """fp32 master weights cast to bf16 for the replicas: the tied head and embedding stay one
+    tensor, which the publisher sends once (the embedding is a quarter of Qwen3-0.6B)."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3ForCausalLM
+
+    from sparsesync.checkpoint import checkpoint_state
+    from sparsesync.tiny_model import tiny_config
+    from trainer.train import publish_state
+
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=64, tie_word_embeddings=True)).float()
+    state = publish_state(model, torch.bfloat16)
+    assert state["lm_head.weight"].dtype == torch.bfloat16
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    assert "lm_head.weight" not in checkpoint_state(state)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsesync.checkpoint import checkpoint_state, shared_aliases
 from sparsesync.codec import state_digest, tensor_digest, tensor_digests
 from sparsesync.errors import ConfigError, RankFailedError, TrainerError
 from sparsesync.protocol.layout import CommitRecord
@@ -108,17 +109,19 @@ def full_state(state: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.
     full tensors on rank 0, None elsewhere."""
     from torch.distributed.tensor import DTensor
 
+    aliases = shared_aliases(state) if rank == 0 else {}  # rank 0's shards tell which names are tied
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = t.full_tensor() if isinstance(t, DTensor) else t  # every rank, every name: the same collectives
         if rank == 0:
-            out[name] = full.cpu()
+            out[name] = out[aliases[name]] if name in aliases else full.cpu()  # a tied head stays one tensor
     return out if rank == 0 else None
 
 
 def record_digest(rec: CommitRecord, full: Mapping[str, torch.Tensor]) -> str:
     """The state digest commit `rec` would carry for the full weights `full`: over its parts'
     units (row shards of a sharded version, docs/protocol.md "Units"), or the whole tensors."""
+    full = checkpoint_state(full)  # the run's key set: a tied head once, fused experts per expert
     if not rec.parts:
         return state_digest(tensor_digests(full))
     return state_digest({u.key: tensor_digest(unit_view(full, u).contiguous()) for p in rec.parts for u in p.units})
