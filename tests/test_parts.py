@@ -12,7 +12,7 @@ import torch
 from sparsesync.errors import DigestMismatchError, MalformedCommitError, PatchMismatchError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.layout import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
-from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digest
+from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digests
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
@@ -163,12 +163,12 @@ def test_a_holder_of_some_tensors_fetches_only_their_parts(tmp_path):
 
 def test_shard_units_apply_into_row_ranges_and_digests_stay_a_partition():
     d: dict[str, str] = {"w": "a" * 16, "v": "b" * 16}
-    set_unit_digest(d, Unit("w", (0, 4)), "1" * 16)
-    set_unit_digest(d, Unit("w", (4, 8)), "2" * 16)
+    set_unit_digests(d, [(Unit("w", (0, 4)), "1" * 16)])
+    set_unit_digests(d, [(Unit("w", (4, 8)), "2" * 16)])
     assert d == {"v": "b" * 16, "w[0:4]": "1" * 16, "w[4:8]": "2" * 16}
-    set_unit_digest(d, Unit("w", (2, 6)), "3" * 16)  # overlaps both: both go
+    set_unit_digests(d, [(Unit("w", (2, 6)), "3" * 16)])  # overlaps both: both go
     assert d == {"v": "b" * 16, "w[2:6]": "3" * 16}
-    set_unit_digest(d, Unit("w"), "4" * 16)
+    set_unit_digests(d, [(Unit("w"), "4" * 16)])
     assert d == {"v": "b" * 16, "w": "4" * 16}
 
 

@@ -69,7 +69,7 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off inside the block, back to its previous state when
     the last concurrent block ends. The codec's per-tensor Python work allocates many small
     acyclic objects; the collections they trigger hold the GIL that the other codec threads
-    need (5-10% of an encode). Reference counting still frees everything as usual."""
+    need (5-6% of an encode, measured at 150M parameters). Reference counting still frees everything as usual."""
     with _GC_LOCK:
         if _GC_HOLDERS[0] == 0:
             _GC_HOLDERS[1] = gc.isenabled()

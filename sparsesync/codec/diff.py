@@ -177,10 +177,17 @@ def diff_cpu_tensor(base: torch.Tensor, target: torch.Tensor, *, chunk_bytes: in
     step = max(8, (chunk_bytes // a.itemsize) // 8 * 8)
     starts = list(range(0, a.size, step))
     found = _parallel.map_ordered(lambda s: _changed_slice_np(a[s : s + step], b[s : s + step], s), starts, "chunks")
+    return _change_of(base, found)
+
+
+def _change_of(t: torch.Tensor, found: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> TensorChange | None:
+    """The change of tensor `t` from its slices' (indices, base bits, target bits), in order;
+    None if no slice changed."""
     parts = [p for p in found if p[0].size]
     if not parts:
         return None
-    return TensorChange(base.dtype, tuple(base.shape), _joined([p[0] for p in parts]), _joined([p[1] for p in parts]), _joined([p[2] for p in parts]))
+    return TensorChange(t.dtype, tuple(t.shape), _joined([p[0] for p in parts]).astype(np.int64, copy=False),
+                        _joined([p[1] for p in parts]), _joined([p[2] for p in parts]))
 
 
 def diff_state(
@@ -259,17 +266,9 @@ def diff_state(
             results.setdefault(name, []).append((i_np, a_np, b_np))
 
     for name in base:
-        parts = [p for p in results.get(name, []) if p[0].size]
-        if not parts:
-            continue
-        t = base[name]
-        out[name] = TensorChange(
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            indices=_joined([p[0] for p in parts]).astype(np.int64, copy=False),
-            base_bits=_joined([p[1] for p in parts]),
-            target_bits=_joined([p[2] for p in parts]),
-        )
+        change = _change_of(base[name], results.get(name, []))
+        if change is not None:
+            out[name] = change
     return out
 
 

@@ -131,12 +131,11 @@ class Snapshot:
             if ch is None:
                 return None, None, None, tb - ta, 0.0
             enc = encode_tensor(name, ch, self.state[name])  # needs the base: before advancing
-            bits = to_np_bits(bits_view(self.state[name]))
-            put_bits(bits, ch.indices, ch.target_bits)
+            self._put(name, ch.indices, ch.target_bits)
             try:
                 digest = tensor_digest(self.state[name])
             except BaseException:
-                put_bits(bits, ch.indices, ch.base_bits)
+                self._put(name, ch.indices, ch.base_bits)
                 raise
             return ch, enc, digest, tb - ta, time.perf_counter() - tb
 
@@ -147,7 +146,7 @@ class Snapshot:
         if failed:
             for name, r in zip(names, results):
                 if not isinstance(r, Exception) and r[0] is not None:
-                    put_bits(to_np_bits(bits_view(self.state[name])), r[0].indices, r[0].base_bits)
+                    self._put(name, r[0].indices, r[0].base_bits)
             raise failed[0]
         wall = time.perf_counter() - t0
         changes, encoded = {}, {}
@@ -160,6 +159,10 @@ class Snapshot:
         cpu_diff, cpu_all = sum(r[3] for r in results), sum(r[3] + r[4] for r in results)
         return changes, encoded, wall * cpu_diff / cpu_all if cpu_all else 0.0
 
+    def _put(self, name: str, indices: np.ndarray, bits: np.ndarray) -> None:
+        """Write `bits` at `indices` of a CPU snapshot tensor."""
+        put_bits(to_np_bits(bits_view(self.state[name])), indices, bits)
+
     def apply_changes(self, changes: Mapping[str, TensorChange]) -> None:
         """Write the target bits of `changes` into the snapshot and refresh the touched digests
         (tensors in parallel on the codec's pool)."""
@@ -168,7 +171,7 @@ class Snapshot:
             ch = changes[name]
             flat = bits_view(self.state[name])
             if flat.device.type == "cpu":
-                put_bits(to_np_bits(flat), ch.indices, ch.target_bits)
+                self._put(name, ch.indices, ch.target_bits)
             else:
                 idx = torch.from_numpy(ch.indices).to(flat.device)
                 flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)

@@ -72,14 +72,10 @@ def unit_view(state: Mapping[str, torch.Tensor], unit: Unit) -> torch.Tensor:
     return t[start:stop]
 
 
-def set_unit_digest(digests: MutableMapping[str, str], unit: Unit, digest: str) -> None:
-    """Record `digest` for `unit`, dropping the digests of whatever it overlaps (the tensor as a
-    whole, or other row ranges of it): the keys of `digests` always partition the state."""
-    set_unit_digests(digests, [(unit, digest)])
-
-
 def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Unit, str]]) -> None:
-    """`set_unit_digest` for many units of distinct keys, in one pass over `digests`."""
+    """Record each unit's digest (units of distinct keys), dropping the digests of whatever they
+    overlap (the tensor as a whole, or other row ranges of it), in one pass over `digests`: the
+    keys of `digests` always partition the state."""
     by_name: dict[str, list[Unit]] = {}
     for unit, _ in items:
         by_name.setdefault(unit.name, []).append(unit)
