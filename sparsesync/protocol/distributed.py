@@ -512,7 +512,7 @@ class DistributedPublisher(Publisher):
                 sd = state_digest(digests)
                 base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
             else:
-                sd, base_sd, index = self._anchor_index(item, reports)
+                (sd, index), base_sd = self._anchor_index(item, reports), None
                 anchor += index
             metrics = combined_metrics([r["metrics"] for r in reports])
             rec = CommitRecord(
@@ -528,7 +528,7 @@ class DistributedPublisher(Publisher):
             return f"rank 0 could not commit: {type(e).__name__}: {e}", ""
         return None, sd
 
-    def _anchor_index(self, item: _Item, reports: list[dict[str, Any]]) -> tuple[str, None, list[ObjectRef]]:
+    def _anchor_index(self, item: _Item, reports: list[dict[str, Any]]) -> tuple[str, list[ObjectRef]]:
         """Rank 0, an anchor version: its state digest (whole tensors), and the index it stores
         beside the ranks' files when there are several ([] when one file holds it all)."""
         plan = item.metrics["_anchor_plan"]
@@ -536,14 +536,14 @@ class DistributedPublisher(Publisher):
         if set(digests) != set(plan.owner):
             raise SparsesyncError(f"the ranks' anchor files hold {len(digests)} tensors, the plan {len(plan.owner)}")
         if len(plan.files) == 1:
-            return state_digest(digests), None, []
+            return state_digest(digests), []
         d = self._staging / f"anchor-{item.version}-{item.uid}"
         d.mkdir(parents=True, exist_ok=True)
         item.anchor_dir = d
         path = write_anchor_index(d, plan.weight_map, digests, version=item.version, total_size=plan.total_size)
         key = anchor_prefix(item.version, self.epoch, item.uid) + path.name
         self.store.put_many([(key, path)])
-        return state_digest(digests), None, [ObjectRef(key, path.stat().st_size, file_digest(path))]
+        return state_digest(digests), [ObjectRef(key, path.stat().st_size, file_digest(path))]
 
 
 def combined_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

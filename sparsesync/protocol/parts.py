@@ -22,7 +22,6 @@ Guarantees:
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -81,12 +80,9 @@ def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Un
         by_name.setdefault(unit.name, []).append(unit)
     stale = []
     for k in digests:
-        m = _SHARD_KEY.match(k) if k.endswith("]") else None
-        units = by_name.get(m[1] if m else k)
-        if units is None:
-            continue
-        rows = (int(m[2]), int(m[3])) if m else None
-        if any(rows is None or u.rows is None or (rows[0] < u.rows[1] and u.rows[0] < rows[1]) for u in units):
+        held = _unit_of(k)
+        rows = held.rows
+        if any(rows is None or u.rows is None or (rows[0] < u.rows[1] and u.rows[0] < rows[1]) for u in by_name.get(held.name, ())):
             stale.append(k)
     for k in stale:
         del digests[k]
@@ -255,13 +251,13 @@ class Prefetcher:
 
 
 def _unit_of(key: str) -> Unit:
-    m = _SHARD_KEY.match(key)
+    m = _SHARD_KEY.match(key) if key.endswith("]") else None
     return Unit(m[1], (int(m[2]), int(m[3]))) if m else Unit(key)
 
 
 def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
                 digests: MutableMapping[str, str], *, names: Sequence[str] | None = None,
-                timings: dict[str, float] | None = None, prefetched: Prefetcher | None = None) -> dict[str, SparseUpdate]:
+                prefetched: Prefetcher | None = None) -> dict[str, SparseUpdate]:
     """Apply the version `rec` (in parts) to `state` in place, all or nothing; update `digests`.
 
     `fetch` returns a part's bytes checked against its size and digest (`Run.fetch`). Parts are
@@ -274,7 +270,6 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     if not rec.parts:
         raise ProtocolError(f"version {rec.version} has no parts")
     refs = parts_for(rec, names)
-    t0 = time.perf_counter()
     staged: list[_Staged] = []
     ready = {r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None}
     for ref in refs:
@@ -299,7 +294,6 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
             for f in futures:
                 f.cancel()
             raise
-    t1 = time.perf_counter()
     written: list[tuple[_Staged, dict[str, SparseUpdate]]] = []
     try:
         for s in staged:
@@ -311,26 +305,22 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
                 e._sparsesync_key = s.ref.key  # type: ignore[attr-defined]
                 e._sparsesync_written = True  # type: ignore[attr-defined]
                 raise
+        new = dict(digests)
+        set_unit_digests(new, [(u, s.targets[u.key]) for s in staged for u in s.ref.units])
+        if names is None and state_digest(new) != rec.state_digest:
+            err = DigestMismatchError(
+                f"after applying the {len(staged)} parts of version {rec.version} the state digest is "
+                f"{state_digest(new)}, expected {rec.state_digest} (undone)",
+                hint="the parts do not make up the committed version; reload from an anchor",
+            )
+            err._sparsesync_written = True  # type: ignore[attr-defined]
+            raise err
     except BaseException:
         for s, old in reversed(written):
             write_updates(s.views, old)
         raise
-    new = dict(digests)
-    set_unit_digests(new, [(u, s.targets[u.key]) for s in staged for u in s.ref.units])
-    if names is None and state_digest(new) != rec.state_digest:
-        for s, old in reversed(written):
-            write_updates(s.views, old)
-        err = DigestMismatchError(
-            f"after applying the {len(staged)} parts of version {rec.version} the state digest is "
-            f"{state_digest(new)}, expected {rec.state_digest} (undone)",
-            hint="the parts do not make up the committed version; reload from an anchor",
-        )
-        err._sparsesync_written = True  # type: ignore[attr-defined]
-        raise err
     digests.clear()
     digests.update(new)
-    if timings is not None:
-        timings.update(fetch_decode_s=t1 - t0, write_verify_s=time.perf_counter() - t1)
     return _global_updates(staged)
 
 
