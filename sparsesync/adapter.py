@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_state, load_checkpoint
+from sparsesync.checkpoint import checkpoint_digest, load_checkpoint
 from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError
 
@@ -122,7 +122,7 @@ def is_adapter_key(name: str) -> bool:
 def base_digest(state: Mapping[str, torch.Tensor]) -> str:
     """The digest an adapter run records for its base: the state digest of `state` (a model's
     `state_dict()` or a loaded checkpoint) in the checkpoint's own key set."""
-    return state_digest(tensor_digests(checkpoint_state(state)))
+    return checkpoint_digest(state)
 
 
 def peft_base_state(model: Any) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ each rank's shards the same way. Nothing here unpickles anything.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -104,6 +104,23 @@ def shared_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
         if first != name:
             aliases[name] = first
     return aliases
+
+
+def map_tied(state: Mapping[str, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`{name: fn(t)}`, where names tied to one tensor (`shared_aliases`) get one result: a
+    cast or copy keeps a tied LM head the embedding's tensor, which publishers send once."""
+    aliases = shared_aliases(state)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        out[name] = out[aliases[name]] if name in aliases else fn(t)
+    return out
+
+
+def checkpoint_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """The state digest of `state` in the checkpoint's own key set (what a run records for it)."""
+    from sparsesync.codec import state_digest, tensor_digests
+
+    return state_digest(tensor_digests(checkpoint_state(state)))
 
 
 def check_tied(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:

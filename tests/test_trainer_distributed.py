@@ -126,6 +126,12 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
             assert time.monotonic() < deadline, st
             time.sleep(0.3)
         assert st["state"] == "following"
+        # what the replica's engine computes: its greedy completions scored by the rebuilt version 3
+        from trainer.demo import _outputs_check
+
+        served = {**f.mirror, "lm_head.weight": f.mirror[emb]}  # transformers' state dict names the tied head too
+        check = _outputs_check([replica], Path(TrainerConfig.load(config).model.path), served)
+        assert check["ok"], check
         _continue(tmp_path, config, bucket, digests[3])
     assert verify_run(bucket).ok
 

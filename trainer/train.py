@@ -42,8 +42,7 @@ from typing import Any
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_state, shared_aliases
-from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.checkpoint import checkpoint_digest, map_tied
 from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError, TrainerError
 from sparsesync.protocol.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer
@@ -135,11 +134,7 @@ def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
     from sparsesync.adapter import adapter_tensors, is_peft_model
 
     state = adapter_tensors(model) if is_peft_model(model) else model.state_dict()
-    aliases = shared_aliases(state)  # tied weights are cast once, so the publisher still sees one tensor
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        out[name] = out[aliases[name]] if name in aliases else t.detach().to(dtype=dtype).contiguous().cpu()
-    return out
+    return map_tied(state, lambda t: t.detach().to(dtype=dtype).contiguous().cpu())
 
 
 class _StatusPoller:
@@ -310,7 +305,7 @@ class AsyncGRPOTrainer:
             if ctx is not None:  # the digest of the gathered full weights (a collective)
                 with self._collective(ctx, "gathering the final weights"):
                     state = full_state(state, ctx.rank) or {}
-            final_digest = state_digest(tensor_digests(checkpoint_state(state))) if lead else ""  # in the run's key set
+            final_digest = checkpoint_digest(state) if lead else ""  # in the run's key set
             commit_digest = final_digest
             if ctx is not None and lead:
                 commit_digest = publisher.run.commit(self.version).state_digest
