@@ -1199,13 +1199,6 @@ done:
 }
 
 /* ------------------------------------------------------------------------ gaps and deltas */
-static inline void put_low(uint8_t *o, long long bit, uint64_t v) {
-    uint64_t word;
-    memcpy(&word, o + (bit >> 3), 8);
-    word |= v << (bit & 7);
-    memcpy(o + (bit >> 3), &word, 8);
-}
-
 static inline uint64_t get_low(const uint8_t *d, long long bit, uint64_t mask) {
     uint64_t word;
     memcpy(&word, d + (bit >> 3), 8);
@@ -1273,15 +1266,29 @@ static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
     uint8_t *low = lb.buf;
     const uint64_t mask = k ? (1ULL << k) - 1 : 0;
     Py_BEGIN_ALLOW_THREADS
-    memset(hist, 0, (e + 1) * 8);
+    /* four histograms break the store-to-load chain of repeated symbols; the low bits gather
+     * in a 64-bit register and go out in whole bytes (stores only: no partial-overlap reloads) */
+    int64_t h4[4][ALPHA + 1] = {{0}};
+    uint8_t *o = low + (loff >> 3);
+    int nb = (int)(loff & 7);
+    uint64_t acc = k ? o[0] & ((1u << nb) - 1) : 0; /* the previous class's bits in the first byte */
     for (int64_t i = 0; i < n; i++) {
         uint64_t v = gap_at(r, i), q = v >> k;
         int s = q < (uint64_t)e ? (int)q : e;
         sym[i] = s;
-        hist[s]++;
+        h4[i & 3][s]++;
         if (s == e) esc[ne++] = q;
-        if (k) put_low(low, loff + (long long)i * k, v & mask);
+        if (k) {
+            acc |= (v & mask) << nb; /* nb < 8 and k <= 56: no bit falls off */
+            nb += k;
+            memcpy(o, &acc, 8);
+            o += nb >> 3;
+            acc = nb >= 8 ? acc >> (nb & ~7) : acc;
+            nb &= 7;
+        }
     }
+    if (k) memcpy(o, &acc, 8);
+    for (int j = 0; j <= e; j++) hist[j] = h4[0][j] + h4[1][j] + h4[2][j] + h4[3][j];
     Py_END_ALLOW_THREADS
     res = PyLong_FromLongLong(ne);
 done:
