@@ -298,17 +298,23 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
     full_cls = cls if thresholds else np.zeros(n, np.uint8)
     for c in range(n_cls):
         assert np.array_equal(hist[c], np.bincount(np.minimum(zz[full_cls == c], 64).astype(np.intp), minlength=65))
+    step_hist = np.empty((n_cls, 65), np.int64)
+    _native.delta_hist(base, target, width, cls, n_cls, step_hist, 7)
+    for c in range(n_cls):
+        assert np.array_equal(step_hist[c], np.bincount(np.minimum(zz[::7][full_cls[::7] == c], 64).astype(np.intp), minlength=65))
     es = np.array([5, 64, 1][:n_cls], np.int64)
     sizes = hist.sum(axis=1)
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    n_esc = [int(hist[c, es[c]:].sum()) for c in range(n_cls)]
-    xoff = np.concatenate([[0], np.cumsum(n_esc)]).astype(np.int64)
-    sym, esc = np.empty(n, np.int32), np.empty(int(xoff[-1]), base.dtype)
-    _native.delta_symbols(base, target, width, cls, n_cls, es, off, xoff, sym, esc)
+    sym, esc_all, sym_hist = np.empty(n, np.int32), np.empty(n, base.dtype), np.empty((n_cls, 65), np.int64)
+    n_esc = _native.delta_symbols(base, target, width, cls, n_cls, es, off, sym, esc_all, sym_hist)
+    assert n_esc == [int(hist[c, es[c]:].sum()) for c in range(n_cls)]
+    esc = np.concatenate([esc_all[off[c] : off[c] + n_esc[c]] for c in range(n_cls)])
     grouped = zz[np.argsort(full_cls, kind="stable")]
     group_e = np.repeat(es, sizes)
     assert np.array_equal(sym, np.minimum(grouped, group_e).astype(np.int32))
     assert np.array_equal(esc.astype(np.uint64), grouped[grouped >= group_e])
+    for c in range(n_cls):
+        assert np.array_equal(sym_hist[c], np.bincount(sym[off[c] : off[c + 1]], minlength=65))
     out = np.empty_like(base)
     assert _native.delta_values(base, width, cls, n_cls, sym, off, es, esc.tobytes(), out) == -1
     assert np.array_equal(out, target)
@@ -317,6 +323,9 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
         bad = esc.copy()
         bad[0] = 0
         assert _native.delta_values(base, width, cls, n_cls, sym, off, es, bad.tobytes(), out) >= 200
+    if n_cls > 1:  # class sizes that do not match the classes
+        with pytest.raises(ValueError, match="offsets do not match"):
+            _native.delta_symbols(base, target, width, cls, n_cls, es, np.array([0] * n_cls + [n], np.int64), sym, esc_all, sym_hist)
 
 
 # ---------------------------------------------------------------------------- gather / scatter

@@ -240,8 +240,8 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
     """Per class (its sorted ranks; gap i = r[i] - r[i - 1] - 1): (remainder bits k near log2
     of the mean gap, alphabet size e of the quotients) minimizing the coded size. Each class's
     candidate histograms come from one C pass over its gaps; the costs of
-    all classes' candidates are evaluated together. k is chosen on every step-th gap of large
-    classes (size only, never correctness); their e then comes from all quotients."""
+    all classes' candidates are evaluated together. Both are chosen on every step-th gap of
+    large classes (about 2^16 of them: size only, never correctness)."""
     rows, plans = [], []
     for r in ranks:
         if r.size == 0:
@@ -254,26 +254,17 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
         k0, k1 = max(0, base - 3), min(_MAX_K, base)
         hists = np.empty((k1 - k0 + 1, MAX_ALPHABET + 1), dtype=np.int64)  # row j: the quotients' histogram for k = k0 + j
         _native.gap_khist(r, step, k0, hists)
-        plans.append((k0, n_sample, sum(len(h) for h in rows), len(hists), step > 1))
+        plans.append((k0, n_sample, sum(len(h) for h in rows), len(hists)))
         rows.append(hists)
     bits, es = _escape_costs(np.concatenate(rows), 64) if rows else (None, None)
     out: list[tuple[int, int]] = []
-    resample: list[int] = []
     for plan in plans:
         if plan is None:
             out.append((0, 1))
             continue
-        k0, n_sample, r0, nk, sampled = plan
+        k0, n_sample, r0, nk = plan
         j = int(np.argmin(bits[r0 : r0 + nk] + (k0 + np.arange(nk)) * n_sample))  # first of equal costs: smallest k
-        if sampled:
-            resample.append(len(out))
         out.append((k0 + j, int(es[r0 + j])))
-    if resample:
-        full = np.empty((len(resample), MAX_ALPHABET + 1), dtype=np.int64)
-        for row, i in zip(full, resample):
-            _native.gap_khist(ranks[i], 1, out[i][0], row[None, :])
-        for i, e in zip(resample, _escape_costs(full, 64)[1]):
-            out[i] = (out[i][0], int(e))
     return out
 
 
@@ -375,7 +366,8 @@ def _delta_enc(
 ) -> tuple[dict, dict[str, StreamOut]]:
     """Wrapped, zigzagged difference of the bit patterns, ANS coded per class of the base
     magnitude (escapes raw); classes in order, position order inside each class. `cls`:
-    `class_of(base, thresholds)` when the caller has it."""
+    `class_of(base, thresholds)` when the caller has it. Each class's alphabet size comes from
+    every step-th value (about 2^14 of them: size only); its counts are exact."""
     thresholds = thresholds or []
     w, n_cls = ctx.np_bits.itemsize, len(thresholds) + 1
     base, target = np.ascontiguousarray(base), np.ascontiguousarray(target)
@@ -384,13 +376,14 @@ def _delta_enc(
     elif cls is None:
         cls = class_of(base, thresholds)
     hist = np.empty((n_cls, MAX_ALPHABET + 1), dtype=np.int64)
-    _native.delta_hist(base, target, w, cls, n_cls, hist)
+    _native.delta_hist(base, target, w, cls, n_cls, hist, max(1, base.size >> 14))
     es = _escape_costs(hist, 8 * w)[1].astype(np.int64)
-    counts_all = [[int(c) for c in h[:e]] + [int(h[e:].sum())] for h, e in zip(hist, es)]
-    off, esc_off = offsets(hist.sum(axis=1)), offsets([c[-1] for c in counts_all])
-    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(int(esc_off[-1]), dtype=ctx.np_bits.newbyteorder("<"))
-    _native.delta_symbols(base, target, w, cls, n_cls, es, off, esc_off, sym, esc)
-    streams = {"delta": ans_encode(sym, [(counts_all[c], int(off[c + 1] - off[c])) for c in range(n_cls)]), "delta_escape": esc.tobytes()}
+    off = offsets(key_counts(cls)[:n_cls] if thresholds else [base.size])
+    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(base.size, dtype=ctx.np_bits.newbyteorder("<"))
+    n_esc = _native.delta_symbols(base, target, w, cls, n_cls, es, off, sym, esc, hist)
+    counts_all = [[int(c) for c in h[: e + 1]] for h, e in zip(hist, es)]
+    escapes = b"".join(esc[off[c] : off[c] + n_esc[c]].tobytes() for c in range(n_cls))
+    streams = {"delta": ans_encode(sym, [(counts_all[c], int(off[c + 1] - off[c])) for c in range(n_cls)]), "delta_escape": escapes}
     return {"thresholds": thresholds, "counts": counts_all}, {k: ("U8", (len(b),), b) for k, b in streams.items() if b or k == "delta"}
 
 

@@ -57,10 +57,12 @@
  *       bits; the decoder turns them back into ranks and checks escapes, quotients and the
  *       running rank against the tensor's size. gap_khist counts every step-th gap's quotient
  *       for each candidate k0, k0 + 1, ... (clipped at 64).
- *   delta_hist(base, target, width, cls, K, hist) / delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc)
+ *   delta_hist(base, target, width, cls, K, hist[, step]) / delta_symbols(base, target, width, cls, K, es, offsets, sym, esc, hist) -> n_escaped per class
  *   delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> status
  *       Encoder and decoder of the `delta` values: zigzag of the wrapped bit-pattern difference,
  *       grouped by class (position order inside a class), symbols >= e escaped raw (width bytes).
+ *       delta_hist counts every step-th value (clipped at 64) per class; delta_symbols writes
+ *       the symbols, class c's escapes from esc[offsets[c]] on, and the symbols' histogram.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1384,12 +1386,13 @@ static int delta_common(Py_buffer *bb, Py_buffer *cb, int w, int K, int64_t *n) 
 static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
     Py_buffer bb, tb, cb, hb;
     int w, K;
-    if (!PyArg_ParseTuple(args, "y*y*iy*iw*", &bb, &tb, &w, &cb, &K, &hb)) return NULL;
+    long long step = 1;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iw*|L", &bb, &tb, &w, &cb, &K, &hb, &step)) return NULL;
     PyObject *res = NULL;
     int64_t n;
     if (delta_common(&bb, &cb, w, K, &n) < 0) goto done;
-    if (tb.len != bb.len || hb.len != K * 65 * 8) {
-        PyErr_SetString(PyExc_ValueError, "delta_hist: target or hist has the wrong size");
+    if (tb.len != bb.len || hb.len != K * 65 * 8 || step < 1) {
+        PyErr_SetString(PyExc_ValueError, "delta_hist: target or hist has the wrong size, or step < 1");
         goto done;
     }
     const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
@@ -1397,7 +1400,7 @@ static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     memset(hist, 0, K * 65 * 8);
 #define CALL(W)                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                              \
+    for (int64_t i = 0; i < n; i += step) {                                        \
         uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);                \
         hist[(K > 1 ? cls[i] : 0) * 65 + (z < 64 ? z : 64)]++;                     \
     }
@@ -1426,54 +1429,51 @@ static int parse_es(Py_buffer *eb, int K, int64_t *es) {
 }
 
 static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
-    Py_buffer bb, tb, cb, eb, ob, xb, sb, zb;
+    Py_buffer bb, tb, cb, eb, ob, sb, zb, hb;
     int w, K;
-    if (!PyArg_ParseTuple(args, "y*y*iy*iy*y*y*w*w*", &bb, &tb, &w, &cb, &K, &eb, &ob, &xb, &sb, &zb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iy*y*w*w*w*", &bb, &tb, &w, &cb, &K, &eb, &ob, &sb, &zb, &hb)) return NULL;
     PyObject *res = NULL;
-    int64_t n, es[MAXC], off[MAXC + 1], xoff[MAXC + 1];
+    int64_t n, es[MAXC], off[MAXC + 1];
     if (delta_common(&bb, &cb, w, K, &n) < 0 || parse_es(&eb, K, es) < 0) goto done;
-    if (tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || xb.len != (K + 1) * 8) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: target, offsets or sym has the wrong size");
-        goto done;
-    }
-    memcpy(xoff, xb.buf, (K + 1) * 8);
-    if (xoff[0] != 0 || xoff[K] * w != zb.len) {
-        PyErr_SetString(PyExc_ValueError, "delta_symbols: escape offsets do not match the escape buffer");
+    if (tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || zb.len != n * w || hb.len != K * 65 * 8) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: target, offsets, sym, esc or hist has the wrong size");
         goto done;
     }
     const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
     int32_t *sym = sb.buf;
     uint8_t *esc = zb.buf;
-    int64_t so[MAXC], eo[MAXC];
+    int64_t *hist = hb.buf, so[MAXC], eo[MAXC];
     memcpy(so, off, K * 8);
-    memcpy(eo, xoff, K * 8);
+    memcpy(eo, off, K * 8);
     int ok = 1;
     Py_BEGIN_ALLOW_THREADS
+    memset(hist, 0, K * 65 * 8);
 #define CALL(W)                                                                   \
     for (int64_t i = 0; i < n; i++) {                                             \
         int c = K > 1 ? cls[i] : 0;                                               \
         uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);               \
         if (so[c] >= off[c + 1]) { ok = 0; break; }                               \
-        if (z >= (uint64_t)es[c]) {                                               \
-            if (eo[c] >= xoff[c + 1]) { ok = 0; break; }                          \
-            store_w(esc, W, eo[c]++, z);                                          \
-            sym[so[c]++] = (int32_t)es[c];                                        \
-        } else {                                                                  \
-            sym[so[c]++] = (int32_t)z;                                            \
-        }                                                                         \
+        int s = z < (uint64_t)es[c] ? (int)z : (int)es[c];                        \
+        if (s == es[c]) store_w(esc, W, eo[c]++, z);                              \
+        sym[so[c]++] = s;                                                         \
+        hist[c * 65 + s]++;                                                       \
     }
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
-    for (int c = 0; c < K; c++) ok &= so[c] == off[c + 1] && eo[c] == xoff[c + 1];
+    for (int c = 0; c < K; c++) ok &= so[c] == off[c + 1];
     Py_END_ALLOW_THREADS
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "delta_symbols: offsets do not match the classes or escapes");
+        PyErr_SetString(PyExc_ValueError, "delta_symbols: offsets do not match the classes");
         goto done;
     }
-    res = Py_None;
-    Py_INCREF(res);
+    res = PyList_New(K);
+    for (int c = 0; res && c < K; c++) {
+        PyObject *v = PyLong_FromLongLong(eo[c] - off[c]);
+        if (!v) Py_CLEAR(res);
+        else PyList_SET_ITEM(res, c, v);
+    }
 done:
-    RELEASE(&bb, &tb, &cb, &eb, &ob, &xb, &sb, &zb);
+    RELEASE(&bb, &tb, &cb, &eb, &ob, &sb, &zb, &hb);
     return res;
 }
 
@@ -1662,8 +1662,8 @@ static PyMethodDef methods[] = {
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
     {"gap_ranks", py_gap_ranks, METH_VARARGS, "gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)"},
-    {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist) -> None"},
-    {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, cls, K, es, offsets, esc_offsets, sym, esc) -> None"},
+    {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist[, step]) -> None"},
+    {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, cls, K, es, offsets, sym, esc, hist) -> list[int]"},
     {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
     {NULL, NULL, 0, NULL},
 };
