@@ -21,7 +21,9 @@ Modes: `sparse` one delta file per version (`part_bytes=0`), `parts` the version
 `--part-bytes` uploaded as each is encoded (followers fetch and decode parts concurrently),
 `full` the whole checkpoint. With `--pin` the trainer (this process) runs on core 0 and every
 follower on core 1 (`os.sched_setaffinity`, what `taskset` does), so they behave like separate
-machines; the S3 service is not pinned. For each sparse mode it also reports the trainer's
+machines, and the S3 service (moto and the paced proxy: the store and the network, neither the
+trainer's work nor a follower's) runs on core 1 beside the followers; without `--pin`
+everything shares every core. For each sparse mode it also reports the trainer's
 diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
 1.3 x max(encode, decode+apply) + transfer (transfer: bytes over `--link-mbit` on s3-wan, else 0).
 """
@@ -49,8 +51,9 @@ from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402 - the
 
 
 # -- the S3 service (its own process, as a real store is: not sharing the trainer's CPU time) --
-def _s3_service(link_bps: float | None, ready, stop) -> None:  # type: ignore[no-untyped-def]
+def _s3_service(link_bps: float | None, ready, stop, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
     """moto's S3 server on loopback, behind a paced TCP proxy when `link_bps` is set."""
+    _pin(core)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
     from moto.server import ThreadedMotoServer
 
@@ -70,9 +73,10 @@ def _s3_service(link_bps: float | None, ready, stop) -> None:  # type: ignore[no
 
 
 @contextlib.contextmanager
-def bench_store(kind: str, link_bps: float | None = None) -> Iterator[tuple[str, dict[str, str]]]:
+def bench_store(kind: str, link_bps: float | None = None, core: int | None = None) -> Iterator[tuple[str, dict[str, str]]]:
     """(base URL, env for child processes) of a fresh store: "local" (a temp folder) or S3
-    (moto's server in its own process, paced to `link_bps` when given); removed on exit."""
+    (moto's server in its own process on `core` if given, else on every core, paced to
+    `link_bps` when given); removed on exit."""
     tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
     service, stop = None, None
     try:
@@ -83,7 +87,7 @@ def bench_store(kind: str, link_bps: float | None = None) -> Iterator[tuple[str,
 
         ctx = mp.get_context("spawn")
         ready, stop = ctx.Queue(), ctx.Event()
-        service = ctx.Process(target=_s3_service, args=(link_bps, ready, stop), daemon=True)
+        service = ctx.Process(target=_s3_service, args=(link_bps, ready, stop, core), daemon=True)
         service.start()
         env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
@@ -99,8 +103,9 @@ def bench_store(kind: str, link_bps: float | None = None) -> Iterator[tuple[str,
 
 # -- followers (each in its own process) ---------------------------------------------------
 def _pin(core: int | None) -> None:
-    if core is not None:
-        os.sched_setaffinity(0, {core})
+    """Run this process on `core` only; None: on every core of the machine (a child spawned by a
+    pinned process would otherwise inherit its parent's core)."""
+    os.sched_setaffinity(0, {core} if core is not None else range(os.cpu_count() or 1))
 
 
 def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
@@ -243,7 +248,7 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
     ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
     ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
-    ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers on core 1 (like taskset)")
+    ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
@@ -257,7 +262,7 @@ def main() -> None:
         _pin(0)
     seq = versions(shapes, args.versions, args.lr)
     for kind in args.store.split(","):
-        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None) as (base, env):
+        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, 1 if args.pin else None) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
                 res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin)
                 rows.append({"store": kind, "followers": nf, **res})
