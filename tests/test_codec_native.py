@@ -294,19 +294,19 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, np.uint8)
     zz = _ref_zigzag(base, target)
     hist = np.empty((n_cls, 65), np.int64)
-    _native.delta_hist(base, target, width, cls, n_cls, hist)
+    _native.delta_hist(base, target, width, bytes(thresholds), hist)
     full_cls = cls if thresholds else np.zeros(n, np.uint8)
     for c in range(n_cls):
         assert np.array_equal(hist[c], np.bincount(np.minimum(zz[full_cls == c], 64).astype(np.intp), minlength=65))
     step_hist = np.empty((n_cls, 65), np.int64)
-    _native.delta_hist(base, target, width, cls, n_cls, step_hist, 7)
+    _native.delta_hist(base, target, width, bytes(thresholds), step_hist, 7)
     for c in range(n_cls):
         assert np.array_equal(step_hist[c], np.bincount(np.minimum(zz[::7][full_cls[::7] == c], 64).astype(np.intp), minlength=65))
     es = np.array([5, 64, 1][:n_cls], np.int64)
     sizes = hist.sum(axis=1)
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     sym, esc_all, sym_hist = np.empty(n, np.int32), np.empty(n, base.dtype), np.empty((n_cls, 65), np.int64)
-    n_esc = _native.delta_symbols(base, target, width, cls, n_cls, es, off, sym, esc_all, sym_hist)
+    n_esc = _native.delta_symbols(base, target, width, bytes(thresholds), es, off, sym, esc_all, sym_hist)
     assert n_esc == [int(hist[c, es[c]:].sum()) for c in range(n_cls)]
     esc = np.concatenate([esc_all[off[c] : off[c] + n_esc[c]] for c in range(n_cls)])
     grouped = zz[np.argsort(full_cls, kind="stable")]
@@ -325,7 +325,7 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
         assert _native.delta_values(base, width, cls, n_cls, sym, off, es, bad.tobytes(), out) >= 200
     if n_cls > 1:  # class sizes that do not match the classes
         with pytest.raises(ValueError, match="offsets do not match"):
-            _native.delta_symbols(base, target, width, cls, n_cls, es, np.array([0] * n_cls + [n], np.int64), sym, esc_all, sym_hist)
+            _native.delta_symbols(base, target, width, bytes(thresholds), es, np.array([0] * n_cls + [n], np.int64), sym, esc_all, sym_hist)
 
 
 # ---------------------------------------------------------------------------- gather / scatter

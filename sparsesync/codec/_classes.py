@@ -1,7 +1,7 @@
 """Classes of the base magnitude, and ranks of elements inside their class (used by `gaps`/`delta`).
 
 Guarantee: encoder and decoder compute the same classes from the same base bits, so the class
-of an element costs nothing to send; with `r = class_ranks(base, t, idx, cls)`,
+of an element costs nothing to send; with `r = class_ranks(base, t, idx, sizes)`,
 `class_select(base, t, np.concatenate(r), [x.size for x in r])` gives back `idx` for every
 sorted, unique `idx`. The full-tensor passes run in C (`_native.c`, one pass over
 the base, the GIL released); the rest is vectorized numpy. See docs/format.md, "Classes of the
@@ -58,11 +58,17 @@ def offsets(sizes: list[int] | np.ndarray) -> np.ndarray:
     return np.fromiter(itertools.accumulate(sizes, initial=0), dtype=np.int64, count=len(sizes) + 1)
 
 
-def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, cls: np.ndarray) -> list[np.ndarray]:
-    """Per class c: the rank of each changed element of class c (`cls`, from `class_of` of the
-    base at `idx`) among all members of class c in `base`, in index order. `idx`: sorted, unique."""
-    k = len(thresholds) + 1
-    off = offsets(key_counts(cls)[:k])
+def class_sizes(key_hist: np.ndarray, thresholds: list[int]) -> list[int]:
+    """How many elements each class holds, from the elements' key histogram (`key_counts`)."""
+    edges = [0, *thresholds, 128]
+    return [int(key_hist[a:b].sum()) for a, b in zip(edges, edges[1:])]
+
+
+def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Per class c: the rank of each changed element of class c among all members of class c in
+    `base`, in index order. `idx`: sorted, unique; `sizes`: how many of `idx` each class holds
+    (`class_sizes` of the base's keys at `idx`)."""
+    off = offsets(sizes)
     out = np.empty(idx.size, dtype=np.int64)
     _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(idx, dtype=np.int64), off, out)
     return np.split(out, off[1:-1])

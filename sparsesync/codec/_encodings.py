@@ -14,7 +14,7 @@ import numpy as np
 import zstandard
 
 from sparsesync.codec import _native
-from sparsesync.codec._classes import class_of, class_ranks, class_select, key_counts, key_of, offsets  # noqa: F401 - key_of re-exported
+from sparsesync.codec._classes import class_of, class_ranks, class_select, class_sizes, key_counts, key_of, offsets  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
 _MAX_WINDOW = 1 << 27  # zstd window a hostile frame may ask for (our frames use far less)
@@ -205,16 +205,16 @@ def _check_thresholds(ctx: Ctx, t: object) -> list[int]:
 
 
 def _gaps_enc(
-    idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.ndarray | None, base_full: np.ndarray | None, cls: np.ndarray | None = None
+    idx: np.ndarray, ctx: Ctx, thresholds: list[int], base_at_idx: np.ndarray | None, base_full: np.ndarray | None, sizes: list[int] | None = None
 ) -> tuple[dict, dict[str, StreamOut]]:
     """Gap coding, optionally per class of the base magnitude: within each class, the ranks of
     the changed elements among the class members are gap coded; gap = q * 2^k + low, q entropy
-    coded (ANS, escapes raw), low as k raw bits. `cls`: `class_of(base_at_idx, thresholds)`
-    when the caller has it."""
+    coded (ANS, escapes raw), low as k raw bits. `sizes`: `class_sizes` of the base at `idx`
+    when the caller has them."""
     if thresholds:
         if base_at_idx is None or base_full is None:
             raise ValueError("class-conditioned gaps need the base")
-        ranks = class_ranks(base_full, thresholds, idx, class_of(base_at_idx, thresholds) if cls is None else cls)
+        ranks = class_ranks(base_full, thresholds, idx, class_sizes(key_counts(base_at_idx), thresholds) if sizes is None else sizes)
     else:
         ranks = [idx]
     ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]
@@ -362,25 +362,24 @@ def _raw_val_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: 
 
 
 def _delta_enc(
-    base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[int] | None = None, cls: np.ndarray | None = None
+    base: np.ndarray, target: np.ndarray, ctx: Ctx, thresholds: list[int] | None = None, sizes: list[int] | None = None
 ) -> tuple[dict, dict[str, StreamOut]]:
     """Wrapped, zigzagged difference of the bit patterns, ANS coded per class of the base
-    magnitude (escapes raw); classes in order, position order inside each class. `cls`:
-    `class_of(base, thresholds)` when the caller has it. Each class's alphabet size comes from
+    magnitude (escapes raw); classes in order, position order inside each class. `sizes`:
+    `class_sizes` of `base` when the caller has them. Each class's alphabet size comes from
     every step-th value (about 2^14 of them: size only); its counts are exact."""
     thresholds = thresholds or []
     w, n_cls = ctx.np_bits.itemsize, len(thresholds) + 1
     base, target = np.ascontiguousarray(base), np.ascontiguousarray(target)
-    if not thresholds:
-        cls = np.zeros(0, dtype=np.uint8)
-    elif cls is None:
-        cls = class_of(base, thresholds)
+    if sizes is None:
+        sizes = class_sizes(key_counts(base), thresholds) if thresholds else [base.size]
     hist = np.empty((n_cls, MAX_ALPHABET + 1), dtype=np.int64)
-    _native.delta_hist(base, target, w, cls, n_cls, hist, max(1, base.size >> 14))
+    t = bytes(thresholds)
+    _native.delta_hist(base, target, w, t, hist, max(1, base.size >> 14))
     es = _escape_costs(hist, 8 * w)[1].astype(np.int64)
-    off = offsets(key_counts(cls)[:n_cls] if thresholds else [base.size])
+    off = offsets(sizes)
     sym, esc = np.empty(base.size, dtype=np.int32), np.empty(base.size, dtype=ctx.np_bits.newbyteorder("<"))
-    n_esc = _native.delta_symbols(base, target, w, cls, n_cls, es, off, sym, esc, hist)
+    n_esc = _native.delta_symbols(base, target, w, t, es, off, sym, esc, hist)
     counts_all = [[int(c) for c in h[: e + 1]] for h, e in zip(hist, es)]
     escapes = b"".join(esc[off[c] : off[c] + n_esc[c]].tobytes() for c in range(n_cls))
     streams = {"delta": ans_encode(sym, [(counts_all[c], int(off[c + 1] - off[c])) for c in range(n_cls)]), "delta_escape": escapes}

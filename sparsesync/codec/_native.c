@@ -57,10 +57,11 @@
  *       bits; the decoder turns them back into ranks and checks escapes, quotients and the
  *       running rank against the tensor's size. gap_khist counts every step-th gap's quotient
  *       for each candidate k0, k0 + 1, ... (clipped at 64).
- *   delta_hist(base, target, width, cls, K, hist[, step]) / delta_symbols(base, target, width, cls, K, es, offsets, sym, esc, hist) -> n_escaped per class
+ *   delta_hist(base, target, width, thresholds, hist[, step]) / delta_symbols(base, target, width, thresholds, es, offsets, sym, esc, hist) -> n_escaped per class
  *   delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> status
  *       Encoder and decoder of the `delta` values: zigzag of the wrapped bit-pattern difference,
  *       grouped by class (position order inside a class), symbols >= e escaped raw (width bytes).
+ *       The encoder passes take each element's class from its base bits and the thresholds;
  *       delta_hist counts every step-th value (clipped at 64) per class; delta_symbols writes
  *       the symbols, class c's escapes from esc[offsets[c]] on, and the symbols' histogram.
  */
@@ -103,6 +104,14 @@ static inline int select64(uint64_t w, int k) {
         sh += 8;
     }
     return sh + SEL8[w & 0xff][k];
+}
+
+/* lut[key]: the class of magnitude key `key` (how many thresholds it reaches) */
+static void class_lut(const int *thr, int nt, uint8_t *lut) {
+    for (int key = 0, c = 0; key < 128; key++) {
+        while (c < nt && key >= thr[c]) c++;
+        lut[key] = (uint8_t)c;
+    }
 }
 
 /* The 7-bit magnitude keys of up to 64 elements (the top byte of each, sign dropped). */
@@ -274,10 +283,7 @@ static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w
     int64_t cum[MAXC] = {0};
     uint64_t m[MAXC];
     uint8_t cls[128]; /* class of each key */
-    for (int key = 0, c = 0; key < 128; key++) {
-        while (c < nt && key >= thr[c]) c++;
-        cls[key] = (uint8_t)c;
-    }
+    class_lut(thr, nt, cls);
     int64_t i = 0;
     for (int64_t start = 0; start < n && i < nidx; start += 64) {
         int cnt = n - start < 64 ? (int)(n - start) : 64;
@@ -1383,26 +1389,33 @@ static int delta_common(Py_buffer *bb, Py_buffer *cb, int w, int K, int64_t *n) 
     return 0;
 }
 
+/* the class of each element from its base bits: key = top byte & 0x7f */
+#define DELTA_CLASS(bv, W) lut[((bv) >> (8 * (W) - 8)) & 0x7f]
+
 static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
-    Py_buffer bb, tb, cb, hb;
-    int w, K;
+    Py_buffer bb, tb, thb, hb;
+    int w;
     long long step = 1;
-    if (!PyArg_ParseTuple(args, "y*y*iy*iw*|L", &bb, &tb, &w, &cb, &K, &hb, &step)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*iy*w*|L", &bb, &tb, &w, &thb, &hb, &step)) return NULL;
     PyObject *res = NULL;
-    int64_t n;
-    if (delta_common(&bb, &cb, w, K, &n) < 0) goto done;
-    if (tb.len != bb.len || hb.len != K * 65 * 8 || step < 1) {
-        PyErr_SetString(PyExc_ValueError, "delta_hist: target or hist has the wrong size, or step < 1");
+    int thr[MAXC] = {0}, nt;
+    if (check_width(w) < 0 || parse_thresholds(&thb, thr, &nt) < 0) goto done;
+    int K = nt + 1;
+    int64_t n = bb.len / w;
+    if (bb.len % w || tb.len != bb.len || hb.len != K * 65 * 8 || step < 1) {
+        PyErr_SetString(PyExc_ValueError, "delta_hist: base, target or hist has the wrong size, or step < 1");
         goto done;
     }
-    const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
+    uint8_t lut[128];
+    class_lut(thr, nt, lut);
+    const uint8_t *b = bb.buf, *t = tb.buf;
     int64_t *hist = hb.buf;
     Py_BEGIN_ALLOW_THREADS
     memset(hist, 0, K * 65 * 8);
 #define CALL(W)                                                                    \
     for (int64_t i = 0; i < n; i += step) {                                        \
-        uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);                \
-        hist[(K > 1 ? cls[i] : 0) * 65 + (z < 64 ? z : 64)]++;                     \
+        uint64_t bv = load_w(b, W, i), z = zigzag_w(bv, load_w(t, W, i), W);       \
+        hist[DELTA_CLASS(bv, W) * 65 + (z < 64 ? z : 64)]++;                       \
     }
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
@@ -1410,7 +1423,7 @@ static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
     res = Py_None;
     Py_INCREF(res);
 done:
-    RELEASE(&bb, &tb, &cb, &hb);
+    RELEASE(&bb, &tb, &thb, &hb);
     return res;
 }
 
@@ -1429,17 +1442,23 @@ static int parse_es(Py_buffer *eb, int K, int64_t *es) {
 }
 
 static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
-    Py_buffer bb, tb, cb, eb, ob, sb, zb, hb;
-    int w, K;
-    if (!PyArg_ParseTuple(args, "y*y*iy*iy*y*w*w*w*", &bb, &tb, &w, &cb, &K, &eb, &ob, &sb, &zb, &hb)) return NULL;
+    Py_buffer bb, tb, thb, eb, ob, sb, zb, hb;
+    int w;
+    if (!PyArg_ParseTuple(args, "y*y*iy*y*y*w*w*w*", &bb, &tb, &w, &thb, &eb, &ob, &sb, &zb, &hb)) return NULL;
     PyObject *res = NULL;
-    int64_t n, es[MAXC], off[MAXC + 1];
-    if (delta_common(&bb, &cb, w, K, &n) < 0 || parse_es(&eb, K, es) < 0) goto done;
-    if (tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || zb.len != n * w || hb.len != K * 65 * 8) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: target, offsets, sym, esc or hist has the wrong size");
+    int thr[MAXC] = {0}, nt, K = 1;
+    int64_t n = 0, es[MAXC], off[MAXC + 1];
+    if (check_width(w) < 0 || parse_thresholds(&thb, thr, &nt) < 0) goto done;
+    K = nt + 1;
+    n = bb.len / w;
+    if (parse_es(&eb, K, es) < 0) goto done;
+    if (bb.len % w || tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || zb.len != n * w || hb.len != K * 65 * 8) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: base, target, offsets, sym, esc or hist has the wrong size");
         goto done;
     }
-    const uint8_t *b = bb.buf, *t = tb.buf, *cls = cb.buf;
+    uint8_t lut[128];
+    class_lut(thr, nt, lut);
+    const uint8_t *b = bb.buf, *t = tb.buf;
     int32_t *sym = sb.buf;
     uint8_t *esc = zb.buf;
     int64_t *hist = hb.buf, so[MAXC], eo[MAXC];
@@ -1450,8 +1469,8 @@ static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
     memset(hist, 0, K * 65 * 8);
 #define CALL(W)                                                                   \
     for (int64_t i = 0; i < n; i++) {                                             \
-        int c = K > 1 ? cls[i] : 0;                                               \
-        uint64_t z = zigzag_w(load_w(b, W, i), load_w(t, W, i), W);               \
+        uint64_t bv = load_w(b, W, i), z = zigzag_w(bv, load_w(t, W, i), W);      \
+        int c = DELTA_CLASS(bv, W);                                               \
         if (so[c] >= off[c + 1]) { ok = 0; break; }                               \
         int s = z < (uint64_t)es[c] ? (int)z : (int)es[c];                        \
         if (s == es[c]) store_w(esc, W, eo[c]++, z);                              \
@@ -1473,7 +1492,7 @@ static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
         else PyList_SET_ITEM(res, c, v);
     }
 done:
-    RELEASE(&bb, &tb, &cb, &eb, &ob, &sb, &zb, &hb);
+    RELEASE(&bb, &tb, &thb, &eb, &ob, &sb, &zb, &hb);
     return res;
 }
 
@@ -1537,10 +1556,7 @@ static PyObject *py_classes(PyObject *self, PyObject *args) {
         goto done;
     }
     uint8_t lut[128];
-    for (int key = 0, c = 0; key < 128; key++) {
-        while (c < nt && key >= thr[c]) c++;
-        lut[key] = (uint8_t)c;
-    }
+    class_lut(thr, nt, lut);
     const uint8_t *p = (const uint8_t *)bb.buf + (w - 1);
     uint8_t *o = ob.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -1662,8 +1678,8 @@ static PyMethodDef methods[] = {
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},
     {"gap_ranks", py_gap_ranks, METH_VARARGS, "gap_ranks(sym, e, esc, esc_offset, k, low, low_offset, numel, out) -> (status, next escape)"},
-    {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, cls, K, hist[, step]) -> None"},
-    {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, cls, K, es, offsets, sym, esc, hist) -> list[int]"},
+    {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, thresholds, hist[, step]) -> None"},
+    {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, thresholds, es, offsets, sym, esc, hist) -> list[int]"},
     {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
     {NULL, NULL, 0, NULL},
 };

@@ -48,7 +48,7 @@ def _bitmap_estimate(idx: np.ndarray, numel: int, beat: float = math.inf) -> flo
     return total * numel / ((i + 1) * probe)
 
 
-def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
+def choose_thresholds(base_full: np.ndarray, changed_keys: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
     """Class thresholds on the 7-bit magnitude key minimizing the position entropy (DP over
     contiguous key ranges, in C); a class is added only when it saves more than `min_gain`.
     The base's key histogram comes from about _HIST_SAMPLE elements in 64 evenly spaced
@@ -62,7 +62,7 @@ def choose_thresholds(base_full: np.ndarray, base_at_idx: np.ndarray, max_classe
     hist = np.empty(128, dtype=np.int64)
     _native.key_hist(np.ascontiguousarray(base_full), base_full.dtype.itemsize, starts, block, hist)
     tot = hist.astype(np.float64) * (n / max(1, min(n, _HIST_SAMPLE)))
-    chg = E.key_counts(base_at_idx).astype(np.float64)
+    chg = changed_keys.astype(np.float64)
     return _native.thresholds_dp(tot, chg, max_classes, min_gain)
 
 
@@ -75,12 +75,13 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
     # candidates: (size, name, build() -> (params, streams)); raw forms are sized without building them
     pos_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [(n * (4 if raw_pos == "raw_i32" else 8), raw_pos, lambda: E.POSITIONS[raw_pos][0](idx, ctx))]
     thresholds: list[int] = []
-    cls = None
+    sizes = None
     if n < numel:
         if base_full is not None and numel >= MIN_CLASSED_NUMEL and n >= 16:
-            thresholds = choose_thresholds(base_full, ch.base_bits)
-        cls = E.class_of(ch.base_bits, thresholds) if thresholds else None  # shared by gaps and delta
-        gp, gs = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full, cls)
+            changed_keys = E.key_counts(ch.base_bits)
+            thresholds = choose_thresholds(base_full, changed_keys)
+            sizes = E.class_sizes(changed_keys, thresholds)  # shared by gaps and delta
+        gp, gs = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full, sizes)
         pos_cands.append((_size(gs) + 60 * (len(thresholds) + 1), "gaps", lambda: (gp, gs)))
         # a bitmap costs >= H(n/numel) bits per element: only dense tensors, and only where
         # compressing a sample of it says it may beat the best so far
@@ -92,7 +93,7 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
 
     raw_values = lambda: E._raw_val_enc(ch.base_bits, ch.target_bits, ctx)  # noqa: E731
     val_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [(n * w, "raw", raw_values)]
-    dp, ds = E._delta_enc(ch.base_bits, ch.target_bits, ctx, thresholds, cls)
+    dp, ds = E._delta_enc(ch.base_bits, ch.target_bits, ctx, thresholds, sizes)
     val_cands.append((_size(ds) + 20 * (len(thresholds) + 1), "delta", lambda: (dp, ds)))
     vsize, vname, vbuild = min(val_cands, key=lambda c: c[0])
     best = (psize + vsize, pname, pbuild, vname, vbuild)
