@@ -81,6 +81,22 @@ def test_diff_into_gives_the_same_at_every_hw_level(hw, n, density):
     assert np.array_equal(np.concatenate(got) if got else np.zeros(0, np.int64), want)
 
 
+@pytest.mark.parametrize("hw", [0, 1, 2, 3])
+def test_diff_into_switches_between_sparse_and_dense_stretches(hw):
+    """Stretches of very different density, outputs large enough that the AVX2 pass runs its
+    dense way (picked per 64 steps) and its sparse way, and switches between them."""
+    _need(hw)
+    rng = np.random.default_rng(3)
+    parts = [(20_000, 0.001), (30_000, 0.1), (5_000, 0.0), (30_000, 0.3), (20_000, 0.02), (4_000, 1.0), (7_001, 0.06)]
+    a = _bits(rng, sum(n for n, _ in parts), 2)
+    b = np.concatenate([_flip(rng, a[s : s + n], d) for (n, d), s in zip(parts, np.cumsum([0] + [n for n, _ in parts]))])
+    want = np.flatnonzero(a != b)
+    oi, oa, ob = np.empty(a.size, np.int64), np.empty(a.size, a.dtype), np.empty(a.size, a.dtype)
+    k, nxt = _native.diff_into(a, b, 2, 0, 0, oi, oa, ob, hw)
+    assert nxt == a.size
+    assert np.array_equal(oi[:k], want) and np.array_equal(oa[:k], a[want]) and np.array_equal(ob[:k], b[want])
+
+
 def test_diff_into_rejects_mismatched_sides():
     a = np.zeros(8, np.uint16)
     out = np.empty(8, np.int64), np.empty(8, np.uint16), np.empty(8, np.uint16)
