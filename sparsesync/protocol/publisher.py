@@ -518,12 +518,12 @@ class Publisher:
 
     def _coalesce(self, old: _Item, new: _Item) -> _Item:
         """Merge two waiting versions into one delta old.base -> new.version."""
+        if old.anchor_dir is not None:  # `old` is never committed: its anchor is handed on to `new`
+            shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            if new.anchor_dir is None:
+                self._write_anchor(new)
         if old.parts is not None and new.parts is not None:
             assert old.base_version is not None and old.base_digests is not None
-            if old.anchor_dir is not None:
-                shutil.rmtree(old.anchor_dir, ignore_errors=True)
-                if new.anchor_dir is None:
-                    self._write_anchor(new)
             parts = coalesce_parts(old.parts, new.parts, old.base_version, old.base_digests, new.version)
             coalesced = old.metrics.get("coalesced", [old.version]) + [new.version]
             merged = _Item(
@@ -535,13 +535,9 @@ class Publisher:
             log.info("uploads lag: coalesced versions %s into %s->%s (in parts)", coalesced, merged.base_version, merged.version)
             return merged
         if old.changes is None or new.changes is None:
-            # `old` is the very first version (a bare anchor): the merge is an anchor of `new`
-            if old.anchor_dir:
-                shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            # `old` is the very first version (a bare anchor, handed on above): the merge is an anchor of `new`
             new.changes, new.delta, new.base_version, new.parts = None, None, None, None
             new.base_state_digest = new.base_digests = None
-            if new.anchor_dir is None:
-                self._write_anchor(new)
             return new
         changes = compose_changes(old.changes, new.changes)
         assert old.base_digests is not None and old.base_version is not None
@@ -554,10 +550,6 @@ class Publisher:
             base_state_digest=old.base_state_digest or "",
             target_state_digest=new.state_digest,
         )
-        if old.anchor_dir is not None:
-            shutil.rmtree(old.anchor_dir, ignore_errors=True)
-            if new.anchor_dir is None:
-                self._write_anchor(new)
         merged = _Item(
             version=new.version, base_version=old.base_version, state_digest=new.state_digest,
             base_state_digest=old.base_state_digest, digests=new.digests, base_digests=old.base_digests,
