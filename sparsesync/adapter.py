@@ -144,11 +144,22 @@ def adapter_tensors(model: Any, adapter_name: str = "default") -> dict[str, torc
     return dict(get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False))
 
 
+_CONFIG_TEXT: dict[tuple[str, str], str] = {}  # adapter_config.json as PEFT writes it, by the config's content
+
+
 def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any]:
-    """The adapter_config.json PEFT writes for `adapter_name` of `model`, as a dict."""
-    with tempfile.TemporaryDirectory(prefix="sparsesync-adapter-") as tmp:
-        model.peft_config[adapter_name].save_pretrained(tmp)
-        return json.loads((Path(tmp) / CONFIG_FILE).read_text())
+    """The adapter_config.json PEFT writes for `adapter_name` of `model`, as a dict (a new one
+    each call). PEFT writes it once per config content (`to_dict()`, all it writes from); a
+    publisher calls this on every publish of a PeftModel."""
+    config = model.peft_config[adapter_name]
+    key = (type(config).__qualname__, repr(config.to_dict()))
+    if key not in _CONFIG_TEXT:
+        with tempfile.TemporaryDirectory(prefix="sparsesync-adapter-") as tmp:
+            config.save_pretrained(tmp)
+            if len(_CONFIG_TEXT) >= 64:  # bounded: a config changed in place many times
+                _CONFIG_TEXT.clear()
+            _CONFIG_TEXT[key] = (Path(tmp) / CONFIG_FILE).read_text()
+    return json.loads(_CONFIG_TEXT[key])
 
 
 def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | None = None, *,

@@ -320,7 +320,7 @@ def test_demo_lora_replicas_end_bit_exact_to_the_trainers_adapter(tmp_path):  # 
 
     opts = DemoOptions(steps=12, lr=2e-2, lora=True, workdir=tmp_path, progress=False, min_reward_gain=-1.0, replicas=1)
     report = run_demo(opts)  # raises DemoCheckError when a check fails
-    assert report.checks["bit_exact"]["ok"] and report.checks["replica_outputs"]["ok"]
+    assert {"bit_exact", "replica_outputs"} <= report.checks.keys()  # and these two ran on the adapter run
     commits = Run(report.bucket).commits()
     assert commits[-1].version == 12 and all(c.adapter is not None for c in commits)
     assert commits[-1].adapter.base_model == str(tmp_path / "model") and "lm_head" in commits[-1].adapter.target_modules

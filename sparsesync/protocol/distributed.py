@@ -40,12 +40,14 @@ the global digest of the newest committed version (after `flush()`; ConfigError 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,20 +65,22 @@ from sparsesync.errors import (
     StoreUnavailableError,
 )
 from sparsesync.protocol.anchor_shards import assign, gather_rows
-from sparsesync.protocol.layout import (
-    CommitRecord,
-    ObjectRef,
-    PartRef,
-    Unit,
-    anchor_prefix,
-    commit_key,
-)
-from sparsesync.protocol.parts import PartedSnapshot, combined_stats, group_by_bytes
-from sparsesync.protocol.publisher import Publisher, PublisherConfig, _Item
-from sparsesync.protocol.run import file_digest
+from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit, commit_key
+from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
+from sparsesync.protocol.publisher import Publisher, PublisherConfig, _Item, _wait_to_retry
 
 log = logging.getLogger(__name__)
 _STORE_TRIES = 5  # store outages retried (with backoff) before a rank reports failure to the others
+_RANK_DIED = "a rank of the trainer died or hung; restart the job"
+
+
+@contextlib.contextmanager
+def _collective(what: str, lost: str = "a rank did not join", hint: str = _RANK_DIED) -> Iterator[None]:
+    """Turn a failed collective (gloo: a peer died or timed out) into RankFailedError("`what`: `lost` (cause)")."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RankFailedError(f"{what}: {lost} ({e})", hint=hint) from None
 
 
 def wants_distributed(group: Any) -> bool:
@@ -239,9 +243,7 @@ class DistributedPublisher(Publisher):
             item = _Item(version=version, base_version=None, state_digest="", base_state_digest=None, digests={},
                          base_digests=None, changes=None, delta=None, anchor_dir=None, metrics={})
             t0 = time.perf_counter()
-            by_key = {u.key: u for u in units}
-            groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
-            self._snapshot = PartedSnapshot(groups, local, version)
+            self._snapshot = self._shard_snapshot(local, units, version)
             self._last_anchor_version, self._delta_bytes_since_anchor = version, 0
             item.metrics["snapshot_s"] = time.perf_counter() - t0
             self._write_anchor_shard(item, tensors)
@@ -273,17 +275,11 @@ class DistributedPublisher(Publisher):
         self._setup(state)
         tensors = checkpoint_shards(state, self.rank, self.world, self._aliases)
         self._key_set = [replace(t, local=None) for t in tensors]
-        local, units = local_units(tensors, self.rank, self.world)
-        by_key = {u.key: u for u in units}
-        groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
-        snap = PartedSnapshot(groups, local, 0)
+        snap = self._shard_snapshot(*local_units(tensors, self.rank, self.world), 0)
         info = self._newest_info() if self.rank == 0 else None
         got: list[Any] = [None] * self.world
-        try:
+        with _collective(f"resume() of {self.store.url}"):
             dist.all_gather_object(got, (snap.digests, info), group=self._ctl)
-        except RuntimeError as e:
-            raise RankFailedError(f"resume() of {self.store.url}: a rank did not join ({e})",
-                                  hint="a rank of the trainer died or hung; restart the job") from None
         info = got[0][1]
         if info is None:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
@@ -317,6 +313,19 @@ class DistributedPublisher(Publisher):
         return self._committed_digest
 
     # -- internals --------------------------------------------------------------------
+    def _shard_snapshot(self, local: dict[str, torch.Tensor], units: list[Unit], version: int) -> PartedSnapshot:
+        """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of `part_bytes`."""
+        by_key = {u.key: u for u in units}
+        groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
+        return PartedSnapshot(groups, local, version)
+
+    def _anchor_folder(self, item: _Item) -> Path:
+        """The staging folder of the anchor files of `item` (created, and set as its `anchor_dir`)."""
+        d = self._staging / f"anchor-{item.version}-{item.uid}"
+        d.mkdir(parents=True, exist_ok=True)
+        item.anchor_dir = d
+        return d
+
     def _with_frozen(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
         """`tensors` in the run's key set, as `checkpoint_state` completes a whole state: the first
         version sets it; later, tensors the state lacks (frozen, left out by the caller) are this
@@ -363,7 +372,7 @@ class DistributedPublisher(Publisher):
         plan = assign([(t.name, t.nbytes, t.holder is None) for t in tensors], self.world,
                       holders={t.name: t.holder for t in tensors if t.holder is not None})
         mine: dict[str, torch.Tensor] = {}
-        try:
+        with _collective(f"anchor of version {item.version} of {self.store.url}"):
             got: list[Any] = [item.uid]
             dist.broadcast_object_list(got, src=self._src, group=self._ctl)  # one folder for every rank's file
             item.uid = got[0]
@@ -378,17 +387,11 @@ class DistributedPublisher(Publisher):
                 elif owner == self.rank:
                     assert t.local is not None  # copied: experts are views of one fused tensor, which safetensors refuses
                     mine[t.name] = t.local.detach().to("cpu", copy=True).contiguous()
-        except RuntimeError as e:  # gloo: a peer died or timed out
-            raise RankFailedError(f"anchor of version {item.version} of {self.store.url}: a rank did not join ({e})",
-                                  hint="a rank of the trainer died or hung; restart the job") from None
         item.metrics["_anchor_plan"], item.metrics["_anchor_digests"] = plan, {}
         self._anchor_bytes = 0
         if self.rank in plan.files:
             try:
-                d = self._staging / f"anchor-{item.version}-{item.uid}"
-                d.mkdir(parents=True, exist_ok=True)
-                path = d / plan.files[self.rank]
-                item.anchor_dir = d
+                path = self._anchor_folder(item) / plan.files[self.rank]
                 item.metrics["_anchor_digests"] = write_anchor_shard(mine, path, version=item.version,
                                                                      alone=len(plan.files) == 1)
                 self._anchor_bytes = path.stat().st_size
@@ -401,11 +404,8 @@ class DistributedPublisher(Publisher):
         """The publisher's anchor rule on all ranks' delta bytes and rank 0's anchor size (one
         all_reduce, so every rank decides alike)."""
         t = torch.tensor([float(self._delta_bytes_since_anchor), float(self._anchor_bytes)], dtype=torch.float64)
-        try:
+        with _collective(f"version {version} of {self.store.url} not published"):
             dist.all_reduce(t, group=self._ctl)
-        except RuntimeError as e:  # gloo: a peer died or timed out
-            raise RankFailedError(f"version {version} of {self.store.url} not published: a rank did not join ({e})",
-                                  hint="a rank of the trainer died or hung; restart the job") from None
         cfg, last = self.config, self._last_anchor_version
         if last is None or (cfg.anchor_every and version - last >= cfg.anchor_every):
             return True
@@ -436,29 +436,25 @@ class DistributedPublisher(Publisher):
         return super()._claim_epoch() if self.rank == 0 else 0
 
     def _store_local(self, item: _Item) -> tuple[list[PartRef], list[ObjectRef]]:
-        """Upload this rank's parts (and rank 0's anchor), retrying store outages a few times."""
+        """Upload this rank's parts (and its anchor file), retrying store outages a few times
+        (the last one is reported to every rank)."""
         backoff = self.config.retry_backoff_s
-        for attempt in range(_STORE_TRIES):
+        for _ in range(_STORE_TRIES - 1):
             try:
-                if err := item.metrics.get("_anchor_error"):
-                    raise SparsesyncError(err)
-                refs = self._upload_parts(item) if item.parts is not None else []
-                if refs is None:
-                    raise SparsesyncError(f"encoding version {item.version} failed on this rank")
-                anchor: list[ObjectRef] = []
-                if item.anchor_dir is not None:
-                    prefix = anchor_prefix(item.version, self.epoch, item.uid)
-                    files = sorted(item.anchor_dir.iterdir())
-                    self.store.put_many([(prefix + f.name, f) for f in files])
-                    anchor = [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
-                return refs, anchor
+                return self._store_objects(item)
             except StoreUnavailableError as e:
-                if attempt == _STORE_TRIES - 1:
-                    raise
-                log.warning("rank %d: upload of version %d failed (%s); retrying in %.1f s", self.rank, item.version, e, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-        raise AssertionError("unreachable")
+                backoff = _wait_to_retry(f"rank {self.rank}: upload of version {item.version}", e, backoff)
+        return self._store_objects(item)
+
+    def _store_objects(self, item: _Item) -> tuple[list[PartRef], list[ObjectRef]]:
+        """One try of `_store_local`."""
+        if err := item.metrics.get("_anchor_error"):
+            raise SparsesyncError(err)
+        refs = self._upload_parts(item) if item.parts is not None else []
+        if refs is None:
+            raise SparsesyncError(f"encoding version {item.version} failed on this rank")
+        anchor = self._put_anchor_files(item, sorted(item.anchor_dir.iterdir())) if item.anchor_dir is not None else []
+        return refs, anchor
 
     def _upload(self, item: _Item) -> None:
         """Store this rank's objects, then one collective; rank 0 commits; all learn the outcome."""
@@ -475,16 +471,12 @@ class DistributedPublisher(Publisher):
             report["error"] = f"{type(e).__name__}: {e}"
         reports: list[Any] = [None] * self.world
         outcome: list[Any] = [None]
-        try:
+        with _collective(f"version {item.version} of {self.store.url} was not committed", "a rank did not report its part",
+                         hint=f"{_RANK_DIED}: the next writer continues from the newest committed version"):
             dist.all_gather_object(reports, report, group=self._up)
             if self.rank == 0:
                 outcome = [self._commit_all(item, reports, t0)]
             dist.broadcast_object_list(outcome, src=self._src, group=self._up)  # (error or None, state digest)
-        except RuntimeError as e:  # gloo: a peer died or timed out
-            raise RankFailedError(
-                f"version {item.version} of {self.store.url} was not committed: a rank did not report its part ({e})",
-                hint="a rank of the trainer died or hung; restart the job: the next writer continues from the newest committed version",
-            ) from None
         error, digest = outcome[0]
         if error is not None:
             raise RankFailedError(f"version {item.version} of {self.store.url} was not committed: {error}",
@@ -537,13 +529,9 @@ class DistributedPublisher(Publisher):
             raise SparsesyncError(f"the ranks' anchor files hold {len(digests)} tensors, the plan {len(plan.owner)}")
         if len(plan.files) == 1:
             return state_digest(digests), []
-        d = self._staging / f"anchor-{item.version}-{item.uid}"
-        d.mkdir(parents=True, exist_ok=True)
-        item.anchor_dir = d
-        path = write_anchor_index(d, plan.weight_map, digests, version=item.version, total_size=plan.total_size)
-        key = anchor_prefix(item.version, self.epoch, item.uid) + path.name
-        self.store.put_many([(key, path)])
-        return state_digest(digests), [ObjectRef(key, path.stat().st_size, file_digest(path))]
+        path = write_anchor_index(self._anchor_folder(item), plan.weight_map, digests, version=item.version,
+                                  total_size=plan.total_size)
+        return state_digest(digests), self._put_anchor_files(item, [path])
 
 
 def combined_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -117,6 +117,8 @@ class PartedSnapshot:
         self.units = [tuple(p) for p in parts]
         self.snapshots = [Snapshot({u.key: state[u.key] for u in units}, version) for units in self.units]
         self.version = version
+        self._digests: dict[str, str] | None = None  # `digests`, once per version (`diff_encode` clears it)
+        self._state_digest: str | None = None
 
     @classmethod
     def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int) -> PartedSnapshot:
@@ -130,11 +132,16 @@ class PartedSnapshot:
 
     @property
     def digests(self) -> dict[str, str]:
-        return {k: d for s in self.snapshots for k, d in s.digests.items()}
+        """Every unit's digest by `Unit.key`: one dict per version, shared by every caller (read only)."""
+        if self._digests is None:
+            self._digests = {k: d for s in self.snapshots for k, d in s.digests.items()}
+        return self._digests
 
     @property
     def state_digest(self) -> str:
-        return state_digest(self.digests)
+        if self._state_digest is None:
+            self._state_digest = state_digest(self.digests)
+        return self._state_digest
 
     @property
     def nbytes(self) -> int:
@@ -145,11 +152,15 @@ class PartedSnapshot:
         """Diff and encode part by part against the snapshot (which then holds `current`);
         `on_part` gets each part as soon as it is encoded."""
         out = []
-        for i, (units, snap) in enumerate(zip(self.units, self.snapshots, strict=True)):
-            part = EncodedPart(i, units, snap.diff_encode({u.key: current[u.key] for u in units}, target_version))
-            if on_part is not None:
-                on_part(part)
-            out.append(part)
+        try:
+            for i, (units, snap) in enumerate(zip(self.units, self.snapshots, strict=True)):
+                self._digests = self._state_digest = None  # the parts change one by one (and may stop half-way)
+                part = EncodedPart(i, units, snap.diff_encode({u.key: current[u.key] for u in units}, target_version))
+                if on_part is not None:
+                    on_part(part)
+                out.append(part)
+        finally:
+            self._digests = self._state_digest = None
         self.version = target_version
         return out
 

@@ -406,6 +406,12 @@ class Publisher:
                                 state_digest=part.patch.target_state_digest, units=part.units))
             i += 1
 
+    def _put_anchor_files(self, item: _Item, files: list[Path]) -> list[ObjectRef]:
+        """Store `files` (of the anchor of `item`) under its anchor prefix; their references."""
+        prefix = anchor_prefix(item.version, self.epoch, item.uid)
+        self.store.put_many([(prefix + f.name, f) for f in files])
+        return [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
+
     def _raise_background_error(self) -> None:
         if self._error is not None:
             raise self._error
@@ -512,12 +518,12 @@ class Publisher:
 
     def _coalesce(self, old: _Item, new: _Item) -> _Item:
         """Merge two waiting versions into one delta old.base -> new.version."""
+        if old.anchor_dir is not None:  # `old` is never committed: its anchor is handed on to `new`
+            shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            if new.anchor_dir is None:
+                self._write_anchor(new)
         if old.parts is not None and new.parts is not None:
             assert old.base_version is not None and old.base_digests is not None
-            if old.anchor_dir is not None:
-                shutil.rmtree(old.anchor_dir, ignore_errors=True)
-                if new.anchor_dir is None:
-                    self._write_anchor(new)
             parts = coalesce_parts(old.parts, new.parts, old.base_version, old.base_digests, new.version)
             coalesced = old.metrics.get("coalesced", [old.version]) + [new.version]
             merged = _Item(
@@ -529,13 +535,9 @@ class Publisher:
             log.info("uploads lag: coalesced versions %s into %s->%s (in parts)", coalesced, merged.base_version, merged.version)
             return merged
         if old.changes is None or new.changes is None:
-            # `old` is the very first version (a bare anchor): the merge is an anchor of `new`
-            if old.anchor_dir:
-                shutil.rmtree(old.anchor_dir, ignore_errors=True)
+            # `old` is the very first version (a bare anchor, handed on above): the merge is an anchor of `new`
             new.changes, new.delta, new.base_version, new.parts = None, None, None, None
             new.base_state_digest = new.base_digests = None
-            if new.anchor_dir is None:
-                self._write_anchor(new)
             return new
         changes = compose_changes(old.changes, new.changes)
         assert old.base_digests is not None and old.base_version is not None
@@ -548,10 +550,6 @@ class Publisher:
             base_state_digest=old.base_state_digest or "",
             target_state_digest=new.state_digest,
         )
-        if old.anchor_dir is not None:
-            shutil.rmtree(old.anchor_dir, ignore_errors=True)
-            if new.anchor_dir is None:
-                self._write_anchor(new)
         merged = _Item(
             version=new.version, base_version=old.base_version, state_digest=new.state_digest,
             base_state_digest=old.base_state_digest, digests=new.digests, base_digests=old.base_digests,
@@ -582,9 +580,7 @@ class Publisher:
                     except StoreUnavailableError as e:
                         if self._closed:
                             raise
-                        log.warning("upload of version %d failed (%s); retrying in %.1f s", item.version, e, backoff)
-                        time.sleep(backoff)
-                        backoff = min(backoff * 2, 30.0)
+                        backoff = _wait_to_retry(f"upload of version {item.version}", e, backoff)
                         with self._cv:  # newer deltas may have queued: merge them in now
                             # (only pure deltas: anchors are serialized on the publishing thread)
                             if self._pending and _pure_delta(item) and _pure_delta(self._pending[0]):
@@ -618,10 +614,7 @@ class Publisher:
             rec.delta = ObjectRef(key, len(item.delta), bytes_digest(item.delta))
         rec.parts = refs
         if item.anchor_dir is not None:
-            prefix = anchor_prefix(item.version, self.epoch, item.uid)
-            files = sorted(item.anchor_dir.iterdir())
-            self.store.put_many([(prefix + f.name, f) for f in files])
-            rec.anchor = [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
+            rec.anchor = self._put_anchor_files(item, sorted(item.anchor_dir.iterdir()))
         self._check_fence()
         rec.metrics = {**item.metrics, "version": item.version, "base_version": item.base_version,
                        "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.has_delta else
@@ -632,6 +625,14 @@ class Publisher:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         self.committed_version = item.version
         self.metrics.append(rec.metrics)
+
+
+def _wait_to_retry(what: str, error: StoreUnavailableError, backoff: float) -> float:
+    """After a store outage (the store's own retries ran out): log it, sleep `backoff` seconds;
+    the next wait (doubled, at most 30 s)."""
+    log.warning("%s failed (%s); retrying in %.1f s", what, error, backoff)
+    time.sleep(backoff)
+    return min(backoff * 2, 30.0)
 
 
 def _pure_delta(item: _Item) -> bool:
