@@ -465,8 +465,6 @@ def test_rans_matches_the_reference_coder_and_inverts(sizes):
         sym, sofs, counts, cofs = _rans(segs)
         data = _native.rans_encode(sym, sofs, counts, cofs)
         assert data == _ref_rans_encode([(s.tolist(), cs) for s, cs in segs])
-        work = np.full(4 * sym.size + 40, 0xAB, np.uint8)  # a reused buffer holds old bytes: the stream does not depend on them
-        assert _native.rans_encode(sym, sofs, counts, cofs, work) == data
         out = np.full(sym.size, -1, np.int32)
         assert _native.rans_decode(data, counts, cofs, sofs, out) == 0
         assert np.array_equal(out, sym)
@@ -520,8 +518,6 @@ def test_rans_rejects_bad_arguments():
         _native.rans_encode(sym, np.array([0, 2], np.int64), counts, cofs)  # offsets end before the symbols do
     with pytest.raises(ValueError, match="malformed"):
         _native.rans_encode(sym, sofs, np.ones(66, np.int64), np.array([0, 66], np.int64))  # 66 symbols
-    with pytest.raises(ValueError, match="work buffer holds 43 bytes, expected at least 44"):
-        _native.rans_encode(sym, sofs, np.array([1, 1, 1, 1, 1, 1], np.int64), cofs, np.empty(43, np.uint8))
     with pytest.raises(ValueError, match="malformed"):
         _native.rans_decode(b"", np.array([1, -1], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
     with pytest.raises(ValueError, match="malformed"):
@@ -557,25 +553,3 @@ def test_varints_put_writes_what_varints_reads():
     assert bytes(out) == before + b"\x00\x01"  # a failed call appends nothing
     with pytest.raises(ValueError, match="count"):
         _native.varints_put(out, [1], 2)
-
-
-def test_scratch_buffers_are_reused_inside_a_scope_per_thread_and_dropped_after():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sparsesync.codec import _scratch
-
-    a = _scratch.buffer("t", 10, np.int64)
-    assert _scratch.buffer("t", 10, np.int64) is not a and not np.shares_memory(a, _scratch.buffer("t", 10, np.int64))  # no scope: fresh
-    with _scratch.scope():
-        a = _scratch.buffer("t", 100, np.int64)
-        b = _scratch.buffer("t", 50, np.int32)  # smaller: the same memory again
-        assert a.shape == (100,) and b.shape == (50,) and b.dtype == np.int32 and np.shares_memory(a, b)
-        assert not np.shares_memory(a, _scratch.buffer("u", 100, np.int64))  # another name: its own buffer
-        c = _scratch.buffer("t", 1000, np.int64)  # larger: grown, a fresh buffer
-        assert c.shape == (1000,) and c.flags.c_contiguous
-        other = ThreadPoolExecutor(1).submit(_scratch.buffer, "t", 10, np.int64).result()
-        assert not np.shares_memory(c, other)  # another thread: its own buffer
-        with _scratch.scope():  # nested: buffers survive the inner scope's end
-            pass
-        assert np.shares_memory(c, _scratch.buffer("t", 10, np.int64))
-    assert not np.shares_memory(c, _scratch.buffer("t", 10, np.int64))  # the last scope ended: dropped

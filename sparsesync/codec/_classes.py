@@ -14,7 +14,7 @@ import itertools
 
 import numpy as np
 
-from sparsesync.codec import _native, _scratch
+from sparsesync.codec import _native
 
 
 # Elements are grouped by the magnitude of their base value: key = top 7 magnitude bits (for
@@ -67,10 +67,9 @@ def class_sizes(key_hist: np.ndarray, thresholds: list[int]) -> list[int]:
 def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """Per class c: the rank of each changed element of class c among all members of class c in
     `base`, in index order. `idx`: sorted, unique; `sizes`: how many of `idx` each class holds
-    (`class_sizes` of the base's keys at `idx`). The arrays are views of this thread's scratch
-    buffer "ranks" (`_scratch`)."""
+    (`class_sizes` of the base's keys at `idx`)."""
     off = offsets(sizes)
-    out = _scratch.buffer("ranks", idx.size, np.int64)
+    out = np.empty(idx.size, dtype=np.int64)
     _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(idx, dtype=np.int64), off, out)
     return np.split(out, off[1:-1])
 

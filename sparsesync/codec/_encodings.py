@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from sparsesync.codec import _native, _scratch
+from sparsesync.codec import _native
 from sparsesync.codec._classes import class_of, class_ranks, class_select, class_sizes, key_counts, key_of, offsets  # noqa: F401 - key_of re-exported
 from sparsesync.errors import PatchFormatError
 
@@ -123,8 +123,7 @@ def ans_encode(sym: np.ndarray, models: list[tuple[list[int], int]]) -> bytes:
     own model `counts` (its exact symbol counts), per (counts, n) of `models`; `ans_decode`
     returns the segments in this order."""
     counts, cofs, sofs = _models(models)
-    sym = np.ascontiguousarray(sym, dtype=np.int32)
-    return _native.rans_encode(sym, sofs, counts, cofs, _scratch.buffer("rans", 4 * sym.size + 32, np.uint8))
+    return _native.rans_encode(np.ascontiguousarray(sym, dtype=np.int32), sofs, counts, cofs)
 
 
 def ans_decode(ctx: Ctx, role: str, data: bytes, models: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -221,13 +220,11 @@ def _gaps_enc(
     ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]
     params = _gap_params(ranks)
     classes, models, escapes = [], [], []
-    n_all = sum(r.size for r in ranks)
-    low = _scratch.buffer("gaps_low", (sum(r.size * k for r, (k, _) in zip(ranks, params)) + 7) // 8 + 8, np.uint8)  # + 8: room for 64-bit writes
-    sym_all = _scratch.buffer("gaps_sym", n_all, np.int32)  # every class's symbols, in class order
-    esc_all = _scratch.buffer("gaps_esc", n_all, np.uint64)
+    low = np.zeros((sum(r.size * k for r, (k, _) in zip(ranks, params)) + 7) // 8 + 8, dtype=np.uint8)  # + 8: room for 64-bit writes
+    sym_all = np.empty(sum(r.size for r in ranks), dtype=np.int32)  # every class's symbols, in class order
     off, s0 = 0, 0
     for r, (k, e) in zip(ranks, params):
-        sym, esc, hist = sym_all[s0 : s0 + r.size], esc_all[s0 : s0 + r.size], np.empty(e + 1, dtype=np.int64)
+        sym, esc, hist = sym_all[s0 : s0 + r.size], np.empty(r.size, dtype=np.uint64), np.empty(e + 1, dtype=np.int64)
         n_esc = _native.gap_symbols(r, k, e, sym, esc, hist, low, off)
         off, s0 = off + r.size * k, s0 + r.size
         counts = [int(c) for c in hist] if r.size else [1, 0]  # an empty class: any valid model
@@ -381,7 +378,7 @@ def _delta_enc(
     _native.delta_hist(base, target, w, t, hist, max(1, base.size >> 14))
     es = _escape_costs(hist, 8 * w)[1].astype(np.int64)
     off = offsets(sizes)
-    sym, esc = _scratch.buffer("delta_sym", base.size, np.int32), _scratch.buffer("delta_esc", base.size, ctx.np_bits.newbyteorder("<"))
+    sym, esc = np.empty(base.size, dtype=np.int32), np.empty(base.size, dtype=ctx.np_bits.newbyteorder("<"))
     n_esc = _native.delta_symbols(base, target, w, t, es, off, sym, esc, hist)
     counts_all = [[int(c) for c in h[: e + 1]] for h, e in zip(hist, es)]
     escapes = b"".join(esc[off[c] : off[c] + n_esc[c]].tobytes() for c in range(n_cls))

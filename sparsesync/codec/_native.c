@@ -25,9 +25,7 @@
  *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
  *       AMD Zen 1/2), 2 AVX2 class masks and 2-byte diff, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
  *       default: the best level); every level gives the same result (the tests run them all).
- *   rans_encode(symbols, segment_offsets, counts, count_offsets[, work]) -> bytes
- *       (`work`: a writable buffer of at least 4 * len(symbols) + 32 bytes to encode in, so
- *       that a caller reusing one pays no fresh pages for the worst-case size)
+ *   rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes
  *   rans_decode(data, counts, count_offsets, segment_offsets, out) -> status
  *       The entropy coder of format 2 (docs/format.md, "Entropy coding": rANS, 4 interleaved
  *       states, 14-bit frequencies quantized from each segment's integer counts). The decoder
@@ -1645,8 +1643,8 @@ static int parse_segments(Py_buffer *b, Py_ssize_t n_seg, int64_t total) {
 }
 
 static PyObject *py_rans_encode(PyObject *self, PyObject *args) {
-    Py_buffer sb, sob, cb, cob, wb = {0};
-    if (!PyArg_ParseTuple(args, "y*y*y*y*|w*", &sb, &sob, &cb, &cob, &wb)) return NULL;
+    Py_buffer sb, sob, cb, cob;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*", &sb, &sob, &cb, &cob)) return NULL;
     PyObject *res = NULL;
     Py_ssize_t n_seg = cob.len / 8 - 1, n = sb.len / 4;
     if (sb.len % 4 || cb.len % 8 || cob.len % 8 || n_seg < 0 || parse_segments(&sob, n_seg, n) < 0 ||
@@ -1655,35 +1653,21 @@ static PyObject *py_rans_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t cap = 4 * n + 8 * RANS_WAYS; /* at most one word per symbol, plus the states */
-    if (wb.obj && wb.len < cap) {
-        PyErr_Format(PyExc_ValueError, "rans_encode: the work buffer holds %zd bytes, expected at least %zd", wb.len, cap);
-        goto done;
-    }
-    uint8_t *buf, *first;
-    if (wb.obj) { /* encode into the caller's buffer, then copy out the stream */
-        buf = wb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + cap);
-        Py_END_ALLOW_THREADS
-        if (first) res = PyBytes_FromStringAndSize((const char *)first, buf + cap - first);
-    } else {
-        res = PyBytes_FromStringAndSize(NULL, cap);
-        if (!res) goto done;
-        buf = (uint8_t *)PyBytes_AS_STRING(res);
-        Py_BEGIN_ALLOW_THREADS
-        first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + cap);
-        if (first) memmove(buf, first, (size_t)(buf + cap - first));
-        Py_END_ALLOW_THREADS
-        if (first) _PyBytes_Resize(&res, buf + cap - first);
-    }
+    res = PyBytes_FromStringAndSize(NULL, cap);
+    if (!res) goto done;
+    uint8_t *buf = (uint8_t *)PyBytes_AS_STRING(res), *first;
+    Py_BEGIN_ALLOW_THREADS
+    first = rans_encode_all(sb.buf, sob.buf, n_seg, cb.buf, cob.buf, buf + cap);
+    if (first) memmove(buf, first, (size_t)(buf + cap - first));
+    Py_END_ALLOW_THREADS
     if (!first) {
         Py_CLEAR(res);
         PyErr_SetString(PyExc_ValueError, "rans_encode: a symbol is outside its model or has a zero count");
         goto done;
     }
+    _PyBytes_Resize(&res, buf + cap - first);
 done:
     RELEASE(&sb, &sob, &cb, &cob);
-    if (wb.obj) PyBuffer_Release(&wb);
     return res;
 }
 
@@ -1720,7 +1704,7 @@ static PyMethodDef methods[] = {
     {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
     {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
     {"key_hist", py_key_hist, METH_VARARGS, "key_hist(base, width, starts, block, out) -> None"},
-    {"rans_encode", py_rans_encode, METH_VARARGS, "rans_encode(symbols, segment_offsets, counts, count_offsets[, work]) -> bytes"},
+    {"rans_encode", py_rans_encode, METH_VARARGS, "rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes"},
     {"rans_decode", py_rans_decode, METH_VARARGS, "rans_decode(data, counts, count_offsets, segment_offsets, out) -> status"},
     {"escape_costs", py_escape_costs, METH_VARARGS, "escape_costs(hists, raw_bits, out_bits, out_e) -> None"},
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sparsesync.codec import _parallel, _scratch
+from sparsesync.codec import _parallel
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import state_digest, tensor_digest
 from sparsesync.codec.patch import assemble_patch, encode_tensor, encode_tensors
@@ -76,7 +76,7 @@ class Snapshot:
         t0 = time.perf_counter()
         base_digests = dict(self.digests)
         base_sd = self.state_digest
-        with _parallel.gc_paused(), _scratch.scope():
+        with _parallel.gc_paused():
             if self._fusable(current):
                 changes, encoded, diff_s = self._diff_encode_fused(current, chunk_bytes)
             else:
