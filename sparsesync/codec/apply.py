@@ -18,7 +18,7 @@ import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
-from sparsesync.codec.digest import tensor_digests
+from sparsesync.codec.digest import put_and_digest, tensor_digests
 from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
 
@@ -129,31 +129,45 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
     return {n: by_name[n] for n in names}
 
 
-def write_updates(tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate]) -> dict[str, SparseUpdate]:
+def write_updates(
+    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None
+) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
-    returns the overwritten old values (for undo)."""
+    returns the overwritten old values (for undo). With `digests`, the digest of every written
+    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`)."""
 
-    def one(name: str) -> SparseUpdate:
+    def one(name: str) -> tuple[SparseUpdate, str | None]:
         u, t = updates[name], tensors[name]
         flat = bits_view(t)
         if flat.device.type == "cpu":
             bits = to_np_bits(flat)
-            old = put_bits(bits, u.indices.numpy(), u.values.view(flat.dtype).numpy().view(bits.dtype), keep_old=True)
-            return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype))
+            idx, vals = u.indices.numpy(), u.values.view(flat.dtype).numpy().view(bits.dtype)
+            if digests is None:
+                old, digest = put_bits(bits, idx, vals, keep_old=True), None
+            else:
+                old = np.empty(idx.size, dtype=bits.dtype)
+                digest = put_and_digest(bits, np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(vals), old)
+            return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), digest
         idx = u.indices.to(flat.device)
         old_vals = flat[idx].cpu().view(t.dtype)
         flat[idx] = u.values.view(flat.dtype).to(flat.device)
-        return SparseUpdate(u.indices, old_vals)
+        return SparseUpdate(u.indices, old_vals), None
 
     names = list(updates)
-    return dict(zip(names, _parallel.map_ordered(one, names)))
+    done = dict(zip(names, _parallel.map_ordered(one, names)))
+    if digests is not None:
+        digests.update((n, d) for n, (_, d) in done.items() if d is not None)
+    return {n: old for n, (old, _) in done.items()}
 
 
-def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> None:
+def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str], *, known: Mapping[str, str] | None = None) -> None:
     """Raise DigestMismatchError naming every tensor in `digests` that is missing or whose bytes
-    do not match."""
+    do not match. `known`: digests of the tensors' current bytes already computed (by
+    `write_updates`); the others are hashed here."""
+    known = known or {}
     bad = [f"tensor '{n}': missing, expected digest {d}" for n, d in digests.items() if n not in tensors]
-    bad += _mismatches(tensors, {n: d for n, d in digests.items() if n in tensors})
+    bad += [f"tensor '{n}': digest {known[n]}, expected {d}" for n, d in digests.items() if n in tensors and n in known and known[n] != d]
+    bad += _mismatches(tensors, {n: d for n, d in digests.items() if n in tensors and n not in known})
     if bad:
         raise DigestMismatchError(_listing(bad), hint="reload from the newest anchor and replay the chain")
 
@@ -171,10 +185,11 @@ def apply_patch(
     if not (verify or check_base_digest):
         raise ValueError("apply_patch needs verify=True or check_base_digest=True: one of the digests must be checked")
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
-    old = write_updates(tensors, updates)
+    written: dict[str, str] = {}
+    old = write_updates(tensors, updates, digests=written if verify else None)
     if verify:
         try:
-            verify_digests(tensors, {n: e.target_digest for n, e in patch.header.tensors.items()})
+            verify_digests(tensors, {n: e.target_digest for n, e in patch.header.tensors.items()}, known=written)
         except DigestMismatchError as err:
             write_updates(tensors, old)
             raise DigestMismatchError(

@@ -11,15 +11,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 import xxhash
 
-from sparsesync.codec import _parallel
+from sparsesync.codec import _native, _parallel
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("sparsesync.codec needs a little-endian host")
 
 _HASH_CHUNK = 64 << 20  # bytes hashed per update, bounds the host copy of a CUDA tensor
+_PUT_BLOCK = 2 << 20  # bytes written and then hashed together by `put_and_digest` (they stay in cache)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +41,31 @@ def tensor_digest(t: torch.Tensor) -> str:
     else:
         for start in range(0, flat.numel(), _HASH_CHUNK):
             h.update(memoryview(flat[start : start + _HASH_CHUNK].cpu().numpy()))
+    return h.hexdigest()
+
+
+def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None = None) -> str:
+    """`dst[idx] = values` for a contiguous array of element bits (int64 `idx`, sorted, as diffed
+    and decoded indices are; the overwritten bits saved into `old` if given), and the digest
+    `tensor_digest` gives for `dst` afterwards. Block by block: each block of _PUT_BLOCK bytes
+    is hashed right after its writes, while it is in cache, so the tensor is read from memory
+    once, not once to write and again to hash. Every index is checked before its block's writes
+    (IndexError). Unsorted indices are still each written once, but the digest returned may then
+    not match `dst`: every caller checks it against the digest the version carries, loudly."""
+    w = dst.itemsize
+    raw = dst.reshape(-1).view(np.uint8)
+    per = max(1, _PUT_BLOCK // w)
+    # where each block's indices end; made non-decreasing so that every index is written once
+    # even if `idx` is not sorted
+    cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, dst.size, per, dtype=np.int64)), idx.size)).tolist()
+    keep = np.empty(0, dtype=dst.dtype)
+    h = xxhash.xxh3_64()
+    lo = 0
+    for b, hi in enumerate(cuts):
+        if hi > lo:
+            _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])
+        h.update(memoryview(raw[b * per * w : (b + 1) * per * w]))
+        lo = hi
     return h.hexdigest()
 
 

@@ -20,7 +20,7 @@ import torch
 
 from sparsesync.codec import _parallel
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
-from sparsesync.codec.digest import state_digest, tensor_digest
+from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
 from sparsesync.codec.patch import assemble_patch, encode_tensor, encode_tensors
 
 
@@ -131,9 +131,8 @@ class Snapshot:
             if ch is None:
                 return None, None, None, tb - ta, 0.0
             enc = encode_tensor(name, ch, self.state[name])  # needs the base: before advancing
-            self._put(name, ch.indices, ch.target_bits)
-            try:
-                digest = tensor_digest(self.state[name])
+            try:  # advance and hash in one pass over the tensor
+                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, np.ascontiguousarray(ch.target_bits))
             except BaseException:
                 self._put(name, ch.indices, ch.base_bits)
                 raise
@@ -171,10 +170,9 @@ class Snapshot:
             ch = changes[name]
             flat = bits_view(self.state[name])
             if flat.device.type == "cpu":
-                self._put(name, ch.indices, ch.target_bits)
-            else:
-                idx = torch.from_numpy(ch.indices).to(flat.device)
-                flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
+                return put_and_digest(to_np_bits(flat), ch.indices, np.ascontiguousarray(ch.target_bits))
+            idx = torch.from_numpy(ch.indices).to(flat.device)
+            flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
             return tensor_digest(self.state[name])
 
         names = list(changes)

@@ -306,12 +306,14 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
                 f.cancel()
             raise
     written: list[tuple[_Staged, dict[str, SparseUpdate]]] = []
+    hashed: list[dict[str, str]] = []  # per part: digests of the units written, from the same pass
     try:
         for s in staged:
-            written.append((s, write_updates(s.views, s.updates)))
-        for s in staged:
+            hashed.append({})
+            written.append((s, write_updates(s.views, s.updates, digests=hashed[-1])))
+        for s, known in zip(staged, hashed):
             try:
-                verify_digests(s.views, s.targets)
+                verify_digests(s.views, s.targets, known=known)
             except DigestMismatchError as e:
                 e._sparsesync_key = s.ref.key  # type: ignore[attr-defined]
                 e._sparsesync_written = True  # type: ignore[attr-defined]
@@ -380,7 +382,8 @@ def _global_updates(staged: Sequence[_Staged]) -> dict[str, SparseUpdate]:
                 continue
             start = 0 if u.rows is None else u.rows[0]
             row = s.views[u.key][0].numel() if u.rows is not None and s.views[u.key].dim() > 0 else 0
-            pieces.setdefault(u.name, []).append((start, SparseUpdate(upd.indices + start * row, upd.values)))
+            shift = start * row  # 0 for whole tensors and first row ranges: no copy of their indices
+            pieces.setdefault(u.name, []).append((start, SparseUpdate(upd.indices + shift, upd.values) if shift else upd))
     out = {}
     for name, ps in pieces.items():
         ps.sort(key=lambda p: p[0])
