@@ -17,8 +17,9 @@ diff+encode and decode+apply throughput in GB of model weights per second.
 Timings are the best of --reps runs (medians are in the JSON too), ours and the TRL-style
 extraction interleaved, so that load from other processes on a shared machine skews neither side. The writer's snapshot (its
 full copy of the base) exists before the timer starts, as it does in training. Decode+apply
-is split into the base digest check, read+decode+validate, the in-place write, and the target
-digest verification; `decode_apply_s` is their sum (what `apply_patch` does).
+is split into the base digest check, read+decode+validate, the in-place write (which hashes
+each tensor in the same pass), and the comparison with the target digests; `decode_apply_s`
+is their sum (what `apply_patch` does).
 `follower_apply_s` leaves out the base digest check (`base_check_s`), as the protocol's
 follower does (its mirror was verified when it was last written).
 """
@@ -159,9 +160,10 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
                 tb = time.perf_counter()
                 updates = decode_patch(patch, work, check_base_digest=False)
                 t1 = time.perf_counter()
-                write_updates(work, updates)
+                written: dict[str, str] = {}
+                write_updates(work, updates, digests=written)  # as apply_patch: each tensor hashed in the pass that writes it
                 t2 = time.perf_counter()
-                verify_digests(work, {name: e.target_digest for name, e in patch.header.tensors.items()})
+                verify_digests(work, {name: e.target_digest for name, e in patch.header.tensors.items()}, known=written)
                 t3 = time.perf_counter()
                 t_base, t_dec = min(t_base, tb - t0), min(t_dec, t1 - tb)
                 t_write, t_verify = min(t_write, t2 - t1), min(t_verify, t3 - t2)
