@@ -1429,22 +1429,36 @@ static int delta_common(Py_buffer *bb, Py_buffer *cb, int w, int K, int64_t *n) 
 /* the class of each element from its base bits: key = top byte & 0x7f */
 #define DELTA_CLASS(bv, W) lut[((bv) >> (8 * (W) - 8)) & 0x7f]
 
+/* What the encoder's delta passes share: base and target of `w`-byte elements, alike in size,
+ * and the thresholds, turned into the class count K, the element count n and the class of
+ * every magnitude key (lut). */
+static int delta_enc_args(const char *fn, Py_buffer *bb, Py_buffer *tb, int w, Py_buffer *thb, int *K, int64_t *n, uint8_t *lut) {
+    int thr[MAXC] = {0}, nt;
+    if (check_width(w) < 0 || parse_thresholds(thb, thr, &nt) < 0) return -1;
+    if (bb->len % w || tb->len != bb->len) {
+        PyErr_Format(PyExc_ValueError, "%s: base and target must hold the same whole number of elements", fn);
+        return -1;
+    }
+    *K = nt + 1;
+    *n = bb->len / w;
+    class_lut(thr, nt, lut);
+    return 0;
+}
+
 static PyObject *py_delta_hist(PyObject *self, PyObject *args) {
     Py_buffer bb, tb, thb, hb;
     int w;
     long long step = 1;
     if (!PyArg_ParseTuple(args, "y*y*iy*w*|L", &bb, &tb, &w, &thb, &hb, &step)) return NULL;
     PyObject *res = NULL;
-    int thr[MAXC] = {0}, nt;
-    if (check_width(w) < 0 || parse_thresholds(&thb, thr, &nt) < 0) goto done;
-    int K = nt + 1;
-    int64_t n = bb.len / w;
-    if (bb.len % w || tb.len != bb.len || hb.len != K * 65 * 8 || step < 1) {
-        PyErr_SetString(PyExc_ValueError, "delta_hist: base, target or hist has the wrong size, or step < 1");
+    int K;
+    int64_t n;
+    uint8_t lut[128];
+    if (delta_enc_args("delta_hist", &bb, &tb, w, &thb, &K, &n, lut) < 0) goto done;
+    if (hb.len != K * 65 * 8 || step < 1) {
+        PyErr_SetString(PyExc_ValueError, "delta_hist: hist has the wrong size, or step < 1");
         goto done;
     }
-    uint8_t lut[128];
-    class_lut(thr, nt, lut);
     const uint8_t *b = bb.buf, *t = tb.buf;
     int64_t *hist = hb.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -1483,18 +1497,14 @@ static PyObject *py_delta_symbols(PyObject *self, PyObject *args) {
     int w;
     if (!PyArg_ParseTuple(args, "y*y*iy*y*y*w*w*w*", &bb, &tb, &w, &thb, &eb, &ob, &sb, &zb, &hb)) return NULL;
     PyObject *res = NULL;
-    int thr[MAXC] = {0}, nt, K = 1;
-    int64_t n = 0, es[MAXC], off[MAXC + 1];
-    if (check_width(w) < 0 || parse_thresholds(&thb, thr, &nt) < 0) goto done;
-    K = nt + 1;
-    n = bb.len / w;
-    if (parse_es(&eb, K, es) < 0) goto done;
-    if (bb.len % w || tb.len != bb.len || sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || zb.len != n * w || hb.len != K * 65 * 8) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: base, target, offsets, sym, esc or hist has the wrong size");
+    int K;
+    int64_t n, es[MAXC], off[MAXC + 1];
+    uint8_t lut[128];
+    if (delta_enc_args("delta_symbols", &bb, &tb, w, &thb, &K, &n, lut) < 0 || parse_es(&eb, K, es) < 0) goto done;
+    if (sb.len != n * 4 || parse_offsets(&ob, K - 1, n, off) < 0 || zb.len != n * w || hb.len != K * 65 * 8) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "delta_symbols: offsets, sym, esc or hist has the wrong size");
         goto done;
     }
-    uint8_t lut[128];
-    class_lut(thr, nt, lut);
     const uint8_t *b = bb.buf, *t = tb.buf;
     int32_t *sym = sb.buf;
     uint8_t *esc = zb.buf;

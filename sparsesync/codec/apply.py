@@ -146,7 +146,7 @@ def write_updates(
                 old, digest = put_bits(bits, idx, vals, keep_old=True), None
             else:
                 old = np.empty(idx.size, dtype=bits.dtype)
-                digest = put_and_digest(bits, np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(vals), old)
+                digest = put_and_digest(bits, idx, vals, old)
             return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), digest
         idx = u.indices.to(flat.device)
         old_vals = flat[idx].cpu().view(t.dtype)

@@ -45,13 +45,14 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None = None) -> str:
-    """`dst[idx] = values` for a contiguous array of element bits (int64 `idx`, sorted, as diffed
-    and decoded indices are; the overwritten bits saved into `old` if given), and the digest
+    """`dst[idx] = values` for a contiguous array of element bits (`idx` sorted, as diffed and
+    decoded indices are; the overwritten bits saved into `old` if given), and the digest
     `tensor_digest` gives for `dst` afterwards. Block by block: each block of _PUT_BLOCK bytes
     is hashed right after its writes, while it is in cache, so the tensor is read from memory
     once, not once to write and again to hash. Every index is checked before its block's writes
     (IndexError). Unsorted indices are still each written once, but the digest returned may then
     not match `dst`: every caller checks it against the digest the version carries, loudly."""
+    idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype)
     w = dst.itemsize
     raw = dst.reshape(-1).view(np.uint8)
     per = max(1, _PUT_BLOCK // w)

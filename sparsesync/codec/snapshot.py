@@ -132,7 +132,7 @@ class Snapshot:
                 return None, None, None, tb - ta, 0.0
             enc = encode_tensor(name, ch, self.state[name])  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
-                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, np.ascontiguousarray(ch.target_bits))
+                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits)
             except BaseException:
                 self._put(name, ch.indices, ch.base_bits)
                 raise
@@ -170,7 +170,7 @@ class Snapshot:
             ch = changes[name]
             flat = bits_view(self.state[name])
             if flat.device.type == "cpu":
-                return put_and_digest(to_np_bits(flat), ch.indices, np.ascontiguousarray(ch.target_bits))
+                return put_and_digest(to_np_bits(flat), ch.indices, ch.target_bits)
             idx = torch.from_numpy(ch.indices).to(flat.device)
             flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
             return tensor_digest(self.state[name])

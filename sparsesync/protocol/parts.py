@@ -305,13 +305,13 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
             for f in futures:
                 f.cancel()
             raise
-    written: list[tuple[_Staged, dict[str, SparseUpdate]]] = []
-    hashed: list[dict[str, str]] = []  # per part: digests of the units written, from the same pass
+    # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were written
+    written: list[tuple[_Staged, dict[str, SparseUpdate], dict[str, str]]] = []
     try:
         for s in staged:
-            hashed.append({})
-            written.append((s, write_updates(s.views, s.updates, digests=hashed[-1])))
-        for s, known in zip(staged, hashed):
+            known: dict[str, str] = {}
+            written.append((s, write_updates(s.views, s.updates, digests=known), known))
+        for s, _, known in written:
             try:
                 verify_digests(s.views, s.targets, known=known)
             except DigestMismatchError as e:
@@ -329,7 +329,7 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
             err._sparsesync_written = True  # type: ignore[attr-defined]
             raise err
     except BaseException:
-        for s, old in reversed(written):
+        for s, old, _ in reversed(written):
             write_updates(s.views, old)
         raise
     digests.clear()
