@@ -73,8 +73,18 @@ def test_group_by_bytes_is_deterministic_and_bounded():
     state = make_state(0)
     groups = group_by_bytes(state, PART_BYTES)
     assert [n for g in groups for n in g] == sorted(state)
+    nbytes = {n: state[n].numel() * state[n].element_size() for n in state}
     for g in groups:
-        assert len(g) == 1 or sum(state[n].numel() * state[n].element_size() for n in g) <= PART_BYTES
+        assert len(g) == 1 or sum(nbytes[n] for n in g) <= PART_BYTES
+    # the last part is small (all that is left to fetch and decode once the encoder is done):
+    # the last tensors that fit in part_bytes // 8, unless the very last tensor alone does not
+    for part_bytes in (PART_BYTES, 4 * PART_BYTES, 16 * PART_BYTES):
+        g = group_by_bytes(state, part_bytes)
+        tail = sum(nbytes[n] for n in g[-1])
+        if nbytes[sorted(state)[-1]] > part_bytes // 8:
+            assert len(g[-1]) == 1 or tail > part_bytes // 8  # an ordinary last group
+        else:
+            assert tail <= part_bytes // 8 < tail + nbytes[g[-2][-1]]
     assert group_by_bytes(make_state(1), PART_BYTES) == groups
 
 

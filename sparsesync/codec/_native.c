@@ -287,6 +287,8 @@ static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w
     int64_t i = 0;
     for (int64_t start = 0; start < n && i < nidx; start += 64) {
         int cnt = n - start < 64 ? (int)(n - start) : 64;
+        __builtin_prefetch(p + (start + 1024) * w); /* as in select_w */
+        __builtin_prefetch(p + (start + 1024) * w + 64);
         masks(p, w, start, cnt, thr, nt, m);
         while (i < nidx && idx[i] < start + cnt) {
             uint64_t bit = 1ULL << (idx[i] - start);
@@ -311,7 +313,13 @@ static int ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt,
 
 #ifdef SS_X86
 T256 static int ranks_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
-#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_avx2)
+#define CALL(W)                                                                                \
+    switch (nt) { /* nt as a constant for the usual 1-3, as in select_avx2 */                    \
+    case 1: return ranks_w(p, W, n, thr, 1, idx, nidx, wr, off, out, class_masks_avx2);          \
+    case 2: return ranks_w(p, W, n, thr, 2, idx, nidx, wr, off, out, class_masks_avx2);          \
+    case 3: return ranks_w(p, W, n, thr, 3, idx, nidx, wr, off, out, class_masks_avx2);          \
+    default: return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_avx2);        \
+    }
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return 0;
@@ -324,6 +332,25 @@ T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, in
     return 0;
 }
 #endif
+
+/* One element of `w` bytes at element index i, as an integer (and back). */
+static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
+    switch (w) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
+    switch (w) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
 
 /* ------------------------------------------------------------------------ class_select */
 /* Each class's target ranks as a bitmap over the class's members (B[c], two zero words of
@@ -348,8 +375,8 @@ static inline uint64_t deposit_sw(uint64_t bits, uint64_t m) {
 __attribute__((target("bmi2"))) static inline uint64_t deposit_hw(uint64_t bits, uint64_t m) { return _pdep_u64(bits, m); }
 #endif
 
-static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out,
-                                                          uint64_t (*deposit)(uint64_t, uint64_t), masks_fn masks) {
+static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out,
+                                                          int64_t n_out, uint64_t (*deposit)(uint64_t, uint64_t), masks_fn masks) {
     int64_t cum[MAXC] = {0};
     uint64_t m[MAXC];
     int64_t o = 0;
@@ -357,6 +384,8 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
     for (int c = 0; c <= nt; c++) live += lim[c] > 0;
     for (int64_t start = 0; start < n && live; start += 64) {
         int cnt = n - start < 64 ? (int)(n - start) : 64;
+        __builtin_prefetch(p + (start + 1024) * w); /* 16 blocks ahead: the masks are otherwise waiting on memory */
+        __builtin_prefetch(p + (start + 1024) * w + 64);
         masks(p, w, start, cnt, thr, nt, m);
         uint64_t sel = 0;
         for (int c = 0; c <= nt; c++) {
@@ -386,30 +415,43 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
     return -1;
 }
 
-static int select_sw(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_sw, class_masks)
+/* nt (thresholds) as a constant for the usual 1-3: the per-class loop unrolls and its state
+ * stays in registers */
+/* nt (thresholds) as a constant for the usual 1-3: the per-class loop unrolls and its state
+ * stays in registers */
+#define SELECT_NT(W, DEPOSIT, MASKS)                                                                     \
+    switch (nt) {                                                                                        \
+    case 1: return select_w(p, W, n, thr, 1, B, lim, out, n_out, DEPOSIT, MASKS);                        \
+    case 2: return select_w(p, W, n, thr, 2, B, lim, out, n_out, DEPOSIT, MASKS);                        \
+    case 3: return select_w(p, W, n, thr, 3, B, lim, out, n_out, DEPOSIT, MASKS);                        \
+    default: return select_w(p, W, n, thr, nt, B, lim, out, n_out, DEPOSIT, MASKS);                      \
+    }
+#define SELECT_ARGS const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out
+
+static int select_sw(SELECT_ARGS) {
+#define CALL(W) SELECT_NT(W, deposit_sw, class_masks)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
 }
 
 #ifdef SS_X86
-__attribute__((target("bmi2"))) static int select_bmi2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks)
+__attribute__((target("bmi2"))) static int select_bmi2(SELECT_ARGS) {
+#define CALL(W) SELECT_NT(W, deposit_hw, class_masks)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
 }
 
-T256 static int select_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_avx2)
+T256 static int select_avx2(SELECT_ARGS) {
+#define CALL(W) SELECT_NT(W, deposit_hw, class_masks_avx2)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
 }
 
-T512 static int select_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out) {
-#define CALL(W) return select_w(p, W, n, thr, nt, B, lim, out, n_out, deposit_hw, class_masks_512)
+T512 static int select_512(SELECT_ARGS) {
+#define CALL(W) SELECT_NT(W, deposit_hw, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
     return -1;
@@ -417,24 +459,6 @@ T512 static int select_512(const uint8_t *p, int w, int64_t n, const int *thr, i
 #endif
 
 /* ------------------------------------------------------------------------ diff */
-static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
-    switch (w) {
-    case 1: return p[i];
-    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
-    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
-    }
-}
-
-static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
-    switch (w) {
-    case 1: p[i] = (uint8_t)v; break;
-    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
-    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
-    default: memcpy(p + 8 * i, &v, 8); break;
-    }
-}
-
 
 static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, const uint8_t *b, int w, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
     const int lanes = 8 / w;
@@ -891,6 +915,7 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     int w, hw = -1;
     if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &rb, &ob, &outb, &hw)) return NULL;
     PyObject *res = NULL;
+    uint64_t *B[MAXC] = {NULL};
     int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
     if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
@@ -912,7 +937,6 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "class_select: rank %lld in class %d is negative or not increasing", (long long)r[bad_at], bad_c);
         goto done;
     }
-    uint64_t *B[MAXC] = {NULL};
     int64_t lim[MAXC];
     for (int c = 0; c <= nt; c++) {
         lim[c] = off[c + 1] > off[c] ? r[off[c + 1] - 1] + 1 : 0; /* ranks are increasing: the last is the largest */

@@ -42,18 +42,24 @@ _SHARD_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
 
 def group_by_bytes(state: Mapping[str, torch.Tensor], part_bytes: int) -> list[list[str]]:
     """Tensor names in sorted order, cut into consecutive groups of at most `part_bytes` tensor
-    bytes (a larger tensor is a group of its own). Deterministic: the same key set and shapes
-    give the same groups, version after version."""
+    bytes (a larger tensor is a group of its own), the last names into a small group of at most
+    `part_bytes // 8`: parts go out in this order, and once the encoder is done a reader has only
+    that small part left to fetch and decode. Deterministic: the same key set and shapes give the
+    same groups, version after version."""
+    names = sorted(state)
+    size = {n: state[n].numel() * state[n].element_size() for n in names}
+    tail: list[str] = []
+    while len(names) > 1 and sum(size[n] for n in tail) + size[names[-1]] <= part_bytes // 8:
+        tail.insert(0, names.pop())
     groups: list[list[str]] = []
-    size = 0
-    for name in sorted(state):
-        n = state[name].numel() * state[name].element_size()
-        if not groups or size + n > part_bytes:
+    total = 0
+    for name in names:
+        if not groups or total + size[name] > part_bytes:
             groups.append([])
-            size = 0
+            total = 0
         groups[-1].append(name)
-        size += n
-    return groups
+        total += size[name]
+    return groups + ([tail] if tail else [])
 
 
 def unit_view(state: Mapping[str, torch.Tensor], unit: Unit) -> torch.Tensor:
@@ -234,26 +240,36 @@ class Prefetcher:
         self._done: dict[str, _Decoded | None] = {}  # key -> decoded, or None (failed: not retried)
 
     def poll(self, base_version: int, state: Mapping[str, torch.Tensor]) -> int:
-        """Fetch and decode every new part object `base_version -> *`; returns how many."""
+        """Fetch and decode every new part object `base_version -> *`; returns how many. They are
+        fetched `FETCH_THREADS` at a time and each is decoded as it lands (a reader that fell
+        behind the writer catches up while the next parts are on the wire)."""
         if base_version != self._base:
             self._base, self._done = base_version, {}
         prefix = f"{DELTAS}v{base_version:010d}-"
-        n = 0
+        held = sum(d.size for d in self._done.values() if d)
+        todo = []
         for o in self.store.list(prefix):
             if o.key in self._done or parse_part_key(o.key) is None:
                 continue
-            if sum(d.size for d in self._done.values() if d) + o.size > self.max_bytes:
+            if held + o.size > self.max_bytes:
                 break
-            try:
-                data = self.store.get(o.key)
-                patch = read_patch(data)
-                views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
-                updates = decode_patch(patch, views, check_base_digest=False)
-                self._done[o.key] = _Decoded(len(data), bytes_digest(data), patch, updates)
-            except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
-                self._done[o.key] = None
-            n += 1
-        return n
+            todo.append(o.key)
+            held += o.size
+        if not todo:
+            return 0
+        with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, len(todo)), thread_name_prefix="sparsesync-prefetch") as ex:
+            futures = {ex.submit(self.store.get, key): key for key in todo}
+            for fut in as_completed(futures):
+                key = futures[fut]
+                try:
+                    data = fut.result()
+                    patch = read_patch(data)
+                    views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
+                    updates = decode_patch(patch, views, check_base_digest=False)
+                    self._done[key] = _Decoded(len(data), bytes_digest(data), patch, updates)
+                except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
+                    self._done[key] = None
+        return len(todo)
 
     def take(self, ref: PartRef, base_version: int | None) -> _Decoded | None:
         """The prefetched part `ref`, when its bytes are the ones the commit records."""
