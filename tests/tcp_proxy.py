@@ -147,15 +147,16 @@ class TcpProxy:
             threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        sent, t0 = 0, time.monotonic()
+        free_at = 0.0  # when the paced link has carried everything handed to it so far
         try:
             while data := src.recv(65536):
+                if self.rate:  # each chunk arrives when its last byte would have; an idle link banks
+                    # at most 2 ms (what makes up for sleeps that overshoot), so no burst after idle time
+                    free_at = max(free_at, time.monotonic() - 0.002) + len(data) / self.rate
+                    wait = free_at - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
                 dst.sendall(data)
-                if self.rate:
-                    sent += len(data)
-                    ahead = sent / self.rate - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
         except OSError:
             pass
         finally:
