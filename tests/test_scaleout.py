@@ -367,7 +367,8 @@ def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta
     res = _launch(2, url=url, out=str(out), first=1, last=3, arch="qwen3-moe")
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
     run = Run(url)
-    assert [(c.version, c.has_anchor, bool(c.parts)) for c in run.commits()] == [(1, True, False), (2, False, True), (3, False, True)]
+    assert [(c.version, c.has_anchor, bool(c.parts)) for c in run.commits()] == [
+        (1, True, False), (2, False, True), (3, False, True)]
     # expert 3 of layer 1 is rank 1's alone: rank 0's weights are right, and still it refuses with rank 1
     res = _launch(2, url=url, out=str(out), first=4, last=5, arch="qwen3-moe", resume=True,
                   perturb="model.layers.1.mlp.experts.3.gate_proj.weight")
