@@ -7,7 +7,8 @@ Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS
 the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
-`pub.resume(model.state_dict())` (with `perturb`, after changing one element). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
+`pub.resume(model.state_dict())` (with `perturb`, after changing one element of the last tensor, or of
+the tensor it names). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
 starts storing its part of that version. With `fence_version`, rank 0 starts another writer on the
 run (a single-process Publisher in a new process, which claims a newer epoch) before that version.
 Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
@@ -35,6 +36,7 @@ def main() -> None:
 
     if args.get("ddp"):
         return _ddp(args, rank)
+    from sparsesync.checkpoint import checkpoint_state
     from sparsesync.errors import SparsesyncError
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
@@ -52,12 +54,18 @@ def main() -> None:
     model = model.to(torch.bfloat16)
     if args.get("resume"):
         _rec, state, _d = Run(args["url"]).reconstruct()
-        if args.get("perturb"):  # weights one ulp away from the run's newest version
-            name = sorted(state)[-1]
+        if args.get("perturb"):  # weights one ulp away from the run's newest version (in tensor `perturb`, or the last)
+            name = args["perturb"] if isinstance(args["perturb"], str) else sorted(state)[-1]
             state[name].view(-1)[:1].view(torch.int16).add_(1)
-        got = model.load_state_dict(state, strict=False)  # a tied run has no lm_head.weight: the embedding is it
-        if got.unexpected_keys or set(got.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
-            raise AssertionError(f"rank {rank}: the run's newest version does not fit the model: {got}")
+        # the run is in the checkpoint's key set: copied into its views of the model's tensors (a tied
+        # head once, as the embedding; fused MoE experts per expert)
+        views = checkpoint_state(model.state_dict())
+        if set(views) != set(state):
+            raise AssertionError(f"rank {rank}: the run's newest version does not fit the model: "
+                                 f"{sorted(set(views) ^ set(state))[:5]}")
+        with torch.no_grad():
+            for name, t in views.items():
+                t.copy_(state[name])
     if args.get("freeze"):  # a frozen embedding (requires_grad False): AdamW leaves it as it is
         model.model.embed_tokens.weight.requires_grad_(False)
     for layer in model.model.layers:

@@ -291,7 +291,6 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
     A tied run resumes with a delta: the next writer's units are the run's."""
     from transformers import AutoModelForCausalLM
 
-    from sparsesync.checkpoint import checkpoint_state
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.tiny_model import arch_config
 
@@ -301,14 +300,7 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
     assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
     cfg = arch_config(arch, hidden=64)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-
-    def want(v: int) -> dict[str, torch.Tensor]:  # the gathered full state, as one process holds it
-        full = load_file(out / f"v{v}.safetensors")
-        if cfg.tie_word_embeddings:  # the gathered head is the embedding, at every version
-            assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
-        model.load_state_dict(full)
-        return {k: t.clone() for k, t in checkpoint_state(model.state_dict()).items()}
-
+    want = _gathered_as_checkpoint(model, out)
     single = str(tmp_path / "single")
     with Publisher(single, part_bytes=16 << 10) as pub:
         pub.publish(model.state_dict(), 1)
@@ -341,6 +333,65 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
         for v in 2, 6:  # and published them as whole tensors, rank by rank
             units = [u for p in run.commit(v).parts for u in p.units if ".experts." in u.name]
             assert units and all(u.rows is None for u in units)
+
+
+def _gathered_as_checkpoint(model, out: Path):  # type: ignore[no-untyped-def]
+    """`want(v)` for `_check_versions`: the gathered full state of version `v` (`out/v<v>.safetensors`,
+    in `model`'s runtime key set) in the checkpoint's key set, as one process holds it."""
+    from sparsesync.checkpoint import checkpoint_state
+
+    def want(v: int) -> dict[str, torch.Tensor]:
+        full = load_file(out / f"v{v}.safetensors")
+        if model.config.tie_word_embeddings:  # the gathered head is the embedding, at every version
+            assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+        model.load_state_dict(full)
+        return {k: t.clone() for k, t in checkpoint_state(model.state_dict()).items()}
+
+    return want
+
+
+@pytest.mark.slow
+def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta_bit_exact(tmp_path):
+    """A Qwen3-MoE (runtime-fused experts) on 2 FSDP2 ranks publishes an anchor and deltas in parts;
+    the next job at the same world size loads the run's newest version into its sharded model,
+    resume()s and continues with a delta over the same units (experts per expert, each from the rank
+    that holds it), every version bit-exact. Weights with one expert one ulp off are refused by
+    resume() on every rank (the rank holding the expert and the one that does not), nothing written."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsesync.checkpoint import checkpoint_state
+    from sparsesync.tiny_model import arch_config
+
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=3, arch="qwen3-moe")
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    assert [(c.version, c.has_anchor, bool(c.parts)) for c in run.commits()] == [
+        (1, True, False), (2, False, True), (3, False, True)]
+    # expert 3 of layer 1 is rank 1's alone: rank 0's weights are right, and still it refuses with rank 1
+    res = _launch(2, url=url, out=str(out), first=4, last=5, arch="qwen3-moe", resume=True,
+                  perturb="model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert [c.version for c in run.commits()] == [1, 2, 3]
+    res = _launch(2, url=url, out=str(out), first=4, last=5, arch="qwen3-moe", resume=True)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    commits = run.commits()
+    assert [c.version for c in commits] == [1, 2, 3, 4, 5]
+    rec = run.commit(4)
+    assert rec.parts and rec.base_version == 3 and not rec.has_anchor and rec.epoch > run.commit(3).epoch
+    assert rec.base_state_digest == run.commit(3).state_digest
+    model = AutoModelForCausalLM.from_config(arch_config("qwen3-moe", hidden=64), dtype=torch.bfloat16)
+    keys = set(checkpoint_state(model.state_dict()))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys and not any(k.endswith("_proj") for k in keys)
+    for c in commits[1:]:  # both jobs' deltas: every rank's parts, over the checkpoint's key set, experts whole
+        assert len({p.key.rsplit("-", 2)[-2] for p in c.parts}) == 2  # one uid per rank
+        assert {u.name for p in c.parts for u in p.units} == keys
+        experts = [u for p in c.parts for u in p.units if ".experts." in u.name]
+        assert len(experts) == 2 * 4 * 3 and all(u.rows is None for u in experts)
+    _check_versions(url, out, range(1, 6), _gathered_as_checkpoint(model, out))
+    assert verify_run(url).ok
 
 
 def _tied_world_of_one(rank: int, port: int, url: str) -> None:
