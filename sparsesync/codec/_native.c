@@ -333,25 +333,6 @@ T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, in
 }
 #endif
 
-/* One element of `w` bytes at element index i, as an integer (and back). */
-static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
-    switch (w) {
-    case 1: return p[i];
-    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
-    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
-    }
-}
-
-static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
-    switch (w) {
-    case 1: p[i] = (uint8_t)v; break;
-    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
-    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
-    default: memcpy(p + 8 * i, &v, 8); break;
-    }
-}
-
 /* ------------------------------------------------------------------------ class_select */
 /* Each class's target ranks as a bitmap over the class's members (B[c], two zero words of
  * padding); per block, the bits for the block's members of class c are deposited onto the
@@ -417,8 +398,6 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
 
 /* nt (thresholds) as a constant for the usual 1-3: the per-class loop unrolls and its state
  * stays in registers */
-/* nt (thresholds) as a constant for the usual 1-3: the per-class loop unrolls and its state
- * stays in registers */
 #define SELECT_NT(W, DEPOSIT, MASKS)                                                                     \
     switch (nt) {                                                                                        \
     case 1: return select_w(p, W, n, thr, 1, B, lim, out, n_out, DEPOSIT, MASKS);                        \
@@ -459,6 +438,24 @@ T512 static int select_512(SELECT_ARGS) {
 #endif
 
 /* ------------------------------------------------------------------------ diff */
+static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
+    switch (w) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
+    switch (w) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
 
 static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, const uint8_t *b, int w, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
     const int lanes = 8 / w;
@@ -915,7 +912,6 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     int w, hw = -1;
     if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &rb, &ob, &outb, &hw)) return NULL;
     PyObject *res = NULL;
-    uint64_t *B[MAXC] = {NULL};
     int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
     if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
@@ -937,6 +933,7 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "class_select: rank %lld in class %d is negative or not increasing", (long long)r[bad_at], bad_c);
         goto done;
     }
+    uint64_t *B[MAXC] = {NULL};
     int64_t lim[MAXC];
     for (int c = 0; c <= nt; c++) {
         lim[c] = off[c + 1] > off[c] ? r[off[c + 1] - 1] + 1 : 0; /* ranks are increasing: the last is the largest */
