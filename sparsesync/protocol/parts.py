@@ -22,9 +22,10 @@ Guarantees:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from sparsesync.store import Store
 DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
 FETCH_THREADS = 4  # parts fetched at once by a reader
 _SHARD_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+_T = TypeVar("_T")
 
 
 def group_by_bytes(state: Mapping[str, torch.Tensor], part_bytes: int) -> list[list[str]]:
@@ -49,7 +51,9 @@ def group_by_bytes(state: Mapping[str, torch.Tensor], part_bytes: int) -> list[l
     names = sorted(state)
     size = {n: state[n].numel() * state[n].element_size() for n in names}
     tail: list[str] = []
-    while len(names) > 1 and sum(size[n] for n in tail) + size[names[-1]] <= part_bytes // 8:
+    tail_bytes = 0
+    while len(names) > 1 and tail_bytes + size[names[-1]] <= part_bytes // 8:
+        tail_bytes += size[names[-1]]
         tail.insert(0, names.pop())
     groups: list[list[str]] = []
     total = 0
@@ -255,26 +259,37 @@ class Prefetcher:
                 break
             todo.append(o.key)
             held += o.size
-        if not todo:
-            return 0
-        with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, len(todo)), thread_name_prefix="sparsesync-prefetch") as ex:
-            futures = {ex.submit(self.store.get, key): key for key in todo}
-            for fut in as_completed(futures):
-                key = futures[fut]
-                try:
-                    data = fut.result()
-                    patch = read_patch(data)
-                    views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
-                    updates = decode_patch(patch, views, check_base_digest=False)
-                    self._done[key] = _Decoded(len(data), bytes_digest(data), patch, updates)
-                except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
-                    self._done[key] = None
+        for key, fut in _as_fetched(self.store.get, todo):
+            try:
+                data = fut.result()
+                patch = read_patch(data)
+                views = {k: unit_view(state, _unit_of(k)) for k in patch.header.tensors}
+                updates = decode_patch(patch, views, check_base_digest=False)
+                self._done[key] = _Decoded(len(data), bytes_digest(data), patch, updates)
+            except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
+                self._done[key] = None
         return len(todo)
 
     def take(self, ref: PartRef, base_version: int | None) -> _Decoded | None:
         """The prefetched part `ref`, when its bytes are the ones the commit records."""
         d = self._done.get(ref.key) if base_version == self._base else None
         return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
+
+
+def _as_fetched(fetch: Callable[[_T], bytes], items: Sequence[_T]) -> Iterator[tuple[_T, Future[bytes]]]:
+    """Each of `items` with the future of its `fetch`, in the order they land (`FETCH_THREADS` at
+    a time, each decoded by the caller while the next are on the wire); fetches not yet started
+    are cancelled when the caller stops early."""
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, len(items)), thread_name_prefix="sparsesync-part") as ex:
+        futures = {ex.submit(fetch, x): i for i, x in enumerate(items)}
+        try:
+            for fut in as_completed(futures):
+                yield items[futures[fut]], fut
+        finally:
+            for f in futures:
+                f.cancel()
 
 
 def _unit_of(key: str) -> Unit:
@@ -306,20 +321,11 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
             except Exception as e:
                 e._sparsesync_key = ref.key  # type: ignore[attr-defined]
                 raise
-    refs = [r for r in refs if r.key not in ready]
-    with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, max(len(refs), 1)), thread_name_prefix="sparsesync-part") as ex:
-        futures = {ex.submit(fetch, ref): ref for ref in refs}
+    for ref, fut in _as_fetched(fetch, [r for r in refs if r.key not in ready]):
         try:
-            for fut in as_completed(futures):
-                ref = futures[fut]
-                try:
-                    staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
-                except Exception as e:
-                    e._sparsesync_key = ref.key  # type: ignore[attr-defined]
-                    raise
-        except BaseException:
-            for f in futures:
-                f.cancel()
+            staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
+        except Exception as e:
+            e._sparsesync_key = ref.key  # type: ignore[attr-defined]
             raise
     # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were written
     written: list[tuple[_Staged, dict[str, SparseUpdate], dict[str, str]]] = []
