@@ -5,6 +5,7 @@ plain TRL-style extraction (torch nonzero + gather + safetensors save) in the sa
     nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
     nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   # speed sweep
     nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...   # both sides on one thread (fair on a loaded machine)
+    nice .venv/bin/python benchmarks/codec_bench.py --effort size,speed ...   # the codec's two efforts side by side
 
 Writes benchmarks/results/codec_bench.json (override with --json) and prints a table.
 
@@ -111,7 +112,7 @@ def lr_for_density(mode: str, density: float, seed: int) -> float:
     return float(f"{math.exp((lo + hi) / 2):.3g}")
 
 
-def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int = 3) -> list[dict]:
+def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int = 3, efforts: tuple[str, ...] = ("size",)) -> list[dict]:
     shapes = qwen_like_shapes(params)
     base = make_weights(shapes, seed)
     n_params = sum(t.numel() for t in base.values())
@@ -121,104 +122,106 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
     for mode, lrs in lrs_by_mode.items():
         for lr in lrs:
             target = step(base, lr, master=(mode == "master"), seed=seed + 1)
-            gc.collect()
-            # ours: diff + encode (the snapshot is the writer's copy of the base), interleaved with
-            # the TRL-style extraction; best of `reps`
-            t_ours = t_trl = float("inf")
-            all_ours, all_trl = [], []
-            for _ in range(reps):
-                snap = Snapshot(base, 0)
+            for effort in efforts:
                 gc.collect()
-                t0 = time.perf_counter()
-                enc = snap.diff_encode(target, 1)
-                dt = time.perf_counter() - t0
-                all_ours.append(dt)
-                if dt < t_ours:  # the diff/encode split of the best run
-                    t_ours, stats = dt, enc.stats
-                trl = None
+                # ours: diff + encode (the snapshot is the writer's copy of the base), interleaved with
+                # the TRL-style extraction; best of `reps`
+                t_ours = t_trl = float("inf")
+                all_ours, all_trl = [], []
+                for _ in range(reps):
+                    snap = Snapshot(base, 0, effort=effort)
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    enc = snap.diff_encode(target, 1)
+                    dt = time.perf_counter() - t0
+                    all_ours.append(dt)
+                    if dt < t_ours:  # the diff/encode split of the best run
+                        t_ours, stats = dt, enc.stats
+                    trl = None
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    trl = trl_extract(base, target)
+                    all_trl.append(time.perf_counter() - t0)
+                    t_trl = min(t_trl, all_trl[-1])
+                n = enc.stats.n_changed
+                pos_b, cond_b, val_b = entropy_bounds(base, enc.changes)
+                gaps16 = 0
+                for ch in enc.changes.values():
+                    g = np.diff(ch.indices, prepend=0)
+                    gaps16 += int((g >= 65536).sum())
+                # decode + apply (ours: validate everything incl. the base digest, write, verify the
+                # target digests), and the TRL-style apply; best of `reps`
+                t_base = t_dec = t_write = t_verify = t_trl_apply = float("inf")
+                for _ in range(reps):
+                    work = {k: v.clone() for k, v in base.items()}
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    patch = read_patch(enc.data)
+                    check_base_digests(patch, work)
+                    tb = time.perf_counter()
+                    updates = decode_patch(patch, work, check_base_digest=False)
+                    t1 = time.perf_counter()
+                    written: dict[str, str] = {}
+                    write_updates(work, updates, digests=written)  # as apply_patch: each tensor hashed in the pass that writes it
+                    t2 = time.perf_counter()
+                    verify_digests(work, {name: e.target_digest for name, e in patch.header.tensors.items()}, known=written)
+                    t3 = time.perf_counter()
+                    t_base, t_dec = min(t_base, tb - t0), min(t_dec, t1 - tb)
+                    t_write, t_verify = min(t_write, t2 - t1), min(t_verify, t3 - t2)
+                    ok = all(torch.equal(work[k].view(torch.uint8), snap.state[k].view(torch.uint8)) for k in work)
+                    del work, updates
+                    work2 = {k: v.clone() for k, v in base.items()}
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    trl_apply(trl, work2)
+                    t_trl_apply = min(t_trl_apply, time.perf_counter() - t0)
+                    del work2
+                t_apply = t_base + t_dec + t_write + t_verify
+                sizes: dict[str, int] = {}
+                for e in patch.header.tensors.values():
+                    for role, sz in e.stream_sizes.items():
+                        kind = "positions" if role in ("indices", "gaps", "gaps_escape", "gaps_low", "bitmap") else "values"
+                        sizes[kind] = sizes.get(kind, 0) + sz
+                header = len(enc.data) - sum(sizes.values())
+                row = {
+                    "mode": mode,
+                    "effort": effort,
+                    "lr": lr,
+                    "density": n / n_params,
+                    "n_changed": n,
+                    "trl_int32_bf16_B": (len(trl)) / n,
+                    "trl_gap16_bf16_B": (4 * n + 6 * gaps16) / n,
+                    "pos_entropy_B": pos_b / 8 / n,
+                    "pos_entropy_cond_exp_B": cond_b / 8 / n,
+                    "value_entropy_B": val_b / 8 / n,
+                    "ours_B": len(enc.data) / n,
+                    "ours_positions_B": sizes.get("positions", 0) / n,
+                    "ours_values_B": sizes.get("values", 0) / n,
+                    "ours_header_B": header / n,
+                    "diff_encode_GBps": model_gb / t_ours,
+                    "diff_encode_s": t_ours,
+                    "diff_s": stats.diff_s,
+                    "encode_s": stats.encode_s,
+                    "trl_extract_s": t_trl,
+                    "diff_encode_median_s": statistics.median(all_ours),
+                    "trl_extract_median_s": statistics.median(all_trl),
+                    "trl_extract_GBps": model_gb / t_trl,
+                    "decode_apply_s": t_apply,
+                    "base_check_s": t_base,
+                    "decode_validate_s": t_dec,
+                    "follower_apply_s": t_apply - t_base,
+                    "write_s": t_write,
+                    "verify_target_s": t_verify,
+                    "decode_apply_GBps": model_gb / t_apply,
+                    "trl_apply_s": t_trl_apply,
+                    "bit_exact": ok,
+                    "reps": reps,
+                }
+                rows.append(row)
+                print(json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+                del snap, enc, patch, trl
                 gc.collect()
-                t0 = time.perf_counter()
-                trl = trl_extract(base, target)
-                all_trl.append(time.perf_counter() - t0)
-                t_trl = min(t_trl, all_trl[-1])
             del target
-            n = enc.stats.n_changed
-            pos_b, cond_b, val_b = entropy_bounds(base, enc.changes)
-            gaps16 = 0
-            for ch in enc.changes.values():
-                g = np.diff(ch.indices, prepend=0)
-                gaps16 += int((g >= 65536).sum())
-            # decode + apply (ours: validate everything incl. the base digest, write, verify the
-            # target digests), and the TRL-style apply; best of `reps`
-            t_base = t_dec = t_write = t_verify = t_trl_apply = float("inf")
-            for _ in range(reps):
-                work = {k: v.clone() for k, v in base.items()}
-                gc.collect()
-                t0 = time.perf_counter()
-                patch = read_patch(enc.data)
-                check_base_digests(patch, work)
-                tb = time.perf_counter()
-                updates = decode_patch(patch, work, check_base_digest=False)
-                t1 = time.perf_counter()
-                written: dict[str, str] = {}
-                write_updates(work, updates, digests=written)  # as apply_patch: each tensor hashed in the pass that writes it
-                t2 = time.perf_counter()
-                verify_digests(work, {name: e.target_digest for name, e in patch.header.tensors.items()}, known=written)
-                t3 = time.perf_counter()
-                t_base, t_dec = min(t_base, tb - t0), min(t_dec, t1 - tb)
-                t_write, t_verify = min(t_write, t2 - t1), min(t_verify, t3 - t2)
-                ok = all(torch.equal(work[k].view(torch.uint8), snap.state[k].view(torch.uint8)) for k in work)
-                del work, updates
-                work2 = {k: v.clone() for k, v in base.items()}
-                gc.collect()
-                t0 = time.perf_counter()
-                trl_apply(trl, work2)
-                t_trl_apply = min(t_trl_apply, time.perf_counter() - t0)
-                del work2
-            t_apply = t_base + t_dec + t_write + t_verify
-            sizes: dict[str, int] = {}
-            for e in patch.header.tensors.values():
-                for role, sz in e.stream_sizes.items():
-                    kind = "positions" if role in ("indices", "gaps", "gaps_escape", "gaps_low", "bitmap") else "values"
-                    sizes[kind] = sizes.get(kind, 0) + sz
-            header = len(enc.data) - sum(sizes.values())
-            row = {
-                "mode": mode,
-                "lr": lr,
-                "density": n / n_params,
-                "n_changed": n,
-                "trl_int32_bf16_B": (len(trl)) / n,
-                "trl_gap16_bf16_B": (4 * n + 6 * gaps16) / n,
-                "pos_entropy_B": pos_b / 8 / n,
-                "pos_entropy_cond_exp_B": cond_b / 8 / n,
-                "value_entropy_B": val_b / 8 / n,
-                "ours_B": len(enc.data) / n,
-                "ours_positions_B": sizes.get("positions", 0) / n,
-                "ours_values_B": sizes.get("values", 0) / n,
-                "ours_header_B": header / n,
-                "diff_encode_GBps": model_gb / t_ours,
-                "diff_encode_s": t_ours,
-                "diff_s": stats.diff_s,
-                "encode_s": stats.encode_s,
-                "trl_extract_s": t_trl,
-                "diff_encode_median_s": statistics.median(all_ours),
-                "trl_extract_median_s": statistics.median(all_trl),
-                "trl_extract_GBps": model_gb / t_trl,
-                "decode_apply_s": t_apply,
-                "base_check_s": t_base,
-                "decode_validate_s": t_dec,
-                "follower_apply_s": t_apply - t_base,
-                "write_s": t_write,
-                "verify_target_s": t_verify,
-                "decode_apply_GBps": model_gb / t_apply,
-                "trl_apply_s": t_trl_apply,
-                "bit_exact": ok,
-                "reps": reps,
-            }
-            rows.append(row)
-            print(json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-            del snap, enc, patch, trl
-            gc.collect()
     return rows
 
 
@@ -228,6 +231,7 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
     ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
     ap.add_argument("--densities", default="", help="comma-separated target densities (e.g. 0.001,0.01,0.1): one learning rate each, per mode")
+    ap.add_argument("--effort", default="size", help="comma-separated: size (default: smallest patches), speed (no class-conditioned coding)")
     ap.add_argument("--threads", type=int, default=0, help="threads for both sides (torch and the codec's pools); default: torch's default and the codec's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is reported; medians in the JSON)")
@@ -242,24 +246,24 @@ def main() -> None:
         for mode in a.modes.split(",")
     }
     print(f"learning rates: {lrs_by_mode}", flush=True)
-    rows = run(a.params, lrs_by_mode, a.seed, a.reps)
+    rows = run(a.params, lrs_by_mode, a.seed, a.reps, tuple(a.effort.split(",")))
     print("\nbytes per changed element (B): TRL6 = int32 index + bf16, TRL4 = uint16 gap + bf16, H(pos) = position entropy per tensor,")
     print("H|exp = same conditioned on the base's exponent, ours = whole patch file (pos + val + header); throughput in GB of bf16 weights/s")
-    hdr = f"{'mode':7} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} {'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} {'TRL apply s':>11}"
+    hdr = f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} {'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} {'TRL apply s':>11}"
     print(hdr)
     for r in rows:
         print(
-            f"{r['mode']:7} {r['lr']:7.0e} {r['density']:8.4f} {r['trl_int32_bf16_B']:6.2f} {r['trl_gap16_bf16_B']:6.2f} {r['pos_entropy_B']:7.3f} {r['pos_entropy_cond_exp_B']:7.3f} "
+            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['trl_int32_bf16_B']:6.2f} {r['trl_gap16_bf16_B']:6.2f} {r['pos_entropy_B']:7.3f} {r['pos_entropy_cond_exp_B']:7.3f} "
             f"{r['ours_B']:6.3f} {r['ours_positions_B']:5.2f} {r['ours_values_B']:5.2f} {r['ours_header_B']:5.2f} {r['diff_encode_GBps']:9.2f} {r['trl_extract_GBps']:8.2f} {r['decode_apply_s']:7.2f} {r['trl_apply_s']:11.2f}"
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
     env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default"), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
-    print(f"{'mode':7} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
+    print(f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
     for r in rows:
         print(
-            f"{r['mode']:7} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
+            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
             f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
         )
     print(f"wrote {a.json}")

@@ -16,6 +16,7 @@ elements change at 1e-6).
     .venv/bin/python benchmarks/protocol_lag.py                      # 0.6B params, all stores
     .venv/bin/python benchmarks/protocol_lag.py --params 50e6 --followers 1,2 --store local
     .venv/bin/python benchmarks/protocol_lag.py --modes sparse,parts,full --followers 1 --pin   # issue 15
+    .venv/bin/python benchmarks/protocol_lag.py ... --effort speed   # the codec without class-conditioned coding
 
 Modes: `sparse` one delta file per version (`part_bytes=0`), `parts` the version in parts of
 `--part-bytes` uploaded as each is encoded (followers fetch and decode parts concurrently),
@@ -166,7 +167,7 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
 
 
 def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
-          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False) -> dict:
+          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size") -> dict:
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -179,7 +180,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
         url = f"{store_url.rstrip('/')}/{mode}-{n_followers}-{time.time_ns()}"
         store = open_store(url, create=True)
         state = seq[0]
-        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9, part_bytes=part_bytes if mode == "parts" else 0) \
+        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9, part_bytes=part_bytes if mode == "parts" else 0, effort=effort) \
             if mode != "full" else None
         # version 1: the starting point every follower loads before timing starts
         if pub:
@@ -248,6 +249,7 @@ def main() -> None:
     ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
     ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
     ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
+    ap.add_argument("--effort", default="size", help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)")
     ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
@@ -255,7 +257,7 @@ def main() -> None:
     shapes = qwen_like_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with fp32 "
-          f"master weights; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
+          f"master weights; codec effort {args.effort}; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
     rows = []
     modes = tuple(args.modes.split(","))
     if args.pin:
@@ -264,11 +266,11 @@ def main() -> None:
     for kind in args.store.split(","):
         with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, 1 if args.pin else None) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
-                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin)
+                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort)
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
+                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
                 link = args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None
                 for mode, r in res.items():
                     line = f"{kind:6} followers={nf} {mode:6}: lag {r['lag_s']:.3f} s, uploads {r['uploaded_per_version'] / 1e6:.2f} MB/version"

@@ -43,7 +43,7 @@ def test_push_pull_log_inspect_verify_gc(store_url, tmp_path):
         assert f"pushed version {i}" in out
     # weights that return to an earlier value are just another delta (here also an anchor: 7 = 4 + 3)
     m = json.loads(_invoke("push", str(_save_ckpt(states[0], tmp_path / "again")), store_url,
-                           "--anchor-every", "3", "--json"))
+                           "--anchor-every", "3", "--json", "--effort", "speed"))
     assert m["version"] == 7 and m["kind"] == "delta+anchor"
 
     rows = [json.loads(line) for line in _invoke("log", store_url, "--json").splitlines()]
@@ -98,6 +98,10 @@ def test_errors_are_one_clear_line_and_nonzero(tmp_path):
     res = subprocess.run([str(exe), "push", str(tmp_path / "missing.safetensors"), str(tmp_path / "run")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 1 and "does not exist" in res.stderr
+    res = subprocess.run([str(exe), "push", str(tmp_path / "missing.safetensors"), str(tmp_path / "run2"), "--effort", "fast"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 1 and "effort='fast'" in res.stderr and "fix:" in res.stderr
+    assert not (tmp_path / "run2").exists()  # refused before anything was created
 
 
 def test_help_is_fast_and_light():

@@ -212,10 +212,10 @@ def test_snapshot_left_as_it_was_when_one_tensor_fails_to_encode(monkeypatch):
     before = (dict(snap.digests), snap.state_digest)
     real = snapshot_module.encode_tensor
 
-    def failing(name, change, b=None):  # the fault: one tensor's encoder runs out of memory
+    def failing(name, change, b=None, **kw):  # the fault: one tensor's encoder runs out of memory
         if name == "t1":
             raise MemoryError("injected")
-        return real(name, change, b)
+        return real(name, change, b, **kw)
 
     monkeypatch.setattr(snapshot_module, "encode_tensor", failing)
     with pytest.raises(MemoryError):
@@ -280,6 +280,27 @@ def test_encoder_picks_compact_encodings_for_realistic_deltas():
     e = read_patch(data).header.tensors["w"]
     assert (e.positions, e.values) == ("gaps", "delta") and e.position_params["thresholds"]
     assert e.nbytes / e.n_changed < 1.0
+
+
+def test_effort_speed_leaves_out_the_class_codings_and_stays_bit_exact():
+    g = torch.Generator().manual_seed(0)
+    base = {f"w{i}": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16) for i in range(2)}
+    target = {k: (b.float() - torch.randn(b.shape, generator=g).clamp(-1, 1) * 2e-5).to(torch.bfloat16) for k, b in base.items()}
+    sizes = {}
+    for effort in ("size", "speed"):
+        snap = Snapshot(base, 0, effort=effort)
+        data = snap.diff_encode(target, 1).data
+        entries = read_patch(data).header.tensors.values()
+        classed = [bool(e.position_params.get("thresholds") or e.value_params.get("thresholds")) for e in entries]
+        assert all(classed) if effort == "size" else not any(classed)
+        work = {k: v.clone() for k, v in base.items()}
+        apply_patch(read_patch(data), work)
+        assert_bit_equal(work, target)
+        assert_bit_equal(snap.state, target)
+        sizes[effort] = len(data)
+    assert sizes["speed"] > sizes["size"]
+    with pytest.raises(ValueError, match="effort='fast'"):
+        Snapshot(base, 0, effort="fast")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("n", [50, 300, 2000, 5000])

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from sparsesync.codec import _native
 from sparsesync.codec._classes import class_of, class_ranks, class_select
 from sparsesync.codec.diff import _changed_slice_np, put_bits, take_bits
+from sparsesync.codec.digest import digest_after_put, put_and_digest, tensor_digest
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -522,6 +524,23 @@ def test_rans_rejects_bad_arguments():
         _native.rans_decode(b"", np.array([1, -1], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
     with pytest.raises(ValueError, match="malformed"):
         _native.rans_decode(b"", np.array([1, 1 << 40], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 1000, (2 << 20) * 3 // 2 + 7])  # up to several of digest's blocks
+def test_digest_after_put_is_the_digest_the_write_gives_and_writes_nothing(width, n):
+    rng = np.random.default_rng(n + width)
+    dst = _bits(rng, n, width)
+    idx = np.flatnonzero(rng.random(n) < 0.03).astype(np.int64)
+    if n:
+        idx = np.union1d(idx, [0, n - 1])  # the first and last element of the array
+    vals = _bits(rng, idx.size, width)
+    held = dst.copy()
+    predicted = digest_after_put(dst, idx, vals)
+    assert np.array_equal(dst, held)
+    assert put_and_digest(dst, idx, vals) == predicted == tensor_digest(torch.from_numpy(dst.view(np.uint8)))
+    with pytest.raises(IndexError):
+        digest_after_put(dst, np.array([n], np.int64), vals[:1] if n else np.zeros(1, dst.dtype))
 
 
 def test_take_and_put_check_every_index_before_writing():

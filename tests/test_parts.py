@@ -4,12 +4,14 @@ process, followers that fetch parts concurrently and apply all or nothing, parti
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from sparsesync.errors import DigestMismatchError, MalformedCommitError, PatchMismatchError
+from sparsesync.codec import tensor_digest
+from sparsesync.errors import ConfigError, DigestMismatchError, MalformedCommitError, PatchMismatchError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.layout import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digests
@@ -67,6 +69,16 @@ def test_versions_in_parts_stay_bit_exact(store_url):
     _rec, got, _ = run.reconstruct(7)
     assert_bit_equal(got, states[6])
     assert verify_run(store_url).ok
+
+
+def test_publisher_effort_speed_streams_parts_a_follower_applies_bit_exact(tmp_path):
+    url = str(tmp_path / "run")
+    states = _publish(url, 4, part_bytes=PART_BYTES, effort="speed")
+    f = Follower(url)
+    f.sync_once()
+    assert_bit_equal(f.mirror, states[-1])
+    with pytest.raises(ConfigError, match="effort='fast'"):
+        Publisher(str(tmp_path / "other"), effort="fast")
 
 
 def test_group_by_bytes_is_deterministic_and_bounded():
@@ -276,8 +288,6 @@ def test_a_run_written_in_format_1_continues_in_parts(tmp_path):
 
 
 def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_commit(tmp_path):
-    import threading
-
     url = str(tmp_path / "run")
     # version 3's parts are stored, its commit is not (yet)
     store, gate = _held_store(url, lambda key: key.startswith("commits/") and "v0000000003" in key)
@@ -305,6 +315,9 @@ def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_
         victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
         assert f.sync_once() == 2  # nothing committed: prefetches version 3's parts
         assert f._prefetch is not None and len(f._prefetch._done) == len(keys)
+        assert sum(d is not None and d.predicted is not None for d in f._prefetch._done.values()) <= 1  # one per poll
+        for _ in keys:
+            assert f.sync_once() == 2  # nothing new: each poll hashes one more decoded part's outcome
         victim.write_bytes(good)
         gate.set()
         pub.flush()
@@ -316,6 +329,54 @@ def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_
         return fetch(ref)
 
     f.run.fetch = counting_fetch  # type: ignore[method-assign]
+    assert all(d is None or d.predicted for d in f._prefetch._done.values())  # hashed ahead: only writes are left
     assert f.sync_once() == 3
     assert fetched == [keys[0]]  # the others were used as prefetched and decoded
+    assert_bit_equal(f.mirror, states[-1])
+    assert f.digests == {k: tensor_digest(v) for k, v in f.mirror.items()}
+
+
+def test_a_prefetched_part_whose_predicted_digest_is_wrong_fails_whole_then_is_fetched_again(tmp_path, monkeypatch):
+    """The digests hashed ahead stand in for hashing after the writes: one that does not match
+    the commit undoes every write, and the retry fetches, decodes and hashes afresh."""
+    import sparsesync.protocol.parts as parts_module
+
+    url = str(tmp_path / "run")
+    store, gate = _held_store(url, lambda key: key.startswith("commits/") and "v0000000002" in key)
+    states = [make_state(0)]
+    with Publisher(store, anchor_every=0, anchor_fraction=1e9, part_bytes=PART_BYTES) as pub:
+        pub.publish(states[0], 1)
+        pub.flush()
+        f = Follower(url)
+        assert f.sync_once() == 1
+        states.append(train_step(states[-1], torch.Generator().manual_seed(5)))
+        pub.publish(states[-1], 2)
+        n_parts = len(group_by_bytes(states[0], PART_BYTES))
+        for _ in range(200):
+            if len(open_store(url).list("deltas/v0000000001-")) == n_parts:
+                break
+            threading.Event().wait(0.05)
+        real = parts_module.digest_after_put
+        monkeypatch.setattr(parts_module, "digest_after_put", lambda *a: "0" * 16)  # a prediction gone wrong
+        for _ in range(n_parts + 1):
+            assert f.sync_once() == 1  # prefetches version 2's parts, then hashes them ahead, one per poll
+        assert f._prefetch is not None and all(d is not None and d.predicted for d in f._prefetch._done.values())
+        monkeypatch.setattr(parts_module, "digest_after_put", real)
+        gate.set()
+        pub.flush()
+    before = {k: v.clone() for k, v in f.mirror.items()}
+    fail = f.run.apply_delta
+    seen: list[BaseException] = []
+
+    def first_attempt(*a, **k):  # type: ignore[no-untyped-def]
+        try:
+            return fail(*a, **k)
+        except DigestMismatchError as e:
+            seen.append(e)
+            assert_bit_equal(f.mirror, before)  # every write undone
+            raise
+
+    f.run.apply_delta = first_attempt  # type: ignore[method-assign]
+    assert f.sync_once() == 2
+    assert len(seen) == 1 and "0000000000000000" in str(seen[0])
     assert_bit_equal(f.mirror, states[-1])

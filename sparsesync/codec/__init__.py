@@ -19,6 +19,7 @@ from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, veri
 from sparsesync.codec.diff import TensorChange, compose_changes, diff_state
 from sparsesync.codec.digest import state_digest, tensor_digest, tensor_digests
 from sparsesync.codec.patch import (
+    Effort,
     Patch,
     PatchHeader,
     TensorEntry,
@@ -33,6 +34,7 @@ from sparsesync.codec.snapshot import EncodedPatch, PatchStats, Snapshot
 
 __all__ = [
     "AnchorInfo",
+    "Effort",
     "EncodedPatch",
     "Patch",
     "PatchHeader",

@@ -655,25 +655,87 @@ static int check_models(const int64_t *counts_all, Py_ssize_t n_counts, const in
  * needs them. Returns the first byte of the stream (`end` if empty), or NULL if a symbol is
  * outside its model or has a zero count. */
 #define RANS_WAYS 4
+
+/* One symbol's encoding step without a division: x -> (x / f) * M + x % f + start equals
+ * x + bias + q * (M - f) with q = x / f taken as the high half of x * rcp, shifted (exact for
+ * every state x < 2^63, which rANS keeps; f = 1 uses rcp = 2^64 - 1, q = x - 1 and a bias
+ * of start + M - 1). The same arithmetic as ryg's public-domain rans64.h. */
+typedef struct {
+    uint64_t x_max, rcp, bias, cmpl;
+    int shift, invalid; /* invalid: a symbol the model cannot code (zero count, or the sentinel past it) */
+} EncSym;
+
+static void enc_sym_init(EncSym *e, uint32_t start, uint32_t freq) {
+    e->invalid = freq == 0;
+    e->x_max = ((RANS_L >> PROB_BITS) << 32) * freq;
+    e->cmpl = PROB_M - freq;
+    if (freq < 2) { /* freq 0 is never coded (the caller rejects it); 1 as above */
+        e->rcp = ~0ULL;
+        e->shift = 0;
+        e->bias = start + PROB_M - 1;
+        return;
+    }
+    int shift = 0;
+    while (freq > (1u << shift)) shift++;
+    /* rcp = ceil(2^(shift + 63) / freq), by long division in two 32-bit halves */
+    uint64_t x1 = 1ULL << (shift + 31), x0 = freq - 1, t1 = x1 / freq;
+    x0 += (x1 % freq) << 32;
+    e->rcp = (x0 / freq) + (t1 << 32);
+    e->shift = shift - 1;
+    e->bias = start;
+}
+
 static uint8_t *rans_encode_all(const int32_t *sym, const int64_t *sofs, Py_ssize_t n_seg, const int64_t *counts_all, const int64_t *cofs, uint8_t *end) {
     uint64_t x[RANS_WAYS];
     for (int j = 0; j < RANS_WAYS; j++) x[j] = RANS_L;
     uint32_t *w = (uint32_t *)end;
     for (Py_ssize_t g = n_seg - 1; g >= 0; g--) {
         uint32_t freq[MAX_SYMS], start[MAX_SYMS];
+        EncSym es[MAX_SYMS + 1];
         int k = (int)(cofs[g + 1] - cofs[g]);
         if (sofs[g + 1] == sofs[g]) continue;
         if (quantize(counts_all + cofs[g], k, freq, start) < 0) return NULL;
-        for (int64_t i = sofs[g + 1] - 1; i >= sofs[g]; i--) {
-            int32_t s = sym[i];
-            if (s < 0 || s >= k || freq[s] == 0) return NULL;
-            uint64_t f = freq[s], *xj = &x[i % RANS_WAYS];
-            if (*xj >= ((RANS_L >> PROB_BITS) << 32) * f) {
-                *--w = (uint32_t)*xj;
-                *xj >>= 32;
+        for (int s = 0; s < k; s++) enc_sym_init(&es[s], start[s], freq[s]);
+        enc_sym_init(&es[k], 0, 1);
+        es[k].invalid = 1;
+        int64_t i = sofs[g + 1] - 1, lo = sofs[g];
+        uint64_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+        int bad = 0;
+#define ENC_STEP(X, I)                                                                  \
+    do {                                                                                \
+        uint32_t s_ = (uint32_t)sym[I];                                                 \
+        s_ = s_ < (uint32_t)k ? s_ : (uint32_t)k; /* out of the model: the sentinel */  \
+        const EncSym *e_ = &es[s_];                                                     \
+        bad |= e_->invalid;                                                             \
+        int r_ = X >= e_->x_max;                                                        \
+        w[-1] = (uint32_t)X;                                                            \
+        w -= r_;                                                                        \
+        X = r_ ? X >> 32 : X;                                                           \
+        X += e_->bias + ((uint64_t)(((unsigned __int128)X * e_->rcp) >> 64) >> e_->shift) * e_->cmpl; \
+    } while (0)
+        for (; i >= lo && (i & 3) != 3; i--) {
+            switch (i & 3) {
+            case 0: ENC_STEP(x0, i); break;
+            case 1: ENC_STEP(x1, i); break;
+            default: ENC_STEP(x2, i); break;
             }
-            *xj = ((*xj / f) << PROB_BITS) + (*xj % f) + start[s];
         }
+        for (; i - 3 >= lo; i -= 4) {
+            ENC_STEP(x3, i);
+            ENC_STEP(x2, i - 1);
+            ENC_STEP(x1, i - 2);
+            ENC_STEP(x0, i - 3);
+        }
+        for (; i >= lo; i--) {
+            switch (i & 3) {
+            case 3: ENC_STEP(x3, i); break;
+            case 2: ENC_STEP(x2, i); break;
+            default: ENC_STEP(x1, i); break;
+            }
+        }
+#undef ENC_STEP
+        x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3;
+        if (bad) return NULL; /* a symbol outside its model or with a zero count: its step was garbage */
     }
     int untouched = w == (uint32_t *)end;
     for (int j = 0; j < RANS_WAYS; j++) untouched &= x[j] == RANS_L;

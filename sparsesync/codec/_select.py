@@ -66,8 +66,10 @@ def choose_thresholds(base_full: np.ndarray, changed_keys: np.ndarray, max_class
     return _native.thresholds_dp(tot, chg, max_classes, min_gain)
 
 
-def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) -> tuple[str, dict, dict, str, dict, dict]:
-    """(positions, position_params, position_streams, values, value_params, value_streams)."""
+def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None, *, classes: bool = True) -> tuple[str, dict, dict, str, dict, dict]:
+    """(positions, position_params, position_streams, values, value_params, value_streams).
+    `classes=False` leaves out the class-conditioned codings (and the pass over the whole base
+    that finding each change's class rank takes, on both sides)."""
     n, numel = ch.n_changed, ch.numel
     idx = ch.indices
     raw_pos = "raw_i32" if numel <= np.iinfo(np.int32).max else "raw_i64"
@@ -77,7 +79,7 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None) ->
     thresholds: list[int] = []
     sizes = None
     if n < numel:
-        if base_full is not None and numel >= MIN_CLASSED_NUMEL and n >= 16:
+        if classes and base_full is not None and numel >= MIN_CLASSED_NUMEL and n >= 16:
             changed_keys = E.key_counts(ch.base_bits)
             thresholds = choose_thresholds(base_full, changed_keys)
             sizes = E.class_sizes(changed_keys, thresholds)  # shared by gaps and delta

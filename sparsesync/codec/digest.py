@@ -70,6 +70,32 @@ def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np
     return h.hexdigest()
 
 
+def digest_after_put(src: np.ndarray, idx: np.ndarray, values: np.ndarray) -> str:
+    """The digest `put_and_digest(src, idx, values)` would return, with `src` left untouched:
+    each block of _PUT_BLOCK bytes is copied to a scratch buffer, written there and hashed
+    (`idx` sorted; IndexError for an index out of range). A reader that decoded a change ahead
+    of time uses it to check the result before it writes anything."""
+    idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(src.dtype)
+    if idx.size and (idx[0] < 0 or idx[-1] >= src.size):
+        raise IndexError(f"index {int(idx[0] if idx[0] < 0 else idx[-1])} out of range for {src.size} elements")
+    w, flat = src.itemsize, src.reshape(-1)
+    per = max(1, _PUT_BLOCK // w)
+    cuts = np.searchsorted(idx, np.arange(0, flat.size + per, per, dtype=np.int64)).tolist()
+    scratch, keep = np.empty(min(per, flat.size), dtype=src.dtype), np.empty(0, dtype=src.dtype)
+    h = xxhash.xxh3_64()
+    for b, start in enumerate(range(0, flat.size, per)):
+        block = flat[start : start + per]
+        lo, hi = cuts[b], cuts[b + 1]
+        if hi > lo:
+            out = scratch[: block.size]
+            out[:] = block
+            _native.put(out, w, idx[lo:hi] - start, values[lo:hi], keep)
+            h.update(memoryview(out.view(np.uint8)))
+        else:
+            h.update(memoryview(block.view(np.uint8)))
+    return h.hexdigest()
+
+
 def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """`tensor_digest` of every tensor in `state`, by name (hashed in parallel on the codec's
     "tensors" pool: do not call it from a task of that pool)."""

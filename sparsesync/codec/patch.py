@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
@@ -28,6 +29,22 @@ FORMAT_NAME = "sparsesync.patch"
 FORMAT_VERSION = 3  # what the encoder writes
 READABLE_VERSIONS = (1, 2, 3)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table (docs/format.md)
 _DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
+
+# What an encoder favors when it has the base. "size" (the default): the smallest patches, with
+# positions and values coded per class of the base's magnitude, which costs the encoder and every
+# reader one more pass over each changed tensor (finding each change's rank in its class).
+# "speed": no class-conditioned codings: at 0.6B and 1.6% density, patches 26-29% larger,
+# diff+encode about 30% and decode about 50% faster (benchmarks/codec_bench.py --effort);
+# the better trade where the link moves a patch's extra bytes faster than the passes take
+# (above about 50 Mbit/s at that size). Readers need nothing: a patch says how it is coded.
+Effort = Literal["size", "speed"]
+
+
+def check_effort(effort: str) -> Effort:
+    """`effort` if it is one of `Effort`'s values, else ValueError naming them."""
+    if effort not in get_args(Effort):
+        raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
+    return effort  # type: ignore[return-value]
 _META_KEYS_V3 = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest"}
 _META_KEYS = _META_KEYS_V3 | {"tensors"}  # formats 1 and 2
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors
@@ -119,7 +136,7 @@ def ctx_for(entry: TensorEntry, base_bits=None, format_version: int = FORMAT_VER
 
 
 # ---------------------------------------------------------------------------- writing
-def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None) -> tuple[str, dict, dict, str, dict, dict]:
+def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None, classes: bool) -> tuple[str, dict, dict, str, dict, dict]:
     """Smallest (positions, values) encoding pair for one tensor's change."""
     from sparsesync.codec import _select
 
@@ -130,7 +147,7 @@ def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None
                 f"tensor '{ctx.name}': base is {base.dtype} {tuple(base.shape)}, expected {change.dtype} {change.shape}", hint="pass the base the changes were diffed against"
             )
         base_full = to_np_bits(bits_view(base))
-    return _select.choose(change, ctx, base_full)
+    return _select.choose(change, ctx, base_full, classes=classes)
 
 
 @dataclass
@@ -147,21 +164,23 @@ class EncodedTensor:
     streams: dict[str, tuple[str, tuple[int, ...], bytes]]  # role -> (dtype, shape, bytes)
 
 
-def encode_tensor(name: str, change: TensorChange, base: torch.Tensor | None = None) -> EncodedTensor:
+def encode_tensor(name: str, change: TensorChange, base: torch.Tensor | None = None, *, effort: Effort = "size") -> EncodedTensor:
     """Encode one non-empty change (the smallest encodings; see `encode_changes`); `base`: the
-    tensor the change was diffed against, if the encoder has it."""
+    tensor the change was diffed against, if the encoder has it. `effort` (`Effort`): "speed"
+    leaves out the codings conditioned on the base's magnitude classes."""
     st = _container.st_dtype_name(change.dtype)
     ctx = _encodings.Ctx(name, st, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
-    pos, pparams, pstreams, val, vparams, vstreams = _choose(change, ctx, base)
+    pos, pparams, pstreams, val, vparams, vstreams = _choose(change, ctx, base, check_effort(effort) == "size")
     return EncodedTensor(st, tuple(change.shape), change.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
 
 
-def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None) -> dict[str, EncodedTensor]:
+def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None,
+                   effort: Effort = "size") -> dict[str, EncodedTensor]:
     """Encode every non-empty change (`encode_tensor`). Tensors are encoded on the codec's
     thread pool; the result does not depend on it."""
     # biggest first keeps both threads busy to the end; the result is keyed by name (order-free)
     names = sorted((n for n in changes if changes[n].indices.size), key=lambda n: (-changes[n].numel, n))
-    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None), names)))
+    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None, effort=effort), names)))
     return {n: encoded[n] for n in sorted(encoded)}
 
 

@@ -21,7 +21,7 @@ import torch
 from sparsesync.codec import _parallel
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
-from sparsesync.codec.patch import assemble_patch, encode_tensor, encode_tensors
+from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensor, encode_tensors
 
 
 @dataclass
@@ -57,8 +57,12 @@ class EncodedPatch:
 class Snapshot:
     """A full copy of the last published version (see the module docstring for its memory cost)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], version: int, *, device: str | torch.device | None = None) -> None:
+    def __init__(self, state: Mapping[str, torch.Tensor], version: int, *, device: str | torch.device | None = None,
+                 effort: Effort = "size") -> None:
+        """`effort`: what `diff_encode` favors, smaller patches or faster encode and decode
+        (`sparsesync.codec.patch.Effort`)."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.effort = check_effort(effort)
         self.version = version
         self.state: dict[str, torch.Tensor] = {n: t.detach().to(dev, copy=True).contiguous() for n, t in state.items()}
         self.digests: dict[str, str] = {n: tensor_digest(t) for n, t in self.state.items()}
@@ -82,7 +86,7 @@ class Snapshot:
             else:
                 changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
                 diff_s = time.perf_counter() - t0
-                encoded = encode_tensors(changes, base=self.state)  # needs the base: before advancing
+                encoded = encode_tensors(changes, base=self.state, effort=self.effort)  # needs the base: before advancing
                 self.apply_changes(changes)
             data = assemble_patch(
                 encoded,
@@ -130,7 +134,7 @@ class Snapshot:
             tb = time.perf_counter()
             if ch is None:
                 return None, None, None, tb - ta, 0.0
-            enc = encode_tensor(name, ch, self.state[name])  # needs the base: before advancing
+            enc = encode_tensor(name, ch, self.state[name], effort=self.effort)  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
                 digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits)
             except BaseException:

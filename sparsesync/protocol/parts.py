@@ -14,9 +14,14 @@ Guarantees:
   failure every part's writes are undone: all or nothing. With `names`, only the parts holding
   those tensors are fetched (a pipeline stage, a tensor-parallel rank).
 - Prefetch (`Prefetcher`): before a version is committed, a reader may fetch and decode the part
-  objects already stored for its held version, so that when the commit lands only the writes
-  remain. Nothing prefetched is trusted: at apply time each part's bytes must match the size and
-  digest the commit records and pass every check above, or it is fetched and decoded again.
+  objects already stored for its held version, and hash what each unit will hold once written
+  (`digest_after_put`: each block copied, written and hashed aside), so that when the commit
+  lands only the writes remain. Nothing prefetched is trusted: at apply time each part's bytes
+  must match the size and digest the commit records and pass every check above, or it is
+  fetched and decoded again; the predicted digests must equal the commit's target digests. They
+  were computed from the same held bytes the writes start from: those bytes change only through
+  this reader's own writes, which is what its digest records (checked against each part's base)
+  assume too.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from typing import TypeVar
 
 import torch
 
-from sparsesync.codec import EncodedPatch, Patch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
+from sparsesync.codec import Effort, EncodedPatch, Patch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
 from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
+from sparsesync.codec.diff import bits_view, to_np_bits
+from sparsesync.codec.digest import digest_after_put
 from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError
 from sparsesync.protocol.layout import DELTAS, CommitRecord, PartRef, Unit, parse_part_key
 from sparsesync.protocol.run import bytes_digest
@@ -123,17 +130,18 @@ class PartedSnapshot:
     Memory: the units' bytes once, as a single `Snapshot` of them would be.
     """
 
-    def __init__(self, parts: Sequence[Sequence[Unit]], state: Mapping[str, torch.Tensor], version: int) -> None:
+    def __init__(self, parts: Sequence[Sequence[Unit]], state: Mapping[str, torch.Tensor], version: int, *,
+                 effort: Effort = "size") -> None:
         self.units = [tuple(p) for p in parts]
-        self.snapshots = [Snapshot({u.key: state[u.key] for u in units}, version) for units in self.units]
+        self.snapshots = [Snapshot({u.key: state[u.key] for u in units}, version, effort=effort) for units in self.units]
         self.version = version
         self._digests: dict[str, str] | None = None  # `digests`, once per version (`diff_encode` clears it)
         self._state_digest: str | None = None
 
     @classmethod
-    def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int) -> PartedSnapshot:
+    def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int, *, effort: Effort = "size") -> PartedSnapshot:
         """Whole tensors grouped by `part_bytes` (the single-process publisher)."""
-        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version)
+        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version, effort=effort)
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -215,6 +223,7 @@ class _Staged:
     views: dict[str, torch.Tensor]  # unit key -> view into the holder's tensors
     updates: dict[str, SparseUpdate]  # by unit key
     targets: dict[str, str]  # unit key -> digest after applying (every unit of the part)
+    predicted: dict[str, str] | None = None  # unit key -> digest its writes will give (prefetched parts)
 
 
 def parts_for(rec: CommitRecord, names: Sequence[str] | None) -> list[PartRef]:
@@ -231,6 +240,7 @@ class _Decoded:
     xxh3: str
     patch: Patch
     updates: dict[str, SparseUpdate]  # by unit key, decoded against the holder's bytes at `base`
+    predicted: dict[str, str] | None = None  # unit key -> digest of its bytes once `updates` are written (CPU units)
 
 
 class Prefetcher:
@@ -246,7 +256,9 @@ class Prefetcher:
     def poll(self, base_version: int, state: Mapping[str, torch.Tensor]) -> int:
         """Fetch and decode every new part object `base_version -> *`; returns how many. They are
         fetched `FETCH_THREADS` at a time and each is decoded as it lands (a reader that fell
-        behind the writer catches up while the next parts are on the wire)."""
+        behind the writer catches up while the next parts are on the wire). Then it hashes what
+        one decoded part's units will hold once written (`_predicted`): one part per poll, so
+        that hashing never holds up the next listing for long."""
         if base_version != self._base:
             self._base, self._done = base_version, {}
         prefix = f"{DELTAS}v{base_version:010d}-"
@@ -268,12 +280,28 @@ class Prefetcher:
                 self._done[key] = _Decoded(len(data), bytes_digest(data), patch, updates)
             except Exception:  # noqa: BLE001 - anything odd: the commit-time path fetches it again
                 self._done[key] = None
+        d = next((d for d in self._done.values() if d is not None and d.predicted is None), None)
+        if d is not None:  # one part per poll: the next listing is never far off
+            d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates) or {}
         return len(todo)
+
+    def forget(self) -> None:
+        """Drop everything prefetched (after a failed apply: the retry fetches and checks afresh)."""
+        self._done = {}
 
     def take(self, ref: PartRef, base_version: int | None) -> _Decoded | None:
         """The prefetched part `ref`, when its bytes are the ones the commit records."""
         d = self._done.get(ref.key) if base_version == self._base else None
         return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
+
+
+def _predicted(views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate]) -> dict[str, str] | None:
+    """The digest each unit's bytes will have once `updates` are written (`digest_after_put`,
+    nothing written), or None if a unit is not in CPU memory."""
+    if any(views[k].device.type != "cpu" for k in updates):
+        return None
+    return {k: digest_after_put(to_np_bits(bits_view(views[k])), u.indices.numpy(),
+                                u.values.view(bits_view(views[k]).dtype).numpy()) for k, u in updates.items()}
 
 
 def _as_fetched(fetch: Callable[[_T], bytes], items: Sequence[_T]) -> Iterator[tuple[_T, Future[bytes]]]:
@@ -311,13 +339,24 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     """
     if not rec.parts:
         raise ProtocolError(f"version {rec.version} has no parts")
+    try:
+        return _apply_all(fetch, rec, state, digests, names, prefetched)
+    except BaseException:
+        if prefetched is not None:
+            prefetched.forget()  # a retry fetches, decodes and hashes every part afresh
+        raise
+
+
+def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
+               digests: MutableMapping[str, str], names: Sequence[str] | None, prefetched: Prefetcher | None) -> dict[str, SparseUpdate]:
+    """`apply_parts` once its arguments are checked."""
     refs = parts_for(rec, names)
     staged: list[_Staged] = []
     ready = {r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None}
     for ref in refs:
         if ref.key in ready:
             try:
-                staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates))
+                staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates, ready[ref.key].predicted))
             except Exception as e:
                 e._sparsesync_key = ref.key  # type: ignore[attr-defined]
                 raise
@@ -327,10 +366,14 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
         except Exception as e:
             e._sparsesync_key = ref.key  # type: ignore[attr-defined]
             raise
-    # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were written
+    # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were
+    # written (or, for a prefetched part, before: what its writes give, from the same held bytes)
     written: list[tuple[_Staged, dict[str, SparseUpdate], dict[str, str]]] = []
     try:
         for s in staged:
+            if s.predicted is not None:
+                written.append((s, write_updates(s.views, s.updates), dict(s.predicted)))
+                continue
             known: dict[str, str] = {}
             written.append((s, write_updates(s.views, s.updates, digests=known), known))
         for s, _, known in written:
@@ -360,9 +403,11 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
 
 
 def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, torch.Tensor],
-           digests: Mapping[str, str], decoded: dict[str, SparseUpdate] | None = None) -> _Staged:
+           digests: Mapping[str, str], decoded: dict[str, SparseUpdate] | None = None,
+           predicted: dict[str, str] | None = None) -> _Staged:
     """Check one part against the commit and the holder, and decode it (writes nothing);
-    `decoded`: its updates decoded earlier against the same held bytes (prefetch)."""
+    `decoded`: its updates decoded earlier against the same held bytes (prefetch), and
+    `predicted`: the digests their writes give."""
     h = patch.header
     keys = {u.key for u in ref.units}
     if (h.base_version, h.target_version) != (rec.base_version, rec.version) or (
@@ -391,7 +436,7 @@ def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, to
     if state_digest(targets) != ref.state_digest:
         raise DigestMismatchError(f"part {ref.key}: its tensors' target digests do not make up its state {ref.state_digest}",
                                   hint="the part is corrupt; fetch it again or reload from an anchor")
-    return _Staged(ref, views, updates, targets)
+    return _Staged(ref, views, updates, targets, predicted if decoded is not None else None)
 
 
 def _global_updates(staged: Sequence[_Staged]) -> dict[str, SparseUpdate]:

@@ -46,13 +46,13 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
-from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec import Effort, Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
 from sparsesync.errors import (
     ConfigError,
     FencedWriterError,
@@ -102,6 +102,7 @@ class PublisherConfig:
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
     part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
     dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
+    effort: str = "size"  # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster (`sparsesync.codec.Effort`)
 
     def validate(self) -> None:
         if self.anchor_every < 0:
@@ -112,6 +113,9 @@ class PublisherConfig:
             raise ConfigError(f"queue_size={self.queue_size}: must be >= 1")
         if self.part_bytes < 0:
             raise ConfigError(f"part_bytes={self.part_bytes}: must be >= 0 (0: one delta file per version)")
+        if self.effort not in get_args(Effort):
+            raise ConfigError(f"effort={self.effort!r}: must be one of {list(get_args(Effort))}",
+                              hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)")
 
 
 @dataclass
@@ -341,8 +345,8 @@ class Publisher:
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
         if self.config.part_bytes and sum(t.numel() * t.element_size() for t in state.values()) > self.config.part_bytes:
-            return PartedSnapshot.whole(state, version, self.config.part_bytes)
-        return Snapshot(state, version)
+            return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)  # type: ignore[arg-type]
+        return Snapshot(state, version, effort=self.config.effort)  # type: ignore[arg-type]
 
     def _publish_parts(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Diff and encode a delta in parts; when no other version waits, the uploader takes each
