@@ -282,7 +282,10 @@ class Prefetcher:
                 self._done[key] = None
         d = next((d for d in self._done.values() if d is not None and d.predicted is None), None)
         if d is not None:  # one part per poll: the next listing is never far off
-            d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates) or {}
+            try:
+                d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates) or {}
+            except Exception:  # noqa: BLE001 - nothing predicted: the writes hash as they go
+                d.predicted = {}
         return len(todo)
 
     def forget(self) -> None:
