@@ -303,8 +303,11 @@ def _predicted(views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUp
     nothing written), or None if a unit is not in CPU memory."""
     if any(views[k].device.type != "cpu" for k in updates):
         return None
-    return {k: digest_after_put(to_np_bits(bits_view(views[k])), u.indices.numpy(),
-                                u.values.view(bits_view(views[k]).dtype).numpy()) for k, u in updates.items()}
+    out = {}
+    for k, u in updates.items():
+        flat = bits_view(views[k])
+        out[k] = digest_after_put(to_np_bits(flat), u.indices.numpy(), u.values.view(flat.dtype).numpy())
+    return out
 
 
 def _as_fetched(fetch: Callable[[_T], bytes], items: Sequence[_T]) -> Iterator[tuple[_T, Future[bytes]]]:

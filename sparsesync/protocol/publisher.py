@@ -46,13 +46,13 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
 from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
-from sparsesync.codec import Effort, Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
 from sparsesync.errors import (
     ConfigError,
     FencedWriterError,
@@ -83,6 +83,7 @@ from sparsesync.protocol.layout import (
     valid_commits,
     writer_key,
 )
+from sparsesync.codec.patch import check_effort
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
 from sparsesync.store import Store, open_store
@@ -113,9 +114,10 @@ class PublisherConfig:
             raise ConfigError(f"queue_size={self.queue_size}: must be >= 1")
         if self.part_bytes < 0:
             raise ConfigError(f"part_bytes={self.part_bytes}: must be >= 0 (0: one delta file per version)")
-        if self.effort not in get_args(Effort):
-            raise ConfigError(f"effort={self.effort!r}: must be one of {list(get_args(Effort))}",
-                              hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)")
+        try:
+            check_effort(self.effort)
+        except ValueError as e:
+            raise ConfigError(str(e), hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)") from None
 
 
 @dataclass
