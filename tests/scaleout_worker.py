@@ -86,7 +86,8 @@ def main() -> None:
         store.put = dying_put  # type: ignore[method-assign]
     out = Path(args["out"])
     pub = Publisher(store, anchor_every=args.get("anchor_every", 0), anchor_fraction=1e9,
-                    part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60))
+                    part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60),
+                    effort=args.get("effort", "size"))
     assert type(pub).__name__ == "DistributedPublisher"
     try:
         if args.get("resume"):

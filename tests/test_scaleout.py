@@ -279,8 +279,8 @@ def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_gl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "world"), [("qwen3-tied", 2), ("qwen3-moe", 2), ("qwen3-moe", 3)])
-def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch, world):
+@pytest.mark.parametrize(("arch", "world", "effort"), [("qwen3-tied", 2, "size"), ("qwen3-moe", 2, "size"), ("qwen3-moe", 3, "speed")])
+def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch, world, effort):
     """The shapes users bring, sharded: a tied LM head (Qwen3-0.6B; FSDP2 gives it and the embedding
     two DTensors over one local storage) is published once, as the embedding; runtime-fused MoE
     experts ([experts, ...] DTensors, each rank holding whole experts) are published per expert,
@@ -288,7 +288,8 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
     The run's key set is the one a single-process Publisher writes for the same model, every
     version is bit-exact, the sharded anchors load in transformers, and an embedded replica
     following the run holds every version in its runtime layout (a tied head still the embedding).
-    A tied run resumes with a delta: the next writer's units are the run's."""
+    A tied run resumes with a delta: the next writer's units are the run's. The 3-rank run
+    encodes with effort "speed" (no class-conditioned codings): readers need nothing new.""" 
     from transformers import AutoModelForCausalLM
 
     from sparsesync.protocol.publisher import Publisher
@@ -296,7 +297,7 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
 
     url, out = str(tmp_path / "run"), tmp_path / "full"
     out.mkdir()
-    res = _launch(world, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch)
+    res = _launch(world, url=url, out=str(out), first=1, last=6, anchor_every=4, arch=arch, effort=effort)
     assert [r.returncode for r in res] == [0] * world, [r.stderr[-2000:] for r in res]
     cfg = arch_config(arch, hidden=64)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -317,6 +318,8 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
         units = {u.name for p in c.parts for u in p.units}
         assert not c.parts or units == keys
     _check_versions(url, out, range(1, 7), want)
+    classed = [_classed(run, run.commit(v)) for v in (2, 3, 4, 6)]  # the deltas: was the class coding used?
+    assert all(classed) if effort == "size" else not any(classed)
     for v in 1, 5:
         _check_transformers_loads(url, run.commit(v), out / f"v{v}.safetensors", tmp_path, cfg)
     _replica_follows(url, tmp_path, arch, range(1, 7), want)
@@ -333,6 +336,14 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
         for v in 2, 6:  # and published them as whole tensors, rank by rank
             units = [u for p in run.commit(v).parts for u in p.units if ".experts." in u.name]
             assert units and all(u.rows is None for u in units)
+
+
+def _classed(run: Run, rec) -> bool:  # type: ignore[no-untyped-def]
+    """Whether any tensor of the version's parts is coded per class of the base magnitude."""
+    from sparsesync.codec import read_patch
+
+    entries = [e for p in rec.parts for e in read_patch(run.store.get(p.key)).header.tensors.values()]
+    return any(e.position_params.get("thresholds") or e.value_params.get("thresholds") for e in entries)
 
 
 def _gathered_as_checkpoint(model, out: Path):  # type: ignore[no-untyped-def]

@@ -53,6 +53,7 @@ def test_config_loads_toml_and_round_trips(tmp_path: Path) -> None:
         ("rollout", {"temperature": 0}, "[rollout] temperature"),
         ("sync", {"bucket": ""}, "[sync] bucket"),
         ("sync", {"publish_every": 0}, "[sync] publish_every"),
+        ("sync", {"effort": "fast"}, "[sync] effort = 'fast': expected one of ['size', 'speed']"),
         ("model", {"master_dtype": "fp8"}, "expected one of"),
         ("extra", {"x": 1}, "unknown section(s) ['extra']"),
         ("distributed", {"timeout_s": 0}, "[distributed] timeout_s"),

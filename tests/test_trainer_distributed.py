@@ -40,9 +40,9 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLIN
 
 
 @contextmanager
-def _job(tmp_path: Path, arch: str, steps: int) -> Iterator[tuple[Path, str, str]]:
+def _job(tmp_path: Path, arch: str, steps: int, effort: str = "size") -> Iterator[tuple[Path, str, str]]:
     """A tiny model of `arch`, the env server and one replica following a fresh bucket; yields
-    (config path, bucket, replica URL)."""
+    (config path, bucket, replica URL). `effort`: the publisher's codec effort (`[sync] effort`)."""
     from sparsesync.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0, arch=arch)
@@ -62,7 +62,7 @@ def _job(tmp_path: Path, arch: str, steps: int) -> Iterator[tuple[Path, str, str
             "model": {"path": str(model), "device": "cpu", "master_dtype": "float32"},
             "rollout": {"replicas": [replica.url], "env_url": env.url, "group_size": 4, "max_tokens": 4, "workers": 2},
             "optim": {"steps": steps, "groups_per_step": 2, "buffer_groups": 4, "lr": 2e-3, "max_staleness": 4},
-            "sync": {"bucket": bucket, "anchor_every": 0, "anchor_fraction": 4.0},
+            "sync": {"bucket": bucket, "anchor_every": 0, "anchor_fraction": 4.0, "effort": effort},
             "log": {"progress": False},
             "distributed": {"timeout_s": 60.0},
         })
@@ -99,7 +99,7 @@ def _replay(url: str) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embeddings(tmp_path: Path) -> None:
-    with _job(tmp_path, "qwen3-tied", steps=3) as (config, bucket, replica):
+    with _job(tmp_path, "qwen3-tied", steps=3, effort="speed") as (config, bucket, replica):  # [sync] effort reaches every rank
         proc = _torchrun(config)
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-4000:]

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
 
 
@@ -101,6 +102,7 @@ class SyncConfig:
     anchor_every: int = 50  # publisher: versions between periodic full anchors
     anchor_fraction: float = 0.5  # publisher: also anchor when deltas since the last anchor pass this x its size
     queue_size: int = 4  # publisher: versions waiting for upload before deltas are coalesced
+    effort: Effort = "size"  # publisher's codec: "size" (smallest patches) or "speed" (faster encode and decode, larger patches)
     flush_timeout_s: float = 120.0  # at the end, wait this long for the last uploads
     fleet_min_replicas: int = 0  # > 0: after each publish, wait until this many replicas report (heartbeats)...
     fleet_max_lag: int = 0  # ...serving the newest published version minus at most this many versions

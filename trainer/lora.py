@@ -44,5 +44,6 @@ def publish_initial_adapter(cfg: TrainerConfig) -> None:
     device, master, publish = resolve_precision(cfg)
     torch.manual_seed(cfg.optim.seed)
     model = lora_policy(load_policy(cfg, device, master), cfg, master)
-    with Publisher(cfg.sync.bucket, adapter=adapter_meta(model, cfg, publish), anchor_every=cfg.sync.anchor_every) as pub:
+    with Publisher(cfg.sync.bucket, adapter=adapter_meta(model, cfg, publish), anchor_every=cfg.sync.anchor_every,
+                   effort=cfg.sync.effort) as pub:
         pub.publish(publish_state(model, publish), 0)

@@ -220,7 +220,7 @@ class AsyncGRPOTrainer:
         try:
             publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
                                   anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size,
-                                  adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s)
+                                  effort=cfg.sync.effort, adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s)
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
             with self._collective(ctx, "publishing the first version"):

@@ -90,7 +90,8 @@ static int HW_BEST = HW_PORTABLE;
 
 #define MAXC 8 /* classes (MAX_CLASSES in _encodings.py) */
 
-static uint8_t SEL8[256][8]; /* SEL8[b][k]: position of the k-th set bit of byte b */
+static uint8_t SEL8[256][8]; /* SEL8[b][k]: position of the k-th set bit of byte b (0 past the last) */
+static uint8_t SHUF16[256][16]; /* pshufb mask packing the 2-byte lanes set in b to the front */
 
 static inline int popc(uint64_t x) { return __builtin_popcountll(x); }
 
@@ -501,9 +502,11 @@ static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, co
  * the count (within `cap`) may be written as scratch.
  * Two ways to write a step's changed lanes, picked per 64 steps by how many of the previous 64
  * had a change: where few do (sparse), a loop over the set bits, skipped for unchanged steps;
- * where most do (dense, about 4% density and up), the first four lanes without a branch on
- * how many there are (slots past the count are scratch: k + 16 <= cap), which saves the
- * misprediction that a data-dependent loop pays about once per step (22% of the pass at 10%). */
+ * where more than 20 do (dense, about 2.3% density and up), no branch at all: each half of 8
+ * lanes is packed to the front with table lookups (SEL8 for the lane numbers, widened to
+ * int64; SHUF16 to pack the 2-byte values) and stored whole, and k advances by the half's
+ * count (slots past the count are scratch: k + 16 <= cap). At 6-10% density that is 0.36 ns
+ * per element against 0.56 for a loop over the first four lanes (uniformly random changes). */
 T256 static int64_t diff2_avx2(const uint8_t *a, const uint8_t *b, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
     const uint16_t *pa = (const uint16_t *)a, *pb = (const uint16_t *)b;
     uint16_t *qa = (uint16_t *)oa, *qb = (uint16_t *)ob;
@@ -539,19 +542,22 @@ T256 static int64_t diff2_avx2(const uint8_t *a, const uint8_t *b, int64_t n, in
                 DIFF2_STEP_MASK;
                 changed_steps += m != 0;
                 uint32_t bits = _pext_u32(m, 0x55555555u);
-                int got = __builtin_popcount(bits);
-                for (int t = 0; t < 4; t++) {
-                    DIFF2_WRITE_LANE(t, __builtin_ctz(bits | 0x8000u)); /* lane 15 when none is left: in range */
-                    bits &= bits - 1;
+                const __m128i xs[2] = {_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)};
+                const __m128i ys[2] = {_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)};
+                for (int h = 0; h < 2; h++) { /* each half of 8 lanes: its changed lanes packed to the front */
+                    uint32_t b8 = bits >> (8 * h) & 0xff;
+                    __m128i pos = _mm_loadl_epi64((const __m128i *)SEL8[b8]);
+                    __m256i at = _mm256_set1_epi64x(base + e + 8 * h);
+                    _mm256_storeu_si256((__m256i *)(oi + k), _mm256_add_epi64(_mm256_cvtepu8_epi64(pos), at));
+                    _mm256_storeu_si256((__m256i *)(oi + k + 4), _mm256_add_epi64(_mm256_cvtepu8_epi64(_mm_srli_si128(pos, 4)), at));
+                    __m128i sh = _mm_loadu_si128((const __m128i *)SHUF16[b8]);
+                    _mm_storeu_si128((__m128i *)(qa + k), _mm_shuffle_epi8(xs[h], sh));
+                    _mm_storeu_si128((__m128i *)(qb + k), _mm_shuffle_epi8(ys[h], sh));
+                    k += __builtin_popcount(b8);
                 }
-                for (int t = 4; bits; t++) { /* bits is left non-zero only if got > 4 */
-                    DIFF2_WRITE_LANE(t, __builtin_ctz(bits));
-                    bits &= bits - 1;
-                }
-                k += got;
             }
         }
-        dense = changed_steps > 32;
+        dense = changed_steps > 20;
     }
 #undef DIFF2_STEP_MASK
 #undef DIFF2_WRITE_LANE
@@ -1821,6 +1827,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         int k = 0;
         for (int b = 0; b < 8; b++)
             if (v >> b & 1) SEL8[v][k++] = (uint8_t)b;
+        for (int j = 0; j < 8; j++) SHUF16[v][2 * j] = (uint8_t)(2 * SEL8[v][j]), SHUF16[v][2 * j + 1] = (uint8_t)(2 * SEL8[v][j] + 1);
     }
 #ifdef SS_X86
     __builtin_cpu_init();

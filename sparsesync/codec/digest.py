@@ -52,22 +52,7 @@ def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np
     once, not once to write and again to hash. Every index is checked before its block's writes
     (IndexError). Unsorted indices are still each written once, but the digest returned may then
     not match `dst`: every caller checks it against the digest the version carries, loudly."""
-    idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype)
-    w = dst.itemsize
-    raw = dst.reshape(-1).view(np.uint8)
-    per = max(1, _PUT_BLOCK // w)
-    # where each block's indices end; made non-decreasing so that every index is written once
-    # even if `idx` is not sorted
-    cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, dst.size, per, dtype=np.int64)), idx.size)).tolist()
-    keep = np.empty(0, dtype=dst.dtype)
-    h = xxhash.xxh3_64()
-    lo = 0
-    for b, hi in enumerate(cuts):
-        if hi > lo:
-            _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])
-        h.update(memoryview(raw[b * per * w : (b + 1) * per * w]))
-        lo = hi
-    return h.hexdigest()
+    return _put_blocks(dst, idx, values, old, aside=False)
 
 
 def digest_after_put(src: np.ndarray, idx: np.ndarray, values: np.ndarray) -> str:
@@ -75,24 +60,36 @@ def digest_after_put(src: np.ndarray, idx: np.ndarray, values: np.ndarray) -> st
     each block of _PUT_BLOCK bytes is copied to a scratch buffer, written there and hashed
     (`idx` sorted; IndexError for an index out of range). A reader that decoded a change ahead
     of time uses it to check the result before it writes anything."""
-    idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(src.dtype)
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
     if idx.size and (idx[0] < 0 or idx[-1] >= src.size):
         raise IndexError(f"index {int(idx[0] if idx[0] < 0 else idx[-1])} out of range for {src.size} elements")
-    w, flat = src.itemsize, src.reshape(-1)
+    return _put_blocks(src, idx, values, None, aside=True)
+
+
+def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None, *, aside: bool) -> str:
+    """The walk both functions above make: for each block of _PUT_BLOCK bytes, the writes of
+    `idx` that fall in it, then its hash. `aside`: the writes go to a scratch copy of the block
+    (`dst` is not touched), else into `dst` (the overwritten bits into `old` if given)."""
+    idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype)
+    w, flat = dst.itemsize, dst.reshape(-1)
     per = max(1, _PUT_BLOCK // w)
-    cuts = np.searchsorted(idx, np.arange(0, flat.size + per, per, dtype=np.int64)).tolist()
-    scratch, keep = np.empty(min(per, flat.size), dtype=src.dtype), np.empty(0, dtype=src.dtype)
+    # where each block's indices end; made non-decreasing so that every index is written once
+    # even if `idx` is not sorted
+    cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, flat.size, per, dtype=np.int64)), idx.size)).tolist()
+    scratch = np.empty(min(per, flat.size) if aside else 0, dtype=dst.dtype)
+    keep = np.empty(0, dtype=dst.dtype)
     h = xxhash.xxh3_64()
-    for b, start in enumerate(range(0, flat.size, per)):
-        block = flat[start : start + per]
-        lo, hi = cuts[b], cuts[b + 1]
-        if hi > lo:
-            out = scratch[: block.size]
-            out[:] = block
-            _native.put(out, w, idx[lo:hi] - start, values[lo:hi], keep)
-            h.update(memoryview(out.view(np.uint8)))
-        else:
-            h.update(memoryview(block.view(np.uint8)))
+    lo = 0
+    for b, hi in enumerate(cuts):
+        block = flat[b * per : (b + 1) * per]
+        if hi > lo and aside:
+            block = scratch[: block.size]
+            block[:] = flat[b * per : (b + 1) * per]
+            _native.put(block, w, idx[lo:hi] - b * per, values[lo:hi], keep)
+        elif hi > lo:
+            _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])
+        h.update(memoryview(block.view(np.uint8)))
+        lo = hi
     return h.hexdigest()
 
 
