@@ -81,10 +81,10 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
     h = xxhash.xxh3_64()
     lo = 0
     for b, hi in enumerate(cuts):
-        block = flat[b * per : (b + 1) * per]
+        block = src = flat[b * per : (b + 1) * per]
         if hi > lo and aside:
-            block = scratch[: block.size]
-            block[:] = flat[b * per : (b + 1) * per]
+            block = scratch[: src.size]
+            block[:] = src
             _native.put(block, w, idx[lo:hi] - b * per, values[lo:hi], keep)
         elif hi > lo:
             _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])

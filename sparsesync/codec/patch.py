@@ -45,6 +45,8 @@ def check_effort(effort: str) -> Effort:
     if effort not in get_args(Effort):
         raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
     return effort  # type: ignore[return-value]
+
+
 _META_KEYS_V3 = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest"}
 _META_KEYS = _META_KEYS_V3 | {"tensors"}  # formats 1 and 2
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors

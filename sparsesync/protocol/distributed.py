@@ -317,7 +317,7 @@ class DistributedPublisher(Publisher):
         """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of `part_bytes`."""
         by_key = {u.key: u for u in units}
         groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
-        return PartedSnapshot(groups, local, version, effort=self.config.effort)  # type: ignore[arg-type]
+        return PartedSnapshot(groups, local, version, effort=self.config.effort)
 
     def _anchor_folder(self, item: _Item) -> Path:
         """The staging folder of the anchor files of `item` (created, and set as its `anchor_dir`)."""

@@ -52,7 +52,8 @@ import torch
 
 from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
-from sparsesync.codec import Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec import Effort, Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec.patch import check_effort
 from sparsesync.errors import (
     ConfigError,
     FencedWriterError,
@@ -83,7 +84,6 @@ from sparsesync.protocol.layout import (
     valid_commits,
     writer_key,
 )
-from sparsesync.codec.patch import check_effort
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
 from sparsesync.store import Store, open_store
@@ -103,7 +103,7 @@ class PublisherConfig:
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
     part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
     dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
-    effort: str = "size"  # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster (`sparsesync.codec.Effort`)
+    effort: Effort = "size"  # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster (`sparsesync.codec.Effort`)
 
     def validate(self) -> None:
         if self.anchor_every < 0:
@@ -347,8 +347,8 @@ class Publisher:
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
         if self.config.part_bytes and sum(t.numel() * t.element_size() for t in state.values()) > self.config.part_bytes:
-            return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)  # type: ignore[arg-type]
-        return Snapshot(state, version, effort=self.config.effort)  # type: ignore[arg-type]
+            return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)
+        return Snapshot(state, version, effort=self.config.effort)
 
     def _publish_parts(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Diff and encode a delta in parts; when no other version waits, the uploader takes each
