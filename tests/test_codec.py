@@ -681,6 +681,20 @@ def test_reject_wrong_base():
     _rejects(_encode(base, target), _clone(target), PatchMismatchError, "tensor 'a'", "tensor 'x'")  # applied twice
 
 
+def test_wrong_base_is_reported_as_such_even_where_the_patch_cannot_decode_against_it():
+    """Class-coded positions decode from the base's magnitudes: against other weights they may
+    not decode at all. apply_patch hashes the base in its write pass, so it decodes first; it
+    must still say the weights are not at the base (the fix), not that the patch is corrupt."""
+    base, target = _classed_case()
+    data = _encode(base, target)
+    assert read_patch(data).header.tensors["w"].position_params["thresholds"], "the case needs class-coded positions"
+    work = _clone(base)
+    work["w"].zero_()  # every element in the lowest class: the other classes' ranks run past their members
+    with pytest.raises(PatchFormatError):
+        decode_patch(read_patch(data), work, check_base_digest=False)
+    _rejects(data, work, PatchMismatchError, "tensor 'w'", "not at base version 3", "load version 3")
+
+
 def test_reject_index_out_of_range():
     base, target = _case()
     data = _raw_patch(base, target)
@@ -1021,7 +1035,7 @@ def test_put_and_digest_writes_like_put_bits_and_hashes_like_tensor_digest(numel
     (blocks of 2 MiB: the larger sizes cross block edges), equals tensor_digest of the result;
     the overwritten bits are saved."""
     from sparsesync.codec.diff import put_bits
-    from sparsesync.codec.digest import put_and_digest
+    from sparsesync.codec.digest import put_and_digest, put_and_digests
 
     rng = np.random.default_rng(numel)
     t = torch.empty(numel, dtype=torch.bfloat16)
@@ -1036,6 +1050,13 @@ def test_put_and_digest_writes_like_put_bits_and_hashes_like_tensor_digest(numel
     assert torch.equal(t.view(torch.int16), want.view(torch.int16))
     assert digest == tensor_digest(want)
     assert np.array_equal(old, before[idx])
+    # and with the digest of the bytes before the writes, hashed in the same pass
+    t1 = torch.empty(numel, dtype=torch.bfloat16)
+    to_np_bits(bits_view(t1))[:] = before
+    want_before = tensor_digest(t1)
+    old1 = np.empty(idx.size, np.uint16)
+    assert put_and_digests(to_np_bits(bits_view(t1)), idx, vals, old1) == (want_before, tensor_digest(want))
+    assert torch.equal(t1.view(torch.int16), want.view(torch.int16)) and np.array_equal(old1, before[idx])
     if idx.size > 1:  # unsorted: every write still done once (the digest may not match; callers check it)
         t2 = torch.empty(numel, dtype=torch.bfloat16)
         to_np_bits(bits_view(t2))[:] = before

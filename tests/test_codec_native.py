@@ -144,6 +144,9 @@ def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
             out = np.empty(idx.size, np.int64)
             assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw) == -1
             assert np.array_equal(out, idx)
+            out, at = np.full(idx.size, -1, np.int64), np.empty(idx.size, base.dtype)  # the base's bits too, in the same pass
+            assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw, at) == -1
+            assert np.array_equal(out, idx) and np.array_equal(at, base[idx])
 
 
 def test_hw_levels_start_portable_and_unknown_levels_are_refused():
@@ -177,6 +180,10 @@ def test_class_passes_reject_bad_arguments():
         _native.class_select(base, 2, b"", np.array([1, 1], np.int64), np.array([0, 2], np.int64), out)
     with pytest.raises(ValueError, match="offsets must rise"):
         _native.class_select(base, 2, b"", np.array([0, 1], np.int64), np.array([0, 3], np.int64), out)
+    with pytest.raises(ValueError, match="out_bits must hold one element"):
+        _native.class_select(base, 2, b"", np.array([0, 1], np.int64), np.array([0, 2], np.int64), out, -1, np.empty(3, np.uint16))
+    with pytest.raises(ValueError, match="out_bits"):
+        class_select(base, [], np.array([0, 1], np.int64), [2], out_bits=np.empty(2, np.uint32))
     with pytest.raises(ValueError, match="offsets do not match"):  # idx 3 is in class 0, offsets put it in class 1
         _native.class_ranks(base, 2, bytes([64]), np.array([3], np.int64), np.array([0, 0, 1], np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="out of range or order"):

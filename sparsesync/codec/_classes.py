@@ -74,13 +74,21 @@ def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, sizes:
     return np.split(out, off[1:-1])
 
 
-def class_select(base: np.ndarray, thresholds: list[int], ranks: np.ndarray, sizes: list[int]) -> tuple[np.ndarray, int]:
+def class_select(base: np.ndarray, thresholds: list[int], ranks: np.ndarray, sizes: list[int], *,
+                 out_bits: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Inverse of `class_ranks`: `ranks` (int64) holds class 0's ranks, then class 1's, ...
     (`sizes[c]` of class c). Returns (sorted flat indices, -1), or (empty, c) when class c's
     ranks run past its members in `base`. Ranks must be non-negative and strictly increasing
-    inside each class (ValueError otherwise)."""
+    inside each class (ValueError otherwise). `out_bits` (base's dtype, one per rank): filled
+    with `base` at the returned indices, read in the same pass (no second walk to gather them)."""
     off = offsets(sizes)
     flat = np.ascontiguousarray(ranks, dtype=np.int64)
     out = np.empty(flat.size, dtype=np.int64)
-    bad = _native.class_select(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), flat, off, out)
+    base = np.ascontiguousarray(base)
+    if out_bits is None:
+        bad = _native.class_select(base, base.dtype.itemsize, bytes(thresholds), flat, off, out)
+    else:
+        if out_bits.dtype != base.dtype or out_bits.size != flat.size or not out_bits.flags.c_contiguous:
+            raise ValueError(f"out_bits: {out_bits.dtype} x {out_bits.size}, expected contiguous {base.dtype} x {flat.size}")
+        bad = _native.class_select(base, base.dtype.itemsize, bytes(thresholds), flat, off, out, -1, out_bits)
     return (out, -1) if bad < 0 else (out[:0], bad)

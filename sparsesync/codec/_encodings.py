@@ -36,6 +36,9 @@ class Ctx:
     n_changed: int
     base_bits: Callable[[np.ndarray | None], np.ndarray]  # base bits at indices (None: whole tensor)
     format_version: int = 2  # of the patch being read: picks the entropy decoder
+    # (positions, the base bits there) when the positions decoder read them on its way (class-
+    # conditioned gaps): `base_bits` of that same array returns them without a second gather
+    base_at_positions: tuple[np.ndarray, np.ndarray] | None = None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -311,10 +314,13 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
         raise _bad(ctx, f"stream 'gaps_escape' has {esc_data.size * 8} bytes, expected {off_e * 8}")
     if not thresholds:
         return ranks
-    idx, bad = class_select(ctx.base_bits(None), thresholds, ranks, ns)
+    base = ctx.base_bits(None)
+    at_idx = np.empty(ranks.size, dtype=base.dtype)
+    idx, bad = class_select(base, thresholds, ranks, ns, out_bits=at_idx)
     if bad >= 0:
-        members = int((class_of(ctx.base_bits(None), thresholds) == bad).sum())
+        members = int((class_of(base, thresholds) == bad).sum())
         raise _bad(ctx, f"rank {int(ranks[sofs[bad + 1] - 1])} in class {bad}, expected < {members} (the class's members in the base)")
+    ctx.base_at_positions = (idx, at_idx)
     return idx
 
 

@@ -18,9 +18,10 @@
  *       For sorted changed indices `idx`: the rank of each among the members of its class of
  *       the base magnitude (see docs/format.md, "Classes of the base magnitude"), written
  *       grouped by class (class c from offsets[c] on, in index order).
- *   class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> int
+ *   class_select(base, width, thresholds, ranks, offsets, out_idx[, hw[, out_bits]]) -> int
  *       The inverse: ranks grouped by class (strictly increasing inside a class) to the sorted
- *       flat indices. Returns -1 on success, else the class whose rank exceeds its members.
+ *       flat indices, and with `out_bits` the base's bits at them (read in the same pass).
+ *       Returns -1 on success, else the class whose rank exceeds its members.
  *   hw_levels() -> list[int]
  *       The instruction levels this CPU runs: 0 portable, 1 BMI2's pdep (where it is fast: not
  *       AMD Zen 1/2), 2 AVX2 class masks and 2-byte diff, 3 AVX-512BW class masks. class_ranks and class_select take `hw` (-1, the
@@ -279,6 +280,26 @@ T512 static inline __attribute__((always_inline)) void class_masks_512(const uin
     default: CALL(8); break;    \
     }
 
+/* One element of `w` bytes at index i (w a constant where these are inlined). */
+static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
+    switch (w) {
+    case 1: return p[i];
+    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
+    }
+}
+
+static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
+    switch (w) {
+    case 1: p[i] = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
+    default: memcpy(p + 8 * i, &v, 8); break;
+    }
+}
+
+
 /* ------------------------------------------------------------------------ class_ranks */
 static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out, masks_fn masks) {
     int64_t cum[MAXC] = {0};
@@ -358,7 +379,7 @@ __attribute__((target("bmi2"))) static inline uint64_t deposit_hw(uint64_t bits,
 #endif
 
 static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out,
-                                                          int64_t n_out, uint64_t (*deposit)(uint64_t, uint64_t), masks_fn masks) {
+                                                          uint8_t *out_bits, int64_t n_out, uint64_t (*deposit)(uint64_t, uint64_t), masks_fn masks) {
     int64_t cum[MAXC] = {0};
     uint64_t m[MAXC];
     int64_t o = 0;
@@ -380,15 +401,21 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
             }
             cum[c] += pc;
         }
+        /* each selected index, and with `out_bits` its base bits, read from the block just loaded */
         if (o + 2 <= n_out) { /* the usual 0-2 selected elements per block, without branches */
             for (int u = 0; u < 2; u++) {
-                out[o] = start + __builtin_ctzll(sel | 1ULL << 63); /* overwritten later if sel is 0 */
+                int64_t i = start + __builtin_ctzll(sel | 1ULL << (cnt - 1)); /* overwritten later if sel is 0 */
+                out[o] = i;
+                if (out_bits) store_w(out_bits, w, o, load_w(p, w, i));
                 o += sel != 0;
                 sel &= sel - 1;
             }
         }
         while (sel && o < n_out) {
-            out[o++] = start + __builtin_ctzll(sel);
+            int64_t i = start + __builtin_ctzll(sel);
+            out[o] = i;
+            if (out_bits) store_w(out_bits, w, o, load_w(p, w, i));
+            o++;
             sel &= sel - 1;
         }
     }
@@ -401,12 +428,12 @@ static inline __attribute__((always_inline)) int select_w(const uint8_t *p, int 
  * stays in registers */
 #define SELECT_NT(W, DEPOSIT, MASKS)                                                                     \
     switch (nt) {                                                                                        \
-    case 1: return select_w(p, W, n, thr, 1, B, lim, out, n_out, DEPOSIT, MASKS);                        \
-    case 2: return select_w(p, W, n, thr, 2, B, lim, out, n_out, DEPOSIT, MASKS);                        \
-    case 3: return select_w(p, W, n, thr, 3, B, lim, out, n_out, DEPOSIT, MASKS);                        \
-    default: return select_w(p, W, n, thr, nt, B, lim, out, n_out, DEPOSIT, MASKS);                      \
+    case 1: return select_w(p, W, n, thr, 1, B, lim, out, out_bits, n_out, DEPOSIT, MASKS);                        \
+    case 2: return select_w(p, W, n, thr, 2, B, lim, out, out_bits, n_out, DEPOSIT, MASKS);                        \
+    case 3: return select_w(p, W, n, thr, 3, B, lim, out, out_bits, n_out, DEPOSIT, MASKS);                        \
+    default: return select_w(p, W, n, thr, nt, B, lim, out, out_bits, n_out, DEPOSIT, MASKS);                      \
     }
-#define SELECT_ARGS const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, int64_t n_out
+#define SELECT_ARGS const uint8_t *p, int w, int64_t n, const int *thr, int nt, uint64_t *const *B, const int64_t *lim, int64_t *out, uint8_t *out_bits, int64_t n_out
 
 static int select_sw(SELECT_ARGS) {
 #define CALL(W) SELECT_NT(W, deposit_sw, class_masks)
@@ -439,25 +466,6 @@ T512 static int select_512(SELECT_ARGS) {
 #endif
 
 /* ------------------------------------------------------------------------ diff */
-static inline uint64_t load_w(const uint8_t *p, int w, int64_t i) {
-    switch (w) {
-    case 1: return p[i];
-    case 2: { uint16_t v; memcpy(&v, p + 2 * i, 2); return v; }
-    case 4: { uint32_t v; memcpy(&v, p + 4 * i, 4); return v; }
-    default: { uint64_t v; memcpy(&v, p + 8 * i, 8); return v; }
-    }
-}
-
-static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
-    switch (w) {
-    case 1: p[i] = (uint8_t)v; break;
-    case 2: { uint16_t x = (uint16_t)v; memcpy(p + 2 * i, &x, 2); break; }
-    case 4: { uint32_t x = (uint32_t)v; memcpy(p + 4 * i, &x, 4); break; }
-    default: memcpy(p + 8 * i, &v, 8); break;
-    }
-}
-
-
 static inline __attribute__((always_inline)) int64_t diff_w(const uint8_t *a, const uint8_t *b, int w, int64_t n, int64_t start, int64_t base, int64_t cap, int64_t *oi, uint8_t *oa, uint8_t *ob, int64_t *next) {
     const int lanes = 8 / w;
     const int64_t nw_end = n / lanes * lanes; /* elements covered by whole 8-byte words */
@@ -976,14 +984,19 @@ done:
 }
 
 static PyObject *py_class_select(PyObject *self, PyObject *args) {
-    Py_buffer base, tb, rb, ob, outb;
+    Py_buffer base, tb, rb, ob, outb, bitsb = {0};
     int w, hw = -1;
-    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|i", &base, &w, &tb, &rb, &ob, &outb, &hw)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*|iw*", &base, &w, &tb, &rb, &ob, &outb, &hw, &bitsb)) return NULL;
     PyObject *res = NULL;
     int thr[MAXC] = {0}, nt;
     int64_t off[MAXC + 1];
     if (check_class_args("class_select", &base, w, &tb, &rb, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nr = rb.len / 8;
+    uint8_t *bits = bitsb.obj ? bitsb.buf : NULL;
+    if (bits && bitsb.len != nr * w) {
+        PyErr_SetString(PyExc_ValueError, "class_select: out_bits must hold one element of `width` bytes per rank");
+        goto done;
+    }
     const int64_t *r = rb.buf;
     int64_t bad_at = -1;
     int bad_c = 0;
@@ -1023,20 +1036,20 @@ static PyObject *py_class_select(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
 #ifdef SS_X86
     if (hw == HW_AVX512)
-        bad = select_512(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+        bad = select_512(base.buf, w, n, thr, nt, B, lim, outb.buf, bits, nr);
     else if (hw == HW_AVX2)
-        bad = select_avx2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+        bad = select_avx2(base.buf, w, n, thr, nt, B, lim, outb.buf, bits, nr);
     else if (hw == HW_BMI2)
-        bad = select_bmi2(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+        bad = select_bmi2(base.buf, w, n, thr, nt, B, lim, outb.buf, bits, nr);
     else
 #endif
-        bad = select_sw(base.buf, w, n, thr, nt, B, lim, outb.buf, nr);
+        bad = select_sw(base.buf, w, n, thr, nt, B, lim, outb.buf, bits, nr);
     Py_END_ALLOW_THREADS
     res = PyLong_FromLong(bad);
 free_b:
     for (int c = 0; c <= nt; c++) PyMem_RawFree(B[c]);
 done:
-    RELEASE(&base, &tb, &rb, &ob, &outb);
+    RELEASE(&base, &tb, &rb, &ob, &outb, &bitsb);
     return res;
 }
 
@@ -1800,7 +1813,7 @@ static PyMethodDef methods[] = {
     {"hw_levels", py_hw_levels, METH_NOARGS, "hw_levels() -> the HW levels this CPU runs (0 portable, 1 BMI2, 2 AVX2, 3 AVX-512)"},
     {"diff_into", py_diff_into, METH_VARARGS, "diff_into(a, b, width, start, offset, out_idx, out_a, out_b[, hw]) -> (count, next)"},
     {"class_ranks", py_class_ranks, METH_VARARGS, "class_ranks(base, width, thresholds, idx, offsets, out_rank[, hw]) -> None"},
-    {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw]) -> -1 or the failing class"},
+    {"class_select", py_class_select, METH_VARARGS, "class_select(base, width, thresholds, ranks, offsets, out_idx[, hw[, out_bits]]) -> -1 or the failing class"},
     {"classes", py_classes, METH_VARARGS, "classes(bits, width, thresholds, out) -> None"},
     {"key_hist", py_key_hist, METH_VARARGS, "key_hist(base, width, starts, block, out) -> None"},
     {"rans_encode", py_rans_encode, METH_VARARGS, "rans_encode(symbols, segment_offsets, counts, count_offsets) -> bytes"},

@@ -52,7 +52,17 @@ def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np
     once, not once to write and again to hash. Every index is checked before its block's writes
     (IndexError). Unsorted indices are still each written once, but the digest returned may then
     not match `dst`: every caller checks it against the digest the version carries, loudly."""
-    return _put_blocks(dst, idx, values, old, aside=False)
+    return _put_blocks(dst, idx, values, old, aside=False)[1]
+
+
+def put_and_digests(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None = None) -> tuple[str, str]:
+    """`put_and_digest`, also returning the digest of `dst` as it was before the writes: each
+    block is hashed just before its writes as well as after, still in the one pass (a reader
+    checks the base it wrote over without a pass of its own, and undoes the writes if it was
+    not the base it expected)."""
+    before, after = _put_blocks(dst, idx, values, old, aside=False, before=True)
+    assert before is not None
+    return before, after
 
 
 def digest_after_put(src: np.ndarray, idx: np.ndarray, values: np.ndarray) -> str:
@@ -63,13 +73,15 @@ def digest_after_put(src: np.ndarray, idx: np.ndarray, values: np.ndarray) -> st
     idx = np.ascontiguousarray(idx, dtype=np.int64)
     if idx.size and (idx[0] < 0 or idx[-1] >= src.size):
         raise IndexError(f"index {int(idx[0] if idx[0] < 0 else idx[-1])} out of range for {src.size} elements")
-    return _put_blocks(src, idx, values, None, aside=True)
+    return _put_blocks(src, idx, values, None, aside=True)[1]
 
 
-def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None, *, aside: bool) -> str:
-    """The walk both functions above make: for each block of _PUT_BLOCK bytes, the writes of
-    `idx` that fall in it, then its hash. `aside`: the writes go to a scratch copy of the block
-    (`dst` is not touched), else into `dst` (the overwritten bits into `old` if given)."""
+def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None, *, aside: bool,
+                before: bool = False) -> tuple[str | None, str]:
+    """The walk the functions above make: for each block of _PUT_BLOCK bytes, the writes of
+    `idx` that fall in it, then its hash; returns (digest before the writes if `before`, else
+    None; digest after). `aside`: the writes go to a scratch copy of the block (`dst` is not
+    touched), else into `dst` (the overwritten bits into `old` if given)."""
     idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype)
     w, flat = dst.itemsize, dst.reshape(-1)
     per = max(1, _PUT_BLOCK // w)
@@ -78,10 +90,12 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
     cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, flat.size, per, dtype=np.int64)), idx.size)).tolist()
     scratch = np.empty(min(per, flat.size) if aside else 0, dtype=dst.dtype)
     keep = np.empty(0, dtype=dst.dtype)
-    h = xxhash.xxh3_64()
+    h, h0 = xxhash.xxh3_64(), xxhash.xxh3_64() if before else None
     lo = 0
     for b, hi in enumerate(cuts):
         block = src = flat[b * per : (b + 1) * per]
+        if h0 is not None:
+            h0.update(memoryview(src.view(np.uint8)))
         if hi > lo and aside:
             block = scratch[: src.size]
             block[:] = src
@@ -90,7 +104,7 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
             _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])
         h.update(memoryview(block.view(np.uint8)))
         lo = hi
-    return h.hexdigest()
+    return (h0.hexdigest() if h0 is not None else None), h.hexdigest()
 
 
 def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
