@@ -109,25 +109,29 @@ def _pin(core: int | None) -> None:
     os.sched_setaffinity(0, {core} if core is not None else range(os.cpu_count() or 1))
 
 
-def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
+                     max_poll: float = 0.1) -> None:
     os.environ.update(env)
     _pin(core)
     from sparsesync.protocol.follower import Follower
 
-    f = Follower(url, poll_interval=0.02, max_poll_interval=0.05)
+    # the product's own poll loop (`Follower.start`): 20 ms between polls while versions or their
+    # parts arrive, backing off to `--max-poll` while the store is quiet
+    f = Follower(url, poll_interval=0.02, max_poll_interval=max_poll)
     f.sync_once()
     ready.put(f.current_version)
     seen = f.current_version
+    f.start()
     while seen < n_versions:
-        f.sync_once()
-        if f.current_version != seen:
-            seen = f.current_version
-            results.put((seen, time.time(), f.status().last_fetch_s))
-        else:
-            time.sleep(0.01)
+        f.wait_for_version(seen + 1, timeout=600)
+        st = f.status()
+        seen = st.current_version
+        results.put((seen, st.last_apply_at, st.last_fetch_s))
+    f.stop()
 
 
-def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
+                   max_poll: float = 0.1) -> None:
     os.environ.update(env)
     _pin(core)
     from safetensors.torch import load
@@ -138,13 +142,15 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: i
     store = open_store(url)
     weights: dict[str, torch.Tensor] | None = None
     ready.put(0)
-    seen = 0
+    seen, wait = 0, 0.02
     while seen < n_versions:
         done = sorted(int(o.key.split("/")[1][1:]) for o in store.list("full-done/"))
         nxt = [v for v in done if v > seen]
-        if not nxt:
-            time.sleep(0.01)
+        if not nxt:  # the sparse follower's backoff: 20 ms, growing 1.5x up to max_poll while nothing is new
+            time.sleep(wait)
+            wait = min(wait * 1.5, max_poll)
             continue
+        wait = 0.02
         v = nxt[-1]
         expected = store.get(f"full-done/v{v:06d}").decode()
         state = load(store.get(f"full/v{v:06d}.safetensors"))
@@ -167,7 +173,8 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
 
 
 def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
-          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size") -> dict:
+          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size",
+          max_poll: float = 0.1) -> dict:
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -188,7 +195,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
             pub.flush()
         ready, results = ctx.Queue(), ctx.Queue()
         target = _full_follower if mode == "full" else _sparse_follower
-        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None))
+        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None, max_poll))
                  for _ in range(n_followers)]
         for p in procs:
             p.start()
@@ -250,6 +257,8 @@ def main() -> None:
     ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
     ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
     ap.add_argument("--effort", default="size", help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)")
+    ap.add_argument("--max-poll", type=float, default=0.1,
+                    help="followers: longest wait between polls while nothing is new (the product's poll loop; 20 ms while parts arrive)")
     ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
@@ -266,7 +275,8 @@ def main() -> None:
     for kind in args.store.split(","):
         with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, 1 if args.pin else None) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
-                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort)
+                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort,
+                            args.max_poll)
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -336,6 +336,55 @@ def test_follower_prefetches_stored_parts_before_the_commit_and_trusts_only_the_
     assert f.digests == {k: tensor_digest(v) for k, v in f.mirror.items()}
 
 
+def test_the_poll_loop_backs_off_while_quiet_and_polls_fast_again_once_parts_arrive(tmp_path):
+    """`Follower.start`: the wait between polls grows while nothing is new (idle listings cost
+    the store and the CPU); a poll that prefetches new parts restarts it at `poll_interval`, so
+    the commit that follows them is seen soon, not after the long wait."""
+    import time
+
+    url = str(tmp_path / "run")
+    store, gate = _held_store(url, lambda key: key.startswith("commits/") and "v0000000002" in key)
+    reader = open_store(url)
+    calls: list[tuple[float, str, int]] = []  # (when, prefix, objects listed)
+    real_list = reader.list
+
+    def listing(prefix):  # type: ignore[no-untyped-def]
+        out = real_list(prefix)
+        calls.append((time.monotonic(), prefix, len(out)))
+        return out
+
+    reader.list = listing  # type: ignore[method-assign]
+    states = [make_state(0)]
+    with Publisher(store, anchor_every=0, anchor_fraction=1e9, part_bytes=PART_BYTES) as pub:
+        pub.publish(states[0], 1)
+        pub.flush()
+        f = Follower(reader, poll_interval=0.05, max_poll_interval=5.0)
+        f.start()
+        try:
+            f.wait_for_version(1, 30)
+            threading.Event().wait(2.0)  # quiet: 0.05, 0.075, ... s between polls
+            polls = [t for t, p, _ in calls if p.startswith("commits/")]
+            assert polls[-1] - polls[-2] > 0.4, "the waits did not grow while nothing was new"
+            states.append(train_step(states[-1], torch.Generator().manual_seed(7)))
+            pub.publish(states[-1], 2)  # its parts are stored, its commit held
+            for _ in range(400):
+                found = [t for t, p, n in calls if p.startswith("deltas/") and n]
+                if found:
+                    break
+                threading.Event().wait(0.05)
+            assert found, "the follower never listed version 2's parts"
+            threading.Event().wait(0.5)
+            nxt = [t for t, p, _ in calls if p.startswith("commits/") and t > found[0]]
+            assert nxt and nxt[0] - found[0] < 0.3, "after prefetching parts the next poll waited the long interval"
+            gate.set()
+            pub.flush()
+            f.wait_for_version(2, 30)
+            assert_bit_equal(f.mirror, states[-1])
+        finally:
+            gate.set()
+            f.stop()
+
+
 def test_a_prefetched_part_whose_predicted_digest_is_wrong_fails_whole_then_is_fetched_again(tmp_path, monkeypatch):
     """The digests hashed ahead stand in for hashing after the writes: one that does not match
     the commit undoes every write, and the retry fetches, decodes and hashes afresh."""

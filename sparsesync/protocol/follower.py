@@ -21,7 +21,10 @@ New versions are found by polling the commit listing with backoff (cheap: one li
 `commits/`); stores that can push change notifications (`Store.wait_for_change`) wake it early.
 With `prefetch` (default), a follower that is up to date also lists the part objects stored for
 the next version and fetches and decodes them before its commit lands (`parts.Prefetcher`:
-nothing prefetched is trusted until the commit's digests and every check pass).
+nothing prefetched is trusted until the commit's digests and every check pass). The backoff
+restarts from `poll_interval` whenever a version was applied or new parts were prefetched:
+while a version streams in, the follower polls at the short interval; once the store is quiet
+it backs off, so that idle listings do not take the CPU the decoding needs.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class Follower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prefetch = Prefetcher(self.store) if prefetch else None
+        self._prefetched = 0  # parts the last `sync_once` prefetched (the poll loop's backoff restarts on them)
         self._status = FollowerStatus(
             url=self.store.url, current_version=None, newest_version=None, lag=None, state="starting",
             last_error=None, last_fetch_s=None, last_apply_s=None, last_apply_at=None,
@@ -128,6 +132,7 @@ class Follower:
         "degraded") and the last good version stays in place.
         """
         with self._lock:
+            self._prefetched = 0
             try:
                 commits = self.run.commits()
             except StoreError as e:
@@ -148,7 +153,7 @@ class Follower:
                 self._set(state="following", last_error=None)
                 if self._prefetch is not None:
                     try:
-                        self._prefetch.poll(newest.version, self.mirror)
+                        self._prefetched = self._prefetch.poll(newest.version, self.mirror)
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
@@ -217,7 +222,7 @@ class Follower:
             except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
                 log.exception("follower of %s hit an unexpected error", self.store.url)
                 self._degrade(e)
-            moved = self.current_version != before
+            moved = self.current_version != before or self._prefetched > 0
             interval = self.poll_interval if moved else min(interval * 1.5, self.max_poll_interval)
             self.store.wait_for_change(interval, self._stop)
 
