@@ -1,13 +1,14 @@
-"""Applying a patch: validate everything, then write in place, then verify.
+"""Applying a patch: decode and validate, write in place, verify; all or nothing.
 
 Guarantee (all-or-nothing): `decode_patch` checks, for every tensor the patch touches, that the
 tensor exists, is contiguous, has the patch's dtype and shape, that every stream decodes to
 exactly the declared size, that positions are in range, strictly increasing and unique, and
-(optionally) that the tensor's bytes match the patch's base digest; only then does
-`apply_patch` write anything. `apply_patch` checks the base digests of CPU tensors in the same
-pass as its writes (and of CUDA tensors before them); if a base or a target digest does not
-match, the old bits are restored before PatchMismatchError or DigestMismatchError is raised.
-Works for CPU and CUDA tensors.
+(optionally) that the tensor's bytes match the patch's base digest, writing nothing.
+`apply_patch` makes the same checks and the digest checks, and writes: CPU tensors are each
+written as soon as they are decoded (while in cache) and hashed in the pass that writes them;
+CUDA tensors only after every check. Whatever fails (a stream, a base digest, a target digest),
+every tensor's old bits are restored before the error (PatchFormatError, PatchMismatchError or
+DigestMismatchError) is raised. Works for CPU and CUDA tensors.
 """
 
 from __future__ import annotations
@@ -138,43 +139,40 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
     return {n: by_name[n] for n in names}
 
 
+def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) -> tuple[SparseUpdate, str | None, str | None]:
+    """Write `u` into `t`; (the overwritten old values, the digest after the writes if `digest`,
+    the digest before them if `before`), both hashed in the pass that writes (CPU tensors only:
+    a CUDA tensor's digests are None)."""
+    flat = bits_view(t)
+    if flat.device.type == "cpu":
+        bits = to_np_bits(flat)
+        idx, vals = u.indices.numpy(), u.values.view(flat.dtype).numpy().view(bits.dtype)
+        h_before = h_after = None
+        if not (digest or before):
+            old = put_bits(bits, idx, vals, keep_old=True)
+        else:
+            old = np.empty(idx.size, dtype=bits.dtype)
+            if before:
+                h_before, h_after = put_and_digests(bits, idx, vals, old)
+            else:
+                h_after = put_and_digest(bits, idx, vals, old)
+        return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), h_after if digest else None, h_before
+    idx = u.indices.to(flat.device)
+    old_vals = flat[idx].cpu().view(t.dtype)
+    flat[idx] = u.values.view(flat.dtype).to(flat.device)
+    return SparseUpdate(u.indices, old_vals), None, None
+
+
 def write_updates(
     tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None,
-    base_digests: dict[str, str] | None = None,
 ) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
     returns the overwritten old values (for undo). With `digests`, the digest of every written
-    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`);
-    with `base_digests` (and `digests`), also the digest each had before the writes, in that
-    same pass (`put_and_digests`)."""
-
-    def one(name: str) -> tuple[SparseUpdate, str | None, str | None]:
-        u, t = updates[name], tensors[name]
-        flat = bits_view(t)
-        if flat.device.type == "cpu":
-            bits = to_np_bits(flat)
-            idx, vals = u.indices.numpy(), u.values.view(flat.dtype).numpy().view(bits.dtype)
-            before = digest = None
-            if digests is None:
-                old = put_bits(bits, idx, vals, keep_old=True)
-            else:
-                old = np.empty(idx.size, dtype=bits.dtype)
-                if base_digests is None:
-                    digest = put_and_digest(bits, idx, vals, old)
-                else:
-                    before, digest = put_and_digests(bits, idx, vals, old)
-            return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), digest, before
-        idx = u.indices.to(flat.device)
-        old_vals = flat[idx].cpu().view(t.dtype)
-        flat[idx] = u.values.view(flat.dtype).to(flat.device)
-        return SparseUpdate(u.indices, old_vals), None, None
-
+    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`)."""
     names = list(updates)
-    done = dict(zip(names, _parallel.map_ordered(one, names)))
+    done = dict(zip(names, _parallel.map_ordered(lambda n: _write_one(tensors[n], updates[n], digest=digests is not None, before=False), names)))
     if digests is not None:
         digests.update((n, d) for n, (_, d, _) in done.items() if d is not None)
-    if base_digests is not None:
-        base_digests.update((n, b) for n, (_, _, b) in done.items() if b is not None)
     return {n: old for n, (old, _, _) in done.items()}
 
 
@@ -193,15 +191,18 @@ def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, st
 def apply_patch(
     patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True, check_base_digest: bool = True
 ) -> dict[str, SparseUpdate]:
-    """Validate with `decode_patch`, write the target bits in place, then (if `verify`) check the
-    target digests; on a mismatch the old bits are restored and DigestMismatchError raised.
+    """Validate, write the target bits in place, then (if `verify`) check the target digests;
+    on a mismatch the old bits are restored and DigestMismatchError raised.
 
-    The base digests of CPU tensors are hashed in the pass that writes them (each block just
-    before its writes, `put_and_digests`), not in a pass of their own first: a tensor that was
-    not at the base gets its writes undone, every tensor's, and PatchMismatchError is raised, as
-    it is when the check comes first (CUDA tensors: first). A patch whose streams do not decode
-    against the tensors held is checked against the base digests before its PatchFormatError is
-    raised, so a holder at the wrong version is told that, not that the patch is corrupt.
+    CPU tensors: each is decoded and validated, then written at once, while its bytes are still
+    in cache, and hashed in that same pass, each block of 2 MiB just before its writes (the base
+    digest) and after them (the target digest). Any failure, in any tensor, restores the old bits
+    of every tensor written before it is raised: a stream that does not decode, a base digest
+    that does not match (PatchMismatchError), a target digest that does not match
+    (DigestMismatchError). A patch whose streams do not decode against tensors that are not at
+    its base is reported as PatchMismatchError (the weights are at the wrong version), not as a
+    corrupt patch. CUDA tensors: the base digests, then every stream, are checked before the first
+    write (`decode_patch`).
 
     `check_base_digest=False` skips hashing the base tensors, for a holder whose tensors are
     known to match the patch's base digests (e.g. verified when they were last written). With
@@ -210,30 +211,62 @@ def apply_patch(
     if not (verify or check_base_digest):
         raise ValueError("apply_patch needs verify=True or check_base_digest=True: one of the digests must be checked")
     _check_layout(patch, tensors)
-    in_pass = check_base_digest and all(tensors[n].device.type == "cpu" for n in patch.header.tensors)
-    if check_base_digest and not in_pass:
-        check_base_digests(patch, tensors)
-    try:
-        updates = decode_patch(patch, tensors, check_base_digest=False)
-    except PatchFormatError:
-        if in_pass:
+    h = patch.header
+    targets = {n: e.target_digest for n, e in h.tensors.items()}
+    if all(tensors[n].device.type == "cpu" for n in h.tensors):
+        return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest)
+    updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
+    old = write_updates(tensors, updates)
+    if verify:
+        try:
+            verify_digests(tensors, targets)
+        except DigestMismatchError as err:
+            write_updates(tensors, old)
+            raise _not_produced(patch, err) from None
+    return updates
+
+
+def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets: Mapping[str, str], *, verify: bool,
+               check_base_digest: bool) -> dict[str, SparseUpdate]:
+    """`apply_patch` for CPU tensors: decode and write tensor by tensor (biggest first, on the
+    codec's pool), then check the digests hashed in the writes; undo everything on any failure."""
+    h = patch.header
+    names = list(h.tensors)  # sorted: the first failing tensor in name order is reported
+    order = sorted(names, key=lambda n: (-h.tensors[n].numel, n))
+
+    def one(name: str) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
+        u = _decode_one(patch, h.tensors[name], tensors[name])
+        return (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
+
+    with _parallel.gc_paused():
+        results = dict(zip(order, _parallel.map_settled(one, order)))
+    done = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
+
+    def undo() -> None:
+        write_updates(tensors, {n: r[1] for n, r in done.items()})
+
+    failed = [results[n] for n in names if isinstance(results[n], BaseException)]
+    if failed:
+        undo()
+        if check_base_digest and isinstance(failed[0], PatchFormatError):
             check_base_digests(patch, tensors)  # decoded against other weights: say that instead
-        raise
-    written: dict[str, str] = {}
-    before: dict[str, str] = {}
-    old = write_updates(tensors, updates, digests=written if (verify or in_pass) else None, base_digests=before if in_pass else None)
+        raise failed[0]
     try:
-        if in_pass:
-            check_base_digests(patch, tensors, known=before)
+        if check_base_digest:
+            check_base_digests(patch, tensors, known={n: r[3] for n, r in done.items() if r[3] is not None})
         if verify:
-            verify_digests(tensors, {n: e.target_digest for n, e in patch.header.tensors.items()}, known=written)
+            verify_digests(tensors, targets, known={n: r[2] for n, r in done.items() if r[2] is not None})
     except PatchMismatchError:
-        write_updates(tensors, old)
+        undo()
         raise
     except DigestMismatchError as err:
-        write_updates(tensors, old)
-        raise DigestMismatchError(
-            f"patch {patch.header.base_version}->{patch.header.target_version} did not produce the target bits (undone): {err.message}",
-            hint="the patch is corrupt or was made from different weights; fetch it again or reload from an anchor",
-        ) from None
-    return updates
+        undo()
+        raise _not_produced(patch, err) from None
+    return {n: done[n][0] for n in names}
+
+
+def _not_produced(patch: Patch, err: DigestMismatchError) -> DigestMismatchError:
+    return DigestMismatchError(
+        f"patch {patch.header.base_version}->{patch.header.target_version} did not produce the target bits (undone): {err.message}",
+        hint="the patch is corrupt or was made from different weights; fetch it again or reload from an anchor",
+    )
