@@ -254,8 +254,9 @@ class Run:
     def apply_loaded(rec: CommitRecord, patch: Patch, state: State, digests: dict[str, str]) -> dict[str, SparseUpdate]:
         """Apply a checked delta to `state` in place and update `digests`.
 
-        The codec validates everything before its first write; a DigestMismatchError from here
-        means `state` was written and is not the target: the caller must discard it.
+        The codec restores every old bit on any failure of its own (`apply_patch`); a
+        DigestMismatchError for the state digest, raised after it, means `state` was written and
+        is not the target: the caller must discard it.
         """
         # `state` matches `digests` (verified when it was loaded or last patched), and the
         # target digests are verified after writing: hashing the base again would add nothing
