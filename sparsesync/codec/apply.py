@@ -107,8 +107,8 @@ def _listing(problems: list[str]) -> str:
 def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor], *, known: Mapping[str, str] | None = None) -> None:
     """Raise PatchMismatchError naming every tensor the patch touches whose bytes do not hash to
     its base digest. Read-only; the tensors must be present (`_check_layout` first). `known`:
-    digests of the tensors' base bytes already computed (by `write_updates`, before its writes);
-    the others are hashed here."""
+    digests of the tensors' base bytes already computed (by `apply_patch`'s write pass, before
+    each block's writes); the others are hashed here."""
     known = known or {}
     want = {n: e.base_digest for n, e in patch.header.tensors.items()}
     bad = [f"tensor '{n}': digest {known[n]}, expected {d}" for n, d in want.items() if n in known and known[n] != d]
@@ -164,7 +164,7 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
 
 
 def write_updates(
-    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None,
+    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None
 ) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
     returns the overwritten old values (for undo). With `digests`, the digest of every written
@@ -216,10 +216,11 @@ def apply_patch(
     if all(tensors[n].device.type == "cpu" for n in h.tensors):
         return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
-    old = write_updates(tensors, updates)
+    written: dict[str, str] = {}
+    old = write_updates(tensors, updates, digests=written if verify else None)
     if verify:
         try:
-            verify_digests(tensors, targets)
+            verify_digests(tensors, targets, known=written)
         except DigestMismatchError as err:
             write_updates(tensors, old)
             raise _not_produced(patch, err) from None

@@ -22,9 +22,10 @@ New versions are found by polling the commit listing with backoff (cheap: one li
 With `prefetch` (default), a follower that is up to date also lists the part objects stored for
 the next version and fetches and decodes them before its commit lands (`parts.Prefetcher`:
 nothing prefetched is trusted until the commit's digests and every check pass). The backoff
-restarts from `poll_interval` whenever a version was applied or new parts were prefetched:
-while a version streams in, the follower polls at the short interval; once the store is quiet
-it backs off, so that idle listings do not take the CPU the decoding needs.
+restarts from `poll_interval` when a version was applied, and stays there while a version is
+streaming in (new parts were seen in the last `STREAMING_WINDOW_S`; its commit normally follows
+within seconds): the commit is seen within `poll_interval`, while a quiet store is polled ever
+more rarely (idle listings cost the store requests and the CPU the decoding needs).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.parts import Prefetcher
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
+
+STREAMING_WINDOW_S = 60.0  # after new parts were seen, poll at poll_interval this long (or until their version is applied)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ class Follower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prefetch = Prefetcher(self.store) if prefetch else None
-        self._prefetched = 0  # parts the last `sync_once` prefetched (the poll loop's backoff restarts on them)
+        self._parts_seen_at: float | None = None  # when a poll last prefetched new parts of the next version
         self._status = FollowerStatus(
             url=self.store.url, current_version=None, newest_version=None, lag=None, state="starting",
             last_error=None, last_fetch_s=None, last_apply_s=None, last_apply_at=None,
@@ -132,7 +135,6 @@ class Follower:
         "degraded") and the last good version stays in place.
         """
         with self._lock:
-            self._prefetched = 0
             try:
                 commits = self.run.commits()
             except StoreError as e:
@@ -153,7 +155,8 @@ class Follower:
                 self._set(state="following", last_error=None)
                 if self._prefetch is not None:
                     try:
-                        self._prefetched = self._prefetch.poll(newest.version, self.mirror)
+                        if self._prefetch.poll(newest.version, self.mirror):
+                            self._parts_seen_at = time.monotonic()
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
@@ -222,7 +225,9 @@ class Follower:
             except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
                 log.exception("follower of %s hit an unexpected error", self.store.url)
                 self._degrade(e)
-            moved = self.current_version != before or self._prefetched > 0
+            seen = self._parts_seen_at
+            streaming = seen is not None and time.monotonic() - seen < STREAMING_WINDOW_S
+            moved = self.current_version != before or streaming
             interval = self.poll_interval if moved else min(interval * 1.5, self.max_poll_interval)
             self.store.wait_for_change(interval, self._stop)
 
@@ -298,6 +303,7 @@ class Follower:
 
     def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
         st = self._status
+        self._parts_seen_at = None  # the version streaming in (if any) has landed
         self._set(
             current_version=rec.version,
             last_fetch_s=fetch_s,
