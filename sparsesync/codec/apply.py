@@ -94,9 +94,10 @@ def _signed(dt: np.dtype) -> np.dtype:
     return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dt.itemsize])
 
 
-def _mismatches(tensors: Mapping[str, torch.Tensor], want: Mapping[str, str]) -> list[str]:
-    """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its digest."""
-    got = tensor_digests({n: tensors[n] for n in want})
+def _mismatches(tensors: Mapping[str, torch.Tensor], want: Mapping[str, str], known: Mapping[str, str] | None = None) -> list[str]:
+    """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its
+    digest; `known`: digests already computed for some of them (the rest are hashed here)."""
+    got = {**(known or {}), **tensor_digests({n: tensors[n] for n in want if n not in (known or {})})}
     return [f"tensor '{n}': digest {got[n]}, expected {d}" for n, d in want.items() if got[n] != d]
 
 
@@ -109,10 +110,7 @@ def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor], *, kno
     its base digest. Read-only; the tensors must be present (`_check_layout` first). `known`:
     digests of the tensors' base bytes already computed (by `apply_patch`'s write pass, before
     each block's writes); the others are hashed here."""
-    known = known or {}
-    want = {n: e.base_digest for n, e in patch.header.tensors.items()}
-    bad = [f"tensor '{n}': digest {known[n]}, expected {d}" for n, d in want.items() if n in known and known[n] != d]
-    bad += _mismatches(tensors, {n: d for n, d in want.items() if n not in known})
+    bad = _mismatches(tensors, {n: e.base_digest for n, e in patch.header.tensors.items()}, known)
     if bad:
         raise PatchMismatchError(
             f"patch {patch.header.base_version}->{patch.header.target_version}: tensors are not at base version "
@@ -180,10 +178,8 @@ def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, st
     """Raise DigestMismatchError naming every tensor in `digests` that is missing or whose bytes
     do not match. `known`: digests of the tensors' current bytes already computed (by
     `write_updates`); the others are hashed here."""
-    known = known or {}
     bad = [f"tensor '{n}': missing, expected digest {d}" for n, d in digests.items() if n not in tensors]
-    bad += [f"tensor '{n}': digest {known[n]}, expected {d}" for n, d in digests.items() if n in tensors and n in known and known[n] != d]
-    bad += _mismatches(tensors, {n: d for n, d in digests.items() if n in tensors and n not in known})
+    bad += _mismatches(tensors, {n: d for n, d in digests.items() if n in tensors}, known)
     if bad:
         raise DigestMismatchError(_listing(bad), hint="reload from the newest anchor and replay the chain")
 
