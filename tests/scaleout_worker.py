@@ -9,7 +9,9 @@ state of each version to `<out>/v<version>.safetensors` (what followers must rep
 `resume`, every rank first loads the run's newest committed version into the model and calls
 `pub.resume(model.state_dict())` (with `perturb`, after changing one element of the last tensor, or of
 the tensor it names). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
-starts storing its part of that version. With `fence_version`, rank 0 starts another writer on the
+starts storing its part of that version. With `slow_puts` (seconds), every rank's part uploads
+take that long and versions are published without waiting for them (flushed after the last one;
+`queue_size` as given). With `fence_version`, rank 0 starts another writer on the
 run (a single-process Publisher in a new process, which claims a newer epoch) before that version.
 Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
 """
@@ -84,10 +86,21 @@ def main() -> None:
             return put(key, data)
 
         store.put = dying_put  # type: ignore[method-assign]
+    if args.get("slow_puts"):  # every part upload takes this long: uploads lag behind training
+        import time
+
+        slow = store.put
+
+        def slow_put(key, data):  # type: ignore[no-untyped-def]
+            if key.startswith("deltas/"):
+                time.sleep(args["slow_puts"])
+            return slow(key, data)
+
+        store.put = slow_put  # type: ignore[method-assign]
     out = Path(args["out"])
     pub = Publisher(store, anchor_every=args.get("anchor_every", 0), anchor_fraction=1e9,
                     part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60),
-                    effort=args.get("effort", "size"))
+                    effort=args.get("effort", "size"), queue_size=args.get("queue_size", 4))
     assert type(pub).__name__ == "DistributedPublisher"
     try:
         if args.get("resume"):
@@ -110,9 +123,10 @@ def main() -> None:
                 trainable = {n for n, p in model.named_parameters() if p.requires_grad}
                 state = {k: t for k, t in state.items() if k in trainable}
             pub.publish(state, v)
-            pub.flush()
-            if pub.state_digest != Run(store).commit(v).state_digest:  # the global digest, on every rank
-                raise AssertionError(f"rank {rank}: state_digest {pub.state_digest} is not version {v}'s")
+            if not args.get("slow_puts") or v == args["last"]:  # with slow uploads: no waiting, versions coalesce
+                pub.flush()
+                if pub.state_digest != Run(store).commit(v).state_digest:  # the global digest, on every rank
+                    raise AssertionError(f"rank {rank}: state_digest {pub.state_digest} is not version {v}'s")
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0:
                 save_file({k: t.contiguous() for k, t in full.items()}, str(out / f"v{v}.safetensors"))

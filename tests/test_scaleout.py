@@ -129,6 +129,32 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     assert_bit_equal(state, before)
 
 
+def test_lagging_uploads_coalesce_alike_on_every_rank(tmp_path):
+    """Part uploads that take 0.25 s each, a queue of one version: the ranks merge waiting versions
+    (the same ones on every rank) instead of waiting, and every committed version is bit-exact."""
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=9, queue_size=1, slow_puts=0.25)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    commits = run.commits()
+    versions = [c.version for c in commits]
+    assert versions[0] == 1 and versions[-1] == 9 and len(versions) < 9, versions  # some were merged, the last one is in
+    merged = [c for c in commits[1:] if c.base_version != c.version - 1]
+    assert merged, [(c.base_version, c.version) for c in commits]
+    for prev, c in zip(commits, commits[1:]):
+        assert c.parts and c.base_version == prev.version  # a chain: each delta from the version before it
+        assert len({p.key.rsplit("-", 2)[-2] for p in c.parts}) == 2  # both ranks' parts, of the same merged version
+    _rec, state, digests = run.reconstruct(1)
+    for c in commits[1:]:
+        run.apply_delta(c, state, digests)
+        assert_bit_equal(state, load_file(out / f"v{c.version}.safetensors"))
+    f = Follower(url)
+    assert f.sync_once() == 9
+    assert_bit_equal(f.mirror, load_file(out / "v9.safetensors"))
+    assert verify_run(url).ok
+
+
 @pytest.mark.slow
 def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path):
     url, out = str(tmp_path / "run"), tmp_path / "full"

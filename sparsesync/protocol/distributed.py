@@ -23,8 +23,13 @@ DTensor values sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain 
   checkpoint (`model-0000k-of-0000n.safetensors`); rank 0 adds `model.safetensors.index.json` at
   commit (`sparsesync.protocol.anchor_shards`; no rank holds the whole model). Such a version is
   an anchor only, without parts.
-- versions are never coalesced (every rank must commit the same versions): when `queue_size`
-  versions wait for upload, `publish` waits.
+- when uploads lag, versions are coalesced as a single-process publisher's are, decided alike
+  on every rank (every rank must commit the same versions): when some rank has `queue_size`
+  versions waiting and every rank still has the previous version waiting (not started), every
+  rank merges the new version into it (B->N-1 and N-1->N become B->N, part by part; N-1 is never
+  committed). Otherwise (an anchor is due, or some rank already uploads N-1) `publish` waits
+  while `queue_size` versions wait for upload. Deciding costs nothing extra: it rides on the
+  all_reduce that decides anchors.
 
 The first `publish` decides the mode, alike on every rank: with DTensors in the state, the
 ranks set up the groups above (a collective: every rank must publish); without (DDP, replicated
@@ -237,8 +242,14 @@ class DistributedPublisher(Publisher):
         version = self._next_version(step)
         tensors = self._with_frozen(checkpoint_shards(state, self.rank, self.world, self._aliases))
         local, units = local_units(tensors, self.rank, self.world)
-        anchor = self._snapshot is None or self._anchor_due_all(version)
-        self._wait_for_room()
+        pinned = self._pin_newest() if self._snapshot is not None else None
+        anchor, merge = (True, False) if self._snapshot is None else self._plan(version, pinned)
+        if pinned is not None and not merge:
+            with self._cv:
+                self._pending.append(pinned)  # back where it was: the uploader takes it in turn
+                self._cv.notify_all()
+        if not merge:
+            self._wait_for_room()
         if anchor:
             item = _Item(version=version, base_version=None, state_digest="", base_state_digest=None, digests={},
                          base_digests=None, changes=None, delta=None, anchor_dir=None, metrics={})
@@ -250,7 +261,7 @@ class DistributedPublisher(Publisher):
             item.digests = self._snapshot.digests
             self._enqueue(item)
         else:
-            self._publish_parts(local, version)
+            self._publish_parts(local, version, after=pinned if merge else None)
         self._last_version = version
         return version
 
@@ -298,7 +309,7 @@ class DistributedPublisher(Publisher):
         for sub in snap.snapshots:
             sub.version = info["version"]
         self._snapshot, self._last_anchor_version = snap, info["last_anchor"]
-        if self.rank == 0:  # summed over ranks by `_anchor_due_all`
+        if self.rank == 0:  # summed over ranks by `_plan`
             self._anchor_bytes, self._delta_bytes_since_anchor = info["anchor_bytes"], info["delta_bytes"]
         self._committed_digest = info["state_digest"]
 
@@ -400,31 +411,50 @@ class DistributedPublisher(Publisher):
         item.metrics["anchor_bytes"] = self._anchor_bytes
         item.metrics["anchor_write_s"] = time.perf_counter() - t0
 
-    def _anchor_due_all(self, version: int) -> bool:
-        """The publisher's anchor rule on all ranks' delta bytes and rank 0's anchor size (one
-        all_reduce, so every rank decides alike)."""
-        t = torch.tensor([float(self._delta_bytes_since_anchor), float(self._anchor_bytes)], dtype=torch.float64)
+    def _pin_newest(self) -> _Item | None:
+        """The newest waiting version, taken off the queue (the uploader cannot start it while
+        the ranks decide whether to merge into it), when it is the previous version and a delta
+        in parts; else None."""
+        with self._cv:
+            last = self._pending[-1] if self._pending else None
+            if (last is None or last.version != self._last_version or last.parts is None or last.anchor_dir is not None
+                    or last.base_version is None or not last.sealed or last.failed):
+                return None
+            return self._pending.pop()
+
+    def _plan(self, version: int, pinned: _Item | None) -> tuple[bool, bool]:
+        """(anchor, merge) for `version`, alike on every rank (one all_reduce): the publisher's
+        anchor rule on all ranks' delta bytes and rank 0's anchor size; and, for a delta, whether
+        it is merged into the previous version (`pinned`, which then is never committed). That
+        happens when some rank has `queue_size` versions waiting and every rank still has the
+        previous one waiting: uploads lag, and training goes on instead of waiting for them."""
+        with self._cv:
+            full = len(self._pending) + (pinned is not None) >= self.config.queue_size
+        t = torch.tensor([float(self._delta_bytes_since_anchor), float(self._anchor_bytes), float(full),
+                          float(pinned is not None)], dtype=torch.float64)
         with _collective(f"version {version} of {self.store.url} not published"):
             dist.all_reduce(t, group=self._ctl)
         cfg, last = self.config, self._last_anchor_version
         if last is None or (cfg.anchor_every and version - last >= cfg.anchor_every):
-            return True
-        return float(t[0]) > cfg.anchor_fraction * max(float(t[1]), 1.0)
+            return True, False
+        if float(t[0]) > cfg.anchor_fraction * max(float(t[1]), 1.0):
+            return True, False
+        return False, float(t[2]) > 0 and int(t[3]) == self.world
 
     def _anchor_due(self, version: int) -> bool:
         if not self._sharded:
             return super()._anchor_due(version)
-        return False  # decided for all ranks at once by `_anchor_due_all`, before encoding
+        return False  # decided for all ranks at once by `_plan`, before encoding
 
     def _wait_for_room(self) -> None:
-        """No coalescing across ranks: wait while `queue_size` versions wait for upload."""
+        """Where the ranks did not merge (`_plan`): wait while `queue_size` versions wait for upload."""
         with self._cv:
             while len(self._pending) >= self.config.queue_size and self._error is None:
                 self._cv.wait(timeout=1.0)
         self._raise_background_error()
 
     def _enqueue(self, item: _Item) -> None:
-        """Queue `item` as it is (no coalescing: `_wait_for_room` bounded the queue)."""
+        """Queue `item` as it is (merging is decided by all ranks at once, in `_plan`)."""
         if not self._sharded:
             return super()._enqueue(item)
         with self._cv:

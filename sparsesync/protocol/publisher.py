@@ -350,9 +350,11 @@ class Publisher:
             return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)
         return Snapshot(state, version, effort=self.config.effort)
 
-    def _publish_parts(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def _publish_parts(self, state: Mapping[str, torch.Tensor], version: int, *, after: _Item | None = None) -> None:
         """Diff and encode a delta in parts; when no other version waits, the uploader takes each
-        part as soon as it is encoded (the commit still waits for the last part)."""
+        part as soon as it is encoded (the commit still waits for the last part). `after`: the
+        newest waiting version, taken off the queue by the caller: this one is encoded whole and
+        merged into it (`_coalesce`), then queued; if encoding fails, `after` is queued again."""
         snap = self._snapshot
         assert isinstance(snap, PartedSnapshot)
         item = _Item(
@@ -361,7 +363,7 @@ class Publisher:
             parts=[], sealed=False,
         )
         with self._cv:
-            stream = not self._pending  # else: encoded whole, then queued or coalesced by `_enqueue`
+            stream = after is None and not self._pending  # else: encoded whole, then queued or coalesced by `_enqueue`
             if stream:
                 self._pending.append(item)
                 self._cv.notify_all()
@@ -380,6 +382,8 @@ class Publisher:
                 self._write_anchor(item)
         except BaseException as e:
             with self._cv:  # the snapshot may hold this version in some parts only: nothing more can be published
+                if after is not None:
+                    self._pending.append(after)
                 item.failed = True
                 self._error = e if isinstance(e, SparsesyncError) else SparsesyncError(
                     f"encoding version {version} for {self.store.url} failed half-way: {e!r}",
@@ -390,7 +394,7 @@ class Publisher:
             item.sealed = True
             self._cv.notify_all()
         if not stream:
-            self._enqueue(item)
+            self._enqueue(item if after is None else self._coalesce(after, item))
 
     def _upload_parts(self, item: _Item) -> list[PartRef] | None:
         """Upload the parts of `item` as they are encoded; None when encoding failed half-way."""
