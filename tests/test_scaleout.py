@@ -101,15 +101,26 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     assert f.sync_once() == 11
     assert_bit_equal(f.mirror, load_file(out / "v11.safetensors"))
 
-    # a wider world (4 ranks) resumes from the run's newest version: other units, so its first version is an anchor
-    res = _launch(4, url=url, out=str(out), first=12, last=22, resume=True)
+    # a wider world (4 ranks) whose weights are one ulp off the run's newest version: refused on every rank
+    res = _launch(4, url=url, out=str(out), first=12, last=13, resume=True, perturb=True)
+    assert [r.returncode for r in res] == [3] * 4, [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 11" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert run.commits()[-1].version == 11
+    # with version 11's weights it resumes: the run's units are 2 ranks' rows, so every tensor is
+    # gathered to one rank and hashed over them; its first version is a delta over 4 ranks' rows
+    res = _launch(4, url=url, out=str(out), first=12, last=22, resume=True, anchor_every=6)
     assert [r.returncode for r in res] == [0] * 4, [r.stderr[-2000:] for r in res]
     commits = run.commits()
-    assert commits[-1].version == 22 and run.commit(12).has_anchor and not run.commit(12).has_delta
-    assert len(run.commit(12).anchor) == 5  # 4 ranks' files and the index
-    assert len({p.key.rsplit("-", 2)[-2] for p in run.commit(13).parts}) == 4
+    rec = run.commit(12)
+    assert commits[-1].version == 22 and rec.parts and rec.base_version == 11 and not rec.has_anchor
+    assert len({p.key.rsplit("-", 2)[-2] for p in rec.parts}) == 4  # one uid per rank
+    assert {u.rows for p in rec.parts for u in p.units} != {u.rows for p in run.commit(11).parts for u in p.units}
+    assert run.commit(13).has_anchor and len(run.commit(13).anchor) == 5  # 13 - 7 >= 6: 4 ranks' files and the index
+    _r, state, digests = run.reconstruct(11)
+    run.apply_delta(rec, state, digests)  # 2 ranks' rows -> 4 ranks' rows
+    assert_bit_equal(state, load_file(out / "v12.safetensors"))
     _check_versions(url, out, range(12, 23))
-    assert f.sync_once() == 22  # the follower crosses the world-size change through the anchor
+    assert f.sync_once() == 22
     assert_bit_equal(f.mirror, load_file(out / "v22.safetensors"))
     assert verify_run(url).ok
 

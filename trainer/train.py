@@ -371,9 +371,8 @@ class AsyncGRPOTrainer:
 
     def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
         """Sharded: version 0 on a new run. On a run that holds versions, rank 0 checks that its
-        newest is exactly the gathered starting weights; then the publisher resumes: the next
-        version is a delta when the newest was written in parts at this world size, else an
-        anchor."""
+        newest is exactly the gathered starting weights (a clear ConfigError for the trainer's
+        config); then the publisher resumes, at any world size: the next version is a delta."""
         import torch.distributed as dist
 
         box: list[Any] = [publisher.committed_version]

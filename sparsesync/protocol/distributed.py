@@ -37,9 +37,11 @@ weights), rank 0 publishes exactly as a single-process `Publisher` and the other
 nothing, so a publisher created on rank 0 only (TRL's `is_world_process_zero`) still works.
 
 A new writer continues a sharded run with an anchor (its first version), at any world size; with
-`resume(model.state_dict())` at the world size that wrote the run's newest version (a version in
-parts: same units), its first version is a delta, once the digests of every rank's units make up
-that version's state digest (PatchMismatchError on all ranks when they do not). `state_digest` is
+`resume(model.state_dict())` its first version is a delta, at any world size, once the weights are
+checked to be the run's newest version (PatchMismatchError on all ranks when they are not): at the
+world size that wrote it (same units), the digests of every rank's units must make up its state
+digest; otherwise (another world size, or an anchor) the weights are hashed over that version's
+own units, each tensor gathered to one rank as for an anchor. `state_digest` is
 the global digest of the newest committed version (after `flush()`; ConfigError before).
 """
 
@@ -59,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from sparsesync.checkpoint import EXPERT_KEY, check_key_set, check_tied, shared_aliases, split_fused_experts
-from sparsesync.codec import state_digest
+from sparsesync.codec import state_digest, tensor_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
 from sparsesync.errors import (
     ConfigError,
@@ -269,10 +271,13 @@ class DistributedPublisher(Publisher):
         """Continue the run from its newest committed version, whose weights `state` holds.
 
         Replicated weights: rank 0 resumes as one process does. Sharded (a collective, on every
-        rank): when the run's newest version is in parts over the same units (written at this world
-        size), the next `publish` is a delta once every rank's unit digests make up its state
-        digest, and PatchMismatchError (on every rank) when they do not; over other units (another
-        world size, or an anchor) the next `publish` is an anchor, as without resume()."""
+        rank): the next `publish` is a delta against the run's newest version once the weights
+        are checked to be that version, and PatchMismatchError is raised on every rank when they
+        are not. When that version is in parts over the same units (written at this world size),
+        every rank's unit digests make up its state digest; over other units (another world
+        size's rows, or whole tensors: an anchor, or a single process's version) the weights are
+        hashed over its units (`_digests_over`: each tensor gathered to one rank, as for an
+        anchor, but nothing written or uploaded). The delta is over this world's units."""
         from torch.distributed.tensor import DTensor
 
         if not any(isinstance(v, DTensor) for v in state.values()):
@@ -295,10 +300,14 @@ class DistributedPublisher(Publisher):
         if info is None:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
         digests = {k: d for held, _ in got for k, d in held.items()}
-        if info["units"] != sorted(digests):
-            log.info("resume(): version %d of %s covers other units (another world size, or an anchor): "
-                     "the first version is an anchor", info["version"], self.store.url)
-            return
+        if info["units"] is None or [u.key for u in info["units"]] != sorted(digests):
+            # another world size's rows, or whole tensors (an anchor, or a single process's version):
+            # hash the weights over the newest version's own units
+            t0 = time.perf_counter()
+            digests = self._digests_over(tensors, info["units"] or [Unit(t.name) for t in tensors])
+            log.info("resume(): version %d of %s covers other units (another world size, or whole tensors): "
+                     "checked the weights over its units in %.1f s; the first version is a delta over this "
+                     "world's units", info["version"], self.store.url, time.perf_counter() - t0)
         if state_digest(digests) != info["state_digest"]:
             raise PatchMismatchError(
                 f"the weights given to resume() on {self.world} ranks have state digest {state_digest(digests)}, "
@@ -370,10 +379,41 @@ class DistributedPublisher(Publisher):
         last = anchors[-1].version if anchors else None
         return {
             "version": newest.version, "state_digest": newest.state_digest,
-            "units": sorted(u.key for p in newest.parts for u in p.units) if newest.parts else None,
+            "units": sorted((u for p in newest.parts for u in p.units), key=lambda u: u.key) if newest.parts else None,
             "last_anchor": last, "anchor_bytes": sum(o.size for o in anchors[-1].anchor) if anchors else 0,
             "delta_bytes": sum(o.size for c in commits if last is not None and c.version > last for o in c.delta_objects()),
         }
+
+    def _digests_over(self, tensors: list[ShardedTensor], units: list[Unit]) -> dict[str, str]:
+        """Every rank: the digest of each of `units` (another world size's rows, or whole tensors)
+        from the ranks' own bytes, by `Unit.key`. Each row-sharded tensor is gathered whole to one
+        rank (the anchor plan's), which hashes its units and drops it; a tensor one rank holds
+        whole is hashed there. Units of tensors outside `tensors` get no digest (so the state
+        digest differs). Memory: one tensor in flight per rank, as when writing an anchor."""
+        by_name: dict[str, list[Unit]] = {}
+        for u in units:
+            by_name.setdefault(u.name, []).append(u)
+        plan = assign([(t.name, t.nbytes, t.holder is None) for t in tensors], self.world,
+                      holders={t.name: t.holder for t in tensors if t.holder is not None})
+        mine: dict[str, str] = {}
+        with _collective(f"resume() of {self.store.url}"):
+            for t in tensors:
+                owner = plan.owner[t.name]
+                if t.holder is None:
+                    assert t.local is not None
+                    whole = gather_rows(t.local, t.shape, t.dtype, owner, rank=self.rank, world=self.world,
+                                        group=self._ctl, ranks=self._ranks)
+                else:
+                    whole = t.local if owner == self.rank else None
+                if whole is not None:
+                    for u in by_name.get(t.name, ()):
+                        if u.rows is None:
+                            mine[u.key] = tensor_digest(whole)
+                        elif whole.dim() and u.rows[1] <= whole.shape[0]:
+                            mine[u.key] = tensor_digest(whole[u.rows[0] : u.rows[1]])
+            got: list[Any] = [None] * self.world
+            dist.all_gather_object(got, mine, group=self._ctl)
+        return {k: d for part in got for k, d in part.items()}
 
     def _write_anchor_shard(self, item: _Item, tensors: list[ShardedTensor]) -> None:
         """Every rank: gather the tensors the plan gives this rank, whole, and write them as its
