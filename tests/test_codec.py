@@ -695,6 +695,42 @@ def test_wrong_base_is_reported_as_such_even_where_the_patch_cannot_decode_again
     _rejects(data, work, PatchMismatchError, "tensor 'w'", "not at base version 3", "load version 3")
 
 
+def test_a_ctrl_c_during_apply_is_raised_after_the_undo_never_between_versions():
+    """Ctrl-C (SIGINT) while the codec's threads write a patch whose base check then fails (one
+    bit of one tensor is off): the KeyboardInterrupt comes once every write is undone. Before, the
+    waiting thread stopped at once while the pool went on writing, and no undo ran."""
+    import signal
+    import threading
+    import time
+
+    from sparsesync.codec import _parallel
+
+    if _parallel.workers() == 1:
+        pytest.skip("needs the codec's thread pool (one CPU here)")
+    g = torch.Generator().manual_seed(1)
+    base = {f"t{i}": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16) for i in range(6)}
+    target = {k: (v.float() + torch.randn(v.shape, generator=g) * 1e-3).to(torch.bfloat16) for k, v in base.items()}
+    data = _encode(base, target)
+
+    class CtrlC(dict):  # a user's mapping; the first access from a codec thread sends SIGINT to the process
+        fired = False
+
+        def __getitem__(self, key):  # type: ignore[no-untyped-def]
+            if not CtrlC.fired and threading.current_thread() is not threading.main_thread():
+                CtrlC.fired = True
+                signal.raise_signal(signal.SIGINT)
+            return super().__getitem__(key)
+
+    work = CtrlC(_clone(base))
+    bits(work["t5"]).reshape(-1)[3] ^= 1  # not at the base: found in the write pass, after the writes
+    before = _clone(dict(work))
+    with pytest.raises(KeyboardInterrupt):
+        apply_patch(read_patch(data), work)
+    assert CtrlC.fired and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    time.sleep(0.5)  # the pool's threads, had they gone on writing
+    assert_bit_equal(dict(work), before)
+
+
 def test_reject_index_out_of_range():
     base, target = _case()
     data = _raw_patch(base, target)

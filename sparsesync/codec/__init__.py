@@ -14,6 +14,7 @@ except ImportError as e:  # a source tree that was never built
         "(`pip install -e .` in a checkout; it needs a C compiler), or compile it in place: python sparsesync/codec/_build.py"
     ) from None
 
+from sparsesync.codec._parallel import interrupts_deferred
 from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
 from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests
 from sparsesync.codec.diff import TensorChange, compose_changes, diff_state
@@ -51,6 +52,7 @@ __all__ = [
     "fetch_header",
     "header_length",
     "header_span",
+    "interrupts_deferred",
     "load_anchor",
     "parse_header",
     "read_patch",

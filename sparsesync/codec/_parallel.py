@@ -6,12 +6,14 @@ every item and hands failures back in place; parallelism only changes speed. The
 passes and numpy's heavy kernels release the GIL, so independent tensors overlap on a
 multi-core CPU. Two pools, so that a task of the outer one (a tensor) may wait on tasks of the
 inner one (chunks of that tensor) without deadlock. `SPARSESYNC_CODEC_THREADS=1` runs serially.
+`interrupts_deferred` holds a Ctrl-C back until a block of writes (and their undo) is done.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,3 +84,25 @@ def gc_paused() -> Iterator[None]:
             _GC_HOLDERS[0] -= 1
             if _GC_HOLDERS[0] == 0 and _GC_HOLDERS[1]:
                 gc.enable()
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) that arrives inside the block is raised as KeyboardInterrupt when the
+    block ends, not in the middle of it. The codec's writes are all or nothing: interrupted half
+    way, the waiting thread would stop while the pool's threads still write, and no undo would
+    run. So the block runs to its end (written, or failed and undone: weights at one version or
+    the other, never between) and the interrupt follows. Only where Python's default SIGINT
+    handler is installed and this is the main thread (elsewhere a Ctrl-C does not interrupt this
+    thread, or the application handles it itself); nested blocks defer to the outermost."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pending: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if pending:
+            raise KeyboardInterrupt

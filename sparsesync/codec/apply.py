@@ -203,9 +203,18 @@ def apply_patch(
     `check_base_digest=False` skips hashing the base tensors, for a holder whose tensors are
     known to match the patch's base digests (e.g. verified when they were last written). With
     `verify` the result is still bit-exact or undone: the target digests cover every element,
-    and a wrong base only changes which error is raised (DigestMismatchError, after undoing)."""
+    and a wrong base only changes which error is raised (DigestMismatchError, after undoing).
+
+    A Ctrl-C in the main thread is raised once the writes are done or undone
+    (`_parallel.interrupts_deferred`): the tensors are then at the base or at the target, never between."""
     if not (verify or check_base_digest):
         raise ValueError("apply_patch needs verify=True or check_base_digest=True: one of the digests must be checked")
+    with _parallel.interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
+        return _apply(patch, tensors, verify=verify, check_base_digest=check_base_digest)
+
+
+def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool) -> dict[str, SparseUpdate]:
+    """`apply_patch` once its arguments are checked."""
     _check_layout(patch, tensors)
     h = patch.header
     targets = {n: e.target_digest for n, e in h.tensors.items()}

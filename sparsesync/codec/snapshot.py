@@ -80,7 +80,7 @@ class Snapshot:
         t0 = time.perf_counter()
         base_digests = dict(self.digests)
         base_sd = self.state_digest
-        with _parallel.gc_paused():
+        with _parallel.gc_paused(), _parallel.interrupts_deferred():  # a Ctrl-C waits: the snapshot advances whole or not at all
             if self._fusable(current):
                 changes, encoded, diff_s = self._diff_encode_fused(current, chunk_bytes)
             else:

@@ -34,7 +34,19 @@ from typing import TypeVar
 
 import torch
 
-from sparsesync.codec import Effort, EncodedPatch, Patch, PatchStats, Snapshot, compose_changes, encode_changes, read_patch, state_digest, tensor_digest
+from sparsesync.codec import (
+    Effort,
+    EncodedPatch,
+    Patch,
+    PatchStats,
+    Snapshot,
+    compose_changes,
+    encode_changes,
+    interrupts_deferred,
+    read_patch,
+    state_digest,
+    tensor_digest,
+)
 from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
 from sparsesync.codec.digest import digest_after_put
@@ -372,6 +384,13 @@ def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Muta
         except Exception as e:
             e._sparsesync_key = ref.key  # type: ignore[attr-defined]
             raise
+    with interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
+        return _write_all(rec, staged, digests, names)
+
+
+def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping[str, str],
+               names: Sequence[str] | None) -> dict[str, SparseUpdate]:
+    """`_apply_all` once every part is staged: write them all, check every digest, undo all on any failure."""
     # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were
     # written (or, for a prefetched part, before: what its writes give, from the same held bytes)
     written: list[tuple[_Staged, dict[str, SparseUpdate], dict[str, str]]] = []
