@@ -23,8 +23,8 @@ Modes: `sparse` one delta file per version (`part_bytes=0`), `parts` the version
 `full` the whole checkpoint. With `--pin` the trainer (this process) runs on core 0 and every
 follower on core 1 (`os.sched_setaffinity`, what `taskset` does), so they behave like separate
 machines, and the S3 service (moto and the paced proxy: the store and the network, neither the
-trainer's work nor a follower's) runs on core 1 beside the followers; without `--pin`
-everything shares every core. For each sparse mode it also reports the trainer's
+trainer's work nor a follower's) runs on core 1 beside the followers (`--store-core trainer`:
+on core 0 beside the trainer; `any`: on either); without `--pin` everything shares every core. For each sparse mode it also reports the trainer's
 diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
 1.3 x max(encode, decode+apply) + transfer (transfer: bytes over `--link-mbit` on s3-wan, else 0).
 """
@@ -260,6 +260,9 @@ def main() -> None:
     ap.add_argument("--max-poll", type=float, default=0.1,
                     help="followers: longest wait between polls while nothing is new (the product's poll loop; 20 ms while parts arrive)")
     ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
+    ap.add_argument("--store-core", default="follower", choices=["follower", "trainer", "any"],
+                    help="with --pin: where the S3 service runs (a third machine in reality; this box has two cores): "
+                         "beside the followers (default), beside the trainer, or on either core")
     ap.add_argument("--json", default="benchmarks/results/protocol_lag.json", help="where to write results")
     args = ap.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
@@ -273,14 +276,16 @@ def main() -> None:
         _pin(0)
     seq = versions(shapes, args.versions, args.lr)
     for kind in args.store.split(","):
-        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, 1 if args.pin else None) as (base, env):
+        store_core = {"follower": 1, "trainer": 0, "any": None}[args.store_core] if args.pin else None
+        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
                 res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort,
                             args.max_poll)
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "warmup": args.warmup, "rows": rows}, indent=1))
+                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "warmup": args.warmup,
+                                                           "pin": args.pin, "store_core": args.store_core if args.pin else "any", "rows": rows}, indent=1))
                 link = args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None
                 for mode, r in res.items():
                     line = f"{kind:6} followers={nf} {mode:6}: lag {r['lag_s']:.3f} s, uploads {r['uploaded_per_version'] / 1e6:.2f} MB/version"
