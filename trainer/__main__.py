@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from sparsesync.errors import ConfigError, SparsesyncError
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         result = AsyncGRPOTrainer(cfg).run()
     except SparsesyncError as e:
         rank = f"rank {os.environ['RANK']}: " if launched_distributed() else ""
+        if launched_distributed():  # torchrun's SIGTERM (a peer died too) must not cut this line short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"{rank}error: {e}", file=sys.stderr, flush=True)
         if launched_distributed():  # a peer may be gone: do not wait in the process group's teardown
             sys.stdout.flush()

@@ -40,11 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsesync.checkpoint import checkpoint_state, shared_aliases
-from sparsesync.codec import state_digest, tensor_digest, tensor_digests
+from sparsesync.checkpoint import shared_aliases
 from sparsesync.errors import ConfigError, RankFailedError, TrainerError
-from sparsesync.protocol.layout import CommitRecord
-from sparsesync.protocol.parts import unit_view
 from trainer.buffer import Group
 
 def launched_distributed() -> bool:
@@ -116,15 +113,6 @@ def full_state(state: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.
         if rank == 0:
             out[name] = out[aliases[name]] if name in aliases else full.cpu()  # a tied head stays one tensor
     return out if rank == 0 else None
-
-
-def record_digest(rec: CommitRecord, full: Mapping[str, torch.Tensor]) -> str:
-    """The state digest commit `rec` would carry for the full weights `full`: over its parts'
-    units (row shards of a sharded version, docs/protocol.md "Units"), or the whole tensors."""
-    full = checkpoint_state(full)  # the run's key set: a tied head once, fused experts per expert
-    if not rec.parts:
-        return state_digest(tensor_digests(full))
-    return state_digest({u.key: tensor_digest(unit_view(full, u).contiguous()) for p in rec.parts for u in p.units})
 
 
 def all_mean(value: float, ctx: DistContext) -> float:

@@ -56,7 +56,6 @@ from trainer.distributed import (
     launched_distributed,
     my_groups,
     receive_batch,
-    record_digest,
     send_batch,
     shard_policy,
     stop_on_sigterm,
@@ -370,9 +369,10 @@ class AsyncGRPOTrainer:
         return publisher.committed_version
 
     def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
-        """Sharded: version 0 on a new run. On a run that holds versions, rank 0 checks that its
-        newest is exactly the gathered starting weights (a clear ConfigError for the trainer's
-        config); then the publisher resumes, at any world size: the next version is a delta."""
+        """Sharded: version 0 on a new run. On a run that holds versions the publisher resumes, at
+        any world size: it checks the weights against the run's newest version with one tensor in
+        flight per rank (no rank gathers the whole model), and the next version is a delta;
+        weights that are not that version are a ConfigError on every rank."""
         import torch.distributed as dist
 
         box: list[Any] = [publisher.committed_version]
@@ -380,19 +380,15 @@ class AsyncGRPOTrainer:
         newest = box[0]
         if newest is None:
             return publisher.publish(state, 0)
-        full = full_state(state, ctx.rank)
-        verdict: list[Any] = [None]
-        if ctx.lead:
-            rec = publisher.run.commit(newest)
-            if record_digest(rec, full or {}) != rec.state_digest:
-                verdict[0] = f"its newest version ({newest}) is not the weights at [model] path"
-        dist.broadcast_object_list(verdict, src=0, group=ctx.group)
-        if verdict[0] is not None:
-            raise ConfigError(f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run: {verdict[0]}",
-                              hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights "
-                                   "(`sparsesync pull`)")
-        with collective(ctx, "resuming the run"):
-            publisher.resume(state)
+        try:
+            with collective(ctx, "resuming the run"):
+                publisher.resume(state)
+        except PatchMismatchError as e:  # raised on every rank alike
+            raise ConfigError(
+                f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run: its newest version ({newest}) "
+                "is not the weights at [model] path",
+                hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights (`sparsesync pull`)",
+            ) from e
         return newest
 
     def _step_groups(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int, step: int,
