@@ -71,7 +71,7 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreUnavailableError,
 )
-from sparsesync.protocol.anchor_shards import assign, gather_rows
+from sparsesync.protocol.anchor_shards import AnchorPlan, assign, gather_rows
 from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit, commit_key
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.publisher import Publisher, PublisherConfig, _Item, _wait_to_retry
@@ -384,6 +384,21 @@ class DistributedPublisher(Publisher):
             "delta_bytes": sum(o.size for c in commits if last is not None and c.version > last for o in c.delta_objects()),
         }
 
+    def _gathered(self, tensors: list[ShardedTensor], plan: AnchorPlan) -> Iterator[tuple[ShardedTensor, torch.Tensor]]:
+        """Each tensor `plan` gives this rank, whole: a row-sharded one gathered from every rank's
+        rows, one this rank holds whole as it is. Collectives: every rank iterates to the end."""
+        for t in tensors:
+            owner = plan.owner[t.name]
+            if t.holder is None:
+                assert t.local is not None
+                whole = gather_rows(t.local, t.shape, t.dtype, owner, rank=self.rank, world=self.world,
+                                    group=self._ctl, ranks=self._ranks)
+                if whole is not None:
+                    yield t, whole
+            elif owner == self.rank:
+                assert t.local is not None
+                yield t, t.local
+
     def _digests_over(self, tensors: list[ShardedTensor], units: list[Unit]) -> dict[str, str]:
         """Every rank: the digest of each of `units` (another world size's rows, or whole tensors)
         from the ranks' own bytes, by `Unit.key`. Each row-sharded tensor is gathered whole to one
@@ -393,24 +408,14 @@ class DistributedPublisher(Publisher):
         by_name: dict[str, list[Unit]] = {}
         for u in units:
             by_name.setdefault(u.name, []).append(u)
-        plan = assign([(t.name, t.nbytes, t.holder is None) for t in tensors], self.world,
-                      holders={t.name: t.holder for t in tensors if t.holder is not None})
         mine: dict[str, str] = {}
         with _collective(f"resume() of {self.store.url}"):
-            for t in tensors:
-                owner = plan.owner[t.name]
-                if t.holder is None:
-                    assert t.local is not None
-                    whole = gather_rows(t.local, t.shape, t.dtype, owner, rank=self.rank, world=self.world,
-                                        group=self._ctl, ranks=self._ranks)
-                else:
-                    whole = t.local if owner == self.rank else None
-                if whole is not None:
-                    for u in by_name.get(t.name, ()):
-                        if u.rows is None:
-                            mine[u.key] = tensor_digest(whole)
-                        elif whole.dim() and u.rows[1] <= whole.shape[0]:
-                            mine[u.key] = tensor_digest(whole[u.rows[0] : u.rows[1]])
+            for t, whole in self._gathered(tensors, _plan_of(tensors, self.world)):
+                for u in by_name.get(t.name, ()):
+                    if u.rows is None:
+                        mine[u.key] = tensor_digest(whole)
+                    elif whole.dim() and u.rows[1] <= whole.shape[0]:
+                        mine[u.key] = tensor_digest(whole[u.rows[0] : u.rows[1]])
             got: list[Any] = [None] * self.world
             dist.all_gather_object(got, mine, group=self._ctl)
         return {k: d for part in got for k, d in part.items()}
@@ -420,24 +425,15 @@ class DistributedPublisher(Publisher):
         file of the anchor of `item` (`anchor_shards`). A failure after the collectives is reported
         at commit, so every rank raises it."""
         t0 = time.perf_counter()
-        plan = assign([(t.name, t.nbytes, t.holder is None) for t in tensors], self.world,
-                      holders={t.name: t.holder for t in tensors if t.holder is not None})
+        plan = _plan_of(tensors, self.world)
         mine: dict[str, torch.Tensor] = {}
         with _collective(f"anchor of version {item.version} of {self.store.url}"):
             got: list[Any] = [item.uid]
             dist.broadcast_object_list(got, src=self._src, group=self._ctl)  # one folder for every rank's file
             item.uid = got[0]
-            for t in tensors:
-                owner = plan.owner[t.name]
-                if t.holder is None:
-                    assert t.local is not None
-                    whole = gather_rows(t.local, t.shape, t.dtype, owner, rank=self.rank, world=self.world,
-                                        group=self._ctl, ranks=self._ranks)
-                    if whole is not None:
-                        mine[t.name] = whole
-                elif owner == self.rank:
-                    assert t.local is not None  # copied: experts are views of one fused tensor, which safetensors refuses
-                    mine[t.name] = t.local.detach().to("cpu", copy=True).contiguous()
+            for t, whole in self._gathered(tensors, plan):
+                # a tensor held whole is copied: experts are views of one fused tensor, which safetensors refuses
+                mine[t.name] = whole if t.holder is None else whole.detach().to("cpu", copy=True).contiguous()
         item.metrics["_anchor_plan"], item.metrics["_anchor_digests"] = plan, {}
         self._anchor_bytes = 0
         if self.rank in plan.files:
@@ -602,6 +598,12 @@ class DistributedPublisher(Publisher):
         path = write_anchor_index(self._anchor_folder(item), plan.weight_map, digests, version=item.version,
                                   total_size=plan.total_size)
         return state_digest(digests), self._put_anchor_files(item, [path])
+
+
+def _plan_of(tensors: list[ShardedTensor], world: int) -> AnchorPlan:
+    """The sharded anchor plan of `tensors` (`anchor_shards.assign`): which rank holds each whole."""
+    return assign([(t.name, t.nbytes, t.holder is None) for t in tensors], world,
+                  holders={t.name: t.holder for t in tensors if t.holder is not None})
 
 
 def combined_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
