@@ -731,6 +731,28 @@ def test_a_ctrl_c_during_apply_is_raised_after_the_undo_never_between_versions()
     assert_bit_equal(dict(work), before)
 
 
+def test_interrupts_deferred_holds_one_ctrl_c_to_the_end_and_a_second_stops_at_once():
+    import signal
+
+    from sparsesync.codec import interrupts_deferred
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the first")
+    assert reached == ["after the first"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the second")
+    assert reached == ["after the first"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts_deferred():  # no Ctrl-C: nothing raised
+        reached.append("quiet")
+    assert reached[-1] == "quiet"
+
+
 def test_reject_index_out_of_range():
     base, target = _case()
     data = _raw_patch(base, target)

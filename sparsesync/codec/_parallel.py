@@ -12,6 +12,7 @@ inner one (chunks of that tensor) without deadlock. `SPARSESYNC_CODEC_THREADS=1`
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import threading
@@ -23,6 +24,7 @@ from typing import TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+log = logging.getLogger(__name__)
 _POOLS: dict[str, ThreadPoolExecutor] = {}
 _GC_LOCK = threading.Lock()
 _GC_HOLDERS = [0, False]  # blocks inside `gc_paused`, and whether the collector was on before the first
@@ -92,14 +94,25 @@ def interrupts_deferred() -> Iterator[None]:
     block ends, not in the middle of it. The codec's writes are all or nothing: interrupted half
     way, the waiting thread would stop while the pool's threads still write, and no undo would
     run. So the block runs to its end (written, or failed and undone: weights at one version or
-    the other, never between) and the interrupt follows. Only where Python's default SIGINT
-    handler is installed and this is the main thread (elsewhere a Ctrl-C does not interrupt this
-    thread, or the application handles it itself); nested blocks defer to the outermost."""
+    the other, never between) and the interrupt follows. A second Ctrl-C stops at once, as
+    without this block (for a user who would rather stop than wait). Only where Python's default
+    SIGINT handler is installed and this is the main thread (elsewhere a Ctrl-C does not
+    interrupt this thread, or the application handles it itself); nested blocks defer to the
+    outermost."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     pending: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: pending.append(signum))
+
+    def defer(signum: int, _frame: object) -> None:
+        if pending:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        pending.append(signum)
+        log.warning("Ctrl-C: stopping once the weights are written or restored (Ctrl-C again stops now, "
+                    "which may leave them between two versions)")
+
+    signal.signal(signal.SIGINT, defer)
     try:
         yield
     finally:
