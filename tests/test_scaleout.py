@@ -404,7 +404,9 @@ def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta
     the next job at the same world size loads the run's newest version into its sharded model,
     resume()s and continues with a delta over the same units (experts per expert, each from the rank
     that holds it), every version bit-exact. Weights with one expert one ulp off are refused by
-    resume() on every rank (the rank holding the expert and the one that does not), nothing written."""
+    resume() on every rank (the rank holding the expert and the one that does not), nothing written.
+    Then the same at 3 ranks (other units: the weights are hashed over the run's), and at 2 ranks
+    again after a sharded anchor (whole tensors): each continues with a delta."""
     from transformers import AutoModelForCausalLM
 
     from sparsesync.checkpoint import checkpoint_state
@@ -439,6 +441,28 @@ def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta
         experts = [u for p in c.parts for u in p.units if ".experts." in u.name]
         assert len(experts) == 2 * 4 * 3 and all(u.rows is None for u in experts)
     _check_versions(url, out, range(1, 6), _gathered_as_checkpoint(model, out))
+    assert verify_run(url).ok
+
+    # another world size: 3 ranks (experts 0-1 on rank 0, 2-3 on rank 1, none on rank 2) check the
+    # weights over the run's units, 2 ranks' rows and whole experts; expert 3 one ulp off is refused
+    # by every rank, though only rank 1 holds it
+    res = _launch(3, url=url, out=str(out), first=6, last=7, arch="qwen3-moe", resume=True,
+                  perturb="model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert [r.returncode for r in res] == [3, 3, 3], [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 5" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    # with version 5's weights: a delta over 3 ranks' rows, then version 7 is a sharded anchor (7 - 1 >= 6)
+    res = _launch(3, url=url, out=str(out), first=6, last=7, arch="qwen3-moe", resume=True, anchor_every=6)
+    assert [r.returncode for r in res] == [0] * 3, [r.stderr[-2000:] for r in res]
+    rec = run.commit(6)
+    assert rec.parts and rec.base_version == 5 and not rec.has_anchor
+    assert len({p.key.rsplit("-", 2)[-2] for p in rec.parts}) == 3  # one uid per rank (rank 2: rows only)
+    assert run.commit(7).has_anchor and not run.commit(7).parts
+    # after that anchor (whole tensors), 2 ranks resume over it: a delta again
+    res = _launch(2, url=url, out=str(out), first=8, last=8, arch="qwen3-moe", resume=True)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    rec = run.commit(8)
+    assert rec.parts and rec.base_version == 7 and not rec.has_anchor
+    _check_versions(url, out, range(5, 9), _gathered_as_checkpoint(model, out))
     assert verify_run(url).ok
 
 

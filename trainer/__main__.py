@@ -39,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = AsyncGRPOTrainer(cfg).run()
     except SparsesyncError as e:
-        rank = f"rank {os.environ['RANK']}: " if launched_distributed() else ""
-        if launched_distributed():  # torchrun's SIGTERM (a peer died too) must not cut this line short
+        distributed = launched_distributed()
+        if distributed:  # torchrun's SIGTERM (a peer died too) must not cut this line short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank = f"rank {os.environ['RANK']}: " if distributed else ""
         print(f"{rank}error: {e}", file=sys.stderr, flush=True)
-        if launched_distributed():  # a peer may be gone: do not wait in the process group's teardown
+        if distributed:  # a peer may be gone: do not wait in the process group's teardown
             sys.stdout.flush()
             os._exit(1)
         return 1

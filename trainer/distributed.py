@@ -44,6 +44,7 @@ from sparsesync.checkpoint import shared_aliases
 from sparsesync.errors import ConfigError, RankFailedError, TrainerError
 from trainer.buffer import Group
 
+
 def launched_distributed() -> bool:
     """Whether this process is one rank of a multi-process launch (torchrun sets WORLD_SIZE)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -450,11 +450,10 @@ class DistributedPublisher(Publisher):
     def _pin_newest(self) -> _Item | None:
         """The newest waiting version, taken off the queue (the uploader cannot start it while
         the ranks decide whether to merge into it), when it is the previous version and a delta
-        in parts; else None."""
+        (in parts: a sharded anchor has none); else None."""
         with self._cv:
             last = self._pending[-1] if self._pending else None
-            if (last is None or last.version != self._last_version or last.parts is None or last.anchor_dir is not None
-                    or last.base_version is None or not last.sealed or last.failed):
+            if last is None or last.version != self._last_version or last.parts is None:
                 return None
             return self._pending.pop()
 
