@@ -73,6 +73,16 @@ def _s3_service(link_bps: float | None, ready, stop, core: int | None = None) ->
     server.stop()
 
 
+_STORE_PID: list[int | None] = [None]  # the S3 service's process while `bench_store` runs one
+
+
+def _cpu_s(pids: list[int | None]) -> list[float]:
+    """CPU seconds (user + system) each process has used so far (0 for None)."""
+    import psutil
+
+    return [sum(psutil.Process(p).cpu_times()[:2]) if p else 0.0 for p in pids]
+
+
 @contextlib.contextmanager
 def bench_store(kind: str, link_bps: float | None = None, core: int | None = None) -> Iterator[tuple[str, dict[str, str]]]:
     """(base URL, env for child processes) of a fresh store: "local" (a temp folder) or S3
@@ -94,8 +104,10 @@ def bench_store(kind: str, link_bps: float | None = None, core: int | None = Non
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
         os.environ.update(env)
         boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
+        _STORE_PID[0] = service.pid
         yield "s3://bench/runs", env
     finally:
+        _STORE_PID[0] = None
         if service is not None and stop is not None:
             stop.set()
             service.join(timeout=30)
@@ -202,8 +214,11 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
         for _ in procs:
             ready.get(timeout=600)
         lags, blocked, uploaded, encode, follower = [], [], 0, [], []
+        watched = [p.pid for p in procs] + [_STORE_PID[0]]
         for v in range(2, n_versions + 1):
             state = seq[v - 1]
+            if v == 2 + warmup:  # CPU used by each follower and the store over the timed versions
+                cpu0 = _cpu_s(watched)
             t_call = time.time()
             if pub:
                 pub.publish(state, v)
@@ -230,6 +245,8 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
                 if pub:
                     encode.append(enc_s)
                     follower.append(max(fetch_s))
+        timed = n_versions - 1 - warmup
+        cpu = [(b - a) / timed for a, b in zip(cpu0, _cpu_s(watched))]
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
@@ -239,6 +256,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
         out[mode] = {
             "lag_s": statistics.median(lags), "lags_s": lags, "blocked_s": statistics.median(blocked),
             "uploaded_per_version": uploaded / (n_versions - 1),
+            "follower_cpu_s": max(cpu[:-1]), "store_cpu_s": cpu[-1],  # per timed version (the busiest follower)
         }
         if pub:  # trainer diff+encode; follower fetch+verify+decode+apply to its mirror (median)
             out[mode].update(encode_s=statistics.median(encode), follower_s=statistics.median(follower))
@@ -294,6 +312,12 @@ def main() -> None:
                         bound = 1.3 * max(r["encode_s"], r["follower_s"]) + transfer
                         line += (f", trainer blocked {r['blocked_s']:.3f} s, encode {r['encode_s']:.3f} s, follower fetch+decode+apply "
                                  f"{r['follower_s']:.3f} s, bound 1.3*max+transfer {bound:.3f} s ({'met' if r['lag_s'] <= bound else 'NOT met'})")
+                        # in parts mode the follower decodes most parts before the commit: its
+                        # fetch+decode+apply above is only the part after the commit; its CPU
+                        # seconds per version are all of its work (fetch, decode, hash, write, polls)
+                        bound_cpu = 1.3 * max(r["encode_s"], r["follower_cpu_s"]) + transfer
+                        line += (f"; follower CPU {r['follower_cpu_s']:.3f} s/version, store CPU {r['store_cpu_s']:.3f} s/version, "
+                                 f"bound with the follower's CPU {bound_cpu:.3f} s ({'met' if r['lag_s'] <= bound_cpu else 'NOT met'})")
                         if "full" in res:
                             line += f", full/{mode} lag {res['full']['lag_s'] / r['lag_s']:.1f}x"
                         if mode == "parts" and "sparse" in res:

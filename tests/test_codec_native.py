@@ -579,3 +579,17 @@ def test_varints_put_writes_what_varints_reads():
     assert bytes(out) == before + b"\x00\x01"  # a failed call appends nothing
     with pytest.raises(ValueError, match="count"):
         _native.varints_put(out, [1], 2)
+
+
+def test_join_is_bytes_join_for_every_buffer_kind_and_size():
+    rng = np.random.default_rng(3)
+    for sizes in ([], [0], [5, 0, 7], [3 << 20, 1 << 20, 5, 2 << 20]):  # the last is over 4 MiB: the huge-page advice
+        pieces = [rng.bytes(n) for n in sizes]
+        pieces = [p if i % 3 == 0 else bytearray(p) if i % 3 == 1 else memoryview(p) for i, p in enumerate(pieces)]
+        got = _native.join(pieces)
+        assert type(got) is bytes and got == b"".join(bytes(p) for p in pieces)
+    assert _native.join([np.arange(4, dtype=np.int32)]) == np.arange(4, dtype=np.int32).tobytes()
+    with pytest.raises(TypeError, match="bytes-like"):
+        _native.join([b"a", 1])
+    with pytest.raises(TypeError):
+        _native.join(5)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparsesync.codec import _native
 from sparsesync.errors import PatchFormatError
 
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
@@ -137,19 +138,24 @@ def parse_container(buf: memoryview) -> tuple[dict[str, str], dict[str, Stream]]
     return meta, parse_streams(table, 8 + n, len(buf) - 8 - n)
 
 
-def write_container(metadata: dict[str, str], streams: list[tuple[str, str, tuple[int, ...], bytes]]) -> bytes:
-    """A safetensors file: `streams` are (key, safetensors dtype, shape, raw bytes), written widest
-    dtype first (keeps every stream aligned to its element size), then in the order given."""
+def write_container(metadata: dict[str, str], streams: list[tuple[str, str, tuple[int, ...], bytes | list[bytes]]]) -> bytes:
+    """A safetensors file: `streams` are (key, safetensors dtype, shape, raw bytes or a list of
+    pieces that make them up), written widest dtype first (keeps every stream aligned to its
+    element size), then in the order given. The file is built in one copy (`_native.join`)."""
     order = sorted(range(len(streams)), key=lambda i: -ST_DTYPES[streams[i][1]][1])
     header: dict[str, object] = {"__metadata__": metadata}
+    pieces: list[bytes] = []
     off = 0
     for i in order:
         key, dtype, shape, data = streams[i]
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
-        off += len(data)
+        parts = data if isinstance(data, list) else [data]
+        size = sum(len(p) for p in parts)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + size]}
+        pieces += parts
+        off += size
     hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     hbytes += b" " * (-len(hbytes) % 8)
-    return b"".join([struct.pack("<Q", len(hbytes)), hbytes] + [streams[i][3] for i in order])
+    return _native.join([struct.pack("<Q", len(hbytes)), hbytes, *pieces])
 
 
 def stream_array(buf: memoryview, s: Stream, np_dtype: np.dtype) -> np.ndarray:

@@ -65,12 +65,19 @@
  *       The encoder passes take each element's class from its base bits and the thresholds;
  *       delta_hist counts every step-th value (clipped at 64) per class; delta_symbols writes
  *       the symbols, class c's escapes from esc[offsets[c]] on, and the symbols' histogram.
+ *   join(pieces) -> bytes
+ *       b"".join(pieces) for a list of bytes-like objects, copied with the GIL released into
+ *       memory advised for transparent huge pages (as numpy does for its large arrays): a patch
+ *       of tens of MB costs tens of page faults to build instead of thousands.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h> /* madvise(MADV_HUGEPAGE) in join */
+#endif
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -1803,6 +1810,49 @@ done:
     return res;
 }
 
+static PyObject *py_join(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "join: expected a list of bytes-like objects");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0, got = 0;
+    PyObject *res = NULL;
+    Py_buffer *bufs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (!bufs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (bufs[got].len > PY_SSIZE_T_MAX - total) {
+            got++;
+            PyErr_SetString(PyExc_OverflowError, "join: the pieces are too large together");
+            goto done;
+        }
+        total += bufs[got].len;
+    }
+    res = PyBytes_FromStringAndSize(NULL, total);
+    if (!res) goto done;
+    char *dst = PyBytes_AS_STRING(res);
+    Py_BEGIN_ALLOW_THREADS
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (total >= (4 << 20)) { /* the whole 2 MiB pages inside the output; advice only, failure is harmless */
+        uintptr_t lo = ((uintptr_t)dst + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1), hi = ((uintptr_t)dst + (uintptr_t)total) & ~(uintptr_t)((2u << 20) - 1);
+        if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(dst, bufs[i].buf, (size_t)bufs[i].len);
+        dst += bufs[i].len;
+    }
+    Py_END_ALLOW_THREADS
+done:
+    if (bufs) {
+        for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+        PyMem_Free(bufs);
+    }
+    Py_DECREF(seq);
+    return res;
+}
+
 static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(HW_BEST + 1);
     for (int i = 0; out && i <= HW_BEST; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(i));
@@ -1830,6 +1880,7 @@ static PyMethodDef methods[] = {
     {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, thresholds, hist[, step]) -> None"},
     {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, thresholds, es, offsets, sym, esc, hist) -> list[int]"},
     {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
+    {"join", py_join, METH_O, "join(pieces) -> bytes (b\"\".join, the GIL released, into huge-page-advised memory)"},
     {NULL, NULL, 0, NULL},
 };
 

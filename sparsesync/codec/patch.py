@@ -227,8 +227,8 @@ def assemble_patch(
         "base_state_digest": base_state_digest,
         "target_state_digest": target_state_digest,
     }
-    table, data = _table.build_table(rows), b"".join(blobs)
-    return _container.write_container(meta, [(TABLE_KEY, "U8", (len(table),), table), (STREAMS_KEY, "U8", (len(data),), data)])
+    table = _table.build_table(rows)
+    return _container.write_container(meta, [(TABLE_KEY, "U8", (len(table),), table), (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
 
 
 def encode_changes(
