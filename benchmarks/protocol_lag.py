@@ -27,6 +27,10 @@ trainer's work nor a follower's) runs on core 1 beside the followers (`--store-c
 on core 0 beside the trainer; `any`: on either); without `--pin` everything shares every core. For each sparse mode it also reports the trainer's
 diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
 1.3 x max(encode, decode+apply) + transfer (transfer: bytes over `--link-mbit` on s3-wan, else 0).
+In parts mode the follower decodes most parts before the commit, so its fetch+decode+apply
+after the commit is only part of its work: each sparse row also reports the CPU seconds per
+version of the busiest follower process (all its work: polls, fetches, decode, hashing, writes)
+and of the S3 service process, and the bound computed with the follower's CPU instead.
 """
 
 from __future__ import annotations
@@ -122,14 +126,14 @@ def _pin(core: int | None) -> None:
 
 
 def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
-                     max_poll: float = 0.1) -> None:
+                     max_poll: float = 0.1, poll: float = 0.02) -> None:
     os.environ.update(env)
     _pin(core)
     from sparsesync.protocol.follower import Follower
 
-    # the product's own poll loop (`Follower.start`): 20 ms between polls while versions or their
-    # parts arrive, backing off to `--max-poll` while the store is quiet
-    f = Follower(url, poll_interval=0.02, max_poll_interval=max_poll)
+    # the product's own poll loop (`Follower.start`): `--poll` (20 ms) between polls while versions
+    # or their parts arrive, backing off to `--max-poll` while the store is quiet
+    f = Follower(url, poll_interval=poll, max_poll_interval=max_poll)
     f.sync_once()
     ready.put(f.current_version)
     seen = f.current_version
@@ -143,7 +147,7 @@ def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core:
 
 
 def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
-                   max_poll: float = 0.1) -> None:
+                   max_poll: float = 0.1, poll: float = 0.02) -> None:
     os.environ.update(env)
     _pin(core)
     from safetensors.torch import load
@@ -154,15 +158,15 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: i
     store = open_store(url)
     weights: dict[str, torch.Tensor] | None = None
     ready.put(0)
-    seen, wait = 0, 0.02
+    seen, wait = 0, poll
     while seen < n_versions:
         done = sorted(int(o.key.split("/")[1][1:]) for o in store.list("full-done/"))
         nxt = [v for v in done if v > seen]
-        if not nxt:  # the sparse follower's backoff: 20 ms, growing 1.5x up to max_poll while nothing is new
+        if not nxt:  # the sparse follower's backoff: `poll`, growing 1.5x up to max_poll while nothing is new
             time.sleep(wait)
             wait = min(wait * 1.5, max_poll)
             continue
-        wait = 0.02
+        wait = poll
         v = nxt[-1]
         expected = store.get(f"full-done/v{v:06d}").decode()
         state = load(store.get(f"full/v{v:06d}.safetensors"))
@@ -186,7 +190,7 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
 
 def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
           modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size",
-          max_poll: float = 0.1) -> dict:
+          max_poll: float = 0.1, poll: float = 0.02) -> dict:
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -207,7 +211,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
             pub.flush()
         ready, results = ctx.Queue(), ctx.Queue()
         target = _full_follower if mode == "full" else _sparse_follower
-        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None, max_poll))
+        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None, max_poll, poll))
                  for _ in range(n_followers)]
         for p in procs:
             p.start()
@@ -277,6 +281,7 @@ def main() -> None:
     ap.add_argument("--effort", default="size", help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)")
     ap.add_argument("--max-poll", type=float, default=0.1,
                     help="followers: longest wait between polls while nothing is new (the product's poll loop; 20 ms while parts arrive)")
+    ap.add_argument("--poll", type=float, default=0.02, help="followers: wait between polls while a version streams in (the product's poll_interval)")
     ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
     ap.add_argument("--store-core", default="follower", choices=["follower", "trainer", "any"],
                     help="with --pin: where the S3 service runs (a third machine in reality; this box has two cores): "
@@ -298,11 +303,11 @@ def main() -> None:
         with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (base, env):
             for nf in [int(x) for x in args.followers.split(",")]:
                 res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort,
-                            args.max_poll)
+                            args.max_poll, args.poll)
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "warmup": args.warmup,
+                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "poll": args.poll, "warmup": args.warmup,
                                                            "pin": args.pin, "store_core": args.store_core if args.pin else "any", "rows": rows}, indent=1))
                 link = args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None
                 for mode, r in res.items():
