@@ -159,9 +159,12 @@ class Run:
             chain = self.chain(rec.version, target.version, commits, bad)
             if chain is not None:
                 return [Step("anchor", rec), *chain]
+        skipped = sorted(bad)
+        avoided = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         raise BrokenChainError(
             f"no anchor plus delta chain reaches version {target.version} under {self.url}"
-            + (f" from version {current}" if current is not None else ""),
+            + (f" from version {current}" if current is not None else "")
+            + (f" avoiding the objects that failed their checks ({avoided})" if skipped else ""),
             hint="the trainer must publish a new anchor (restart it, or `sparsesync push` a full checkpoint)",
         )
 
