@@ -146,7 +146,7 @@ def main() -> None:
           f"a version every {args.every} s; {args.versions} versions per mode")
     rows = []
     for kind in args.store.split(","):
-        with bench_store(kind) as (base, env):
+        with bench_store(kind) as (base, env, _):
             for coordinated in [m == "coordinated" for m in args.modes.split(",")]:
                 res = {"store": kind, **bench(base, shapes, args, coordinated, env)}
                 rows.append(res)

@@ -77,9 +77,6 @@ def _s3_service(link_bps: float | None, ready, stop, core: int | None = None) ->
     server.stop()
 
 
-_STORE_PID: list[int | None] = [None]  # the S3 service's process while `bench_store` runs one
-
-
 def _cpu_s(pids: list[int | None]) -> list[float]:
     """CPU seconds (user + system) each process has used so far (0 for None)."""
     import psutil
@@ -88,15 +85,15 @@ def _cpu_s(pids: list[int | None]) -> list[float]:
 
 
 @contextlib.contextmanager
-def bench_store(kind: str, link_bps: float | None = None, core: int | None = None) -> Iterator[tuple[str, dict[str, str]]]:
-    """(base URL, env for child processes) of a fresh store: "local" (a temp folder) or S3
+def bench_store(kind: str, link_bps: float | None = None, core: int | None = None) -> Iterator[tuple[str, dict[str, str], int | None]]:
+    """(base URL, env for child processes, the S3 service's pid or None) of a fresh store: "local" (a temp folder) or S3
     (moto's server in its own process on `core` if given, else on every core, paced to
     `link_bps` when given); removed on exit."""
     tmp = Path(tempfile.mkdtemp(prefix="sparsesync-bench-"))
     service, stop = None, None
     try:
         if kind == "local":
-            yield f"file://{tmp}", {}
+            yield f"file://{tmp}", {}, None
             return
         import boto3
 
@@ -108,10 +105,8 @@ def bench_store(kind: str, link_bps: float | None = None, core: int | None = Non
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": ready.get(timeout=120)}
         os.environ.update(env)
         boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
-        _STORE_PID[0] = service.pid
-        yield "s3://bench/runs", env
+        yield "s3://bench/runs", env, service.pid
     finally:
-        _STORE_PID[0] = None
         if service is not None and stop is not None:
             stop.set()
             service.join(timeout=30)
@@ -190,7 +185,7 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
 
 def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
           modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size",
-          max_poll: float = 0.1, poll: float = 0.02) -> dict:
+          max_poll: float = 0.1, poll: float = 0.02, store_pid: int | None = None) -> dict:
     from safetensors.torch import save
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -218,7 +213,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
         for _ in procs:
             ready.get(timeout=600)
         lags, blocked, uploaded, encode, follower = [], [], 0, [], []
-        watched = [p.pid for p in procs] + [_STORE_PID[0]]
+        watched = [p.pid for p in procs] + [store_pid]
         for v in range(2, n_versions + 1):
             state = seq[v - 1]
             if v == 2 + warmup:  # CPU used by each follower and the store over the timed versions
@@ -300,10 +295,10 @@ def main() -> None:
     seq = versions(shapes, args.versions, args.lr)
     for kind in args.store.split(","):
         store_core = {"follower": 1, "trainer": 0, "any": None}[args.store_core] if args.pin else None
-        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (base, env):
+        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (base, env, store_pid):
             for nf in [int(x) for x in args.followers.split(",")]:
                 res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort,
-                            args.max_poll, args.poll)
+                            args.max_poll, args.poll, store_pid)
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
