@@ -30,7 +30,9 @@ diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bo
 In parts mode the follower decodes most parts before the commit, so its fetch+decode+apply
 after the commit is only part of its work: each sparse row also reports the CPU seconds per
 version of the busiest follower process (all its work: polls, fetches, decode, hashing, writes)
-and of the S3 service process, and the bound computed with the follower's CPU instead.
+and of the S3 service process, and the bound computed with the follower's CPU instead, and
+splits the lag at the commit: when the publisher stored the commit record (after publish() was
+called) and how long the follower took from then to applied (medians).
 """
 
 from __future__ import annotations
@@ -175,6 +177,22 @@ def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: i
         results.put((v, time.time(), None))
 
 
+def _note_commits(store, written: dict[int, float]) -> None:  # type: ignore[no-untyped-def]
+    """Record in `written` when each commit record `store` writes is stored (unix time by version):
+    the publisher's store, wrapped, so the lag splits into the trainer's part (publish() to
+    its commit) and the follower's (the commit to applied)."""
+    from sparsesync.protocol.layout import parse_commit_key
+
+    put = store.put
+
+    def timed_put(key, data):  # type: ignore[no-untyped-def]
+        put(key, data)
+        if (parsed := parse_commit_key(key)) is not None:
+            written[parsed[0]] = time.time()
+
+    store.put = timed_put
+
+
 def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
     """The weights of versions 1..n_versions (one AdamW step each), made once for every cell."""
     seq = [make_weights(shapes, seed=0)]
@@ -197,6 +215,8 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
     for mode in modes:
         url = f"{store_url.rstrip('/')}/{mode}-{n_followers}-{time.time_ns()}"
         store = open_store(url, create=True)
+        committed: dict[int, float] = {}
+        _note_commits(store, committed)
         state = seq[0]
         pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9, part_bytes=part_bytes if mode == "parts" else 0, effort=effort) \
             if mode != "full" else None
@@ -212,7 +232,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
             p.start()
         for _ in procs:
             ready.get(timeout=600)
-        lags, blocked, uploaded, encode, follower = [], [], 0, [], []
+        lags, blocked, uploaded, encode, follower, to_commit, after_commit = [], [], 0, [], [], [], []
         watched = [p.pid for p in procs] + [store_pid]
         for v in range(2, n_versions + 1):
             state = seq[v - 1]
@@ -244,6 +264,8 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
                 if pub:
                     encode.append(enc_s)
                     follower.append(max(fetch_s))
+                    to_commit.append(committed[v] - t_call)
+                    after_commit.append(max(applied) - committed[v])
         timed = n_versions - 1 - warmup
         cpu = [(b - a) / timed for a, b in zip(cpu0, _cpu_s(watched))]
         for p in procs:
@@ -258,7 +280,8 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
             "follower_cpu_s": max(cpu[:-1]), "store_cpu_s": cpu[-1],  # per timed version (the busiest follower)
         }
         if pub:  # trainer diff+encode; follower fetch+verify+decode+apply to its mirror (median)
-            out[mode].update(encode_s=statistics.median(encode), follower_s=statistics.median(follower))
+            out[mode].update(encode_s=statistics.median(encode), follower_s=statistics.median(follower),
+                             commit_s=statistics.median(to_commit), after_commit_s=statistics.median(after_commit))
     return out
 
 
@@ -318,6 +341,8 @@ def main() -> None:
                         bound_cpu = 1.3 * max(r["encode_s"], r["follower_cpu_s"]) + transfer
                         line += (f"; follower CPU {r['follower_cpu_s']:.3f} s/version, store CPU {r['store_cpu_s']:.3f} s/version, "
                                  f"bound with the follower's CPU {bound_cpu:.3f} s ({'met' if r['lag_s'] <= bound_cpu else 'NOT met'})")
+                        line += (f"; commit stored {r['commit_s']:.3f} s after publish(), "
+                                 f"the follower applied it {r['after_commit_s']:.3f} s later")
                         if "full" in res:
                             line += f", full/{mode} lag {res['full']['lag_s'] / r['lag_s']:.1f}x"
                         if mode == "parts" and "sparse" in res:
