@@ -731,6 +731,36 @@ def test_a_ctrl_c_during_apply_is_raised_after_the_undo_never_between_versions()
     assert_bit_equal(dict(work), before)
 
 
+def test_light_items_share_one_task_and_results_and_errors_keep_input_order():
+    """The codec's pools: items lighter than SMALL_ITEM (small tensors, whose work is mostly
+    Python) run one after another on one thread; results come back in input order either way,
+    and map_ordered raises the first failing item's error in input order."""
+    import threading
+
+    from sparsesync.codec import _parallel
+
+    if _parallel.workers() == 1:
+        pytest.skip("needs the codec's thread pool (one CPU here)")
+    heavy = _parallel.SMALL_ITEM
+    weights = [heavy if x % 3 == 0 else 10 for x in range(12)]  # 0, 3, 6, 9 heavy
+    thread_of: dict[int, int] = {}
+
+    def fn(x: int) -> object:
+        thread_of[x] = threading.get_ident()
+        if x in (7, 9):
+            raise ValueError(f"item {x}")
+        return KeyError("a result, not an error") if x == 4 else x * x
+
+    got = _parallel.map_settled(fn, list(range(12)), weights=weights)
+    assert [str(r) if isinstance(r, Exception) else r for r in got] == [0, 1, 4, 9, "'a result, not an error'", 25, 36, "item 7", 64, "item 9", 100, 121]
+    assert len({thread_of[x] for x in range(12) if weights[x] < heavy}) == 1
+    with pytest.raises(ValueError, match="item 7"):  # 7 (light) comes before 9 (heavy) in input order
+        _parallel.map_ordered(fn, list(range(12)), weights=weights)
+    ok = _parallel.map_ordered(fn, [1, 2, 4], weights=[1, 1, 1])
+    assert ok[:2] == [1, 4] and isinstance(ok[2], KeyError)  # a returned exception is a result
+    assert _parallel.map_ordered(lambda x: x + 1, list(range(50))) == list(range(1, 51))  # no weights: one task per item
+
+
 def test_interrupts_deferred_holds_one_ctrl_c_to_the_end_and_a_second_stops_at_once():
     import signal
 

@@ -129,7 +129,8 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
     # biggest first keeps both threads busy to the end; errors are still raised in name order
     order = sorted(names, key=lambda n: (-patch.header.tensors[n].numel, n))
     with _parallel.gc_paused():
-        results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order)
+        results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order,
+                                          weights=[patch.header.tensors[n].numel for n in order])
     by_name = dict(zip(order, results))
     for n in names:
         if isinstance(by_name[n], BaseException):
@@ -245,7 +246,7 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
         return (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
 
     with _parallel.gc_paused():
-        results = dict(zip(order, _parallel.map_settled(one, order)))
+        results = dict(zip(order, _parallel.map_settled(one, order, weights=[h.tensors[n].numel for n in order])))
     done = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
 
     def undo() -> None:

@@ -182,7 +182,8 @@ def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, to
     thread pool; the result does not depend on it."""
     # biggest first keeps both threads busy to the end; the result is keyed by name (order-free)
     names = sorted((n for n in changes if changes[n].indices.size), key=lambda n: (-changes[n].numel, n))
-    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None, effort=effort), names)))
+    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None, effort=effort), names,
+                                                    weights=[changes[n].numel for n in names])))
     return {n: encoded[n] for n in sorted(encoded)}
 
 

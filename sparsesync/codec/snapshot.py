@@ -144,7 +144,7 @@ class Snapshot:
 
         t0 = time.perf_counter()
         names = sorted(self.state, key=lambda n: (-self.state[n].numel(), n))  # biggest first keeps every thread busy to the end
-        results = _parallel.map_settled(one, names)
+        results = _parallel.map_settled(one, names, weights=[self.state[n].numel() for n in names])
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             for name, r in zip(names, results):
