@@ -1,7 +1,8 @@
 """Thread pools for the codec's CPU work (per-tensor encode/decode, diff slices).
 
 Guarantee: `map_ordered(fn, items)` returns exactly `[fn(x) for x in items]` (same order, same
-values) or raises the exception of the first failing item in input order (every item runs);
+values) or raises the exception of the first failing item in input order (on a pool, once every
+item has run);
 `map_settled` runs every item and hands failures back in place; parallelism only changes speed.
 Items given a small weight (a tensor's elements) run one after another in one task: their
 work is mostly Python, so threads would only contend for the GIL. The codec's C
@@ -99,8 +100,9 @@ def _run(fn: Callable[[T], R], items: Sequence[T], kind: str, weights: Sequence[
 
 
 def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None) -> list[R]:
-    """`[fn(x) for x in items]`, run on pool `kind` when there is more than one item. `weights`
-    (one per item, e.g. its elements): light items share one task (see `SMALL_ITEM`)."""
+    """`[fn(x) for x in items]`, run on pool `kind` when there is more than one item (every item
+    runs, then the first failure in input order is raised). `weights` (one per item, e.g. its
+    elements): light items share one task (see `SMALL_ITEM`)."""
     if len(items) <= 1 or workers() == 1:
         return [fn(x) for x in items]
     results = _run(fn, items, kind, weights)
