@@ -92,11 +92,8 @@ def _run(fn: Callable[[T], R], items: Sequence[T], kind: str, weights: Sequence[
     if len(items) <= 1 or workers() == 1:
         return run(range(len(items)))
     tasks = _tasks(len(items), weights)
-    results: list[R | _Failed] = [_Failed(RuntimeError("not run"))] * len(items)
-    for task, out in zip(tasks, pool(kind).map(run, tasks)):
-        for i, r in zip(task, out):
-            results[i] = r
-    return results
+    by_position = {i: r for task, out in zip(tasks, pool(kind).map(run, tasks)) for i, r in zip(task, out)}
+    return [by_position[i] for i in range(len(items))]
 
 
 def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None) -> list[R]:
