@@ -125,7 +125,7 @@ def _need(hw: int) -> None:
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
-@pytest.mark.parametrize("n", [1, 63, 64, 65, 5000])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 5000, 20001])  # 20001: class_ranks' chunks of 8192 elements, and a partial last block
 @pytest.mark.parametrize("hw", HW)
 def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
     _need(hw)
@@ -188,6 +188,10 @@ def test_class_passes_reject_bad_arguments():
         _native.class_ranks(base, 2, bytes([64]), np.array([3], np.int64), np.array([0, 0, 1], np.int64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="out of range or order"):
         _native.class_ranks(base, 2, b"", np.array([100], np.int64), np.array([0, 1], np.int64), np.empty(1, np.int64))
+    big = np.zeros(20000, np.uint16)  # past class_ranks' first chunk of 8192 elements
+    for bad, at in (([-1, 5], 0), ([5, 5], 1), ([9000, 8999], 1), ([3, 19999, 20000], 2), ([10000, 9000, 12000], 1)):
+        with pytest.raises(ValueError, match=f"index {bad[at]} at {at} out of range or order"):
+            _native.class_ranks(big, 2, b"", np.array(bad, np.int64), np.array([0, len(bad)], np.int64), np.empty(len(bad), np.int64))
 
 
 def test_class_of_counts_the_thresholds_each_key_reaches():

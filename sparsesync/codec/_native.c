@@ -308,57 +308,86 @@ static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
 
 
 /* ------------------------------------------------------------------------ class_ranks */
-static inline __attribute__((always_inline)) int ranks_w(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out, masks_fn masks) {
-    int64_t cum[MAXC] = {0};
-    uint64_t m[MAXC];
+/* In chunks of RANK_BLOCKS blocks of 64 elements: first each block's class masks and each
+ * class's count before the block (from the chunk's start), in L1; then the chunk's changed
+ * elements in one pass without data-dependent branches. (Walking blocks and changes together
+ * mispredicted the end of every block's changes: 4.7 ns a change at 10% density, against 3.0 now)
+ * Returns RANKS_OK; RANKS_OFFSETS if a class holds more changed elements than its offsets give
+ * it, or fewer; or the position of the first index out of range or order (checked on the way). */
+#define RANK_BLOCKS 128
+#define RANKS_OK (-1)
+#define RANKS_OFFSETS (-2)
+static inline __attribute__((always_inline)) int64_t ranks_w(const uint8_t *restrict p, int w, int64_t n, const int *thr, int nt, const int64_t *restrict idx, int64_t nidx, const int64_t *off, int64_t *restrict out, masks_fn masks) {
+    const int K = nt + 1;
+    int64_t cum[MAXC] = {0}, wr[MAXC], lim[MAXC];
+    uint64_t M[RANK_BLOCKS * MAXC];
+    uint32_t C[RANK_BLOCKS * MAXC];
     uint8_t cls[128]; /* class of each key */
     class_lut(thr, nt, cls);
-    int64_t i = 0;
-    for (int64_t start = 0; start < n && i < nidx; start += 64) {
-        int cnt = n - start < 64 ? (int)(n - start) : 64;
-        __builtin_prefetch(p + (start + 1024) * w); /* as in select_w */
-        __builtin_prefetch(p + (start + 1024) * w + 64);
-        masks(p, w, start, cnt, thr, nt, m);
-        while (i < nidx && idx[i] < start + cnt) {
-            uint64_t bit = 1ULL << (idx[i] - start);
-            int c = cls[p[idx[i] * w + (w - 1)] & 0x7f];
-            if (wr[c] >= off[c + 1]) return 0;
-            out[wr[c]++] = cum[c] + popc(m[c] & (bit - 1));
-            i++;
+    for (int c = 0; c < K; c++) wr[c] = off[c], lim[c] = off[c + 1];
+    int64_t i = 0, prev = -1;
+    for (int64_t start = 0; start < n && i < nidx; start += 64 * RANK_BLOCKS) {
+        int64_t span = n - start < 64 * RANK_BLOCKS ? n - start : 64 * RANK_BLOCKS;
+        int nb = (int)((span + 63) / 64);
+        uint32_t run[MAXC] = {0};
+        for (int b = 0; b < nb; b++) {
+            int64_t s0 = start + 64 * (int64_t)b;
+            int cnt = n - s0 < 64 ? (int)(n - s0) : 64;
+            __builtin_prefetch(p + (s0 + 1024) * w); /* as in select_w */
+            __builtin_prefetch(p + (s0 + 1024) * w + 64);
+            masks(p, w, s0, cnt, thr, nt, M + b * K);
+            for (int c = 0; c < K; c++) {
+                C[b * K + c] = run[c];
+                run[c] += (uint32_t)popc(M[b * K + c]);
+            }
         }
-        for (int c = 0; c <= nt; c++) cum[c] += popc(m[c]);
+        const int64_t end = start + span;
+        for (; i < nidx && idx[i] < end; i++) {
+            int64_t x = idx[i], rel = x - start;
+            if (x <= prev) return i; /* negative, repeated or out of order */
+            prev = x;
+            int b = (int)(rel >> 6);
+            int c = cls[p[x * w + (w - 1)] & 0x7f];
+            uint64_t below = (1ULL << (rel & 63)) - 1;
+            int64_t pos = wr[c];
+            if (pos >= lim[c]) return RANKS_OFFSETS;
+            out[pos] = cum[c] + C[b * K + c] + popc(M[b * K + c] & below);
+            wr[c] = pos + 1;
+        }
+        for (int c = 0; c < K; c++) cum[c] += run[c];
     }
-    for (int c = 0; c <= nt; c++)
-        if (wr[c] != off[c + 1]) return 0;
-    return 1;
+    if (i < nidx) return i; /* past the end */
+    for (int c = 0; c < K; c++)
+        if (wr[c] != lim[c]) return RANKS_OFFSETS;
+    return RANKS_OK;
 }
 
-static int ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
-#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks)
+static int64_t ranks_sse(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, off, out, class_masks)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
-    return 0;
+    return RANKS_OFFSETS; /* not reached: every width is dispatched */
 }
 
 #ifdef SS_X86
-T256 static int ranks_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
+T256 static int64_t ranks_avx2(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, const int64_t *off, int64_t *out) {
 #define CALL(W)                                                                                \
     switch (nt) { /* nt as a constant for the usual 1-3, as in select_avx2 */                    \
-    case 1: return ranks_w(p, W, n, thr, 1, idx, nidx, wr, off, out, class_masks_avx2);          \
-    case 2: return ranks_w(p, W, n, thr, 2, idx, nidx, wr, off, out, class_masks_avx2);          \
-    case 3: return ranks_w(p, W, n, thr, 3, idx, nidx, wr, off, out, class_masks_avx2);          \
-    default: return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_avx2);        \
+    case 1: return ranks_w(p, W, n, thr, 1, idx, nidx, off, out, class_masks_avx2);          \
+    case 2: return ranks_w(p, W, n, thr, 2, idx, nidx, off, out, class_masks_avx2);          \
+    case 3: return ranks_w(p, W, n, thr, 3, idx, nidx, off, out, class_masks_avx2);          \
+    default: return ranks_w(p, W, n, thr, nt, idx, nidx, off, out, class_masks_avx2);        \
     }
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
-    return 0;
+    return RANKS_OFFSETS; /* not reached: every width is dispatched */
 }
 
-T512 static int ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, int64_t *wr, const int64_t *off, int64_t *out) {
-#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, wr, off, out, class_masks_512)
+T512 static int64_t ranks_512(const uint8_t *p, int w, int64_t n, const int *thr, int nt, const int64_t *idx, int64_t nidx, const int64_t *off, int64_t *out) {
+#define CALL(W) return ranks_w(p, W, n, thr, nt, idx, nidx, off, out, class_masks_512)
     DISPATCH_WIDTH(w, CALL)
 #undef CALL
-    return 0;
+    return RANKS_OFFSETS; /* not reached: every width is dispatched */
 }
 #endif
 
@@ -953,33 +982,22 @@ static PyObject *py_class_ranks(PyObject *self, PyObject *args) {
     if (check_class_args("class_ranks", &base, w, &tb, &ib, &ob, &outb, thr, &nt, off, &hw) < 0) goto done;
     int64_t n = base.len / w, nidx = ib.len / 8;
     const int64_t *idx = ib.buf;
-    int64_t bad = -1;
-    Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < nidx; i++) {
-        if (idx[i] < 0 || idx[i] >= n || (i && idx[i] <= idx[i - 1])) {
-            bad = i;
-            break;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    if (bad >= 0) {
-        PyErr_Format(PyExc_ValueError, "class_ranks: index %lld at %lld out of range or order", (long long)idx[bad], (long long)bad);
-        goto done;
-    }
-    int64_t wr[MAXC + 1];
-    memcpy(wr, off, sizeof(int64_t) * (nt + 2));
-    int ok = 0;
+    int64_t st = RANKS_OK;
     Py_BEGIN_ALLOW_THREADS
 #ifdef SS_X86
     if (hw == HW_AVX512)
-        ok = ranks_512(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+        st = ranks_512(base.buf, w, n, thr, nt, idx, nidx, off, outb.buf);
     else if (hw == HW_AVX2)
-        ok = ranks_avx2(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+        st = ranks_avx2(base.buf, w, n, thr, nt, idx, nidx, off, outb.buf);
     else
 #endif
-        ok = ranks_sse(base.buf, w, n, thr, nt, idx, nidx, wr, off, outb.buf);
+        st = ranks_sse(base.buf, w, n, thr, nt, idx, nidx, off, outb.buf);
     Py_END_ALLOW_THREADS
-    if (!ok) { /* a class held more or fewer changed elements than the offsets gave it */
+    if (st >= 0) {
+        PyErr_Format(PyExc_ValueError, "class_ranks: index %lld at %lld out of range or order", (long long)idx[st], (long long)st);
+        goto done;
+    }
+    if (st == RANKS_OFFSETS) { /* a class held more or fewer changed elements than the offsets gave it */
         PyErr_SetString(PyExc_ValueError, "class_ranks: offsets do not match the classes of the changed elements");
         goto done;
     }
@@ -1421,7 +1439,8 @@ static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
     const uint64_t mask = k ? (1ULL << k) - 1 : 0;
     Py_BEGIN_ALLOW_THREADS
     /* four histograms break the store-to-load chain of repeated symbols; the low bits gather
-     * in a 64-bit register and go out in whole bytes (stores only: no partial-overlap reloads) */
+     * in a 64-bit register that goes out whole when it fills (the register's only chain is an
+     * or and an add per gap) */
     int64_t h4[4][ALPHA + 1] = {{0}};
     uint8_t *o = low + (loff >> 3);
     int nb = (int)(loff & 7);
@@ -1433,15 +1452,18 @@ static PyObject *py_gap_symbols(PyObject *self, PyObject *args) {
         h4[i & 3][s]++;
         if (s == e) esc[ne++] = q;
         if (k) {
-            acc |= (v & mask) << nb; /* nb < 8 and k <= 56: no bit falls off */
+            uint64_t bits = v & mask;
+            acc |= bits << nb; /* nb < 64 */
             nb += k;
-            memcpy(o, &acc, 8);
-            o += nb >> 3;
-            acc = nb >= 8 ? acc >> (nb & ~7) : acc;
-            nb &= 7;
+            if (nb >= 64) { /* full: out it goes; the bits that did not fit start the next word */
+                memcpy(o, &acc, 8);
+                o += 8;
+                nb -= 64;
+                acc = bits >> (k - nb); /* k <= 56 < 64; nb == 0 leaves nothing (bits < 2^k) */
+            }
         }
     }
-    if (k) memcpy(o, &acc, 8);
+    if (k) memcpy(o, &acc, 8); /* the last, partial word (the stream has 8 bytes of padding) */
     for (int j = 0; j <= e; j++) hist[j] = h4[0][j] + h4[1][j] + h4[2][j] + h4[3][j];
     Py_END_ALLOW_THREADS
     res = PyLong_FromLongLong(ne);
