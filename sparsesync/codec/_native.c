@@ -309,7 +309,7 @@ static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
 
 /* ------------------------------------------------------------------------ class_ranks */
 /* In chunks of RANK_BLOCKS blocks of 64 elements: first each block's class masks and each
- * class's count before the block (from the chunk's start), in L1; then the chunk's changed
+ * class's count before the block, in L1; then the chunk's changed
  * elements in one pass without data-dependent branches. (Walking blocks and changes together
  * mispredicted the end of every block's changes: 4.7 ns a change at 10% density, against 3.0 now)
  * Returns RANKS_OK; RANKS_OFFSETS if a class holds more changed elements than its offsets give
@@ -319,9 +319,8 @@ static inline void store_w(uint8_t *p, int w, int64_t i, uint64_t v) {
 #define RANKS_OFFSETS (-2)
 static inline __attribute__((always_inline)) int64_t ranks_w(const uint8_t *restrict p, int w, int64_t n, const int *thr, int nt, const int64_t *restrict idx, int64_t nidx, const int64_t *off, int64_t *restrict out, masks_fn masks) {
     const int K = nt + 1;
-    int64_t cum[MAXC] = {0}, wr[MAXC], lim[MAXC];
+    int64_t cum[MAXC] = {0}, wr[MAXC], lim[MAXC], C[RANK_BLOCKS * MAXC];
     uint64_t M[RANK_BLOCKS * MAXC];
-    uint32_t C[RANK_BLOCKS * MAXC];
     uint8_t cls[128]; /* class of each key */
     class_lut(thr, nt, cls);
     for (int c = 0; c < K; c++) wr[c] = off[c], lim[c] = off[c + 1];
@@ -329,7 +328,6 @@ static inline __attribute__((always_inline)) int64_t ranks_w(const uint8_t *rest
     for (int64_t start = 0; start < n && i < nidx; start += 64 * RANK_BLOCKS) {
         int64_t span = n - start < 64 * RANK_BLOCKS ? n - start : 64 * RANK_BLOCKS;
         int nb = (int)((span + 63) / 64);
-        uint32_t run[MAXC] = {0};
         for (int b = 0; b < nb; b++) {
             int64_t s0 = start + 64 * (int64_t)b;
             int cnt = n - s0 < 64 ? (int)(n - s0) : 64;
@@ -337,8 +335,8 @@ static inline __attribute__((always_inline)) int64_t ranks_w(const uint8_t *rest
             __builtin_prefetch(p + (s0 + 1024) * w + 64);
             masks(p, w, s0, cnt, thr, nt, M + b * K);
             for (int c = 0; c < K; c++) {
-                C[b * K + c] = run[c];
-                run[c] += (uint32_t)popc(M[b * K + c]);
+                C[b * K + c] = cum[c];
+                cum[c] += popc(M[b * K + c]);
             }
         }
         const int64_t end = start + span;
@@ -351,10 +349,9 @@ static inline __attribute__((always_inline)) int64_t ranks_w(const uint8_t *rest
             uint64_t below = (1ULL << (rel & 63)) - 1;
             int64_t pos = wr[c];
             if (pos >= lim[c]) return RANKS_OFFSETS;
-            out[pos] = cum[c] + C[b * K + c] + popc(M[b * K + c] & below);
+            out[pos] = C[b * K + c] + popc(M[b * K + c] & below);
             wr[c] = pos + 1;
         }
-        for (int c = 0; c < K; c++) cum[c] += run[c];
     }
     if (i < nidx) return i; /* past the end */
     for (int c = 0; c < K; c++)
