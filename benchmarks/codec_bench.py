@@ -15,8 +15,11 @@ per changed element for TRL's prototype encodings (int32 index + bf16 = 6 B; uin
 = 4 B), the position entropy bound (per tensor; and conditioned on the base's exponent), ours;
 diff+encode and decode+apply throughput in GB of model weights per second.
 
-Timings are the best of --reps runs (medians are in the JSON too), ours and the TRL-style
-extraction interleaved, so that load from other processes on a shared machine skews neither side. The writer's snapshot (its
+Timings are the best of --reps runs (medians and every run are in the JSON too), ours and the
+TRL-style extraction interleaved, so that load from other processes on a shared machine skews
+neither side; which goes first alternates. `paired_ratio_median` is the median over reps of ours
+over the extraction of the same rep: the pairs ran back to back, so slow phases of a shared
+machine cancel out of it, where they can decide a ratio of two separate bests. The writer's snapshot (its
 full copy of the base) exists before the timer starts, as it does in training.
 `decode_apply_s` is `apply_patch(read_patch(data), weights)` from the bytes: read, decode and
 validate, write in place while hashing every touched tensor before and after its writes, and
@@ -124,24 +127,29 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
             for effort in efforts:
                 gc.collect()
                 # ours: diff + encode (the snapshot is the writer's copy of the base), interleaved with
-                # the TRL-style extraction; best of `reps`
+                # the TRL-style extraction, which goes first in every other rep (neither side always
+                # runs right after the snapshot is built); best of `reps`, and the median of the
+                # per-rep ratios (each pair ran back to back: drift of the machine cancels)
                 t_ours = t_trl = float("inf")
                 all_ours, all_trl = [], []
-                for _ in range(reps):
+                for i in range(reps):
+                    trl = enc = None  # both sides' previous results freed before either runs
                     snap = Snapshot(base, 0, effort=effort)
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    enc = snap.diff_encode(target, 1)
-                    dt = time.perf_counter() - t0
-                    all_ours.append(dt)
-                    if dt < t_ours:  # the diff/encode split of the best run
-                        t_ours, stats = dt, enc.stats
-                    trl = None
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    trl = trl_extract(base, target)
-                    all_trl.append(time.perf_counter() - t0)
-                    t_trl = min(t_trl, all_trl[-1])
+                    for side in ("ours", "trl") if i % 2 == 0 else ("trl", "ours"):
+                        if side == "ours":
+                            gc.collect()
+                            t0 = time.perf_counter()
+                            enc = snap.diff_encode(target, 1)
+                            dt = time.perf_counter() - t0
+                            all_ours.append(dt)
+                            if dt < t_ours:  # the diff/encode split of the best run
+                                t_ours, stats = dt, enc.stats
+                        else:
+                            gc.collect()
+                            t0 = time.perf_counter()
+                            trl = trl_extract(base, target)
+                            all_trl.append(time.perf_counter() - t0)
+                            t_trl = min(t_trl, all_trl[-1])
                 n = enc.stats.n_changed
                 pos_b, cond_b, val_b = entropy_bounds(base, enc.changes)
                 gaps16 = 0
@@ -204,6 +212,9 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
                     "trl_extract_s": t_trl,
                     "diff_encode_median_s": statistics.median(all_ours),
                     "trl_extract_median_s": statistics.median(all_trl),
+                    "paired_ratio_median": statistics.median(o / t for o, t in zip(all_ours, all_trl)),
+                    "diff_encode_all_s": all_ours,
+                    "trl_extract_all_s": all_trl,
                     "trl_extract_GBps": model_gb / t_trl,
                     "decode_apply_s": t_apply,
                     "decode_validate_s": t_dec,
@@ -255,12 +266,12 @@ def main() -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default"), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved):")
-    print(f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
+    print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved; ratio of the bests, and median of the per-rep ratios):")
+    print(f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'paired':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
     for r in rows:
         print(
             f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
-            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
+            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['paired_ratio_median']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
         )
     print(f"wrote {a.json}")
 

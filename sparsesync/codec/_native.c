@@ -706,10 +706,12 @@ static int check_models(const int64_t *counts_all, Py_ssize_t n_counts, const in
 /* One symbol's encoding step without a division: x -> (x / f) * M + x % f + start equals
  * x + bias + q * (M - f) with q = x / f taken as the high half of x * rcp, shifted (exact for
  * every state x < 2^63, which rANS keeps; f = 1 uses rcp = 2^64 - 1, q = x - 1 and a bias
- * of start + M - 1). The same arithmetic as ryg's public-domain rans64.h. */
+ * of start + M - 1). The same arithmetic as ryg's public-domain rans64.h. 32 bytes (bias <
+ * 2^15 and M - f < 2^14 fit 32 bits): a table entry is found with one shift. */
 typedef struct {
-    uint64_t x_max, rcp, bias, cmpl;
-    int shift, invalid; /* invalid: a symbol the model cannot code (zero count, or the sentinel past it) */
+    uint64_t x_max, rcp;
+    uint32_t bias, cmpl;
+    uint32_t shift, invalid; /* invalid: a symbol the model cannot code (zero count, or the sentinel past it) */
 } EncSym;
 
 static void enc_sym_init(EncSym *e, uint32_t start, uint32_t freq) {
@@ -758,7 +760,7 @@ static uint8_t *rans_encode_all(const int32_t *sym, const int64_t *sofs, Py_ssiz
         w[-1] = (uint32_t)X;                                                            \
         w -= r_;                                                                        \
         X = r_ ? X >> 32 : X;                                                           \
-        X += e_->bias + ((uint64_t)(((unsigned __int128)X * e_->rcp) >> 64) >> e_->shift) * e_->cmpl; \
+        X += (uint64_t)e_->bias + ((uint64_t)(((unsigned __int128)X * e_->rcp) >> 64) >> e_->shift) * (uint64_t)e_->cmpl; \
     } while (0)
         for (; i >= lo && (i & 3) != 3; i--) {
             switch (i & 3) {
