@@ -19,8 +19,8 @@ Timings are the best of --reps runs (medians and every run are in the JSON too),
 TRL-style extraction interleaved, so that load from other processes on a shared machine skews
 neither side; which goes first alternates. `paired_ratio_median` is the median over reps of ours
 over the extraction of the same rep: the pairs ran back to back, so slow phases of a shared
-machine cancel out of it, where they can decide a ratio of two separate bests. The writer's snapshot (its
-full copy of the base) exists before the timer starts, as it does in training.
+machine cancel out of it, where they can decide a ratio of two separate bests. The writer's
+snapshot (its full copy of the base) exists before the timer starts, as it does in training.
 `decode_apply_s` is `apply_patch(read_patch(data), weights)` from the bytes: read, decode and
 validate, write in place while hashing every touched tensor before and after its writes, and
 compare with the base and target digests. `follower_apply_s` is the same with
