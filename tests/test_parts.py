@@ -432,3 +432,49 @@ def test_a_prefetched_part_whose_predicted_digest_is_wrong_fails_whole_then_is_f
     assert f.sync_once() == 2
     assert len(seen) == 1 and "0000000000000000" in str(seen[0])
     assert_bit_equal(f.mirror, states[-1])
+
+
+def test_an_anchor_beside_row_range_parts_is_not_a_commit(tmp_path):
+    """docs/protocol.md: a record may carry an anchor beside parts only when every unit is a whole tensor."""
+    url = str(tmp_path / "run")
+    _publish(url, 2, part_bytes=PART_BYTES)
+    rec = Run(url).commit(2)
+    ckey = f"commits/v{2:010d}-e{rec.epoch:06d}.json"
+    raw = json.loads(open_store(url).get(ckey))
+    anchor = [{"key": f"anchors/v{2:010d}-e{rec.epoch:06d}-0123abcd/model.safetensors", "size": 8, "xxh3": "0" * 16}]
+    assert CommitRecord.from_json(json.dumps({**raw, "anchor": anchor}).encode(), ckey).has_anchor  # whole tensors: allowed
+    first = raw["parts"][0]
+    name = first["units"][0][0]
+    parts = [{**first, "units": [[name, 0, 1], *first["units"][1:]]}, *raw["parts"][1:]]
+    CommitRecord.from_json(json.dumps({**raw, "parts": parts}).encode(), ckey)  # rows without an anchor: fine
+    with pytest.raises(MalformedCommitError, match="anchor beside parts with row ranges"):
+        CommitRecord.from_json(json.dumps({**raw, "anchor": anchor, "parts": parts}).encode(), ckey)
+
+
+def _parts_record(n_units: int, *, one_tensor: bool, n_parts: int = 100) -> bytes:
+    per = n_units // n_parts
+    parts = [{"key": f"deltas/v{1:010d}-v{2:010d}-e000000-abc-p{p:05d}.safetensors", "size": 10, "xxh3": "0" * 16,
+              "base_state_digest": "0" * 16, "state_digest": "0" * 16,
+              "units": [["t", i, i + 1] if one_tensor else [f"t{i}"] for i in range(p * per, (p + 1) * per)]}
+             for p in range(n_parts)]
+    return json.dumps({"format": COMMIT_FORMAT_PARTS, "version": 2, "epoch": 0, "writer": "w", "state_digest": "0" * 16,
+                       "created_at": 1.0, "base_version": 1, "base_state_digest": "0" * 16, "delta": None,
+                       "parts": parts}).encode()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("one_tensor", [False, True], ids=["tensors", "rows-of-one-tensor"])
+def test_a_parts_list_parses_in_linear_time(one_tensor):
+    """200,000 units (the schema allows 1,000,000): parsed in seconds, not the hours a pairwise overlap check takes."""
+    import time
+
+    key = f"commits/v{2:010d}-e000000.json"
+    t0 = time.perf_counter()
+    rec = CommitRecord.from_json(_parts_record(200_000, one_tensor=one_tensor), key)
+    took = time.perf_counter() - t0
+    assert sum(len(p.units) for p in rec.parts) == 200_000
+    assert took < 30, f"{took:.1f} s"  # about 1-2 s on an idle core; a quadratic check takes > 10 min
+    overlapping = json.loads(_parts_record(20_000, one_tensor=True))
+    overlapping["parts"][-1]["units"].append(["t", 5, 7])  # rows 5 and 6 are another part's already
+    with pytest.raises(MalformedCommitError, match=r"parts\[\d+\] covers tensor 't' rows that another unit covers too"):
+        CommitRecord.from_json(json.dumps(overlapping).encode(), key)

@@ -5,6 +5,10 @@ Exit status: 0 when the fleet is healthy; 3 when a threshold is crossed: fewer t
 `--min-replicas` live replicas, a live replica more than `--max-lag` versions behind the newest
 committed version, or a live replica "degraded"; 1 on an error (no run, store unreachable).
 With `--watch` the table refreshes until Ctrl-C, and the exit status is that of the last look.
+
+Records are data: every string from the bucket (replica names, health, errors, engine, where,
+skipped keys and reasons) is printed with its rich markup escaped and its control characters
+replaced, so no record can change the table or send escape sequences to the terminal.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console(highlight=False)
@@ -75,7 +80,8 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
         if r.version is None or (behind is not None and behind > max_lag):
             problems.append(f"{r.replica} serves version {r.version}, newest is {newest.version} (max lag {max_lag})")
         if r.health == "degraded":
-            problems.append(f"{r.replica} is degraded: {r.last_error}")
+            retry = "" if r.retry_at is None else f" (next attempt in {max(r.retry_at - view.read_at, 0.0):.0f} s)"
+            problems.append(f"{r.replica} is degraded: {r.last_error}{retry}")
     n_live = sum(1 for s in view.replicas if s.live)
     if n_live < min_replicas:
         problems.insert(0, f"{n_live} live replica(s), fewer than {min_replicas}")
@@ -113,7 +119,7 @@ def _print(report: dict[str, Any], *, as_json: bool, show_all: bool) -> None:
 def _table(report: dict[str, Any], *, show_all: bool) -> Table:
     ago = report["read_at"] - report["newest_committed_at"]
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-              title=f"{report['url']}: newest version {report['newest_version']} (committed {ago:.0f} s ago), "
+              title=f"{_safe(report['url'])}: newest version {report['newest_version']} (committed {ago:.0f} s ago), "
                     f"{report['live']} live replica(s)", title_justify="left")
     for col in ("replica", "version", "behind", "age", "health", "staged", "engine", "where", "pause"):
         t.add_column(col, justify="right" if col in ("version", "behind", "age", "staged", "pause") else "left",
@@ -122,17 +128,19 @@ def _table(report: dict[str, Any], *, show_all: bool) -> Table:
         if not r["live"] and not show_all:
             continue
         health = r["health"] if r["live"] else ("stopped" if r["health"] == "stopped" else "gone (aged out)")
+        if r["live"] and r.get("retry_at") is not None:
+            health += f" (retry in {max(r['retry_at'] - report['read_at'], 0.0):.0f}s)"
         style = "" if r["live"] and r["health"] == "following" else ("red" if r["live"] else "dim")
         where = " ".join(v for k, v in sorted(r["where"].items()) if k != "host") or r["where"].get("host", "")
         t.add_row(
-            r["replica"], _str(r["version"]), _str(r["behind"]), f"{r['age_s']:.1f}s", health,
-            _str(r["staged_version"]), r["engine"], where,
+            _safe(r["replica"]), _str(r["version"]), _str(r["behind"]), f"{r['age_s']:.1f}s", _safe(health),
+            _str(r["staged_version"]), _safe(r["engine"]), _safe(where),
             "" if r["last_apply_s"] is None else f"{r['last_apply_s'] * 1000:.0f}ms", style=style,
         )
-    caption = [f"[red]{p}[/]" for p in report["problems"]]
+    caption = [f"[red]{_safe(p)}[/]" for p in report["problems"]]
     if report["skipped"]:
         caption.append(f"{len(report['skipped'])} record(s) skipped: "
-                       + "; ".join(f"{s['key']}: {s['reason']}" for s in report["skipped"][:3]))
+                       + "; ".join(f"{_safe(s['key'])}: {_safe(s['reason'])}" for s in report["skipped"][:3]))
     t.caption = "\n".join(caption) or None
     t.caption_justify = "left"
     return t
@@ -140,3 +148,10 @@ def _table(report: dict[str, Any], *, show_all: bool) -> Table:
 
 def _str(v: object) -> str:
     return "" if v is None else str(v)
+
+
+def _safe(text: object) -> str:
+    """A string from the bucket as table text: control characters replaced, markup escaped."""
+    from sparsesync.protocol.fleet import clean_text
+
+    return escape(clean_text(str(text)))

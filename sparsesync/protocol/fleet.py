@@ -13,9 +13,14 @@ Guarantees:
   weights. Heartbeats are the one kind of object that is overwritten (each only by its replica).
 - Reading is total and bounded: at most `MAX_RECORDS` records, each read with one range request
   of at most `MAX_RECORD_BYTES`; a record that does not parse or validate is skipped with its
-  reason. Readers never raise on a bad record.
+  reason. Readers never raise on a bad record: every number is checked against its range
+  (times are unix times in [0, 1e11), durations in [0, 1e9]; NaN, infinities and integers too
+  large for a float are refused), and control characters in strings are replaced (U+FFFD; tabs
+  and newlines by spaces), so a record's text is safe to print. Rich markup in strings is
+  data: printers escape it (`sparsesync status`).
 - Ageing: a heartbeat is live while its age (reader's clock minus the writer's `written_at`) is
-  at most `expiry_s(interval_s)` = 3 x its period + 1 s and its health is not "stopped".
+  at most `expiry_s(interval_s)` = 3 x its period + 1 s, is not below -`EXPIRY_GRACE_S` (a
+  record dated in the future is not live), and its health is not "stopped".
 - Switch records are written once (create-only where the store has it); `wait_for_fleet`
   returns or raises `FleetTimeoutError` by its timeout.
 
@@ -51,6 +56,16 @@ EXPIRY_GRACE_S = 1.0  # clock skew and write latency allowed on top of 3 heartbe
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEARTBEAT_RE = re.compile(r"^fleet/([A-Za-z0-9_.-]{1,64})\.json$")
 MAX_TEXT = 300  # longest string field kept from a record (errors are cut to this)
+MAX_TIME = 1e11  # a unix time in a record is in [0, MAX_TIME) (the year 5138)
+MAX_DURATION = 1e9  # a duration in a record (seconds) is in [0, MAX_DURATION]
+# C0/C1 controls, DEL, and the bidirectional/zero-width format characters terminals honour
+_CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def clean_text(text: str) -> str:
+    """`text` with tabs and newlines as spaces and other control characters as U+FFFD: a record's
+    strings never carry terminal escape sequences (markup is escaped where it is printed)."""
+    return _CONTROL_RE.sub("\ufffd", text.replace("\t", " ").replace("\n", " ").replace("\r", " "))
 
 
 def heartbeat_key(replica_id: str) -> str:
@@ -91,10 +106,14 @@ class Heartbeat:
     last_switch: dict[str, Any] | None = None  # {version, how: "switch"|"deadline", at}
     versions_applied: int = 0
     seq: int = 0  # counts this replica's writes
+    retry_at: float | None = None  # after a failed sync: the writer's time of its next attempt (omitted when none)
     format: str = HEARTBEAT_FORMAT
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        raw = asdict(self)
+        if raw["retry_at"] is None:
+            del raw["retry_at"]  # records without a pending retry read as before this field existed
+        return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str) -> Heartbeat:
@@ -112,25 +131,26 @@ class Heartbeat:
             raise ValueError(f"unknown fields {sorted(unknown)[:5]}")
         return cls(
             replica=m[1],
-            written_at=_num(raw, "written_at"),
-            interval_s=min(max(_num(raw, "interval_s"), 0.01), 3600.0),
+            written_at=_time(raw, "written_at"),
+            interval_s=min(max(_duration(raw, "interval_s"), 0.01), 3600.0),
             health=_text(raw, "health"),
             version=_int(raw, "version"),
             state_digest=_text(raw, "state_digest", optional=True),
             newest_version=_int(raw, "newest_version"),
             lag=_int(raw, "lag"),
-            last_apply_at=_num(raw, "last_apply_at", optional=True),
-            last_apply_s=_num(raw, "last_apply_s", optional=True),
+            last_apply_at=_time(raw, "last_apply_at", optional=True),
+            last_apply_s=_duration(raw, "last_apply_s", optional=True),
             last_error=_text(raw, "last_error", optional=True),
             engine=_text(raw, "engine", default=""),
             where=_where(raw.get("where")),
             coordinated=_bool(raw, "coordinated"),
-            switch_poll_s=min(max(_num(raw, "switch_poll_s", default=1.0), 0.01), MAX_LEAD_S),
+            switch_poll_s=min(max(_duration(raw, "switch_poll_s", default=1.0), 0.01), MAX_LEAD_S),
             staged_version=_int(raw, "staged_version"),
-            staged_at=_num(raw, "staged_at", optional=True),
+            staged_at=_time(raw, "staged_at", optional=True),
             last_switch=_last_switch(raw.get("last_switch")),
             versions_applied=_int(raw, "versions_applied") or 0,
             seq=_int(raw, "seq") or 0,
+            retry_at=_time(raw, "retry_at", optional=True),
         )
 
 
@@ -177,8 +197,8 @@ class SwitchRecord:
         raw = json.loads(data)
         if not isinstance(raw, dict) or raw.get("format") != SWITCH_FORMAT:
             raise ValueError(f"not a {SWITCH_FORMAT} record")
-        rec = cls(version=_int(raw, "version", optional=False), apply_at=_num(raw, "apply_at"),  # type: ignore[arg-type]
-                  written_at=_num(raw, "written_at"), by=_text(raw, "by"))
+        rec = cls(version=_int(raw, "version", optional=False), apply_at=_time(raw, "apply_at"),  # type: ignore[arg-type]
+                  written_at=_time(raw, "written_at"), by=_text(raw, "by"))
         if key != switch_key(rec.version):
             raise ValueError(f"version {rec.version} does not match the record's name")
         return rec
@@ -211,7 +231,8 @@ def read_fleet(store: Store, *, now: float | None = None, max_age_s: float | Non
             continue
         age = now - rec.written_at
         limit = max_age_s if max_age_s is not None else expiry_s(rec.interval_s)
-        seen.append(Seen(rec, age, live=age <= limit and rec.health != "stopped"))
+        # a record from the future is not live (it would otherwise stay "live" that much longer)
+        seen.append(Seen(rec, age, live=-EXPIRY_GRACE_S <= age <= limit and rec.health != "stopped"))
     return FleetView(seen, skipped, now)
 
 
@@ -298,18 +319,36 @@ def _read_record(store: Store, key: str, parse: Callable[[bytes, str], Any]) -> 
         return None, f"over the {MAX_RECORD_BYTES} byte limit"
     try:
         return parse(data, key), ""
-    except (ValueError, TypeError, KeyError, RecursionError) as e:  # json errors are ValueErrors
-        return None, f"malformed: {str(e)[:200]}"
+    except (ValueError, TypeError, KeyError, RecursionError, ArithmeticError) as e:  # json errors are ValueErrors
+        return None, f"malformed: {clean_text(str(e)[:200])}"
 
 
-
-def _num(raw: dict[str, Any], name: str, *, optional: bool = False, default: float | None = None) -> Any:
+def _num(raw: dict[str, Any], name: str, lo: float, hi: float, *, optional: bool = False,
+         default: float | None = None) -> Any:
+    """A number in [lo, hi] (NaN, infinities and integers too large for a float refused)."""
     v = raw.get(name, default)
     if v is None and (optional or default is not None):
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name} = {str(v)[:40]!r}: expected a finite number")
-    return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name}: expected a number")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name}: a number too large for a float") from None
+    if not math.isfinite(f) or not lo <= f <= hi:
+        raise ValueError(f"{name} = {f:.6g}: expected a number in [{lo:g}, {hi:g}]")
+    return f
+
+
+def _time(raw: dict[str, Any], name: str, *, optional: bool = False) -> Any:
+    t = _num(raw, name, 0.0, MAX_TIME, optional=optional)
+    if t is not None and t >= MAX_TIME:
+        raise ValueError(f"{name} = {t:.6g}: expected a unix time below {MAX_TIME:g}")
+    return t
+
+
+def _duration(raw: dict[str, Any], name: str, *, optional: bool = False, default: float | None = None) -> Any:
+    return _num(raw, name, 0.0, MAX_DURATION, optional=optional, default=default)
 
 
 def _int(raw: dict[str, Any], name: str, *, optional: bool = True) -> int | None:
@@ -327,7 +366,7 @@ def _text(raw: dict[str, Any], name: str, *, optional: bool = False, default: st
         return default
     if not isinstance(v, str) or len(v) > MAX_TEXT:
         raise ValueError(f"{name}: expected a string of at most {MAX_TEXT} characters")
-    return v
+    return clean_text(v)
 
 
 def _bool(raw: dict[str, Any], name: str) -> bool:
@@ -344,7 +383,7 @@ def _where(v: Any) -> dict[str, str]:
         isinstance(k, str) and isinstance(x, str) and len(k) <= 40 and len(x) <= MAX_TEXT for k, x in v.items()
     ):
         raise ValueError("where: expected at most 8 short string fields")
-    return dict(v)
+    return {clean_text(k): clean_text(x) for k, x in v.items()}
 
 
 def _last_switch(v: Any) -> dict[str, Any] | None:
@@ -352,4 +391,4 @@ def _last_switch(v: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(v, dict):
         raise ValueError("last_switch: expected an object")
-    return {"version": _int(v, "version", optional=False), "how": _text(v, "how"), "at": _num(v, "at")}
+    return {"version": _int(v, "version", optional=False), "how": _text(v, "how"), "at": _time(v, "at")}

@@ -280,6 +280,7 @@ class FleetMember:
                 switch_poll_s=opt.switch_poll_s, staged_version=staged[0] if staged else None,
                 staged_at=staged[1] if staged else None, last_switch=self._last_switch,
                 versions_applied=int(st.get("versions_applied") or 0), seq=self._seq,
+                retry_at=st.get("retry_at"),
             )
 
 

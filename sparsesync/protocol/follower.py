@@ -5,8 +5,18 @@ Guarantees:
   fetches, checks object digests, decodes and applies each patch to its own CPU mirror
   (all-or-nothing, target digests and the commit's state digest verified) while the engine
   keeps serving; only then does it call the hook, whose duration is the replica's pause.
-- A version number moves only after the hook returned. If the hook fails, the engine is
-  reloaded from the mirror (`load_full`).
+- A version number is reported only while the engine holds exactly that version. The
+  follower tracks whether the engine holds what the mirror holds: once the mirror has taken a
+  version the engine has not (an exception anywhere between the mirror's advance and the
+  engine's: the gate, the hook, a bug), the engine gets the whole mirror (`load_full`) before any
+  later version is reported, never a patch on top of stale weights. If the hook fails, the engine
+  is reloaded from the mirror; if that fails too, the follower reports no version until a load
+  succeeds.
+- A failed attempt is retried with exponential backoff (from max(poll_interval, 1 s), doubling,
+  capped at `max_retry_interval`, default 60 s), so a broken engine or object never becomes a
+  reload storm; meanwhile the last good version stays in place, state "degraded", and
+  `status()` carries the error, the count of failed attempts and the time of the next one
+  (`retry_at`). A newly committed version is tried at once unless the engine itself failed.
 - What is held is judged by state digest, not by version number: when the trusted commit of
   the version held names another state (a newer writer committed the same version number with
   other weights), the follower reloads, even at the same version number.
@@ -55,6 +65,7 @@ from sparsesync.protocol.parts import Prefetcher
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
+RETRY_BASE_S = 1.0  # the first retry after a failed attempt comes at least this late
 STREAMING_WINDOW_S = 60.0  # after new parts were seen, poll at poll_interval this long (or until their version is applied)
 
 log = logging.getLogger(__name__)
@@ -83,6 +94,7 @@ class Follower:
         *,
         poll_interval: float = 1.0,
         max_poll_interval: float = 15.0,
+        max_retry_interval: float = 60.0,
         fleet: FleetOptions | None = None,
         adapter: AdapterMeta | None = None,
         prefetch: bool = True,
@@ -96,9 +108,17 @@ class Follower:
         self.hook: ApplyHook = hook or _NoHook()
         self.poll_interval = poll_interval
         self.max_poll_interval = max_poll_interval
+        self.max_retry_interval = max_retry_interval
         self.mirror: State = {}
         self.digests: dict[str, str] = {}
         self._mirror_version: int | None = None  # version the mirror holds (None: must reload)
+        # True while the mirror holds changes the engine has not received (or the engine's bits are
+        # unknown): the engine then gets the whole mirror before any version is reported
+        self._engine_behind = False
+        self._failures = 0  # failed attempts in a row (backoff)
+        self._retry_at: float | None = None  # unix time before which the loop does not try again
+        self._failed_on: tuple[int, str] | None = None  # newest (version, state) when the last attempt failed
+        self._engine_failed = False  # the last failure was the engine's (no new version lifts the backoff)
         self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
         self._bad: set[str] = set()  # object keys that failed twice (planned around)
         self._lock = threading.Lock()  # one sync at a time
@@ -124,15 +144,19 @@ class Follower:
     def status(self) -> FollowerStatus:
         with self._changed:
             st = FollowerStatus(**self._status.to_dict())
+        if st.retry_at is not None:
+            st.retry_in_s = max(st.retry_at - time.time(), 0.0)
         if self.fleet is not None:
             st.fleet = self.fleet.describe()
         return st
 
-    def sync_once(self) -> int | None:
+    def sync_once(self, *, backoff: bool = False) -> int | None:
         """Bring the replica to the newest committed version; returns the version served.
 
         Never raises for store or object faults: they are recorded in `status()` (state
-        "degraded") and the last good version stays in place.
+        "degraded") and the last good version stays in place. With `backoff` (the follow loop)
+        an attempt is not made before the retry time of the last failed one (see module
+        docstring); a direct call always tries.
         """
         with self._lock:
             try:
@@ -151,8 +175,8 @@ class Follower:
                 log.warning("version %s of %s was overruled by epoch %d (state %s): reloading",
                             held.version, self.store.url, held.epoch, held.state_digest)
                 self._mirror_version = None  # the weights held are not what readers trust: reload
-            if self._mirror_version == newest.version == self.current_version:
-                self._set(state="following", last_error=None)
+            if self._in_sync() and self._mirror_version == newest.version:
+                self._succeeded()
                 if self._prefetch is not None:
                     try:
                         if self._prefetch.poll(newest.version, self.mirror):
@@ -160,24 +184,40 @@ class Follower:
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
-            for _attempt in range(3):
-                try:
-                    steps = self.run.plan(newest, commits, current=self._mirror_version, avoid=self._bad)
-                    self._execute(steps)
-                    self._set(state="following", last_error=None, lag=self._lag(newest.version))
-                    break
-                except _BAD_OBJECT as e:
-                    key = getattr(e, "_sparsesync_key", None)
-                    log.warning("sync of %s failed: %s", self.store.url, e)
-                    if key is not None and key in self._suspect:
-                        self._bad.add(key)  # failed twice: avoid it, re-plan around it
-                    elif key is not None:
-                        self._suspect.add(key)  # first failure: refetch once
-                    self._degrade(e)
-                except SparsesyncError as e:  # store unreachable, engine failed to load
-                    self._degrade(e)
-                    break
+            if backoff and self._backing_off(newest):
+                return self.current_version
+            try:
+                self._attempt(newest, commits)
+            except BaseException:
+                self._failed(newest)  # a bug or an interrupt: counted, and the engine stays reconciled
+                raise
+            if self._status.state == "degraded":
+                self._failed(newest)
             return self.current_version
+
+    def _attempt(self, newest: CommitRecord, commits: list[CommitRecord]) -> None:
+        """Plan and execute up to three times (a bad object is refetched once, then planned around)."""
+        self._engine_failed = False
+        for _attempt in range(3):
+            try:
+                steps = self.run.plan(newest, commits, current=self._mirror_version, avoid=self._bad)
+                if not steps and not self._in_sync():  # the mirror is at the newest version, the engine is not
+                    steps = [Step("reload", newest)]
+                self._execute(steps)
+                self._succeeded()
+                self._set(lag=self._lag(newest.version))
+                return
+            except _BAD_OBJECT as e:
+                key = getattr(e, "_sparsesync_key", None)
+                log.warning("sync of %s failed: %s", self.store.url, e)
+                if key is not None and key in self._suspect:
+                    self._bad.add(key)  # failed twice: avoid it, re-plan around it
+                elif key is not None:
+                    self._suspect.add(key)  # first failure: refetch once
+                self._degrade(e)
+            except SparsesyncError as e:  # store unreachable, engine failed to load
+                self._degrade(e)
+                return
 
     def start(self) -> None:
         """Follow in a background thread until `stop()`."""
@@ -221,7 +261,7 @@ class Follower:
         while not self._stop.is_set():
             before = self.current_version
             try:
-                self.sync_once()
+                self.sync_once(backoff=True)
             except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
                 log.exception("follower of %s hit an unexpected error", self.store.url)
                 self._degrade(e)
@@ -229,13 +269,18 @@ class Follower:
             streaming = seen is not None and time.monotonic() - seen < STREAMING_WINDOW_S
             moved = self.current_version != before or streaming
             interval = self.poll_interval if moved else min(interval * 1.5, self.max_poll_interval)
-            self.store.wait_for_change(interval, self._stop)
+            retry_at = self._retry_at
+            wait = interval if retry_at is None else min(interval, max(retry_at - time.time(), 0.0) + 0.01)
+            self.store.wait_for_change(wait, self._stop)
 
     def _execute(self, steps: list[Step]) -> None:
+        """Each step into the mirror, then into the engine. The engine gets a patch only when it
+        held the mirror's previous version; otherwise (`_engine_behind`) the whole mirror."""
         for step in steps:
             rec = step.commit
             check_follow(rec, self.adapter, self.store.url)
             t0 = time.perf_counter()
+            last = step is steps[-1]
             if step.kind == "anchor":
                 try:
                     state, digests = self.run.fetch_anchor(rec)
@@ -243,20 +288,37 @@ class Follower:
                     e._sparsesync_key = rec.anchor[0].key  # type: ignore[attr-defined]
                     raise
                 fetch_s = time.perf_counter() - t0
-                self._gate(rec, last=step is steps[-1])
+                self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, state), rec, state)
-                self.mirror, self.digests, self._mirror_version = state, digests, rec.version
+                self._call_hook(lambda: self.hook.load_full(rec.version, state), rec, state,
+                                adopt=lambda: self._adopt(state, digests, rec.version))
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
+            elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
+                self._gate(rec, last=last)
+                t1 = time.perf_counter()
+                self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror), rec, self.mirror)
+                self._advance(rec, 0.0, time.perf_counter() - t1, anchor=False)
             else:
-                updates = self._stage_delta(rec)
+                in_sync = self._in_sync()
+                updates = self._stage_delta(rec)  # all or nothing (or the mirror is marked for reload)
+                self._engine_behind = True  # the mirror has taken rec.version; the engine has not
                 self._mirror_version = rec.version
                 fetch_s = time.perf_counter() - t0
-                full = {name: self.mirror[name] for name in updates}
-                self._gate(rec, last=step is steps[-1])
+                self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full), rec, self.mirror)
+                if in_sync:
+                    full = {name: self.mirror[name] for name in updates}
+                    self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full), rec, self.mirror)
+                else:  # the engine missed earlier changes of the mirror: send all of it
+                    self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
+
+    def _in_sync(self) -> bool:
+        """Whether the engine holds exactly the mirror's version (so a patch may go on top)."""
+        return not self._engine_behind and self.current_version == self._mirror_version
+
+    def _adopt(self, state: State, digests: dict[str, str], version: int) -> None:
+        self.mirror, self.digests, self._mirror_version = state, digests, version
 
     def _gate(self, rec: CommitRecord, *, last: bool) -> None:
         """Coordinated switching: hold the newest staged version until the fleet switches to it."""
@@ -278,8 +340,12 @@ class Follower:
             digests = dict(self.digests)
             try:
                 updates = self.run.apply_loaded(rec, patch, self.mirror, digests)
-            except DigestMismatchError:
-                self._mirror_version = None  # the mirror was written and is wrong: reload an anchor
+            except PatchError as e:  # the codec restored the mirror, unless the state digest failed after
+                if isinstance(e, DigestMismatchError):
+                    self._mirror_version = None  # the mirror was written and is wrong: reload an anchor
+                raise
+            except BaseException:  # anything else: what the mirror holds is unknown
+                self._mirror_version = None
                 raise
         except _BAD_OBJECT as e:
             e._sparsesync_key = rec.delta.key  # type: ignore[attr-defined]
@@ -287,19 +353,34 @@ class Follower:
         self.digests = digests
         return updates
 
-    def _call_hook(self, fn, rec: CommitRecord, state: State) -> None:  # type: ignore[no-untyped-def]
+    def _call_hook(self, fn, rec: CommitRecord, state: State, adopt=None) -> None:  # type: ignore[no-untyped-def]
+        """Run the engine step `fn` that brings the engine to `state` (version `rec`); on failure
+        reload it with all of `state`. When this returns the engine holds exactly `state`
+        (`adopt` then makes it the mirror); when it raises the engine's bits are unknown: no
+        version is reported until a later load succeeds."""
+        self._engine_behind = True  # from the first write on, the engine holds neither version for sure
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
             log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
                 self.hook.load_full(rec.version, state)
-            except Exception as e2:  # noqa: BLE001
-                self._mirror_version = None  # the engine is behind the mirror: replan from an anchor next time
+            except BaseException as e2:
+                self._engine_failed = True
+                self._set(current_version=None, lag=None)
+                if not isinstance(e2, Exception):
+                    raise
                 raise SparsesyncError(
-                    f"engine could not load version {rec.version} of {self.store.url}: {e2}",
-                    hint="the replica keeps its last state; check the engine logs",
+                    f"engine could not load version {rec.version} of {self.store.url}: {str(e2)[:300]}",
+                    hint="the replica reports no version until a load succeeds (retried with backoff); check the engine logs",
                 ) from e2
+        except BaseException:  # an interrupt inside the engine: its bits are unknown
+            self._set(current_version=None, lag=None)
+            raise
+        if adopt is not None:
+            adopt()
+        self._engine_behind = False
+        self._set(current_version=rec.version)  # the engine holds it: report it at once
 
     def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
         st = self._status
@@ -320,8 +401,31 @@ class Follower:
         cur = self._status.current_version
         return None if newest is None or cur is None else max(newest - cur, 0)
 
-    def _degrade(self, e: Exception) -> None:
-        self._set(state="degraded", last_error=str(e))
+    def _degrade(self, e: BaseException) -> None:
+        self._set(state="degraded", last_error=str(e) or type(e).__name__)
+
+    def _succeeded(self) -> None:
+        self._failures, self._retry_at, self._failed_on = 0, None, None
+        self._set(state="following", last_error=None, retry_at=None, failures=0)
+
+    def _failed(self, newest: CommitRecord) -> None:
+        """Count a failed attempt and set the time of the next one (exponential, capped)."""
+        self._failures += 1
+        delay = min(max(self.poll_interval, RETRY_BASE_S) * 2 ** min(self._failures - 1, 30), self.max_retry_interval)
+        self._retry_at = time.time() + delay
+        self._failed_on = (newest.version, newest.state_digest)
+        if self._status.state != "degraded":
+            self._set(state="degraded")
+        self._set(retry_at=self._retry_at, failures=self._failures)
+        log.warning("sync of %s failed %d time(s) in a row; next attempt in %.1f s",
+                    self.store.url, self._failures, delay)
+
+    def _backing_off(self, newest: CommitRecord) -> bool:
+        """Whether the loop must not try yet: before the retry time, unless a newer version came
+        since (and the failure was not the engine's: a broken engine gets no faster retries)."""
+        if self._retry_at is None or time.time() >= self._retry_at:
+            return False
+        return self._engine_failed or self._failed_on == (newest.version, newest.state_digest)
 
     def _set(self, **kw: object) -> None:
         with self._changed:

@@ -52,6 +52,9 @@ class FollowerStatus:
     versions_applied: int
     anchor_loads: int
     fleet: dict[str, Any] | None = None  # heartbeat and switching (FleetMember.describe()); None: not in the fleet
+    failures: int = 0  # failed sync attempts in a row (0 once one succeeds)
+    retry_at: float | None = None  # unix time of the next attempt after a failure (backoff); None: none pending
+    retry_in_s: float | None = None  # seconds until then, as of this status
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

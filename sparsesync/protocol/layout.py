@@ -212,7 +212,10 @@ _HEX = re.compile(r"^[0-9a-f]{8,64}$")
 _NUMERIC_METRICS = ("n_changed", "n_params", "density", "patch_bytes", "anchor_bytes", "diff_s", "encode_s",
                     "upload_s", "snapshot_s", "anchor_write_s", "bytes_per_changed")
 _MAX_ANCHOR_FILES = 10_000
-_MAX_OBJECT_BYTES = 1 << 50  # 1 PiB: a size beyond it is not a real object
+# 1 TiB: no object of a run is larger (anchor shards are at most 5 GiB, parts about `part_bytes`);
+# a record saying more is not a commit, so no reader ever sizes a read by it
+MAX_OBJECT_BYTES = 1 << 40
+_MAX_ROWS = 1 << 50  # a unit's rows end below this
 
 
 def _int(raw: dict[str, Any], name: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
@@ -255,7 +258,7 @@ def _ref(raw: Any, what: str, expect: re.Pattern[str], version: int, base: int |
     names = (int(m[1]), int(m[2])) if what.startswith("delta") else (int(m[1]),)
     if names != ((base, version) if what.startswith("delta") else (version,)):
         raise ValueError(f"{what} key {key!r} names versions {names}, not this commit's")
-    size = _int(raw, "size", 0, _MAX_OBJECT_BYTES)
+    size = _int(raw, "size", 0, MAX_OBJECT_BYTES)
     return ObjectRef(key=key, size=size, xxh3=_str(raw, "xxh3", _HEX))  # type: ignore[arg-type]
 
 
@@ -266,7 +269,7 @@ _MAX_UNITS = 1_000_000
 def _unit(raw: Any, what: str) -> Unit:
     ok = isinstance(raw, list) and len(raw) in (1, 3) and isinstance(raw[0], str) and 0 < len(raw[0]) <= 1024
     if ok and len(raw) == 3:
-        ok = all(type(x) is int for x in raw[1:]) and 0 <= raw[1] < raw[2] <= _MAX_OBJECT_BYTES
+        ok = all(type(x) is int for x in raw[1:]) and 0 <= raw[1] < raw[2] <= _MAX_ROWS
     if not ok:
         raise ValueError(f"{what} is {_show(raw)}, expected [name] or [name, start, stop] with 0 <= start < stop")
     return Unit(raw[0], None if len(raw) == 1 else (raw[1], raw[2]))
@@ -274,13 +277,16 @@ def _unit(raw: Any, what: str) -> Unit:
 
 def _parts(raw: dict[str, Any], version: int, base: int | None) -> list[PartRef]:
     """The `parts` of a format-2 record: at least one; every part names a part object of
-    base -> version, its digests and its units; no unit twice, no two units of a tensor overlap."""
+    base -> version, its digests and its units; no unit twice, no two units of a tensor overlap.
+    Linear in the number of units (plus a sort of each tensor's row ranges)."""
     plist = raw.get("parts")
     if not isinstance(plist, list) or not 0 < len(plist) <= _MAX_PARTS:
         raise ValueError(f"parts is {_show(plist)}, expected a list of 1 to {_MAX_PARTS} objects")
     if base is None:
         raise ValueError("it has parts but no base_version")
-    out, n_units, rows = [], 0, {}
+    out: list[PartRef] = []
+    n_units = 0
+    rows: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (start, stop, part index) of each unit
     for i, p in enumerate(plist):
         what = f"parts[{i}]"
         if not isinstance(p, dict) or set(p) != {"key", "size", "xxh3", "base_state_digest", "state_digest", "units"}:
@@ -293,14 +299,19 @@ def _parts(raw: dict[str, Any], version: int, base: int | None) -> list[PartRef]
             raise ValueError(f"{what}.units is {_show(ulist)}, expected a non-empty list (at most {_MAX_UNITS} in all)")
         units = tuple(_unit(u, f"{what}.units[{j}]") for j, u in enumerate(ulist))
         for u in units:
-            span = u.rows or (0, _MAX_OBJECT_BYTES + 1)
-            for other in rows.setdefault(u.name, []):
-                if span[0] < other[1] and other[0] < span[1]:
-                    raise ValueError(f"{what} covers tensor {u.name!r} rows that another unit covers too")
-            rows[u.name].append(span)
+            start, stop = u.rows or (0, _MAX_ROWS + 1)
+            rows.setdefault(u.name, []).append((start, stop, i))
         out.append(PartRef(key=ref.key, size=ref.size, xxh3=ref.xxh3,
                            base_state_digest=_str(p, "base_state_digest", _HEX),  # type: ignore[arg-type]
                            state_digest=_str(p, "state_digest", _HEX), units=units))  # type: ignore[arg-type]
+    for name, spans in rows.items():
+        if len(spans) > 1:
+            spans.sort()
+            end = -1
+            for start, stop, i in spans:
+                if start < end:
+                    raise ValueError(f"parts[{i}] covers tensor {name!r} rows that another unit covers too")
+                end = max(end, stop)
     if len({p.key for p in out}) != len(out):
         raise ValueError("parts lists one object twice")
     return out
@@ -366,6 +377,8 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
             raise ValueError(f"anchor is {_show(anchor_raw)}, expected a list of at most {_MAX_ANCHOR_FILES} objects")
         anchor = [_ref(o, "anchor file", _ANCHOR_FILE_RE, version, None) for o in anchor_raw]  # type: ignore[arg-type]
         _check_anchor_files(anchor)
+        if anchor and any(u.rows is not None for p in parts for u in p.units):
+            raise ValueError("it has an anchor beside parts with row ranges (allowed only when every unit is a whole tensor)")
         if delta is None and not parts and not anchor:
             raise ValueError("it names neither a delta nor an anchor")
         metrics = raw.get("metrics") or {}

@@ -61,10 +61,26 @@ class Step:
     commit: CommitRecord
 
 
+READ_CHUNK = 256 << 20  # a read sized by a record's claim asks for at most this many bytes at a time
+
+
 def read_at_most(store: Store, key: str, limit: int) -> bytes:
     """The object's bytes, reading at most `limit + 1` of them (so a result longer than `limit`
-    says the object is too large without allocating more than that)."""
-    return store.get_range(key, 0, limit + 1)
+    says the object is too large without allocating more than that). Reads of more than
+    `READ_CHUNK` go chunk by chunk: memory follows the bytes the object really has, not the
+    size a record claims."""
+    if limit < READ_CHUNK:
+        return store.get_range(key, 0, limit + 1)
+    chunks: list[bytes] = []
+    got = 0
+    while got <= limit:
+        want = min(READ_CHUNK, limit + 1 - got)
+        data = store.get_range(key, got, want)
+        chunks.append(data)
+        got += len(data)
+        if len(data) < want:
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class Run:
