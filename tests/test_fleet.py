@@ -502,3 +502,47 @@ def test_status_passes_over_a_newest_commit_name_that_is_not_a_commit(tmp_path):
     open_store(url).put(f"commits/v{2:010d}-e{epoch:06d}.json", b"{not a commit")
     code, report = _status(url, "--min-replicas", "0")
     assert code == 0 and report["newest_version"] == 1
+
+
+def test_fleet_records_with_wild_numbers_markup_and_escapes_are_data(tmp_path):
+    """Issue 43, case 3: 10**400 (or NaN, inf, a negative) in any time or period field, rich markup and
+    terminal escapes in strings, and a heartbeat dated an hour ahead."""
+    from sparsesync.protocol.fleet import wait_for_fleet
+
+    url = str(tmp_path / "run")
+    with Publisher(url) as pub:
+        pub.publish(make_state(5), 1)
+        pub.flush()
+    store = open_store(url)
+    now = time.time()
+    good = json.loads(Heartbeat(replica="ok", written_at=now, interval_s=30.0, health="degraded", version=1,
+                                state_digest="ab", newest_version=1, lag=0, last_apply_at=None, last_apply_s=None,
+                                last_error="[link=https://evil.example]click[/link] \x1b[2J\x1b]8;;https://e\x07",
+                                engine="[/x]", where={"region": "[bold red]eu"}).to_json())
+    store.put(heartbeat_key("ok"), json.dumps(good).encode())
+    store.put(heartbeat_key("future"), json.dumps({**good, "replica": "future", "written_at": now + 3600}).encode())
+    bad = {}
+    for field in ("written_at", "interval_s", "last_apply_at", "last_apply_s", "staged_at", "switch_poll_s", "retry_at"):
+        for label, value in (("huge", 10**400), ("nan", float("nan")), ("inf", float("inf")), ("neg", -5)):
+            name = f"{field}-{label}".replace("_", "-")
+            bad[name] = field
+            store.put(heartbeat_key(name), json.dumps({**good, "replica": name, field: value}).encode())
+    for v, field in ((2, "apply_at"), (3, "written_at")):
+        store.put(switch_key(v), json.dumps({"format": "sparsesync-switch/1", "version": v, "apply_at": now,
+                                             "written_at": now, "by": "x", field: 10**400}).encode())
+    view = read_fleet(store)
+    assert {s.record.replica: s.live for s in view.replicas} == {"ok": True, "future": False}
+    reasons = dict(view.skipped)
+    for name, field in bad.items():
+        assert field in reasons[heartbeat_key(name)], reasons[heartbeat_key(name)]
+    assert "\x1b" not in view.replicas[0].record.last_error
+    assert read_switch(store, 2) is None and read_switch(store, 3) is None
+    assert [s.record.replica for s in wait_for_fleet(store, 1, 1, timeout=1)] == ["ok"]
+    with pytest.raises(FleetTimeoutError):
+        wait_for_fleet(store, 2, 1, timeout=0.2)
+    code, report = _status(url)
+    assert code == 3 and report["live"] == 1 and any("ok is degraded" in p for p in report["problems"])
+    res = CliRunner().invoke(app, ["status", url, "--all"], env={"COLUMNS": "250"})
+    assert res.exit_code == 3, res.output
+    assert "[/x]" in res.stdout and "[bold red]eu" in res.stdout and "click[/link]" in res.stdout, res.stdout
+    assert "\x1b" not in res.stdout and "\x07" not in res.stdout
