@@ -57,7 +57,7 @@ def file_digest(path: Path, chunk: int = 64 << 20) -> str:
 class Step:
     """One step of a plan: load the anchor of `commit`, or apply its delta."""
 
-    kind: str  # "anchor" | "delta"
+    kind: str  # "anchor" | "delta" (the follower adds "reload": the engine gets its whole mirror)
     commit: CommitRecord
 
 
