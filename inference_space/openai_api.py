@@ -192,15 +192,16 @@ class ChatRequest(_Sampling):
 class Shaper:
     """Turns engine completions into OpenAI objects for one request (token strings decoded once)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], model: str, as_ids: bool, top_n: int) -> None:
-        self._decode = decode
+    def __init__(self, decode: Callable[[list[int], bool], str], model: str, as_ids: bool, top_n: int) -> None:
+        self._raw = decode  # (ids, skip_special_tokens) -> text
+        self._decode = lambda ids: decode(ids, True)  # the completion text skips special tokens
         self.model = model
         self.as_ids = as_ids
         self.top_n = top_n
         self.created = int(time.time())
 
     def token(self, t: int) -> str:
-        return f"token_id:{t}" if self.as_ids else self._decode([t])
+        return f"token_id:{t}" if self.as_ids else self._raw([t], False)  # as vLLM: special tokens spelled out
 
     def completion_logprobs(self, c: Completion, lo: int = 0, hi: int | None = None, offset: int = 0) -> dict[str, Any]:
         ids = c.token_ids[lo:hi]

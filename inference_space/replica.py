@@ -53,6 +53,7 @@ class Replica:
         self.engine = engine
         self.bucket = bucket
         self.model_name = served_model_name or engine.model_name
+        self.model_aliases: tuple[str, ...] = ()  # other names requests may use (the Hub id the model came from)
         # heartbeats into the run (and coordinated switching when SPARSESYNC_SWITCH=coordinated)
         fleet = FleetOptions(engine=engine.name)
         self.follower: Follower | None = Follower(
@@ -107,7 +108,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
     """Load the engine for `cfg` and attach a follower (not started)."""
     from inference_space.engines import make_engine
 
-    model = cfg.model
+    model = given = cfg.model
     if not Path(model).is_dir():
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
             raise ConfigError(f"model {model!r} is neither a folder nor a Hub model id", hint="pass --model DIR or NS/NAME")
@@ -128,4 +129,6 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
         kwargs["adapter"] = read_run_adapter(cfg.bucket)
     engine = make_engine(cfg.engine, cfg.model, **kwargs)
     engine.request_timeout_s, engine.max_hold_s = cfg.request_timeout_s, cfg.max_hold_s
-    return Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)
+    replica = Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)
+    replica.model_aliases = (given,)
+    return replica

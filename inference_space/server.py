@@ -8,7 +8,8 @@ understood: a batch of prompts (choices prompt-major), `return_token_ids`,
 `return_tokens_as_token_ids`, `top_logprobs` 0; chat requests get the model's own chat template
 (a `chat_template`, template kwargs or tools are refused with 400). Every choice carries
 `weight_version`: the version that produced every token of it (null before the first bucket
-version). A `model` other than the served name is a 404, as on vLLM.
+version). A `model` other than the served name (or the `--model` folder or Hub id, the name
+vLLM would serve it under) is a 404, as on vLLM.
 
 Refusals, in one shape {"error": {"message", "type", "code"}}: 401 without the API key (when one
 is set; /health stays open), 413 for a body over the cap (`guard.py`, before parsing), 422
@@ -79,8 +80,11 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
     def _bad(e: Exception) -> HTTPException:
         return HTTPException(status_code=400, detail=str(e))
 
+    # the served name, and what vLLM would call this model: the --model folder (or Hub id) as given
+    names = {replica.model_name, str(replica.engine.model_dir), *replica.model_aliases}
+
     def _check_model(req: _Sampling) -> None:
-        if req.model is not None and req.model != replica.model_name:
+        if req.model is not None and req.model not in names:
             raise HTTPException(status_code=404, detail=f"The model `{req.model}` does not exist.")
 
     def _max_tokens(wanted: int | None, default: int) -> int:
@@ -100,7 +104,7 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
 
     def _shaper(req: _Sampling, top_n: int) -> Shaper:
         tok = replica.engine.tokenizer  # type: ignore[attr-defined]
-        return Shaper(lambda ids: tok.decode(ids, skip_special_tokens=True), replica.model_name,
+        return Shaper(lambda ids, skip: tok.decode(ids, skip_special_tokens=skip), replica.model_name,
                       req.return_tokens_as_token_ids, top_n)
 
     def _stream(lines: Any) -> StreamingResponse:
@@ -153,7 +157,7 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
 
     @app.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
-        if model_id != replica.model_name:
+        if model_id not in names:
             raise HTTPException(status_code=404, detail=f"The model `{model_id}` does not exist.")
         return _model_card()
 

@@ -104,6 +104,8 @@ def test_models_retrieve_and_unknown_model_404(served):  # type: ignore[no-untyp
     m = client.models.retrieve("tiny")
     assert m.id == "tiny" and _extra(m, "max_model_len") == replica.engine.max_model_len
     assert [x.id for x in client.models.list()] == ["tiny"]
+    # the --model folder is the name vLLM would serve it under (TRL's async worker sends it)
+    assert client.completions.create(model=str(replica.engine.model_dir), prompt="hi", max_tokens=1).model == "tiny"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
