@@ -28,6 +28,10 @@ ENV = {  # flag -> environment variable
     "gpu_memory_utilization": "SPARSESYNC_GPU_MEMORY_UTILIZATION",
     "tensor_parallel_size": "SPARSESYNC_TENSOR_PARALLEL_SIZE",
     "log_level": "SPARSESYNC_LOG_LEVEL",
+    "api_key": "SPARSESYNC_API_KEY",
+    "max_body_bytes": "SPARSESYNC_MAX_BODY_BYTES",
+    "request_timeout": "SPARSESYNC_REQUEST_TIMEOUT_S",
+    "max_hold": "SPARSESYNC_MAX_HOLD_S",
 }
 
 
@@ -47,6 +51,10 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     p.add_argument("--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]")
     p.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs (or CPU workers) per replica, default 1 [SPARSESYNC_TENSOR_PARALLEL_SIZE]")
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health [SPARSESYNC_API_KEY]")
+    p.add_argument("--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]")
+    p.add_argument("--request-timeout", type=float, help="seconds a batch may run, then cut; 0: never (default 600) [SPARSESYNC_REQUEST_TIMEOUT_S]")
+    p.add_argument("--max-hold", type=float, help="seconds a batch may keep a committed version waiting, then cut; 0: never (default 60) [SPARSESYNC_MAX_HOLD_S]")
     args = vars(p.parse_args(argv))
     for key, var in ENV.items():
         if args.get(key) in (None, "") and env.get(var):
@@ -71,12 +79,28 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             kv_cache_mib=int(args.get("kv_cache_mib") or 192),
             gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
             tensor_parallel_size=int(args.get("tensor_parallel_size") or 1),
+            api_key=args.get("api_key") or None,
+            max_body_bytes=int(args.get("max_body_bytes") or 8 << 20),
+            request_timeout_s=_seconds(args.get("request_timeout"), 600.0),
+            max_hold_s=_seconds(args.get("max_hold"), 60.0),
         )
+        if cfg.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={cfg.max_body_bytes}: must be >= 1024")
         if cfg.tensor_parallel_size < 1 or (cfg.tensor_parallel_size > 1 and engine != "vllm"):
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: must be >= 1, and > 1 only with --engine vllm")
     except ValueError as e:
         raise SparsesyncError(f"bad configuration value: {e}", hint="check the flags and SPARSESYNC_* variables") from e
     return cfg, str(args.get("log_level") or "INFO").upper()
+
+
+def _seconds(value: object, default: float) -> float | None:
+    """A time bound from a flag or variable: unset is `default`, 0 is None (no bound)."""
+    if value in (None, ""):
+        return default
+    s = float(value)  # type: ignore[arg-type]
+    if not s >= 0:
+        raise ValueError(f"{value!r}: seconds must be >= 0 (0: no bound)")
+    return s or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        uvicorn.run(create_app(replica), host=cfg.host, port=cfg.port, log_level=level.lower())
+        app = create_app(replica, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level.lower())
     finally:
         replica.close()
     return 0

@@ -92,11 +92,16 @@ class EmbeddedEngine(Engine):
             )
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
         stop_texts: list[str | None] = [None] * n  # text cut before a stop string
+        cut: str | None = None
         past = None
         step_ids = input_ids
         for _ in range(max_new):
+            if (cut := self._cut_reason()) is not None:
+                finish = [f or "abort" for f in finish]
+                break
             out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
@@ -114,6 +119,9 @@ class EmbeddedEngine(Engine):
                 tok = int(next_ids[i])
                 tokens[i].append(tok)
                 logps[i].append(float(raw_logp[i, tok]))
+                if params.logprobs:
+                    best = int(raw_logp[i].argmax())
+                    tops[i].append({best: float(raw_logp[i, best])})
                 if tok in self._eos and not params.ignore_eos:
                     finish[i] = "stop"
                 elif params.stop:
@@ -131,7 +139,9 @@ class EmbeddedEngine(Engine):
             if text is None:
                 body = tokens[i][:-1] if reason == "stop" and tokens[i] and tokens[i][-1] in self._eos else tokens[i]
                 text = self.tokenizer.decode(body, skip_special_tokens=True)
-            result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None))
+            result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None,
+                                     stop_reason=cut if reason == "abort" else None,
+                                     top_logprobs=tops[i] if params.logprobs else None))
         return result
 
     @staticmethod

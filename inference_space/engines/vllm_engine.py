@@ -159,7 +159,7 @@ class VllmEngine(Engine):
             top_k=params.top_k,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            logprobs=0,  # the sampled token's logprob only
+            logprobs=params.logprobs,  # the sampled token's logprob, plus the most likely one's at 1
         )
         try:
             (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False,
@@ -174,7 +174,10 @@ class VllmEngine(Engine):
             if len(spans) > 1:  # cannot happen under the gate; say so loudly if it ever does
                 log.error("completion spans weight versions %s", sorted(spans))
             reason: FinishReason = "length" if c.finish_reason == "length" else "stop"
-            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None))
+            tops = None
+            if params.logprobs:  # vLLM's dict holds the sampled token and the top-1 (rank 1)
+                tops = [{t: float(x.logprob) for t, x in lp.items() if x.rank == 1} for lp in c.logprobs or []]
+            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None, top_logprobs=tops))
         return result
 
     # -- weights ------------------------------------------------------------------------

@@ -7,9 +7,12 @@ rendered folder is the Docker build context: `Dockerfile`, `README.md` (the Spac
 (otherwise `--model` is a Hub model id the replica downloads at start). It boots locally as a
 plain process too: `cd <folder> && SPARSESYNC_...=... python -m inference_space`.
 
-Guarantees: configuration travels only as Space variables (the `SPARSESYNC_*` names that
-`python -m inference_space` reads); the HF token (needed to read a private bucket) only as the
-Space secret `HF_TOKEN`, never in a file; Spaces are private unless `public=True`.
+Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names that
+`python -m inference_space` reads), credentials only as Space secrets, never in a file: the HF
+token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
+(`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
+key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Spaces are private unless
+`public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec
+from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact
 from sparsesync.errors import DeployError
 
 APP_PORT = 7860
@@ -94,6 +97,7 @@ def inference_space_specs(
     token: str | None = None,
     poll_interval: float = 1.0,
     allow_local_bucket: bool = False,
+    api_key: str | None = None,
 ) -> list[SpaceSpec]:
     """One `SpaceSpec` per replica, following the run at `bucket` with `model`'s weights first."""
     if engine not in ENGINES:
@@ -102,7 +106,7 @@ def inference_space_specs(
         raise DeployError("no bucket URL given", space_id=space_id, hint="pass --bucket hf://buckets/NS/NAME/PREFIX")
     is_local = "://" not in bucket or bucket.startswith("file:")
     if is_local and not allow_local_bucket:
-        raise DeployError(f"bucket {bucket!r} is a local folder, which a Space cannot reach", space_id=space_id,
+        raise DeployError(f"bucket {redact(bucket)!r} is a local folder, which a Space cannot reach", space_id=space_id,
                           hint="deploy with an hf://buckets/... or s3://... URL (render locally with --dry-run)")
     if poll_interval <= 0:
         raise DeployError(f"poll interval {poll_interval}: must be positive", space_id=space_id)
@@ -117,9 +121,12 @@ def inference_space_specs(
     else:
         raise DeployError(f"model {model!r} is neither a local folder nor a Hub model id (NS/NAME)", space_id=space_id)
     regions = regions or [None]  # type: ignore[list-item]
+    secret_bucket = has_credentials(bucket)
+    secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
+               **({"SPARSESYNC_API_KEY": api_key} if api_key else {})}
     variables = {
         "SPARSESYNC_MODEL": model_var,
-        "SPARSESYNC_BUCKET": bucket,
+        **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),
         "SPARSESYNC_ENGINE": engine,
         "SPARSESYNC_POLL_INTERVAL": f"{poll_interval:g}",
         "HOST": "0.0.0.0",
@@ -137,7 +144,7 @@ def inference_space_specs(
                 extra_files={"requirements.txt": requirements(engine)},
                 variables={**variables, "SPARSESYNC_SERVED_MODEL_NAME": name,
                            **({"SPARSESYNC_REGION": regions[i % len(regions)]} if regions[i % len(regions)] else {})},
-                secrets={"HF_TOKEN": token} if token else {},
+                secrets=secrets,
                 hardware=hardware or DEFAULT_HARDWARE[engine],
                 private=private,
                 region=regions[i % len(regions)],

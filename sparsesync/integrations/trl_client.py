@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,16 +58,19 @@ class SparsesyncVLLMClient:
         sync_timeout_s: how long `update_named_params` waits for the upload and the replicas.
         request_timeout_s: per generation request.
         max_concurrent_requests: prompts generated at the same time.
+        api_key: the replicas' API key (`--api-key`), sent as `Authorization: Bearer`; default
+            the SPARSESYNC_API_KEY environment variable, if set.
         **publisher_options: `PublisherConfig` fields.
     """
 
     def __init__(self, bucket: str, replicas: str | Sequence[str], *, dtype: torch.dtype = torch.bfloat16,
                  sync_timeout_s: float = 300.0, request_timeout_s: float = 300.0, max_concurrent_requests: int = 16,
-                 **publisher_options: Any) -> None:
+                 api_key: str | None = None, **publisher_options: Any) -> None:
         self.replicas = parse_replica_urls(replicas)
         self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self.sync_timeout_s = sync_timeout_s
-        self._http = httpx.Client(timeout=request_timeout_s)
+        key = api_key or os.environ.get("SPARSESYNC_API_KEY")
+        self._http = httpx.Client(timeout=request_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
         self._next = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen")
         self.served: list[int | None] = []  # the weight version of every generate() call, in order
