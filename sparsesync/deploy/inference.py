@@ -4,8 +4,10 @@ One Space per replica (`--replicas K`: NAME-1 ... NAME-K, regions assigned round
 rendered folder is the Docker build context: `Dockerfile`, `README.md` (the Space card),
 `requirements.txt` (pinned to this install; vLLM's CUDA build for the vllm engine), the
 `inference_space/` and `sparsesync/` packages, and `model/` when `--model` is a local folder
-(otherwise `--model` is a Hub model id the replica downloads at start). It boots locally as a
-plain process too: `cd <folder> && SPARSESYNC_...=... python -m inference_space`.
+(otherwise `--model` is a Hub model id the replica downloads at start). The embedded engine's
+Space runs the replica app (`python -m inference_space`, which also boots the folder locally);
+the vllm engine's runs vLLM's own OpenAI server (`vllm_dockerfile`), which follows
+SPARSESYNC_BUCKET through sparsesync's endpoint plugin (`sparsesync.integrations.vllm.server`).
 
 Guarantees: configuration travels only as Space variables (the `SPARSESYNC_*` names that
 `python -m inference_space` reads); the HF token (needed to read a private bucket) only as the

@@ -20,6 +20,10 @@ when the update and its read-back passed):
   the driver and the server must share that folder (same machine or pod).
 - A failed apply leaves `weight_version` None and `check_error` set (the follower then reloads
   the whole model, and reports "degraded" if that fails too).
+
+`FollowRunner` puts it together: the served checkpoint read once (the follower's starting
+layout), a `ServerHook`, and a `Follower` with fleet heartbeats, set up and run on background
+threads so the server answers from its first second.
 """
 
 from __future__ import annotations
@@ -90,6 +94,18 @@ def bucket_from_env(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     run = (env.get("SPARSESYNC_RUN") or "").strip("/ ")
     return bucket.rstrip("/") + "/" + run if run else bucket
+
+
+def poll_interval_from_env(environ: Mapping[str, str] | None = None) -> float:
+    env = os.environ if environ is None else environ
+    raw = (env.get("SPARSESYNC_POLL_INTERVAL") or "1").strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"SPARSESYNC_POLL_INTERVAL={raw!r}: expected a positive number of seconds")
+    return value
 
 
 def pause_mode_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 from argparse import Namespace
 from collections.abc import Coroutine
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from fastapi import Request  # at module level: the route's annotations are resolved from these globals
 
 from sparsesync.errors import ConfigError
-from sparsesync.integrations.vllm.follow import FollowRunner, bucket_from_env, pause_mode_from_env, remote_engine
+from sparsesync.integrations.vllm.follow import FollowRunner, bucket_from_env, pause_mode_from_env, poll_interval_from_env, remote_engine
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class SparsesyncEndpoint:
             bucket,
             str(model_config.model),
             revision=getattr(model_config, "revision", None),
-            poll_interval=float(os.environ.get("SPARSESYNC_POLL_INTERVAL") or 1.0),
+            poll_interval=poll_interval_from_env(),
             pause_mode=pause_mode_from_env(),
         )
         state.sparsesync = self.runner
