@@ -17,6 +17,10 @@ Guarantees:
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
+- What PEFT saves by default is accepted: the frozen base weight of a targeted LM head or
+  embedding that it saves beside the adapter is checked to equal the base's and left out
+  (`drop_saved_base_layers`); when it differs, or no base is at hand, ConfigError names the
+  tensor and the PEFT option (`save_embedding_layers=False`).
 """
 
 from __future__ import annotations

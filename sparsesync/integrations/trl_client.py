@@ -114,11 +114,22 @@ class SparsesyncVLLMClient:
         if step is not None and self._v.version is None and pub.committed_version is not None and step <= pub.committed_version:
             self._continue(state, step, pub.committed_version)
             version = step
+        elif step is not None and step == self._v.version:  # synced again without a step (e.g. by hand after train())
+            self._same_weights(state, step)
+            version = step
         else:
             version = self._v.publish(state, step)
         pub.flush(self.sync_timeout_s)
         self._wait_for_replicas(version)
         log.info("sparsesync: version %d published to %s, served by %d replica(s)", version, self._v.bucket, len(self.replicas))
+
+    def _same_weights(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """A second sync at `step`: the weights must still be version `step` (nothing to publish)."""
+        from sparsesync.checkpoint import checkpoint_digest
+
+        if checkpoint_digest(state) != self._v.digest:
+            raise ConfigError(f"the weights changed since version {step} was published, but the trainer is still at "
+                              f"global_step {step}", hint="publish new weights only after an optimizer step")
 
     def _continue(self, state: dict[str, torch.Tensor], step: int, committed: int) -> None:
         """Training (re)starts at `step` <= `committed`, the run's newest version: continue the

@@ -99,7 +99,7 @@ def parse_files(raw: Any, version: int) -> list[FileRef]:
 
 
 # -- the writer side --------------------------------------------------------------------------
-def collect_files(source: Path | Mapping[str, bytes] | None, *, adapter: bool = False) -> dict[str, bytes]:
+def collect_files(source: str | Path | Mapping[str, bytes] | None, *, adapter: bool = False) -> dict[str, bytes]:
     """The checkpoint files a run carries from `source`: a folder (a `save_pretrained` output;
     other files in it are left out) or `{name: bytes}`. `adapter`: leave out config.json and
     generation_config.json (an adapter folder loads with the base model's). ConfigError, before

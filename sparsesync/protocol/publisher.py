@@ -155,7 +155,7 @@ class Publisher:
         return super().__new__(cls)
 
     def __init__(self, url: str | Store, config: PublisherConfig | None = None, *, adapter: AdapterMeta | None = None,
-                 extra_files: Path | Mapping[str, bytes] | None = None, **overrides: Any) -> None:
+                 extra_files: str | Path | Mapping[str, bytes] | None = None, **overrides: Any) -> None:
         """`adapter`: publish a LoRA adapter run of this base and config (a PeftModel passed to
         `publish` brings its own; see sparsesync.adapter). `extra_files`: the checkpoint's
         non-weight files every commit carries (a `save_pretrained` folder, of which only config,
@@ -239,7 +239,7 @@ class Publisher:
         self._enqueue(item)
         return version
 
-    def set_extra_files(self, source: Path | Mapping[str, bytes] | None) -> None:
+    def set_extra_files(self, source: str | Path | Mapping[str, bytes] | None) -> None:
         """Carry these checkpoint files (config.json, tokenizer files, ...; `protocol.extras`) in
         every commit from the next one on, so `sparsesync pull` writes a folder that loads as is.
         Stored once per publisher (and again when they change); an adapter run leaves
