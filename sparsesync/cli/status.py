@@ -15,10 +15,11 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
-console = Console(highlight=False)
+from sparsesync.cli._console import CliConsole
+
+console = CliConsole()
 EXIT_UNHEALTHY = 3
 
 
