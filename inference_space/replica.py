@@ -40,6 +40,8 @@ class ReplicaConfig:
     kv_cache_mib: int = 192  # vLLM only: KV cache size (CPU, or GPU when gpu_memory_utilization unset)
     gpu_memory_utilization: float | None = None  # vLLM on GPU: fraction of memory instead of kv_cache_mib
     tensor_parallel_size: int = 1  # vLLM only: workers per replica (>1: multiprocessing executor, updates via /dev/shm)
+    vllm_apply: str = "auto"  # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
+    device: str = "cpu"  # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
 
 
 class Replica:
@@ -117,7 +119,10 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
             "kv_cache_memory_bytes": cfg.kv_cache_mib << 20,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "tensor_parallel_size": cfg.tensor_parallel_size,
+            "mode": cfg.vllm_apply,
         }
+    else:
+        kwargs = {"device": cfg.device}
     if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
         from sparsesync.adapter import read_run_adapter
 
