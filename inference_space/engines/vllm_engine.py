@@ -114,7 +114,7 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
         from sparsesync.integrations.vllm.apply import WeightSync
 
-        self.sync = WeightSync(self.llm, self._state, mode=mode, check=check)
+        self.sync = WeightSync(self.llm, self._state, mode=self.mode, check=check)
         self.tokenizer = self.llm.get_tokenizer()
         self._vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
