@@ -209,31 +209,42 @@ class _LiveMap:
         for key, t in live.items():
             at.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), key)
         self.where: dict[str, tuple[str, str | None, int]] = {}  # name -> (runtime key, expert part, expert)
+        self.strided: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}  # name -> (shape, stride, offset) in its key
         for name, v in views.items():
             m = EXPERT_KEY.match(name)
             if m is not None and name not in live:
                 part = "down" if m["proj"] in ("down_proj", "w2") else "gate" if m["proj"] in ("gate_proj", "w1") else "up"
                 self.where[name] = (f"{m['layer']}.{'down_proj' if part == 'down' else 'gate_up_proj'}", part, int(m["e"]))
+            elif name in live and live[name].data_ptr() == v.data_ptr() and live[name].shape == v.shape:
+                self.where[name] = (name, None, 0)
             else:
-                key = name if name in live and live[name].data_ptr() == v.data_ptr() else at[(v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride())]
+                key = at.get((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride()))
+                if key is None:  # a slice of a runtime tensor (a conversion that fuses on load): kept by its strides
+                    key = next(k for k, t in live.items() if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
+                    self.strided[name] = (tuple(v.shape), v.stride(), v.storage_offset())
                 self.where[name] = (key, None, 0)
         groups: dict[int, list[str]] = {}
         for key, t in live.items():
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(key)
         self.shared = [sorted(g) for g in groups.values() if len(g) > 1]
         ckpt_keys = {k for k, _, _ in self.where.values()}
-        self.buffers = {k: b.detach().clone() for k, b in model.named_buffers(remove_duplicate=False) if k not in ckpt_keys}
+        self.volatile = _volatile_buffers(model)
+        self.buffers = {k: b.detach().clone() for k, b in model.named_buffers(remove_duplicate=False)
+                        if k not in ckpt_keys and k not in self.volatile}
         self.adopt(model)
 
     def adopt(self, model: Any) -> None:
-        self.ptrs = {k: t.data_ptr() for k, t in _tensors(model).items()}
+        self.ptrs = {k: t.data_ptr() for k, t in _tensors(model).items() if k not in self.volatile}
 
     def views(self, model: Any) -> dict[str, torch.Tensor]:
         live = _tensors(model)
         out = {}
         for name, (key, part, e) in self.where.items():
             t = live[key]
-            if part is None:
+            if name in self.strided:
+                shape, stride, offset = self.strided[name]
+                out[name] = t.as_strided(shape, stride, offset)
+            elif part is None:
                 out[name] = t
             elif part == "down":
                 out[name] = t[e]
@@ -245,7 +256,7 @@ class _LiveMap:
     def tampered(self, model: Any) -> list[str]:
         live = _tensors(model)
         bad = [f"{k} (replaced since the engine mapped it)" for k, p in self.ptrs.items() if k not in live or live[k].data_ptr() != p]
-        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.ptrs]
+        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.ptrs and k not in self.volatile]
         for group in self.shared:
             if len({live[k].untyped_storage().data_ptr() for k in group if k in live}) > 1:
                 bad.append(f"{group[-1]} (no longer shares storage with {', '.join(group[:-1])})")
@@ -254,6 +265,19 @@ class _LiveMap:
             if b is not None and (b.shape != ref.shape or not torch.equal(b.detach(), ref)):
                 bad.append(f"{k} (buffer rewritten since the engine started)")
         return bad
+
+
+def _volatile_buffers(model: Any) -> set[str]:
+    """Buffers the model itself swaps while generating: dynamic and long RoPE tables (transformers
+    re-registers `inv_freq` by sequence length). Derived from the config, never from a version."""
+    out = set()
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        rope = getattr(mod, "rope_type", None)
+        kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
+        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            out.update(f"{mod_name}.{b}" if mod_name else b for b, _ in mod.named_buffers(recurse=False))
+            out.update(f"{mod_name}.{k}_inv_freq" if mod_name else f"{k}_inv_freq" for k in (rope if isinstance(rope, dict) else {}))
+    return out
 
 
 def _tensors(model: Any) -> dict[str, torch.Tensor]:
