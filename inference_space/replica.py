@@ -44,6 +44,8 @@ class ReplicaConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are read
     request_timeout_s: float | None = 600.0  # a batch running longer is cut (finish "abort"); None: never
     max_hold_s: float | None = 60.0  # a batch keeping a committed version waiting longer is cut; None: never
+    vllm_apply: str = "auto"  # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
+    device: str = "cpu"  # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
 
 
 class Replica:
@@ -122,7 +124,10 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
             "kv_cache_memory_bytes": cfg.kv_cache_mib << 20,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "tensor_parallel_size": cfg.tensor_parallel_size,
+            "mode": cfg.vllm_apply,
         }
+    else:
+        kwargs = {"device": cfg.device}
     if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
         from sparsesync.adapter import read_run_adapter
 

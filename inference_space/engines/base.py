@@ -26,6 +26,16 @@ that runs past `request_timeout_s`, is cut at its next decoding step: its unfini
 end with finish reason "abort" and `stop_reason` "weight_update" or "request_timeout" (engines
 that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore both).
 
+What the read-back covers (every tensor whose engine bits could differ from the version): a
+full load checks every tensor. A sparse update checks the tensors it touched, and is refused
+(`EngineCheckError`, so the caller reloads fully) when the engine cannot vouch for the rest:
+after any failed write or check every tensor is stale until a full load passed, and a caller
+that names the update's `base_version` is refused when the engine holds another version.
+Cheap and sound: untouched tensors were verified when they were last written, and only a
+failure or a skipped version can make them differ (the embedded engine also checks at every
+update that no parameter or buffer the forward pass reads was replaced or rewritten behind
+its back).
+
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
 vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` 1 also
 the most likely token's (OpenAI's top-1).
@@ -201,6 +211,7 @@ class Engine(ABC):
         self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
         self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
         self.check_error: str | None = None  # why the served weights are not a verified version
+        self._stale: set[str] = set()  # tensors not verified since a failed write (all of them, then)
         self.pauses = PauseStats()
         self.max_hold_s: float | None = None  # a batch holding a waiting update this long is cut (None: never)
         self.request_timeout_s: float | None = None  # a batch running this long is cut (None: never)
@@ -273,27 +284,50 @@ class Engine(ABC):
             self._guarded(version, lambda: self._load_full(version, tensors))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        """Write the changed elements of one verified version in place, check them, then serve `version`."""
+    def apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None
+    ) -> None:
+        """Write the changed elements of one verified version in place, check them, then serve `version`.
+
+        `full`: the version's value of every touched tensor (and of any stale one, see above).
+        `base_version`: the version the update is relative to; when given and the engine holds
+        another (or none), the update is refused with `EngineCheckError` and nothing is written."""
         self._validate_sparse(updates, full)
         updates = {k: v for k, v in updates.items() if k not in self._aliases}
         full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._guarded(version, lambda: self._apply_sparse(version, updates, full))
+            self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
+    def _sparse_if_sound(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], base_version: int | None) -> None:
+        if base_version is not None and base_version != self._version:
+            raise EngineCheckError(
+                f"{self.name} engine: version {version} is a delta from version {base_version}, but the engine holds "
+                f"{'no verified version' if self._version is None else f'version {self._version}'}",
+                hint="the replica reloads the version in full",
+            )
+        unverifiable = sorted(self._stale - set(full))
+        if unverifiable:
+            raise EngineCheckError(
+                f"{self.name} engine: {len(unverifiable)} tensor(s) are unverified since a failed update "
+                f"({', '.join(unverifiable[:3])}); a sparse update to version {version} cannot vouch for them",
+                hint="the replica reloads the version in full",
+            )
+        self._apply_sparse(version, updates, full)
+
     def _guarded(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
-        """Run a write (under the gate); the version moves only when it and its read-back passed."""
+        """Run a write (under the gate); the version moves only when it and its read-back passed.
+        Any failure leaves every tensor stale until a full load passes its check."""
         try:
             write()
         except EngineCheckError as e:
-            self._version, self.check_error = None, str(e)
+            self._version, self.check_error, self._stale = None, str(e), set(self._specs)
             raise
         except Exception as e:
-            self._version, self.check_error = None, f"update to version {version} failed half-way: {e}"
+            self._version, self.check_error, self._stale = None, f"update to version {version} failed half-way: {e}", set(self._specs)
             raise
-        self._version, self.check_error = version, None
+        self._version, self.check_error, self._stale = version, None, set()
 
     @staticmethod
     def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:
