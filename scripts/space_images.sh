@@ -156,8 +156,11 @@ build() {  # name folder [extra bud args]
     return
   fi
   log "building $name from $dir"
+  local old
+  old=$(podman image inspect --format '{{.Id}}' "localhost/$name:latest" 2>/dev/null || true)
   $NICE buildah bud --isolation chroot --format docker --layers=false -t "localhost/$name:latest" "$@" "$dir" \
     > "$WORK/build-$name.log" 2>&1 || die "build of $name failed: $(tail -5 "$WORK/build-$name.log")"
+  [ -z "$old" ] || buildah rmi "$old" >/dev/null 2>&1 || true  # the previous run's image, now untagged
   local secs size
   secs=$(since "$t")
   size=$(podman image inspect --format '{{.Size}}' "localhost/$name:latest")
