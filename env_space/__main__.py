@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, help="seconds (ENV_IDLE_TIMEOUT_S)")
     p.add_argument("--max-body-bytes", type=int, help="request size limit (ENV_MAX_BODY_BYTES)")
     p.add_argument("--log-level", help="uvicorn log level (ENV_LOG_LEVEL)")
+    p.add_argument("--max-sessions-per-client", type=int, help="live HTTP sessions per client address "
+                   "(ENV_MAX_SESSIONS_PER_CLIENT, default half of --max-sessions)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (ENV_API_KEY)")
     args = p.parse_args(argv)
     try:
         config = ServerConfig.from_env(**vars(args))

@@ -36,9 +36,15 @@ class EnvClient:
     """HTTP client for env_space's session API (`/reset`, `/step`, `/state`, `/sessions`)."""
 
     def __init__(self, base_url: str, *, timeout: float = 30.0, retries: int = 3,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, api_key: str | None = None) -> None:
+        """`api_key`: the server's ENV_API_KEY, sent as `Authorization: Bearer` (when `headers`
+        already carry an Authorization header, e.g. a private Space's HF token, as `X-API-Key`)."""
         self.base_url = base_url.rstrip("/")
         self.retries = retries
+        headers = dict(headers or {})
+        if api_key:
+            has_auth = any(k.lower() == "authorization" for k in headers)
+            headers["X-API-Key" if has_auth else "Authorization"] = api_key if has_auth else f"Bearer {api_key}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def reset(self, task: str | None = None, seed: int | None = None, *,

@@ -7,6 +7,8 @@ naming the variable, the bad value and what is expected; a server never starts h
 |---------------------|-------------|---------------------------------------------------------------|
 | ENV_TASK            | wordle      | task of a /reset that names none: `wordle` or `repeat`        |
 | ENV_MAX_SESSIONS    | 256         | live HTTP sessions at most (and /ws connections at most)      |
+| ENV_MAX_SESSIONS_PER_CLIENT | half of the above | live HTTP sessions one client address may hold |
+| ENV_API_KEY         | (none)      | if set, every route but /health needs `Authorization: Bearer` |
 | ENV_IDLE_TIMEOUT_S  | 300         | a live session untouched this long is evicted                 |
 | ENV_MAX_BODY_BYTES  | 65536       | larger request bodies (and /ws messages) are refused with 413 |
 | ENV_HOST            | 127.0.0.1   | bind address (the Space image sets 0.0.0.0)                   |
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from env_space import TASKS
@@ -34,6 +36,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # ENV_HOST
     port: int = 8000  # ENV_PORT (or PORT, as Spaces and PaaS set it)
     log_level: str = "warning"  # ENV_LOG_LEVEL
+    max_sessions_per_client: int = 0  # ENV_MAX_SESSIONS_PER_CLIENT (0: half of max_sessions, at least 1)
+    api_key: str | None = field(default=None, repr=False)  # ENV_API_KEY: a secret, never in as_env()
 
     def __post_init__(self) -> None:
         if self.default_task not in TASKS:
@@ -44,6 +48,11 @@ class ServerConfig:
             raise ConfigError(f"ENV_IDLE_TIMEOUT_S={self.idle_timeout_s}: must be > 0")
         if self.max_body_bytes < 256:
             raise ConfigError(f"ENV_MAX_BODY_BYTES={self.max_body_bytes}: must be >= 256")
+        if self.max_sessions_per_client < 0:
+            raise ConfigError(f"ENV_MAX_SESSIONS_PER_CLIENT={self.max_sessions_per_client}: must be >= 0 (0: half of ENV_MAX_SESSIONS)")
+        if self.api_key is not None and len(self.api_key) < 8:
+            raise ConfigError("ENV_API_KEY is shorter than 8 characters", hint="use a long random key, e.g. "
+                              "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ENV_PORT={self.port}: must be a TCP port (0-65535)")
 
@@ -54,7 +63,8 @@ class ServerConfig:
         values: dict[str, Any] = {}
         spec = {"default_task": ("ENV_TASK", str), "max_sessions": ("ENV_MAX_SESSIONS", int),
                 "idle_timeout_s": ("ENV_IDLE_TIMEOUT_S", float), "max_body_bytes": ("ENV_MAX_BODY_BYTES", int),
-                "host": ("ENV_HOST", str), "port": ("ENV_PORT", int), "log_level": ("ENV_LOG_LEVEL", str)}
+                "host": ("ENV_HOST", str), "port": ("ENV_PORT", int), "log_level": ("ENV_LOG_LEVEL", str),
+                "max_sessions_per_client": ("ENV_MAX_SESSIONS_PER_CLIENT", int), "api_key": ("ENV_API_KEY", str)}
         if "ENV_PORT" not in env and "PORT" in env:
             spec["port"] = ("PORT", int)
         for name, (var, typ) in spec.items():
@@ -73,8 +83,15 @@ class ServerConfig:
                 values[k] = v
         return replace(cls(), **values)
 
+    @property
+    def per_client_cap(self) -> int:
+        """Live HTTP sessions one client may hold."""
+        return min(self.max_sessions_per_client or max(1, self.max_sessions // 2), self.max_sessions)
+
     def as_env(self) -> dict[str, str]:
-        """These settings as the environment variables that reproduce them."""
+        """These settings as the environment variables that reproduce them (the API key, a
+        secret, is left out)."""
         return {"ENV_TASK": self.default_task, "ENV_MAX_SESSIONS": str(self.max_sessions),
                 "ENV_IDLE_TIMEOUT_S": f"{self.idle_timeout_s:g}", "ENV_MAX_BODY_BYTES": str(self.max_body_bytes),
-                "ENV_HOST": self.host, "ENV_PORT": str(self.port), "ENV_LOG_LEVEL": self.log_level}
+                "ENV_HOST": self.host, "ENV_PORT": str(self.port), "ENV_LOG_LEVEL": self.log_level,
+                "ENV_MAX_SESSIONS_PER_CLIENT": str(self.max_sessions_per_client)}

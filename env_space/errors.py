@@ -83,3 +83,17 @@ class CapacityError(EnvError):
 
     status = 503
     code = "capacity_reached"
+
+
+class ClientCapacityError(EnvError):
+    """This client holds as many live sessions as one client may; finish or close some."""
+
+    status = 429
+    code = "client_capacity_reached"
+
+
+class UnauthorizedError(EnvError):
+    """The server has an API key and the request did not carry it."""
+
+    status = 401
+    code = "unauthorized"

@@ -17,6 +17,12 @@ the same request and response shapes and add a session id:
 - `GET /state?session_id=...` (or the header) -> the episode's `EpisodeState`.
 - `DELETE /sessions/{id}` frees a session; `GET /sessions` reports live/finished counts.
 
+Access: with an API key (ENV_API_KEY / --api-key), every route but `GET /health`, the WebSocket
+included, needs `Authorization: Bearer <key>` (or `X-API-Key: <key>`, for a private Space whose
+proxy takes the Authorization header), compared in constant time; refused with 401 before the
+body is read. One client address holds at most ENV_MAX_SESSIONS_PER_CLIENT live HTTP sessions
+(429 beyond), so one client cannot take every slot.
+
 Guarantees: every refusal is a 4xx (503 when full) with `{"detail", "error", "hint"}` (see
 errors.py), FastAPI's and Starlette's own refusals (404, 405, 422) included; bodies over
 ENV_MAX_BODY_BYTES get 413 before any parsing; JSON bodies and WebSocket messages whose strings
@@ -29,6 +35,7 @@ never block (the session store's critical sections are microseconds), so no requ
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import logging
 from typing import Any
@@ -52,6 +59,7 @@ from env_space.errors import (
     MalformedRequestError,
     MissingSessionError,
     PayloadTooLargeError,
+    UnauthorizedError,
 )
 from env_space.models import EpisodeState, TextAction, TextObservation
 from env_space.sessions import SessionStore
@@ -221,11 +229,38 @@ class BodyLimitMiddleware:
                                     hint="send a shorter action, or raise ENV_MAX_BODY_BYTES on the server")
 
 
-async def _send_error(send: Send, err: EnvError) -> None:
+class ApiKeyMiddleware:
+    """Every HTTP request and WebSocket but `/health` must carry the key (see module docstring)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and scope["path"] != "/health" and not self._authorized(scope):
+            if scope["type"] == "websocket":  # refused before the handshake: the client sees 403
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _send_error(send, UnauthorizedError("missing or wrong API key",
+                                                      hint="send Authorization: Bearer <ENV_API_KEY>"),
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        ok_bearer = hmac.compare_digest(bearer, self._key)  # both, always: timing says nothing
+        ok_header = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+        return ok_bearer or ok_header
+
+
+async def _send_error(send: Send, err: EnvError, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(err.body()).encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(extra_headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -244,16 +279,18 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
     replaced = {("/reset", "POST"), ("/step", "POST"), ("/state", "GET")}
     app.router.routes[:] = [r for r in app.router.routes if not (
         isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods))]
-    store = SessionStore(make_env, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s)
+    store = SessionStore(make_env, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
+                         max_per_client=config.per_client_cap)
     app.state.store = store
     app.state.config = config
 
     @app.post("/reset", response_model=SessionResetResponse, tags=["Environment Control"])
-    async def reset(req: SessionResetRequest = Body(default_factory=SessionResetRequest),
+    async def reset(request: Request, req: SessionResetRequest = Body(default_factory=SessionResetRequest),
                     x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)) -> dict[str, Any]:
         """Start an episode: in a new session, or in `session_id` if given. Returns the session id."""
+        client = request.client.host if request.client else ""
         sid, obs = store.reset(session_id=req.session_id or x_session_id, seed=req.seed, task=req.task,
-                               episode_id=req.episode_id)
+                               episode_id=req.episode_id, client=client)
         return _wire(obs, sid)
 
     @app.post("/step", response_model=SessionStepResponse, tags=["Environment Control"])
@@ -287,7 +324,7 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(EnvError)
     async def _env_error(_: Request, exc: EnvError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -310,4 +347,6 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
                             status_code=500)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # outermost: before the body is read
     return app

@@ -13,14 +13,17 @@ Guarantees:
   among the last `remember` finished sessions; /reset with its id starts a new episode in it.
 - Idle timeout: a live session untouched for `idle_timeout_s` is evicted (before refusing a new
   one, and at most once a second otherwise); later requests for it get 410, not a silent reset.
+- Per client: one client (its address, as the server sees it) holds at most
+  `max_per_client` live sessions (`ClientCapacityError`, 429), so one client cannot take every
+  slot. Session ids are 128-bit random (`secrets.token_hex`), never guessable.
 - Full means a `CapacityError` (503 with Retry-After), never a wait.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from env_space.environment import TaskEnvironment
 from env_space.errors import (
     CapacityError,
+    ClientCapacityError,
     EpisodeFinishedError,
     SessionExpiredError,
     UnknownSessionError,
@@ -39,16 +43,18 @@ from env_space.models import EpisodeState, TextAction, TextObservation
 class _Session:
     env: TaskEnvironment
     last_used: float
+    client: str = ""  # who opened it (the cap per client counts these)
 
 
 class SessionStore:
     """Session id -> environment, with a cap on live sessions and an idle timeout."""
 
     def __init__(self, make_env: Callable[[], TaskEnvironment], *, max_sessions: int,
-                 idle_timeout_s: float, remember: int = 4096,
+                 idle_timeout_s: float, remember: int = 4096, max_per_client: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._make_env = make_env
         self.max_sessions = max_sessions
+        self.max_per_client = max_per_client or max_sessions
         self.idle_timeout_s = idle_timeout_s
         self._remember = remember
         self._clock = clock
@@ -60,20 +66,20 @@ class SessionStore:
 
     # -- public API -----------------------------------------------------------------------
     def reset(self, *, session_id: str | None = None, seed: int | None = None, task: str | None = None,
-              episode_id: str | None = None) -> tuple[str, TextObservation]:
-        """Start an episode: in a new session, or in `session_id` (which must exist)."""
+              episode_id: str | None = None, client: str = "") -> tuple[str, TextObservation]:
+        """Start an episode: in a new session of `client`, or in `session_id` (which must exist)."""
         with self._lock:
             now = self._clock()
             self._maybe_reap(now)
             if session_id is None:
-                sess = _Session(env=self._make_env(), last_used=now)
-                session_id = uuid.uuid4().hex
+                self._claim_slot(client, now)
+                sess = _Session(env=self._make_env(), last_used=now, client=client)
+                session_id = secrets.token_hex(16)
                 sess.env.session_id = session_id
-                self._claim_slot(session_id, now)
             else:
                 sess = self._lookup(session_id, now)
                 if session_id not in self._live:
-                    self._claim_slot(session_id, now)
+                    self._claim_slot(sess.client, now)
             obs = sess.env.reset(seed=seed, episode_id=episode_id, task=task)  # may raise: nothing changed yet
             sess.last_used = now
             self._finished.pop(session_id, None)
@@ -109,7 +115,8 @@ class SessionStore:
     def stats(self) -> dict[str, float | int]:
         with self._lock:
             return {"live_sessions": len(self._live), "finished_sessions": len(self._finished),
-                    "max_sessions": self.max_sessions, "idle_timeout_s": self.idle_timeout_s}
+                    "max_sessions": self.max_sessions, "max_sessions_per_client": self.max_per_client,
+                    "idle_timeout_s": self.idle_timeout_s}
 
     # -- helpers (call with the lock held) --------------------------------------------------
     def _lookup(self, session_id: str, now: float) -> _Session:
@@ -127,13 +134,21 @@ class SessionStore:
                 hint="use the session_id returned by POST /reset (it may have been closed)")
         return sess
 
-    def _claim_slot(self, session_id: str, now: float) -> None:
-        if len(self._live) >= self.max_sessions:
+    def _claim_slot(self, client: str, now: float) -> None:
+        if len(self._live) >= self.max_sessions or self._held_by(client) >= self.max_per_client:
             self._reap(now)
         if len(self._live) >= self.max_sessions:
             raise CapacityError(
                 f"all {self.max_sessions} sessions are in use",
                 hint="retry later, finish or DELETE /sessions/<id> idle sessions, or raise ENV_MAX_SESSIONS")
+        held = self._held_by(client)
+        if held >= self.max_per_client:
+            raise ClientCapacityError(
+                f"this client already holds {held} live sessions, the most one client may",
+                hint="finish or DELETE /sessions/<id> your sessions, or raise ENV_MAX_SESSIONS_PER_CLIENT")
+
+    def _held_by(self, client: str) -> int:
+        return sum(1 for s in self._live.values() if s.client == client)
 
     def _maybe_reap(self, now: float) -> None:
         if now - self._last_reap >= 1.0:

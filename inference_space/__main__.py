@@ -27,7 +27,13 @@ ENV = {  # flag -> environment variable
     "kv_cache_mib": "SPARSESYNC_KV_CACHE_MIB",
     "gpu_memory_utilization": "SPARSESYNC_GPU_MEMORY_UTILIZATION",
     "tensor_parallel_size": "SPARSESYNC_TENSOR_PARALLEL_SIZE",
+    "vllm_apply": "SPARSESYNC_VLLM_APPLY",
+    "device": "SPARSESYNC_DEVICE",
     "log_level": "SPARSESYNC_LOG_LEVEL",
+    "api_key": "SPARSESYNC_API_KEY",
+    "max_body_bytes": "SPARSESYNC_MAX_BODY_BYTES",
+    "request_timeout": "SPARSESYNC_REQUEST_TIMEOUT_S",
+    "max_hold": "SPARSESYNC_MAX_HOLD_S",
 }
 
 
@@ -46,7 +52,15 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     p.add_argument("--kv-cache-mib", type=int, help="vLLM KV cache size in MiB (default 192) [SPARSESYNC_KV_CACHE_MIB]")
     p.add_argument("--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]")
     p.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs (or CPU workers) per replica, default 1 [SPARSESYNC_TENSOR_PARALLEL_SIZE]")
+    p.add_argument("--vllm-apply", help="vLLM: how versions reach the engine: auto (= reload, CPU and GPU), reload, or "
+                   "sparse (GPU only, in place; not yet run on a GPU) [SPARSESYNC_VLLM_APPLY]")
+    p.add_argument("--device", help="embedded engine: torch device, e.g. cuda, cuda:1, cpu (default cuda when one is "
+                   "available, else cpu) [SPARSESYNC_DEVICE]")
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health [SPARSESYNC_API_KEY]")
+    p.add_argument("--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]")
+    p.add_argument("--request-timeout", type=float, help="seconds a batch may run, then cut; 0: never (default 600) [SPARSESYNC_REQUEST_TIMEOUT_S]")
+    p.add_argument("--max-hold", type=float, help="seconds a batch may keep a committed version waiting, then cut; 0: never (default 60) [SPARSESYNC_MAX_HOLD_S]")
     args = vars(p.parse_args(argv))
     for key, var in ENV.items():
         if args.get(key) in (None, "") and env.get(var):
@@ -56,6 +70,10 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     engine = args.get("engine") or "embedded"
     if engine not in ("embedded", "vllm"):
         raise SparsesyncError(f"engine '{engine}': expected 'embedded' or 'vllm'", hint="set SPARSESYNC_ENGINE=embedded|vllm")
+    vllm_apply = str(args.get("vllm_apply") or "auto")
+    if vllm_apply not in ("auto", "reload", "sparse"):
+        raise SparsesyncError(f"vllm apply mode '{vllm_apply}': expected auto, reload or sparse", hint="--vllm-apply auto|reload|sparse")
+    device = _device(args.get("device") or None)
     bucket = args.get("bucket") or None
     if bucket and args.get("run"):
         bucket = bucket.rstrip("/") + "/" + str(args["run"]).strip("/")
@@ -71,12 +89,45 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             kv_cache_mib=int(args.get("kv_cache_mib") or 192),
             gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
             tensor_parallel_size=int(args.get("tensor_parallel_size") or 1),
+            api_key=args.get("api_key") or None,
+            max_body_bytes=int(args.get("max_body_bytes") or 8 << 20),
+            request_timeout_s=_seconds(args.get("request_timeout"), 600.0),
+            max_hold_s=_seconds(args.get("max_hold"), 60.0),
+            vllm_apply=vllm_apply,
+            device=device,
         )
+        if cfg.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={cfg.max_body_bytes}: must be >= 1024")
         if cfg.tensor_parallel_size < 1 or (cfg.tensor_parallel_size > 1 and engine != "vllm"):
             raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: must be >= 1, and > 1 only with --engine vllm")
     except ValueError as e:
         raise SparsesyncError(f"bad configuration value: {e}", hint="check the flags and SPARSESYNC_* variables") from e
     return cfg, str(args.get("log_level") or "INFO").upper()
+
+
+def _seconds(value: object, default: float) -> float | None:
+    """A time bound from a flag or variable: unset is `default`, 0 is None (no bound)."""
+    if value in (None, ""):
+        return default
+    s = float(value)  # type: ignore[arg-type]
+    if not s >= 0:
+        raise ValueError(f"{value!r}: seconds must be >= 0 (0: no bound)")
+    return s or None
+
+
+def _device(name: str | None) -> str:
+    """The embedded engine's torch device: `name`, or cuda when this machine has one, else cpu."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise SparsesyncError(f"device '{name}': not a torch device ({e})", hint="--device cuda, cuda:N or cpu") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SparsesyncError(f"device '{name}': this machine has no CUDA device", hint="--device cpu, or run on a GPU machine")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        uvicorn.run(create_app(replica), host=cfg.host, port=cfg.port, log_level=level.lower())
+        app = create_app(replica, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level.lower())
     finally:
         replica.close()
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,12 @@ class ReplicaConfig:
     kv_cache_mib: int = 192  # vLLM only: KV cache size (CPU, or GPU when gpu_memory_utilization unset)
     gpu_memory_utilization: float | None = None  # vLLM on GPU: fraction of memory instead of kv_cache_mib
     tensor_parallel_size: int = 1  # vLLM only: workers per replica (>1: multiprocessing executor, updates via /dev/shm)
+    api_key: str | None = field(default=None, repr=False)  # clients send `Authorization: Bearer <key>`; None: open
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are read
+    request_timeout_s: float | None = 600.0  # a batch running longer is cut (finish "abort"); None: never
+    max_hold_s: float | None = 60.0  # a batch keeping a committed version waiting longer is cut; None: never
+    vllm_apply: str = "auto"  # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
+    device: str = "cpu"  # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
 
 
 class Replica:
@@ -49,6 +55,7 @@ class Replica:
         self.engine = engine
         self.bucket = bucket
         self.model_name = served_model_name or engine.model_name
+        self.model_aliases: tuple[str, ...] = ()  # other names requests may use (the Hub id the model came from)
         # heartbeats into the run (and coordinated switching when SPARSESYNC_SWITCH=coordinated)
         fleet = FleetOptions(engine=engine.name)
         self.follower: Follower | None = Follower(
@@ -103,7 +110,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
     """Load the engine for `cfg` and attach a follower (not started)."""
     from inference_space.engines import make_engine
 
-    model = cfg.model
+    model = given = cfg.model
     if not Path(model).is_dir():
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
             raise ConfigError(f"model {model!r} is neither a folder nor a Hub model id", hint="pass --model DIR or NS/NAME")
@@ -117,10 +124,16 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
             "kv_cache_memory_bytes": cfg.kv_cache_mib << 20,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "tensor_parallel_size": cfg.tensor_parallel_size,
+            "mode": cfg.vllm_apply,
         }
+    else:
+        kwargs = {"device": cfg.device}
     if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
         from sparsesync.adapter import read_run_adapter
 
         kwargs["adapter"] = read_run_adapter(cfg.bucket)
     engine = make_engine(cfg.engine, cfg.model, **kwargs)
-    return Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)
+    engine.request_timeout_s, engine.max_hold_s = cfg.request_timeout_s, cfg.max_hold_s
+    replica = Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)
+    replica.model_aliases = (given,)
+    return replica

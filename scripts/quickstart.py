@@ -36,8 +36,8 @@ def main() -> None:
 
     follower = Follower(url)
     with Publisher(url) as pub:
-        for step in range(1, 6):
-            if step > 1:  # an RL-sized update on fp32 master weights (lr 2e-6, Adam-normalized)
+        for step in range(5):  # version 0: the weights before training; N: after N optimizer steps
+            if step > 0:  # an RL-sized update on fp32 master weights (lr 2e-6, Adam-normalized)
                 for t in master.values():
                     t.add_(torch.randn(t.shape, generator=g).sign(), alpha=-2e-6)
             state = {k: v.to(torch.bfloat16) for k, v in master.items()}

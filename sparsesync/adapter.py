@@ -17,6 +17,10 @@ Guarantees:
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
+- What PEFT saves by default is accepted: the frozen base weight of a targeted LM head or
+  embedding that it saves beside the adapter is checked to equal the base's and left out
+  (`drop_saved_base_layers`); when it differs, or no base is at hand, ConfigError names the
+  tensor and the PEFT option (`save_embedding_layers=False`).
 """
 
 from __future__ import annotations
@@ -234,8 +238,12 @@ def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torc
         )
     if meta is not None and len(lora) != len(obj):
         other = next(n for n in obj if not is_adapter_key(n))
-        raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run",
-                           hint="publish sparsesync.adapter.adapter_tensors(model), or full weights to a full-weight run")
+        saved = (" (PEFT saves the targeted LM head's or embedding's base weight beside the adapter unless "
+                 "save_pretrained(..., save_embedding_layers=False))") if saved_base_layers({other: obj[other]}) else ""
+        raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run{saved}",
+                           hint="publish sparsesync.adapter.adapter_tensors(model) (or push the adapter folder with the "
+                                "CLI, which checks such base copies against --base and leaves them out), or full weights "
+                                "to a full-weight run")
     return (obj, meta) if meta is None else _with_dtype(obj, meta)
 
 
@@ -385,20 +393,61 @@ def write_adapter_folder(state: Mapping[str, torch.Tensor], meta: AdapterMeta, d
 
 
 def meta_for_folder(config: dict[str, Any], state: Mapping[str, torch.Tensor], base: Path | None,
-                    newest: CommitRecord | None, url: str) -> AdapterMeta:
-    """The `AdapterMeta` for pushing a PEFT folder with `config`: the base digest is computed from
-    `base` (a checkpoint folder), else from `base_model_name_or_path` when that is a local folder,
-    else taken from the run's newest adapter commit (same config only)."""
+                    newest: CommitRecord | None, url: str) -> tuple[AdapterMeta, dict[str, torch.Tensor]]:
+    """The `AdapterMeta` for pushing a PEFT folder with `config`, and the adapter tensors of its
+    `state` (`saved_base_layers` checked against the base and left out): the base digest is
+    computed from `base` (a checkpoint folder), else from `base_model_name_or_path` when that is
+    a local folder, else taken from the run's newest adapter commit (same config only)."""
     named = str(config.get("base_model_name_or_path") or "")
     if base is None and named and Path(named).is_dir():
         base = Path(named)
-    if base is not None:
-        return _with_dtype(state, AdapterMeta(named or str(base), base_digest(load_checkpoint(base)), config))[1]
+    base_state = load_checkpoint(base) if base is not None else None
+    state = drop_saved_base_layers(state, base_state, named or str(base or ""))
+    if base_state is not None:
+        return _with_dtype(state, AdapterMeta(named or str(base), base_digest(base_state), config))[1], state
     if newest is not None and newest.adapter is not None and newest.adapter.config == config:
-        return newest.adapter
+        return _with_dtype(state, newest.adapter)[1], state
     raise ConfigError(f"cannot tell which base weights the adapter for {url} belongs to "
                       f"(base_model_name_or_path {named!r} is not a local folder)",
                       hint="pass --base DIR, the base model's checkpoint folder, so the run records its digest")
+
+
+def saved_base_layers(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{tensor name: base checkpoint name} of the base-model tensors PEFT saves beside an adapter
+    by default: with `save_embedding_layers="auto"` (PEFT's default) an adapter whose
+    `target_modules` names an embedding or the LM head (`lm_head`, `embed_tokens`) also holds that
+    layer's frozen base weight (`base_model.model.lm_head.base_layer.weight`)."""
+    out = {}
+    for name in state:
+        if not is_adapter_key(name) and name.startswith("base_model.model."):
+            out[name] = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return out
+
+
+def drop_saved_base_layers(state: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None,
+                           base_name: str) -> dict[str, torch.Tensor]:
+    """`state` without the base-model tensors PEFT saved beside the adapter (`saved_base_layers`),
+    each first checked to equal the base's tensor exactly (in the saved tensor's dtype; a tied LM
+    head against the embedding): an adapter run carries the adapter, the base is named by digest.
+    ConfigError naming the tensor when it differs from the base or no base is at hand to check it."""
+    extra = saved_base_layers(state)
+    for name, ckpt in extra.items():
+        if base is None:
+            raise ConfigError(f"the adapter holds {name!r}, a copy of the base model's {ckpt!r} that PEFT saves by default "
+                              "when target_modules names lm_head or embed_tokens, and no base folder is at hand to check it",
+                              hint="pass --base DIR (the base model's folder), or save the adapter with "
+                                   "save_pretrained(..., save_embedding_layers=False)")
+        want = base.get(ckpt, base.get(TIED_NAMES.get(ckpt, "")))
+        got = state[name]
+        if want is None or tuple(want.shape) != tuple(got.shape) or not torch.equal(got, want.to(got.dtype)):
+            raise ConfigError(f"the adapter's {name!r} (saved by PEFT beside the adapter) is not the base {base_name!r}'s "
+                              f"{ckpt!r}: the adapter was trained on other base weights, or that layer was trained",
+                              hint="pass --base DIR with the base the adapter was trained on; a trained LM head or "
+                                   "embedding (modules_to_save) belongs in a full-weight run")
+    return {k: v for k, v in state.items() if k not in extra}
+
+
+TIED_NAMES = {"lm_head.weight": "model.embed_tokens.weight"}  # a tied head is saved once, as the embedding
 
 
 def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

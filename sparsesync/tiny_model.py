@@ -9,7 +9,11 @@ MoE experts are written one tensor per expert). The architectures (`ARCHS`):
 - "qwen3": Qwen3, untied embeddings (the default, and the project's first test model);
 - "qwen3-tied": Qwen3 with tied embeddings (Qwen3-0.6B to 4B, Llama-3.2 and Gemma are tied);
 - "llama": a Llama-style model (no q/k norms), untied;
-- "qwen3-moe": Qwen3-MoE with 4 experts, top-2 routing, in every layer.
+- "qwen3-moe": Qwen3-MoE with 4 experts, top-2 routing, in every layer;
+- "qwen3-moe-8e": Qwen3-MoE with 8 experts, top-2, `norm_topk_prob` false, in every layer;
+- "qwen3-moe-mixed": Qwen3-MoE with 6 experts, top-3, `norm_topk_prob` true, and dense MLP layers
+  beside the sparse ones (`decoder_sparse_step` 2 and `mlp_only_layers`): 4 layers, only layer 1
+  sparse.
 
 All share hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32 (a head size vLLM's CPU build
 accepts). `hidden`/`layers` make bigger models of the same shape for benchmarks. The tokenizer
@@ -96,7 +100,9 @@ def tiny_config(vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, **overrides
     return Qwen3Config(**kw)
 
 
-ARCHS = ("qwen3", "qwen3-tied", "llama", "qwen3-moe")
+ARCHS = ("qwen3", "qwen3-tied", "llama", "qwen3-moe", "qwen3-moe-8e", "qwen3-moe-mixed")
+# per MoE architecture: (experts, experts per token, norm_topk_prob, decoder_sparse_step, extra dense layers)
+_MOE = {"qwen3-moe": (4, 2, True, 1, 0), "qwen3-moe-8e": (8, 2, False, 1, 0), "qwen3-moe-mixed": (6, 3, True, 2, 2)}
 
 
 def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, *, hidden: int = 128, layers: int = 2) -> Any:
@@ -117,9 +123,12 @@ def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, 
                            rms_norm_eps=1e-6, rope_theta=10000.0, **size, **ids)
     from transformers import Qwen3MoeConfig
 
+    experts, top_k, norm, step, extra = _MOE[arch]
+    size["num_hidden_layers"] = layers + extra
+    dense = [layers + extra - 1] if extra else []  # the last layer: dense by mlp_only_layers (the even ones by the step)
     return Qwen3MoeConfig(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-                          rms_norm_eps=1e-6, rope_theta=10000.0, moe_intermediate_size=hidden // 2, num_experts=4,
-                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, moe_intermediate_size=hidden // 2, num_experts=experts,
+                          num_experts_per_tok=top_k, decoder_sparse_step=step, mlp_only_layers=dense, norm_topk_prob=norm,
                           **size, **ids)
 
 

@@ -56,7 +56,7 @@ def server() -> Iterator[_Server]:
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[_Server]:
     """Tight limits: 3 sessions, 0.5 s idle timeout."""
-    s = _Server(ServerConfig(max_sessions=3, idle_timeout_s=0.5, default_task="repeat"))
+    s = _Server(ServerConfig(max_sessions=3, idle_timeout_s=0.5, default_task="repeat", max_sessions_per_client=3))
     yield s
     s.stop()
 

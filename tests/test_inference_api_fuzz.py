@@ -30,7 +30,7 @@ from tests.test_inference_server import Server  # noqa: E402
 _TEXT = ["", "a", "Repeat the letter a:", "\ud800", "x\udfffy", "\x00", "é😀", "a" * 3000]
 _FLOATS = [0.0, -0.0, 1e-300, 5e-324, 1e300, -1.0, 0.5, 1.0, 2.0]
 _INTS = [0, 1, -1, 2, 511, 512, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30]
-_SMALL = {"n": [1, 2], "max_tokens": [1, 3]}  # request size: valid values stay cheap
+_SMALL = {"n": [1, 2], "max_tokens": [1, 3], "max_completion_tokens": [1, 3]}  # request size: valid values stay cheap
 
 
 def _resolve(schema: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +89,17 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
 def _check(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
     r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code < 500, (path, body, r.status_code, r.text)
+    if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all(json.loads(e)["object"] for e in events[:-1]), (body, r.text[:300])
+        return
     data = r.json()
     if r.status_code >= 400:
         err = data.get("error")
         assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"] and isinstance(err.get("type"), str), (body, data)
     else:
-        assert data["choices"] and all(len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"]) for c in data["choices"])
+        lps = [c["logprobs"].get("token_logprobs") or c["logprobs"]["content"] for c in data["choices"]]
+        assert data["choices"] and all(len(c["token_ids"]) == len(lp) for c, lp in zip(data["choices"], lps, strict=True))
 
 
 @pytest.mark.slow

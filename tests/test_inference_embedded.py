@@ -199,3 +199,107 @@ def test_tied_model_takes_the_lm_head_alias_only_when_it_equals_the_embedding(tm
     with pytest.raises(WeightUpdateError, match="ties them"):
         engine.apply_sparse(2, {emb: upd, "lm_head.weight": upd}, {emb: new, "lm_head.weight": new + 1})
     assert engine.weight_version == 1
+
+
+def _replace_down_proj(engine) -> None:  # type: ignore[no-untyped-def]
+    """What user code (or a library hook) may do: swap a parameter of the live model for a copy."""
+    import torch
+
+    mlp = engine.model.model.layers[0].mlp
+    mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach().clone(), requires_grad=False)
+
+
+def test_a_replaced_parameter_fails_the_check_until_a_full_load(tiny):
+    """The read-back reads the parameters the forward pass uses at check time: a sparse update
+    after a parameter was replaced raises EngineCheckError (version null), even when the
+    update does not touch it; a full load writes into the live parameters and recovers."""
+    import torch
+
+    from sparsesync.codec.apply import SparseUpdate
+    from sparsesync.errors import EngineCheckError
+
+    engine = EmbeddedEngine(tiny)
+    trainer = Trainer(tiny, seed=5)
+    engine.load_full(1, trainer.step())
+    _replace_down_proj(engine)
+    name = "model.layers.1.self_attn.o_proj.weight"  # not the replaced one
+    new = trainer.state[name].clone()
+    new.view(-1)[:4] += 1
+    with pytest.raises(EngineCheckError, match="model.layers.0.mlp.down_proj.weight"):
+        engine.apply_sparse(2, {name: SparseUpdate(torch.arange(4), new.view(-1)[:4].clone())}, {name: new})
+    assert engine.weight_version is None and engine.check_error and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
+    state = trainer.step()
+    engine.load_full(3, state)
+    assert engine.weight_version == 3 and tensor_digests(engine.state_dict()) == tensor_digests(state)
+    assert _greedy(engine) == _greedy(EmbeddedEngine(trainer.save_version(tiny.parent / "v3")))
+
+
+def test_a_replica_whose_parameter_was_replaced_never_serves_stale_weights(tiny, tmp_path, caplog):
+    """The issue's case: a replica follows v1, a parameter of the live model is replaced by a
+    copy, v2 arrives. Today's main wrote v2 into the orphaned tensor, checked that tensor, and
+    served v2's label with v1's down_proj. Now the sparse apply fails its check and the
+    follower's full reload writes into the live parameters: v2, equal to a fresh engine."""
+    from inference_space.testing import follow_then_break
+
+    engine = EmbeddedEngine(tiny)
+    with caplog.at_level("ERROR"):
+        replica = follow_then_break(engine, tiny, str(tmp_path / "bucket"), lambda: _replace_down_proj(engine))
+    assert replica.status()["state"] == "following" and engine.weight_version == 2
+    trainer = Trainer(tiny, seed=4)  # the run follow_then_break published
+    trainer.step(), trainer.step()
+    fresh = EmbeddedEngine(trainer.save_version(tmp_path / "v2"))
+    assert _greedy(engine) == _greedy(fresh), "the replica labels v2 but computes with other weights"
+    assert any("replaced since the engine mapped it" in r.getMessage() for r in caplog.records)
+
+
+def test_sparse_updates_the_engine_cannot_vouch_for_are_refused(tiny):
+    """Issue 43, engine half: after a failed check every tensor is stale, so a sparse update
+    that brings only its touched tensors is refused; so is a delta from another version than
+    the one held. Both leave version null until a full load."""
+    import torch
+
+    from sparsesync.codec.apply import SparseUpdate
+    from sparsesync.errors import EngineCheckError
+
+    engine = EmbeddedEngine(tiny)
+    trainer = Trainer(tiny, seed=6)
+    engine.load_full(1, trainer.step())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    new = trainer.state[name].clone()
+    new.view(-1)[:2] += 1
+    upd = {name: SparseUpdate(torch.arange(2), new.view(-1)[:2].clone())}
+    with pytest.raises(EngineCheckError, match="delta from version 7, but the engine holds version 1"):
+        engine.apply_sparse(2, upd, {name: new}, base_version=7)
+    assert engine.weight_version is None
+    with pytest.raises(EngineCheckError, match="unverified since a failed update"):
+        engine.apply_sparse(2, upd, {name: new})
+    assert engine.weight_version is None
+    state = dict(trainer.state)
+    engine.load_full(1, state)
+    engine.apply_sparse(2, upd, {name: new}, base_version=1)
+    assert engine.weight_version == 2 and torch.equal(engine.state_dict()[name], new)
+
+
+def test_device_flag_defaults_to_cuda_when_there_is_one_and_reaches_the_engine(tiny, monkeypatch):
+    """Issue 42 item 3: `--device` (SPARSESYNC_DEVICE), default cuda when available, else cpu,
+    passed through the replica config to the embedded engine."""
+    import torch
+
+    from inference_space.__main__ import parse_config
+    from inference_space.replica import ReplicaConfig, build_replica
+    from sparsesync.errors import SparsesyncError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_config(["--model", "m"], environ={})[0].device == "cuda"
+    assert parse_config(["--model", "m", "--device", "cuda:1"], environ={})[0].device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_config(["--model", "m"], environ={})[0].device == "cpu"
+    assert parse_config(["--model", "m"], environ={"SPARSESYNC_DEVICE": "cpu"})[0].device == "cpu"
+    with pytest.raises(SparsesyncError, match="no CUDA device"):
+        parse_config(["--model", "m", "--device", "cuda"], environ={})
+    with pytest.raises(SparsesyncError, match="not a torch device"):
+        parse_config(["--model", "m", "--device", "gpu0"], environ={})
+    monkeypatch.undo()
+    replica = build_replica(ReplicaConfig(model=str(tiny), device="cpu:0"))  # "cpu:0": not the engine's default
+    assert isinstance(replica.engine, EmbeddedEngine) and replica.engine.device == torch.device("cpu", 0)
+    assert replica.engine.generate(PROMPTS[0], GREEDY)[0].token_ids

@@ -32,14 +32,14 @@ def free_port() -> int:
 class Server:
     """uvicorn in a thread, serving `create_app(replica)`."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, **app_options: object) -> None:
         import uvicorn
 
         from inference_space.server import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(replica), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(create_app(replica, **app_options), host="127.0.0.1", port=self.port, log_level="warning")  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -90,7 +90,10 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
         ch = out["choices"][0]
         assert set(ch) >= {"index", "text", "finish_reason", "prompt_token_ids", "token_ids", "logprobs", "weight_version"}
         assert len(ch["token_ids"]) == len(ch["logprobs"]["token_logprobs"]) == 6 and ch["finish_reason"] == "length"
-        assert ch["logprobs"]["tokens"] == ch["token_ids"]
+        lp = ch["logprobs"]  # OpenAI's shape: token strings, offsets, the top-1 beside the sampled token
+        assert lp["tokens"] == [replica.engine.tokenizer.decode([t]) for t in ch["token_ids"]]
+        assert lp["text_offset"][0] == 0 and len(lp["text_offset"]) == len(lp["top_logprobs"]) == 6
+        assert all(lp["tokens"][i] in lp["top_logprobs"][i] for i in range(6))  # greedy: sampled == top-1
         assert out["usage"] == {"prompt_tokens": len(ch["prompt_token_ids"]), "completion_tokens": 6, "total_tokens": len(ch["prompt_token_ids"]) + 6}
         assert c.get("/sync").json()["serving_version"] is None
 

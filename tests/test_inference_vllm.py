@@ -286,3 +286,44 @@ def test_vllm_tensor_parallel_2_follows_a_run(tiny, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _TP_CELL, str(tmp_path), str(tiny)], capture_output=True, text=True, timeout=900, env=env)
     tail = [ln for ln in (proc.stdout + proc.stderr).splitlines() if " INFO " not in ln and " WARNING " not in ln][-25:]
     assert proc.returncode == 0 and "TP2 OK 3" in proc.stdout, "\n".join(tail)
+
+
+def test_vllm_lora_slot_generates_like_a_fresh_engine_with_the_same_adapter(tmp_path):
+    """What vllm_adapter.py promises: a replica's adapter slot, after following a run of adapter
+    versions, generates what a fresh vLLM engine loaded with that adapter generates (the adapter
+    as PEFT itself saves it, registered at the fresh engine's first request): equal token ids,
+    logprobs within 1e-3."""
+    pytest.importorskip("peft")
+    import torch
+    from vllm.lora.request import LoRARequest
+
+    from inference_space.engines.vllm_adapter import VllmAdapterEngine
+    from inference_space.engines.vllm_engine import VllmEngine
+    from sparsesync.protocol.run import Run
+    from tests.test_lora import TARGETS, LoraTrainer
+
+    base, bucket = build_tiny_model(tmp_path / "base", seed=0), str(tmp_path / "bucket")
+    trainer = LoraTrainer(base, torch.bfloat16, seed=3, lr=3e-2, targets=TARGETS)
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.publish(trainer.model, 0)
+        pub.flush()
+        meta = Run(bucket).newest().adapter
+        replica = VllmAdapterEngine(base, adapter=meta, kv_cache_memory_bytes=32 << 20)
+        _KEEP.append(replica)
+        follower = Follower(bucket, hook=replica, adapter=meta)
+        for step in range(0, 4):
+            if step:
+                trainer.step()
+                pub.publish(trainer.model, step)
+                pub.flush()
+            assert follower.sync_once() == step == replica.weight_version
+    trainer.model.save_pretrained(tmp_path / "peft")  # PEFT's own folder, not the replica's slot
+    fresh = VllmEngine(base, enable_lora=True, max_lora_rank=8, max_loras=1, kv_cache_memory_bytes=32 << 20)
+    _KEEP.append(fresh)
+    fresh._lora_request = LoRARequest("fresh", 1, str(tmp_path / "peft"))
+    for prompt in PROMPTS:
+        (a,), (b,) = replica.generate(prompt, GREEDY), fresh.generate(prompt, GREEDY)
+        assert a.token_ids == b.token_ids and a.weight_version == 3
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-3
+    fresh._lora_request = None  # the base alone: the adapter must matter, or the test proves nothing
+    assert [replica.generate(p, GREEDY)[0].logprobs for p in PROMPTS] != [fresh.generate(p, GREEDY)[0].logprobs for p in PROMPTS]

@@ -65,12 +65,12 @@ def test_grpo_trainer_server_mode_publishes_and_generates_on_replicas(arch: str,
         client = trainer.vllm_generation.vllm_client
         assert isinstance(client, SparsesyncVLLMClient) and client.replicas == [r1.url, r2.url]
         before = model_state(trainer.model)
-        trainer.train()
-        trainer.vllm_generation.sync_weights()  # what the next step would publish: the trained weights
+        trainer.train()  # publishes the trained weights when it ends
+        trainer.vllm_generation.sync_weights()  # a sync at the same step publishes nothing new
         client.close()
 
     commits = Run(bucket).commits()
-    assert [c.version for c in commits] == [0, 1, 2, 3]  # one version per weight sync
+    assert [c.version for c in commits] == [0, 1, 2, 3]  # versions = global_step: before each step, and at the end
     assert client.served == [0, 1, 2]  # every step generated on exactly the version synced before it
     _rec, v0, _ = Run(bucket).reconstruct(0)
     assert _bits_equal(v0, before) and "lm_head.weight" not in v0  # tied: the checkpoint's key set
@@ -99,8 +99,9 @@ def test_weight_update_fails_in_bounded_time_when_a_replica_does_not_follow_the_
 
 
 def test_grpo_trainer_server_mode_resumed_continues_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Resumed from its checkpoint, the trainer's first sync is an anchor after the run's newest
-    version (versions count weight syncs); the replica follows it."""
+    """Resumed from its checkpoint at the run's newest version (the weights published when the
+    first run ended), the trainer continues the run: its first sync publishes nothing (the
+    weights are that version, checked by digest), the next versions are deltas; the replica follows."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -131,13 +132,14 @@ def test_grpo_trainer_server_mode_resumed_continues_the_run(tmp_path: Path, monk
         client = resumed.vllm_generation.vllm_client
         client.close()
     commits = Run(bucket).commits()
-    assert [c.version for c in commits] == [0, 1, 2] and commits[2].has_anchor and client.served == [2]
-    follower = Follower(bucket)
-    assert follower.sync_once() == 2 and replica.status()["serving_version"] == 2
+    assert [c.version for c in commits] == [0, 1, 2, 3] and client.served == [2]
+    assert not commits[3].has_anchor and commits[3].base_version == 2  # continued: a delta
     from sparsesync.checkpoint import load_checkpoint
 
     saved = {k: v.to(torch.bfloat16) for k, v in load_checkpoint(tmp_path / "out" / "checkpoint-2").items()}
-    assert _bits_equal(follower.mirror, saved)  # version 2 is the checkpoint the run resumed from
+    assert _bits_equal(Run(bucket).reconstruct(2)[1], saved)  # version 2 is the checkpoint the run resumed from
+    follower = Follower(bucket)
+    assert follower.sync_once() == 3 and _bits_equal(follower.mirror, model_state(resumed.model))
 
 
 def test_generation_from_another_version_is_refused(tmp_path: Path) -> None:

@@ -174,8 +174,8 @@ def test_cli_push_pull_peft_folder_round_trips(bases, tmp_path):  # type: ignore
     assert json.loads((out / "adapter_config.json").read_text()) == json.loads((folders[-1] / "adapter_config.json").read_text())
     want = load_file(str(folders[-1] / "adapter_model.safetensors"))
     assert tensor_digests(load_file(str(out / "adapter_model.safetensors"))) == tensor_digests(want)
-    res = runner.invoke(app, ["pull", run, str(tmp_path / "v1"), "--version", "1"], catch_exceptions=False)
-    assert tensor_digests(load_file(str(tmp_path / "v1" / "adapter_model.safetensors"))) == tensor_digests(
+    res = runner.invoke(app, ["pull", run, str(tmp_path / "v0"), "--version", "0"], catch_exceptions=False)  # a new run starts at 0
+    assert tensor_digests(load_file(str(tmp_path / "v0" / "adapter_model.safetensors"))) == tensor_digests(
         load_file(str(folders[0] / "adapter_model.safetensors")))
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3-tied"], dtype=torch.bfloat16), out,
                                        autocast_adapter_dtype=False)
@@ -326,3 +326,65 @@ def test_demo_lora_replicas_end_bit_exact_to_the_trainers_adapter(tmp_path):  # 
     assert commits[-1].adapter.base_model == str(tmp_path / "model") and "lm_head" in commits[-1].adapter.target_modules
     assert [st["engine"] for st in report.replicas.values()] == ["embedded-lora"]
     assert report.full_bytes == sum(t.numel() * 2 for t in Run(report.bucket).reconstruct(None)[1].values())  # the adapter
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-tied"])
+def test_adapter_saved_with_peft_defaults_targeting_lm_head_round_trips(bases, tmp_path, arch):  # type: ignore[no-untyped-def]
+    """What `sparsesync demo --lora` trains, saved with PEFT's defaults: a bf16 adapter on an fp32
+    base whose target_modules include lm_head. PEFT then also saves the head's frozen base weight
+    (`save_embedding_layers="auto"`), in the base's dtype. push checks it against the base and
+    leaves it out; pull writes a folder PeftModel loads as it loads the pushed one, bit for bit."""
+    from transformers import AutoTokenizer
+
+    base = bases[arch]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS + ["lm_head"], lora_dropout=0.0),
+                           autocast_adapter_dtype=False)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    with torch.no_grad():  # a trained adapter: lora_B is no longer zero
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.02)
+    folder = tmp_path / "checkpoint-3"
+    model.save_pretrained(folder)  # PEFT's defaults
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    head = "base_model.model.lm_head.base_layer.weight"
+    assert saved[head].dtype == torch.float32 and saved["base_model.model.lm_head.lora_A.weight"].dtype == torch.bfloat16
+
+    run, out, runner = str(tmp_path / "run"), tmp_path / "pulled", CliRunner()
+    res = runner.invoke(app, ["push", str(folder), run], catch_exceptions=False)  # base: base_model_name_or_path
+    assert res.exit_code == 0 and "pushed version 3" in res.output, res.output
+    assert Run(run).newest().adapter.dtype == "bfloat16"
+    res = runner.invoke(app, ["pull", run, str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not (out / "config.json").exists()  # an adapter folder loads with its base's config
+    pulled = load_file(str(out / "adapter_model.safetensors"))
+    assert set(pulled) == set(saved) - {head}
+    assert tensor_digests(pulled) == tensor_digests({k: v for k, v in saved.items() if k != head})
+    def peft_logits(adapter_dir: Path) -> torch.Tensor:
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter_dir)
+        with torch.no_grad():
+            return loaded(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits
+
+    assert torch.equal(peft_logits(out), peft_logits(folder))  # the pulled folder loads as the pushed one
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(base).chat_template
+
+    # the saved head that is not the base's is refused, naming the tensor
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    from safetensors.torch import save_file
+
+    save_file({**saved, head: saved[head] + 1}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=r"lm_head\.base_layer\.weight.*is not the base"):
+        runner.invoke(app, ["push", str(bad), str(tmp_path / "run2")], catch_exceptions=False)
+    # with no base at hand to check it against, the PEFT option to use is named
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+    with pytest.raises(ConfigError, match="save_embedding_layers=False"):
+        runner.invoke(app, ["push", str(bad), run], catch_exceptions=False)

@@ -1,8 +1,9 @@
-"""The README's TRL block, run as written against a tiny local model and two real replicas.
+"""The README's TRL block, run as printed against a tiny local model and two real replicas.
 
 Only the configuration lines (MODEL, BUCKET, REPLICAS) are replaced: the tiny model folder, a
 local bucket, and two embedded-engine replicas (inference_space over uvicorn on 127.0.0.1)
-following it; and `GRPOConfig` gets `use_cpu=True, bf16=False` (no GPU here). The bucket then reconstructs the trained weights bit for bit.
+following it. Nothing else is changed (the block itself trains on CPU in fp32 where there is
+no GPU). The bucket then reconstructs the trained weights bit for bit, the last step's included.
 """
 
 from __future__ import annotations
@@ -38,14 +39,8 @@ def readme_trl_block() -> str:
 
 @pytest.mark.filterwarnings("ignore")
 def test_readme_trl_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import functools
-
-    import trl
-
     block = readme_trl_block()
     assert len(CONFIG.findall(block)) == 1
-    # this machine has no GPU: the block's GRPOConfig trains on CPU in fp32 (TRL defaults to bf16 on GPU)
-    monkeypatch.setattr(trl, "GRPOConfig", functools.partial(trl.GRPOConfig, use_cpu=True, bf16=False))
     model_dir = build_tiny_model(tmp_path / "model", seed=0, arch="qwen3-tied")
     bucket = str(tmp_path / "bucket")
     monkeypatch.chdir(tmp_path)
@@ -59,11 +54,21 @@ def test_readme_trl_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         exec(compile(CONFIG.sub(lambda _: config, block), str(README), "exec"), scope)  # noqa: S102
     trainer = scope["trainer"]
     commits = Run(bucket).commits()
-    assert [c.version for c in commits] == [0, 1]  # a weight sync before each of the 2 steps
+    # versions = global_step: a weight sync before each of the 2 steps, and the trained weights at the end
+    assert [c.version for c in commits] == [0, 1, 2]
+    assert trainer.state.global_step == 2
     assert trainer.vllm_generation.vllm_client.served == [0, 1]  # generated on the replicas, on those versions
     assert (tmp_path / "grpo-out").is_dir()
-    # version 0: the model folder's weights bit for bit (its key set: the tied head once); version 1: trained
+    # version 0: the model folder's weights bit for bit (its key set: the tied head once); 1: trained;
+    # 2: the weights after the last optimizer step, exactly what the trainer holds (bf16 cast)
     start, v0, v1 = load_checkpoint(model_dir), Run(bucket).reconstruct(0)[1], Run(bucket).reconstruct(1)[1]
-    assert set(v0) == set(v1) == set(start) == set(model_state(trainer.model))
+    final = model_state(trainer.model)
+    assert set(v0) == set(v1) == set(start) == set(final)
     assert all(torch.equal(v0[k].view(torch.uint8), start[k].view(torch.uint8)) for k in start)
     assert any(not torch.equal(v0[k], v1[k]) for k in start)
+    v2 = Run(bucket).reconstruct(2)[1]
+    assert all(torch.equal(v2[k].view(torch.uint8), final[k].view(torch.uint8)) for k in final)
+    assert any(not torch.equal(v1[k], v2[k]) for k in final)
+    # the model's config and tokenizer travel with every version: a pulled folder loads as is
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        f.name for f in commits[-1].files}

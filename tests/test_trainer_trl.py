@@ -78,6 +78,20 @@ def test_grpo_trainer_callback_publishes_bit_exact(tiny_model: Path, tmp_path: P
     commits = Run(str(bucket)).commits()
     assert [c.version for c in commits] == [0, 1, 2]  # initial weights, then one version per step
     assert cb.version == 2
+    # the model's config and the tokenizer travel with every version, byte for byte as saved
+    names = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    assert all({f.name for f in c.files} == names for c in commits)
+    pulled = tmp_path / "pulled"
+    from typer.testing import CliRunner
+
+    from sparsesync.cli import app
+
+    assert CliRunner().invoke(app, ["pull", str(bucket), str(pulled)]).exit_code == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(pulled).chat_template == trainer.processing_class.chat_template
+    loaded = AutoModelForCausalLM.from_pretrained(pulled, dtype=torch.bfloat16)
+    assert _bits_equal(model_state(loaded), model_state(trainer.model))
     # version 0 is the weights as loaded; the trainer really trained (a delta with changes)
     _rec, v0, _ = Run(str(bucket)).reconstruct(0)
     assert _bits_equal(v0, before)
@@ -443,3 +457,20 @@ def test_vllm_engine_takes_the_key_set_of_every_path_for_a_tied_model(tmp_path: 
         _follow(engine, runs)  # one engine follows one run, then the other (an anchor replaces its weights)
     finally:
         engine.close()
+
+
+def test_trls_vllm_version_warning_shows_at_most_once() -> None:
+    """TRL warns about the vLLM version from every module that checks it (5-8 times per import);
+    after sparsesync's integration is imported, importing TRL's trainers shows it at most once."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('default')\n"
+            "from sparsesync.integrations.trl_client import sparsesync_server_mode\n"
+            "from trl import GRPOConfig, GRPOTrainer\n"
+            "import trl.generation.vllm_generation, trl.generation.vllm_client\n"
+            "from trl.experimental.async_grpo import AsyncGRPOTrainer\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("TRL currently supports vLLM versions") <= 1, res.stderr

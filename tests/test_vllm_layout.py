@@ -40,3 +40,33 @@ def test_locations_in_fused_layers():
     down = layout.locate("model.layers.0.mlp.experts.1.down_proj.weight")
     assert (down.param, down.kind, down.expert) == ("w2_weight", "expert_w2", 1)
     assert layout.locate("model.embed_tokens.weight").kind == "vocab"
+
+
+def test_auto_picks_the_reload_path_on_gpu_too_and_sparse_is_an_opt_in():
+    """The sparse in-place path has never run on a GPU here: `auto` must not pick it anywhere."""
+    import pytest
+
+    from inference_space.engines.vllm_engine import apply_mode
+    from sparsesync.errors import EngineError
+
+    assert apply_mode("auto", on_cpu=False) == "reload"
+    assert apply_mode("auto", on_cpu=True) == "reload"
+    assert apply_mode("reload", on_cpu=False) == "reload"
+    assert apply_mode("sparse", on_cpu=False) == "sparse"  # asked for by name only
+    with pytest.raises(EngineError, match="needs a GPU"):
+        apply_mode("sparse", on_cpu=True)
+    with pytest.raises(EngineError, match="expected one of"):
+        apply_mode("inplace", on_cpu=False)
+
+
+def test_vllm_apply_flag_reaches_the_replica_config():
+    import pytest
+
+    from inference_space.__main__ import parse_config
+    from sparsesync.errors import SparsesyncError
+
+    assert parse_config(["--model", "m"], environ={})[0].vllm_apply == "auto"
+    assert parse_config(["--model", "m", "--vllm-apply", "sparse"], environ={})[0].vllm_apply == "sparse"
+    assert parse_config(["--model", "m"], environ={"SPARSESYNC_VLLM_APPLY": "reload"})[0].vllm_apply == "reload"
+    with pytest.raises(SparsesyncError, match="expected auto, reload or sparse"):
+        parse_config(["--model", "m", "--vllm-apply", "fast"], environ={})

@@ -131,7 +131,7 @@ def _summary(rec: dict[str, Any]) -> str:
     if "staleness_max" in rec:
         parts.append(f"stale {rec['staleness_max']:.0f}")
     if rec.get("sync_bytes") is not None:
-        parts.append(f"sync {_fmt_bytes(rec['sync_bytes'])} ({rec.get('density', 0.0):.1%})")
+        parts.append(f"sync {_fmt_bytes(rec['sync_bytes'])} ({rec.get('density', 0.0):.1%} of elements changed)")
     lags = [v for k, v in rec.items() if k.startswith("lag/") and v is not None]
     if lags:
         parts.append(f"lag {max(lags):.0f}")

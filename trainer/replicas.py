@@ -69,7 +69,7 @@ class ReplicaPool:
         *,
         timeout_s: float = 60.0,
         cooldown_s: float = 2.0,
-        model: str = "policy",
+        model: str | None = None,  # None: the replica's served model (a wrong name is a 404)
         headers: dict[str, str] | None = None,
     ) -> None:
         if not urls:
@@ -97,7 +97,7 @@ class ReplicaPool:
     ) -> Completion:
         """Sample `n` completions of `prompt` from one replica, failing over to the others."""
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            **({"model": self.model} if self.model else {}), "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "top_p": top_p, "n": n, "logprobs": 1,
         }
         if seed is not None:

@@ -21,8 +21,24 @@ forward pass computes with back in checkpoint coordinates and compares them with
 failed or whose read-back differs reports `weight_version` None and `check_error` until a
 later load succeeds: it never labels output with a version it does not hold.
 
+Bounded hold: a batch that runs while a committed version waits longer than `max_hold_s`, or
+that runs past `request_timeout_s`, is cut at its next decoding step: its unfinished completions
+end with finish reason "abort" and `stop_reason` "weight_update" or "request_timeout" (engines
+that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore both).
+
+What the read-back covers (every tensor whose engine bits could differ from the version): a
+full load checks every tensor. A sparse update checks the tensors it touched, and is refused
+(`EngineCheckError`, so the caller reloads fully) when the engine cannot vouch for the rest:
+after any failed write or check every tensor is stale until a full load passed, and a caller
+that names the update's `base_version` is refused when the engine holds another version.
+Cheap and sound: untouched tensors were verified when they were last written, and only a
+failure or a skipped version can make them differ (the embedded engine also checks at every
+update that no parameter or buffer the forward pass reads was replaced or rewritten behind
+its back).
+
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
-vLLM's default "raw_logprobs"), one per sampled token.
+vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` 1 also
+the most likely token's (OpenAI's top-1).
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ import torch
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
 MIN_TOP_P = 1e-6
 
@@ -62,6 +78,7 @@ class SamplingParams:
     top_k: int = 0  # sample among the k most likely tokens (0: all)
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
     repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (1: off)
+    logprobs: int = 0  # top logprobs per token besides the sampled one's: 0 or 1 (the most likely token)
 
     def validate(self) -> None:
         if not 1 <= self.max_tokens <= 1 << 20:
@@ -80,6 +97,8 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be in [0.01, 100] (1: off)")
         if not 1 <= self.n <= 256:
             raise ConfigError(f"n={self.n}: must be in [1, 256]")
+        if self.logprobs not in (0, 1):
+            raise ConfigError(f"logprobs={self.logprobs}: only 0 or 1 top logprobs per token")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r}: stop strings must be non-empty strings")
 
@@ -95,6 +114,8 @@ class Completion:
     logprobs: list[float]  # log p(token_ids[i]) under the weights of `weight_version`
     finish_reason: FinishReason
     weight_version: int | None  # None: the weights from --model, before any bucket version
+    stop_reason: str | None = None  # why an "abort" ended it: "weight_update" | "request_timeout"
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the most likely token's logprob (logprobs=1)
 
 
 @dataclass
@@ -127,6 +148,7 @@ class _Gate:
         self._cond = threading.Condition()
         self._busy = False
         self._updates_waiting = 0
+        self.update_waiting_since: float | None = None  # monotonic time the oldest waiting update arrived
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -147,11 +169,15 @@ class _Gate:
         t0 = time.perf_counter()
         with self._cond:
             self._updates_waiting += 1
+            if self.update_waiting_since is None:
+                self.update_waiting_since = time.monotonic()
             try:
                 while self._busy:
                     self._cond.wait()
             finally:
                 self._updates_waiting -= 1
+                if not self._updates_waiting:
+                    self.update_waiting_since = None
             self._busy = True
         try:
             yield time.perf_counter() - t0
@@ -185,7 +211,11 @@ class Engine(ABC):
         self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
         self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
         self.check_error: str | None = None  # why the served weights are not a verified version
+        self._stale: set[str] = set()  # tensors not verified since a failed write (all of them, then)
         self.pauses = PauseStats()
+        self.max_hold_s: float | None = None  # a batch holding a waiting update this long is cut (None: never)
+        self.request_timeout_s: float | None = None  # a batch running this long is cut (None: never)
+        self._batch_started = 0.0
 
     # -- generation ---------------------------------------------------------------------
     @property
@@ -223,6 +253,7 @@ class Engine(ABC):
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         with self._gate.batch():
             version = self._version
+            self._batch_started = time.monotonic()
             outs = self._generate(ids, params)
         for c in outs:
             c.weight_version = version
@@ -230,7 +261,18 @@ class Engine(ABC):
 
     @abstractmethod
     def _generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        """Runs under the gate (no update can happen meanwhile); weight_version is set by the caller."""
+        """Runs under the gate (no update can happen meanwhile); weight_version is set by the caller.
+        Engines that decode step by step call `_cut_reason()` between steps."""
+
+    def _cut_reason(self) -> str | None:
+        """Why the running batch must stop now ("weight_update", "request_timeout"), or None."""
+        now = time.monotonic()
+        waiting = self._gate.update_waiting_since
+        if self.max_hold_s is not None and waiting is not None and now - waiting > self.max_hold_s:
+            return "weight_update"
+        if self.request_timeout_s is not None and now - self._batch_started > self.request_timeout_s:
+            return "request_timeout"
+        return None
 
     # -- the ApplyHook ------------------------------------------------------------------
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -242,27 +284,50 @@ class Engine(ABC):
             self._guarded(version, lambda: self._load_full(version, tensors))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        """Write the changed elements of one verified version in place, check them, then serve `version`."""
+    def apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None
+    ) -> None:
+        """Write the changed elements of one verified version in place, check them, then serve `version`.
+
+        `full`: the version's value of every touched tensor (and of any stale one, see above).
+        `base_version`: the version the update is relative to; when given and the engine holds
+        another (or none), the update is refused with `EngineCheckError` and nothing is written."""
         self._validate_sparse(updates, full)
         updates = {k: v for k, v in updates.items() if k not in self._aliases}
         full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._guarded(version, lambda: self._apply_sparse(version, updates, full))
+            self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version))
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
+    def _sparse_if_sound(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], base_version: int | None) -> None:
+        if base_version is not None and base_version != self._version:
+            raise EngineCheckError(
+                f"{self.name} engine: version {version} is a delta from version {base_version}, but the engine holds "
+                f"{'no verified version' if self._version is None else f'version {self._version}'}",
+                hint="the replica reloads the version in full",
+            )
+        unverifiable = sorted(self._stale - set(full))
+        if unverifiable:
+            raise EngineCheckError(
+                f"{self.name} engine: {len(unverifiable)} tensor(s) are unverified since a failed update "
+                f"({', '.join(unverifiable[:3])}); a sparse update to version {version} cannot vouch for them",
+                hint="the replica reloads the version in full",
+            )
+        self._apply_sparse(version, updates, full)
+
     def _guarded(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
-        """Run a write (under the gate); the version moves only when it and its read-back passed."""
+        """Run a write (under the gate); the version moves only when it and its read-back passed.
+        Any failure leaves every tensor stale until a full load passes its check."""
         try:
             write()
         except EngineCheckError as e:
-            self._version, self.check_error = None, str(e)
+            self._version, self.check_error, self._stale = None, str(e), set(self._specs)
             raise
         except Exception as e:
-            self._version, self.check_error = None, f"update to version {version} failed half-way: {e}"
+            self._version, self.check_error, self._stale = None, f"update to version {version} failed half-way: {e}", set(self._specs)
             raise
-        self._version, self.check_error = version, None
+        self._version, self.check_error, self._stale = version, None, set()
 
     @staticmethod
     def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:

@@ -6,8 +6,11 @@ the live runtime parameter that holds it: a tied LM head is the embedding's stor
 transformers' runtime-fused experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)
 are sliced per expert; every view is checked against the checkpoint at start. Sparse updates
 are written in place through those views (`index_put_` on the flat view, under `no_grad`),
-then read back from the same parameters the forward pass uses and compared bit for bit with
-the version (the tied head must still share the embedding's storage). Generation is a plain
+then read back and compared bit for bit with the version. Views are resolved from the live
+module tree (`named_parameters`/`named_buffers`) at every update and check, never cached: a
+parameter replaced on the model (`layer.weight = nn.Parameter(...)`), a head untied from the
+embedding, or a rewritten buffer (rotary tables) fails the check (`EngineCheckError`), and
+only a full load (which writes into whatever the model then holds, ties intact) recovers. Generation is a plain
 KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-k, min-p and top-p sampling (after the
 repetition penalty, which also applies to greedy decoding) from
 a generator seeded with the request's seed, so a request with a seed is reproducible on one
@@ -49,10 +52,11 @@ class EmbeddedEngine(Engine):
         except (OSError, ValueError) as e:
             raise EngineError(f"cannot load the model in {self.model_dir}: {e}", hint="--model must be a transformers model folder") from e
         self.device = torch.device(device)
-        self._sd = _checkpoint_views(self.model, self.model_dir)  # checkpoint name -> live view of a parameter
-        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._sd.items()}
+        views = _checkpoint_views(self.model, self.model_dir)  # checkpoint name -> view of a parameter at start
+        self._live = _LiveMap(self.model, views)  # resolved from the live model at every update and check
+        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in views.items()}
         if getattr(self.model.config, "tie_word_embeddings", False):
-            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._sd and a not in self._sd}
+            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in views and a not in views}
         eos = self.model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -92,11 +96,16 @@ class EmbeddedEngine(Engine):
             )
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
         stop_texts: list[str | None] = [None] * n  # text cut before a stop string
+        cut: str | None = None
         past = None
         step_ids = input_ids
         for _ in range(max_new):
+            if (cut := self._cut_reason()) is not None:
+                finish = [f or "abort" for f in finish]
+                break
             out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
@@ -114,6 +123,9 @@ class EmbeddedEngine(Engine):
                 tok = int(next_ids[i])
                 tokens[i].append(tok)
                 logps[i].append(float(raw_logp[i, tok]))
+                if params.logprobs:
+                    best = int(raw_logp[i].argmax())
+                    tops[i].append({best: float(raw_logp[i, best])})
                 if tok in self._eos and not params.ignore_eos:
                     finish[i] = "stop"
                 elif params.stop:
@@ -131,7 +143,9 @@ class EmbeddedEngine(Engine):
             if text is None:
                 body = tokens[i][:-1] if reason == "stop" and tokens[i] and tokens[i][-1] in self._eos else tokens[i]
                 text = self.tokenizer.decode(body, skip_special_tokens=True)
-            result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None))
+            result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None,
+                                     stop_reason=cut if reason == "abort" else None,
+                                     top_logprobs=tops[i] if params.logprobs else None))
         return result
 
     @staticmethod
@@ -154,24 +168,33 @@ class EmbeddedEngine(Engine):
     # -- weights ------------------------------------------------------------------------
     @torch.no_grad()
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._live.adopt(self.model)  # a full load writes whatever parameters the model now holds
+        views = self._live.views(self.model)
         for name, t in tensors.items():
-            self._sd[name].copy_(t)
+            views[name].copy_(t)
         self._check(tensors)
 
     @torch.no_grad()
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        self._raise(self._live.tampered(self.model))  # nothing is written into a replaced parameter
+        views = self._live.views(self.model)
         for name, upd in updates.items():
-            dst = self._sd[name]
+            dst = views[name]
             flat = dst.view(-1)
             flat.index_put_((upd.indices.to(dst.device),), upd.values.to(dst.device))
         self._check(full)
 
     def _check(self, want: Mapping[str, torch.Tensor]) -> None:
-        """The engine-side proof: the parameters the forward pass reads hold `want`, bit for bit."""
-        bad = self._mismatches({n: self._sd[n].detach().cpu() for n in want}, {n: t.cpu() for n, t in want.items()})
-        head, emb = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        if self._aliases and head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
-            bad.append("lm_head.weight (no longer tied to the embedding)")
+        """The engine-side proof, read from the model's live parameters at check time: no
+        parameter or buffer the forward pass reads was replaced, untied or rewritten behind the
+        engine's back, and the tensors of `want` hold its bits."""
+        bad = self._live.tampered(self.model)
+        views = self._live.views(self.model)
+        bad += self._mismatches({n: views[n].detach().cpu() for n in want}, {n: t.cpu() for n, t in want.items()})
+        self._raise(bad)
+
+    @staticmethod
+    def _raise(bad: list[str]) -> None:
         if bad:
             raise EngineCheckError(
                 f"embedded engine: {len(bad)} tensor(s) read back differ from the version: {', '.join(bad[:5])}",
@@ -179,7 +202,99 @@ class EmbeddedEngine(Engine):
             )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self._sd.items()}
+        return {k: v.detach().cpu().clone() for k, v in self._live.views(self.model).items()}
+
+
+class _LiveMap:
+    """Checkpoint names -> where the live model holds them, resolved again at every use.
+
+    Records at start (and at each full load, `adopt`) the storage of every parameter and buffer
+    the forward pass reads, which of them share storage (a tied head), and a copy of the
+    buffers that are not checkpoint tensors (rotary tables); `tampered` reports any that was
+    replaced, untied, or (buffers) rewritten since."""
+
+    def __init__(self, model: Any, views: Mapping[str, torch.Tensor]) -> None:
+        live = _tensors(model)
+        at: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+        for key, t in live.items():
+            at.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), key)
+        self.where: dict[str, tuple[str, str | None, int]] = {}  # name -> (runtime key, expert part, expert)
+        self.strided: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}  # name -> (shape, stride, offset) in its key
+        for name, v in views.items():
+            m = EXPERT_KEY.match(name)
+            if m is not None and name not in live:
+                part = "down" if m["proj"] in ("down_proj", "w2") else "gate" if m["proj"] in ("gate_proj", "w1") else "up"
+                self.where[name] = (f"{m['layer']}.{'down_proj' if part == 'down' else 'gate_up_proj'}", part, int(m["e"]))
+            elif name in live and live[name].data_ptr() == v.data_ptr() and live[name].shape == v.shape:
+                self.where[name] = (name, None, 0)
+            else:
+                key = at.get((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride()))
+                if key is None:  # a slice of a runtime tensor (a conversion that fuses on load): kept by its strides
+                    key = next(k for k, t in live.items() if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
+                    self.strided[name] = (tuple(v.shape), v.stride(), v.storage_offset())
+                self.where[name] = (key, None, 0)
+        groups: dict[int, list[str]] = {}
+        for key, t in live.items():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(key)
+        self.shared = [sorted(g) for g in groups.values() if len(g) > 1]
+        ckpt_keys = {k for k, _, _ in self.where.values()}
+        self.volatile = _volatile_buffers(model)
+        self.buffers = {k: b.detach().clone() for k, b in model.named_buffers(remove_duplicate=False)
+                        if k not in ckpt_keys and k not in self.volatile}
+        self.adopt(model)
+
+    def adopt(self, model: Any) -> None:
+        self.ptrs = {k: t.data_ptr() for k, t in _tensors(model).items() if k not in self.volatile}
+
+    def views(self, model: Any) -> dict[str, torch.Tensor]:
+        live = _tensors(model)
+        out = {}
+        for name, (key, part, e) in self.where.items():
+            t = live[key]
+            if name in self.strided:
+                shape, stride, offset = self.strided[name]
+                out[name] = t.as_strided(shape, stride, offset)
+            elif part is None:
+                out[name] = t
+            elif part == "down":
+                out[name] = t[e]
+            else:
+                half = t.shape[1] // 2
+                out[name] = t[e, :half] if part == "gate" else t[e, half:]
+        return out
+
+    def tampered(self, model: Any) -> list[str]:
+        live = _tensors(model)
+        bad = [f"{k} (replaced since the engine mapped it)" for k, p in self.ptrs.items() if k not in live or live[k].data_ptr() != p]
+        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.ptrs and k not in self.volatile]
+        for group in self.shared:
+            if len({live[k].untyped_storage().data_ptr() for k in group if k in live}) > 1:
+                bad.append(f"{group[-1]} (no longer shares storage with {', '.join(group[:-1])})")
+        for k, ref in self.buffers.items():
+            b = live.get(k)
+            if b is not None and (b.shape != ref.shape or not torch.equal(b.detach(), ref)):
+                bad.append(f"{k} (buffer rewritten since the engine started)")
+        return bad
+
+
+def _volatile_buffers(model: Any) -> set[str]:
+    """Buffers the model itself swaps while generating: dynamic and long RoPE tables (transformers
+    re-registers `inv_freq` by sequence length). Derived from the config, never from a version."""
+    out = set()
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        rope = getattr(mod, "rope_type", None)
+        kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
+        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            out.update(f"{mod_name}.{b}" if mod_name else b for b, _ in mod.named_buffers(recurse=False))
+            out.update(f"{mod_name}.{k}_inv_freq" if mod_name else f"{k}_inv_freq" for k in (rope if isinstance(rope, dict) else {}))
+    return out
+
+
+def _tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the live model, tied names included."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers(remove_duplicate=False))
+    return out
 
 
 def _checkpoint_views(model: Any, model_dir: Path) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_space.engines.base import TensorSpec
-from inference_space.engines.embedded import EmbeddedEngine
+from inference_space.engines.embedded import EmbeddedEngine, _LiveMap
 from sparsesync.adapter import AdapterMeta, adapter_tensors, attach_adapter, check_base
 from sparsesync.errors import EngineError
 
@@ -30,13 +30,14 @@ class EmbeddedAdapterEngine(EmbeddedEngine):
 
     def __init__(self, model_dir: str | Path, *, adapter: AdapterMeta, **kwargs: Any) -> None:
         super().__init__(model_dir, **kwargs)
-        check_base(self._sd, adapter, str(self.model_dir))
+        check_base(self._live.views(self.model), adapter, str(self.model_dir))
         self.adapter = adapter
         self.model = attach_adapter(self.model, adapter).eval()
-        self._sd = adapter_tensors(self.model)  # PEFT names -> views of the live LoRA parameters
+        views = adapter_tensors(self.model)  # PEFT names -> views of the live LoRA parameters
         live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        if not self._sd or any(v.untyped_storage().data_ptr() not in live for v in self._sd.values()):
+        if not views or any(v.untyped_storage().data_ptr() not in live for v in views.values()):
             raise EngineError(f"cannot map the adapter of {adapter.base_model!r} onto the model in {self.model_dir}",
                               hint="the adapter's target_modules do not match this model")
-        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._sd.items()}
+        self._live = _LiveMap(self.model, views)
+        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in views.items()}
         self._aliases = {}

@@ -5,8 +5,11 @@ reach vLLM only through its weight-transfer API, with `finish` in a `finally`; v
 weight version moves only when an update succeeded and the worker's read-back of the weights
 the forward pass uses matched the version (`EngineCheckError` otherwise); the prefix cache is
 reset on every version switch; on CPU (`mode="reload"`) complete fused groups of only the
-touched layers are reloaded and a tied LM head is repacked from the new embedding; on GPU
-(`mode="sparse"`) versions are written in place in checkpoint coordinates.
+touched layers are reloaded and a tied LM head is repacked from the new embedding. The reload
+path is what `mode="auto"` (the default) picks on CPU and on GPU alike: it is the one the tests
+run. `mode="sparse"` (GPU only, an explicit opt-in: `--vllm-apply sparse`) writes versions in
+place in checkpoint coordinates through `load_checkpoint_weight_patches`; it has not yet run on
+a GPU here.
 Single-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"): starts in
 seconds, updates are handed over in memory. `tensor_parallel_size > 1` uses the
 multiprocessing executor, and updates reach every worker as a file under /dev/shm; on CPU the
@@ -86,13 +89,7 @@ class VllmEngine(Engine):
         on_cpu = current_platform.is_cpu()
         if on_cpu and tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(tensor_parallel_size))
-        if mode == "auto":
-            mode = "reload" if on_cpu else "sparse"
-        if mode not in ("reload", "sparse"):
-            raise EngineError(f"vllm mode '{mode}': expected 'auto', 'reload' or 'sparse'")
-        if mode == "sparse" and on_cpu:
-            raise EngineError("vllm mode 'sparse' needs a GPU", hint="use mode 'reload' (the default on CPU)")
-        self.mode = mode
+        self.mode = apply_mode(mode, on_cpu=on_cpu)
         self._state = load_checkpoint(self.model_dir)  # what vLLM serves, checkpoint coordinates
         self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._state.items()}
         kw: dict[str, Any] = dict(
@@ -117,7 +114,7 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
         from sparsesync.integrations.vllm.apply import WeightSync
 
-        self.sync = WeightSync(self.llm, self._state, mode=mode, check=check)
+        self.sync = WeightSync(self.llm, self._state, mode=self.mode, check=check)
         self.tokenizer = self.llm.get_tokenizer()
         self._vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
@@ -159,7 +156,7 @@ class VllmEngine(Engine):
             top_k=params.top_k,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            logprobs=0,  # the sampled token's logprob only
+            logprobs=params.logprobs,  # the sampled token's logprob, plus the most likely one's at 1
         )
         try:
             (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False,
@@ -174,7 +171,10 @@ class VllmEngine(Engine):
             if len(spans) > 1:  # cannot happen under the gate; say so loudly if it ever does
                 log.error("completion spans weight versions %s", sorted(spans))
             reason: FinishReason = "length" if c.finish_reason == "length" else "stop"
-            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None))
+            tops = None
+            if params.logprobs:  # vLLM's dict holds the sampled token and the top-1 (rank 1)
+                tops = [{t: float(x.logprob) for t, x in lp.items() if x.rank == 1} for lp in c.logprobs or []]
+            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None, top_logprobs=tops))
         return result
 
     # -- weights ------------------------------------------------------------------------
@@ -184,6 +184,9 @@ class VllmEngine(Engine):
         self.last_sent = sorted(self._state)
 
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        if self._stale:  # after a failure (base.Engine lets this through only with every stale tensor in `full`)
+            self._load_full(version, {**self._state, **full})
+            return
         with _check_errors():
             self.last_sent = self.sync.patch(version, updates)
 
@@ -207,6 +210,19 @@ class VllmEngine(Engine):
             import gc
 
             gc.collect()
+
+
+APPLY_MODES = ("auto", "reload", "sparse")
+
+
+def apply_mode(mode: str, *, on_cpu: bool) -> str:
+    """The update path a vLLM engine uses: "auto" is "reload" on every platform (the path the
+    tests run); "sparse" (in place, GPU only) must be asked for and has not yet run on a GPU."""
+    if mode not in APPLY_MODES:
+        raise EngineError(f"vllm apply mode '{mode}': expected one of {', '.join(APPLY_MODES)}", hint="--vllm-apply auto|reload|sparse")
+    if mode == "sparse" and on_cpu:
+        raise EngineError("vllm apply mode 'sparse' needs a GPU", hint="use --vllm-apply reload (what auto picks)")
+    return "reload" if mode == "auto" else mode
 
 
 def _cpu_bind(workers: int) -> str:

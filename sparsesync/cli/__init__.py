@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from sparsesync.cli import demo, deploy, run_info, weights
+from sparsesync.cli import demo, deploy, follow, run_info, weights
 from sparsesync.cli._errors import run_guarded
 from sparsesync.cli.status import status
 
@@ -26,6 +26,7 @@ app.command()(run_info.inspect)
 app.command()(run_info.verify)
 app.command()(run_info.gc)
 app.command()(demo.demo)
+app.command()(follow.follow)
 app.command()(status)
 app.add_typer(deploy.app, name="deploy")
 

@@ -12,9 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from sparsesync.cli._console import CliConsole
 from sparsesync.cli._errors import fail
 
-console = Console(highlight=False)
+console = CliConsole()
 
 
 def _fmt_count(n: int) -> str:
@@ -86,13 +87,25 @@ def _warn_rejected(rejected: dict[str, str]) -> None:
 
 
 def inspect(
-    target: Annotated[str, typer.Argument(help="A local patch file, or the URL of one in a store.")],
+    target: Annotated[str, typer.Argument(help="A local patch file, the URL of one in a store, or a run URL with --version.")],
+    version: Annotated[int | None, typer.Option(help="TARGET is a run URL: show the delta of this committed version.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the header as JSON.")] = False,
 ) -> None:
     """Show a patch's header (versions, digests, per-tensor encodings) without reading its body."""
     from sparsesync.codec import fetch_header
     from sparsesync.store import open_store
 
+    if version is not None:
+        from sparsesync.protocol.run import Run
+
+        run = Run(target)
+        refs = run.commit(version).delta_objects()
+        if not refs:
+            fail(f"version {version} of {run.url} is an anchor alone: it has no delta to inspect",
+                 f"`sparsesync log {target}` lists the versions with a delta")
+        for ref in refs:  # a version in parts: one header per part
+            _show_header(fetch_header(lambda start, length, key=ref.key: run.store.get_range(key, start, length)), as_json)
+        return
     if Path(target).exists():
         if not Path(target).is_file():  # a FIFO or a device would hang or never end
             fail(f"{target} is not a regular file", "name a patch file (.safetensors)")
@@ -102,6 +115,10 @@ def inspect(
         root, _, key = target.rpartition("/")
         store = open_store(root)
         header = fetch_header(lambda start, length: store.get_range(key, start, length))
+    _show_header(header, as_json)
+
+
+def _show_header(header: Any, as_json: bool) -> None:
     if as_json:
         from dataclasses import asdict
 
@@ -115,7 +132,7 @@ def inspect(
     for col in ("tensor", "dtype", "shape", "changed", "positions", "values", "base digest", "target digest"):
         t.add_column(col)
     for name, e in header.tensors.items():
-        t.add_row(name, str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", e.positions,
+        t.add_row(escape(name), str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", e.positions,
                   e.values, e.base_digest, e.target_digest)
     console.print(t)
 

@@ -19,11 +19,12 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console(highlight=False)
+from sparsesync.cli._console import CliConsole
+
+console = CliConsole()
 EXIT_UNHEALTHY = 3
 
 

@@ -4,13 +4,20 @@
 file system), then renamed into place, so a failure (read-only folder, full disk, a bad run)
 leaves DEST as it was. Into an existing folder it moves the new model files in (the index
 last) and removes every other `*.safetensors` and `*.safetensors.index.json` there, which
-loaders would otherwise read as part of the model; other files (config, tokenizer) stay.
+loaders would otherwise read as part of the model. The checkpoint files the run carries
+(config.json, generation_config.json, tokenizer files; `sparsesync.protocol.extras`), each
+checked against its recorded digest, are written beside the weights (replacing DEST's own);
+other files stay.
+
+`push` numbers a checkpoint by its optimizer step (trainer_state.json's global_step, else a
+`checkpoint-N` folder name) unless `--step` says otherwise, and says which it used.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +27,9 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-console = Console(highlight=False)
+from sparsesync.cli._console import CliConsole
+
+console = CliConsole()
 
 
 def _progress() -> Progress:
@@ -31,7 +40,8 @@ def _progress() -> Progress:
 def push(
     source: Annotated[Path, typer.Argument(help="A .safetensors file, a folder of safetensors shards, or a PEFT adapter folder.")],
     url: Annotated[str, typer.Argument(help="Run URL: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")],
-    step: Annotated[int | None, typer.Option(help="Version number to publish (default: newest + 1).")] = None,
+    step: Annotated[int | None, typer.Option(help="Version number to publish (default: the checkpoint's step, from "
+                                             "trainer_state.json's global_step or a checkpoint-N folder name; else newest + 1, 0 in a new run).")] = None,
     anchor_every: Annotated[int, typer.Option(help="Write a full anchor every N versions.")] = 50,
     public: Annotated[bool, typer.Option(help="Create the bucket public (default private).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
@@ -40,15 +50,21 @@ def push(
 ) -> None:
     """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due).
 
-    A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
+    The version is the checkpoint's optimizer step (see --step). The folder's config, generation
+    config and tokenizer files travel with it, so `pull` writes a folder that loads as is. A PEFT
+    adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.errors import ConfigError
     from sparsesync.protocol.layout import check_version
     from sparsesync.protocol.publisher import Publisher, PublisherConfig
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
 
     PublisherConfig(effort=effort).validate()  # before anything is read or written
+    step_from = "--step"
+    if step is None and (found := checkpoint_step(source)) is not None:
+        step, step_from = found
     if step is not None:
         check_version(step, url)  # before anything is written to the run
     config = None
@@ -56,14 +72,22 @@ def push(
         state, config = lora.read_adapter_folder(source)
     else:
         state = load_checkpoint(source)
+    extra = source if source.is_dir() else None
     store = open_store(url, create=True, private=not public)
     with _progress() as progress:
         task = progress.add_task(f"reading the newest version of {store.url}")
         run = Run(store)
         newest = run.newest()
-        meta = None if config is None else lora.meta_for_folder(config, state, base_model, newest, store.url)
+        if step is None:
+            step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
+        elif newest is not None and step <= newest.version:
+            raise ConfigError(f"version {step} (from {step_from}) is not newer than version {newest.version}, the newest of {store.url}",
+                              hint="pass --step N with a larger N, or push to a new run URL")
+        meta = None
+        if config is not None:
+            meta, state = lora.meta_for_folder(config, state, base_model, newest, store.url)
         lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
-        pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort)
+        pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
         try:
             if newest is not None:
                 _rec, base, _digests = run.reconstruct(newest.version)
@@ -75,17 +99,42 @@ def push(
             pub.flush()
         finally:
             pub.close()
-    m = pub.metrics[-1]
+    m = {**pub.metrics[-1], "step_from": step_from}
+    files = [f.name for f in Run(store).commit(version).files]
     if as_json:
-        console.print_json(json.dumps(m))
+        console.print_json(json.dumps({**m, "files": files}))
         return
     kind = m["kind"]
-    msg = f"pushed version {version} ({kind}) to {store.url}"
+    msg = f"pushed version {version} ({kind}; version from {step_from}) to {store.url}"
     if "n_changed" in m:
         msg += f": {m['n_changed']:,} of {m['n_params']:,} elements changed ({m['density']:.3%}), {m['patch_bytes']:,} bytes"
     if "anchor_bytes" in m:
         msg += f"; anchor {m['anchor_bytes']:,} bytes"
-    console.print(msg)
+    if files:
+        msg += f"; with {', '.join(files)}"
+    console.print(msg, soft_wrap=True)
+
+
+_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+_MAX_TRAINER_STATE_BYTES = 64 << 20
+
+
+def checkpoint_step(source: Path) -> tuple[int, str] | None:
+    """The optimizer step of the checkpoint at `source` (a folder, or a file in one) and where it
+    was read: `trainer_state.json`'s `global_step` (what transformers' Trainer saves), else the
+    folder name `checkpoint-N`; None when neither says."""
+    folder = source if source.is_dir() else source.parent
+    state_file = folder / "trainer_state.json"
+    if state_file.is_file() and state_file.stat().st_size <= _MAX_TRAINER_STATE_BYTES:
+        try:
+            global_step = json.loads(state_file.read_bytes()).get("global_step")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            global_step = None
+        if type(global_step) is int and global_step >= 0:
+            return global_step, f"{state_file.name}'s global_step"
+    if m := _STEP_DIR.match(folder.name):
+        return int(m[1]), f"the folder name {folder.name}"
+    return None
 
 
 def pull(
@@ -95,9 +144,11 @@ def pull(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact
-    (an adapter run: as a PEFT adapter folder).
+    (an adapter run: as a PEFT adapter folder), with the config and tokenizer files the run
+    carries: `from_pretrained(DEST)` loads it.
 
     DEST is replaced atomically; in an existing folder, other *.safetensors files and indexes are removed."""
+    from sparsesync.cli.run_info import _warn_rejected
     from sparsesync.protocol.run import Run
 
     run = Run(url)
@@ -108,23 +159,31 @@ def pull(
             what = "loading anchor" if step.kind == "anchor" else "applying delta to"
             progress.update(task, description=f"{what} version {step.commit.version}")
 
-        rec, state, _digests = run.reconstruct(version, on_step=on_step)
+        try:
+            rec, state, _digests = run.reconstruct(version, on_step=on_step)
+        finally:
+            _warn_rejected(run.rejected)  # why a version that is there is not a commit
+        progress.update(task, description="fetching config and tokenizer files")
+        extra = {f.name: run.fetch(f) for f in rec.files}  # each checked against its size and digest
         progress.update(task, description=f"writing {dest}")
-        files = _write_dest(state, dest, rec.version, rec.state_digest, rec.adapter)
+        files = _write_dest(state, dest, rec.version, rec.state_digest, rec.adapter, extra)
     result = {"version": rec.version, "state_digest": rec.state_digest, "files": [str(f) for f in files]}
     if as_json:
         console.print_json(json.dumps(result))
     else:
-        console.print(f"pulled version {rec.version} (state {rec.state_digest}) into {dest}")
+        with_files = f", with {', '.join(sorted(extra))}" if extra and dest.suffix != ".safetensors" else ""
+        console.print(f"pulled version {rec.version} (state {rec.state_digest}) into {dest}{with_files}", soft_wrap=True)
 
 
 def _is_model_file(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors.index.json"))
 
 
-def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, adapter: Any = None) -> list[Path]:
+def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, adapter: Any = None,
+                extra: dict[str, bytes] | None = None) -> list[Path]:
     """Write `state` to DEST through a staging folder beside it (see the module docstring);
-    `adapter` (an AdapterMeta): as a PEFT adapter folder."""
+    `adapter` (an AdapterMeta): as a PEFT adapter folder; `extra`: verified checkpoint files
+    (config, tokenizer) written beside the weights in a folder DEST."""
     from safetensors.torch import save_file
 
     from sparsesync.codec import write_anchor
@@ -153,10 +212,13 @@ def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ad
             files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
         else:
             files = write_anchor(state, stage / "model", version=version)
+        from sparsesync.protocol.extras import write_files
+
+        files = write_files(stage / "model", extra or {}) + list(files)  # the model files last (index last)
         if not dest.exists():
             os.replace(stage / "model", dest)  # DEST appears complete, or not at all
             return [dest / f.name for f in files]
-        new = [f.name for f in files]
+        new = [f.name for f in files]  # the run's config and tokenizer files replace DEST's
         stale = [p for p in dest.iterdir() if _is_model_file(p.name) and p.name not in new]
         for p in stale:  # indexes first, so no loader follows a stale index to a new shard set
             if p.name.endswith(".json"):

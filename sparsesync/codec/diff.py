@@ -219,16 +219,21 @@ def diff_state(
         if not pending:
             return
         if pending[0][2].device.type != "cpu":
-            sizes = [p[2].numel() for p in pending]
-            idx_all = torch.cat([p[2] + p[1] for p in pending]).cpu()
-            a_all = torch.cat([p[3] for p in pending]).cpu()
-            b_all = torch.cat([p[4] for p in pending]).cpu()
-            off = 0
-            for (name, _, _, _, _), k in zip(pending, sizes):
-                results.setdefault(name, []).append(
-                    (idx_all[off : off + k].numpy(), to_np_bits(a_all[off : off + k]), to_np_bits(b_all[off : off + k]))
-                )
-                off += k
+            # one copy to host per bit width: torch.cat would promote int16 bits beside int32 ones
+            widths: dict[torch.dtype, list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+            for p in pending:
+                widths.setdefault(p[3].dtype, []).append(p)
+            for group in widths.values():
+                sizes = [p[2].numel() for p in group]
+                idx_all = torch.cat([p[2] + p[1] for p in group]).cpu()
+                a_all = torch.cat([p[3] for p in group]).cpu()
+                b_all = torch.cat([p[4] for p in group]).cpu()
+                off = 0
+                for (name, _, _, _, _), k in zip(group, sizes):
+                    results.setdefault(name, []).append(
+                        (idx_all[off : off + k].numpy(), to_np_bits(a_all[off : off + k]), to_np_bits(b_all[off : off + k]))
+                    )
+                    off += k
         else:
             for name, start, idx, a, b in pending:
                 results.setdefault(name, []).append(((idx + start).numpy(), to_np_bits(a), to_np_bits(b)))

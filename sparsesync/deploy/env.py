@@ -5,8 +5,9 @@ The rendered folder is the Docker build context: `Dockerfile`, `README.md` (the 
 runs) and the `env_space/` package with its word lists. It boots locally as a plain process too:
 `cd <folder> && ENV_...=... python -m env_space`.
 
-Guarantee: the server's configuration travels only as Space variables (`ENV_*`, the same names
-`python -m env_space` reads); the environment server needs no token, so none is set.
+Guarantee: the server's configuration travels as Space variables (`ENV_*`, the same names
+`python -m env_space` reads); its API key, when given (the CLI generates one for a public
+Space), only as the Space secret `ENV_API_KEY`. No HF token is set: the server reads nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def requirements() -> str:
 
 def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool = True, region: str | None = None,
                    task: str = "wordle", max_sessions: int = 256, idle_timeout_s: float = 300.0,
-                   max_body_bytes: int = 65536) -> SpaceSpec:
+                   max_body_bytes: int = 65536, api_key: str | None = None) -> SpaceSpec:
     """The Space that serves env_space with these settings."""
     from env_space import TASKS
 
@@ -60,6 +61,7 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
         extra_files={"requirements.txt": requirements()},
         variables={"ENV_TASK": task, "ENV_MAX_SESSIONS": str(max_sessions),
                    "ENV_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}", "ENV_MAX_BODY_BYTES": str(max_body_bytes)},
+        secrets={"ENV_API_KEY": api_key} if api_key else {},
         hardware=hardware,
         private=private,
         region=region,

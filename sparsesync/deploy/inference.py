@@ -4,21 +4,27 @@ One Space per replica (`--replicas K`: NAME-1 ... NAME-K, regions assigned round
 rendered folder is the Docker build context: `Dockerfile`, `README.md` (the Space card),
 `requirements.txt` (pinned to this install; vLLM's CUDA build for the vllm engine), the
 `inference_space/` and `sparsesync/` packages, and `model/` when `--model` is a local folder
-(otherwise `--model` is a Hub model id the replica downloads at start). It boots locally as a
-plain process too: `cd <folder> && SPARSESYNC_...=... python -m inference_space`.
+(otherwise `--model` is a Hub model id the replica downloads at start). The embedded engine's
+Space runs the replica app (`python -m inference_space`, which also boots the folder locally);
+the vllm engine's runs vLLM's own OpenAI server (`vllm_dockerfile`), which follows
+SPARSESYNC_BUCKET through sparsesync's endpoint plugin (`sparsesync.integrations.vllm.server`).
 
-Guarantees: configuration travels only as Space variables (the `SPARSESYNC_*` names that
-`python -m inference_space` reads); the HF token (needed to read a private bucket) only as the
-Space secret `HF_TOKEN`, never in a file; Spaces are private unless `public=True`.
+Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names that
+`python -m inference_space` reads), credentials only as Space secrets, never in a file: the HF
+token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
+(`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
+key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Spaces are private unless
+`public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from importlib import metadata
 from pathlib import Path
 
-from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec
+from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact
 from sparsesync.errors import DeployError
 
 APP_PORT = 7860
@@ -74,6 +80,34 @@ def _has(dist: str) -> bool:
         return False
 
 
+VLLM_CMD = (
+    'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" --served-model-name "$SPARSESYNC_SERVED_MODEL_NAME" '
+    '--host "$HOST" --port "$PORT" --tensor-parallel-size "$SPARSESYNC_TENSOR_PARALLEL_SIZE" '
+    """--weight-transfer-config '{"backend": "sparsesync"}'"""
+)
+
+
+def vllm_dockerfile(template: str) -> str:
+    """The vllm engine's Dockerfile: the app's build steps, then vLLM's own OpenAI server as the
+    command (`vllm serve` through sparsesync's launcher, which also runs where the console script
+    cannot), following SPARSESYNC_BUCKET from inside through sparsesync's endpoint plugin."""
+    build, sep, _ = template.partition("\nUSER user\n")
+    if not sep:
+        raise DeployError("inference_space/Dockerfile has no 'USER user' line to put vLLM's server command after")
+    return build + sep + "\n".join([
+        "# vLLM's own OpenAI server (its whole API, streaming, its flags); sparsesync's endpoint plugin (allowed by",
+        "# VLLM_PLUGINS) makes it follow SPARSESYNC_BUCKET. HF_TOKEN comes only from the Space secret of that name.",
+        "# PYTHONPATH: vLLM's processes find sparsesync's plugins through the dist-info folder beside the package",
+        "ENV PYTHONPATH=/home/user/app HOST=0.0.0.0 PORT=7860 VLLM_PLUGINS=sparsesync SPARSESYNC_POLL_INTERVAL=1 SPARSESYNC_TENSOR_PARALLEL_SIZE=1 \\",
+        "    SPARSESYNC_SERVED_MODEL_NAME=model",
+        f"EXPOSE {APP_PORT}",
+        'HEALTHCHECK --interval=30s --timeout=5s CMD python -c "import urllib.request; '
+        f"urllib.request.urlopen('http://127.0.0.1:{APP_PORT}/health', timeout=4)\"",
+        f"CMD {json.dumps(['sh', '-c', VLLM_CMD])}",
+        "",
+    ])
+
+
 def replica_space_ids(space_id: str, replicas: int) -> list[str]:
     """NS/NAME for one replica, NS/NAME-1 ... NS/NAME-K for K."""
     if replicas < 1:
@@ -94,6 +128,7 @@ def inference_space_specs(
     token: str | None = None,
     poll_interval: float = 1.0,
     allow_local_bucket: bool = False,
+    api_key: str | None = None,
 ) -> list[SpaceSpec]:
     """One `SpaceSpec` per replica, following the run at `bucket` with `model`'s weights first."""
     if engine not in ENGINES:
@@ -102,13 +137,20 @@ def inference_space_specs(
         raise DeployError("no bucket URL given", space_id=space_id, hint="pass --bucket hf://buckets/NS/NAME/PREFIX")
     is_local = "://" not in bucket or bucket.startswith("file:")
     if is_local and not allow_local_bucket:
-        raise DeployError(f"bucket {bucket!r} is a local folder, which a Space cannot reach", space_id=space_id,
+        raise DeployError(f"bucket {redact(bucket)!r} is a local folder, which a Space cannot reach", space_id=space_id,
                           hint="deploy with an hf://buckets/... or s3://... URL (render locally with --dry-run)")
     if poll_interval <= 0:
         raise DeployError(f"poll interval {poll_interval}: must be positive", space_id=space_id)
     src = app_dir()
     model_path = Path(model).expanduser()
     sources: dict[str, Path] = {"inference_space": src, "sparsesync": _library_dir(), "Dockerfile": src / "Dockerfile"}
+    extra_files = {"requirements.txt": requirements(engine)}
+    if engine == "vllm":  # vLLM's own OpenAI server, following the bucket in-process
+        from sparsesync.integrations.vllm.plugin import dist_info_files
+
+        extra_files["Dockerfile"] = vllm_dockerfile((src / "Dockerfile").read_text())
+        extra_files.update(dist_info_files())  # vLLM finds sparsesync's plugins by entry point
+        del sources["Dockerfile"]
     if model_path.is_dir():
         sources["model"] = model_path.resolve()
         model_var = "model"
@@ -117,9 +159,12 @@ def inference_space_specs(
     else:
         raise DeployError(f"model {model!r} is neither a local folder nor a Hub model id (NS/NAME)", space_id=space_id)
     regions = regions or [None]  # type: ignore[list-item]
+    secret_bucket = has_credentials(bucket)
+    secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
+               **({"SPARSESYNC_API_KEY": api_key} if api_key else {})}
     variables = {
         "SPARSESYNC_MODEL": model_var,
-        "SPARSESYNC_BUCKET": bucket,
+        **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),
         "SPARSESYNC_ENGINE": engine,
         "SPARSESYNC_POLL_INTERVAL": f"{poll_interval:g}",
         "HOST": "0.0.0.0",
@@ -134,10 +179,10 @@ def inference_space_specs(
                 sources=sources,
                 readme=src / "README.md",
                 card={"title": f"{name} (sparsesync replica)", "app_port": APP_PORT},
-                extra_files={"requirements.txt": requirements(engine)},
+                extra_files=extra_files,
                 variables={**variables, "SPARSESYNC_SERVED_MODEL_NAME": name,
                            **({"SPARSESYNC_REGION": regions[i % len(regions)]} if regions[i % len(regions)] else {})},
-                secrets={"HF_TOKEN": token} if token else {},
+                secrets=secrets,
                 hardware=hardware or DEFAULT_HARDWARE[engine],
                 private=private,
                 region=regions[i % len(regions)],

@@ -10,6 +10,10 @@ Guarantees:
 - Private by default (`SpaceSpec.private=True`).
 - Secrets only as Space secrets: a secret's value is never written into the rendered folder
   (`render` refuses if any file contains one), never in a plan's text or repr, never in errors.
+  A variable whose value carries a credential (URL userinfo, a token or secret query parameter,
+  an hf_/AKIA key) is refused: it must be a secret. `redact` masks such values for display.
+- Dotfiles and dot-folders (`.env`, `.git/`, `.hg/`, `.svn/`, ...) and VCS folders are never
+  copied into the rendered folder, so never uploaded.
 - Nothing touches the network before `apply`.
 - `apply` is idempotent: re-running it on an existing Space updates it (`exist_ok=True`).
 """
@@ -30,7 +34,52 @@ if TYPE_CHECKING:
 
 SPACE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 KEY_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-DEFAULT_IGNORE = ("__pycache__", "*.pyc", "*.pyo", "*.so", ".DS_Store", ".pytest_cache")  # *.so: compiled by the image itself
+# *.so: compiled by the image itself; ".*": dotfiles and dot-folders (.env, .git/, .hg/, .svn/) never leave the machine
+DEFAULT_IGNORE = ("__pycache__", "*.pyc", "*.pyo", "*.so", ".*", "CVS", "_darcs")
+
+
+def redact(value: str) -> str:
+    """`value` with credentials (URL userinfo, secret query parameters, tokens) masked."""
+    from sparsesync.store.retry import redact as _redact
+
+    return _redact(value)
+
+
+def has_credentials(value: str) -> bool:
+    """Whether `value` carries something `redact` would mask."""
+    return redact(value) != value
+
+
+def resolve_api_key(given: str | None, public: bool) -> tuple[str | None, bool]:
+    """The API key a Space's server requires: `given`, else a new random one for a public Space
+    (a private Space is guarded by the Hub), else None. Returns (key, whether it was generated)."""
+    if given:
+        return given, False
+    if not public:
+        return None, False
+    import secrets
+
+    return "sk-" + secrets.token_urlsafe(32), True
+
+
+def save_api_key(space_id: str, key: str) -> Path:
+    """Write a generated key where only this user can read it (mode 600, outside any rendered
+    folder): $XDG_CONFIG_HOME/sparsesync/api-keys/NS__NAME.key."""
+    import os
+
+    root = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "sparsesync" / "api-keys"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = root / (space_id.replace("/", "__") + ".key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def mask(key: str) -> str:
+    """A key as it may be shown: its first 5 and last 2 characters."""
+    return f"{key[:5]}...{key[-2:]}" if len(key) > 12 else "***"
 
 
 @dataclass(frozen=True)
@@ -58,6 +107,10 @@ class SpaceSpec:
                 if not KEY_RE.match(key):
                     raise DeployError(f"{kind} name {key!r} is not an UPPER_SNAKE_CASE identifier",
                                       space_id=self.space_id, hint="rename it, e.g. ENV_TASK")
+        for key, value in self.variables.items():
+            if has_credentials(value):
+                raise DeployError(f"variable {key}={redact(value)!r} carries a credential", space_id=self.space_id,
+                                  hint="Space variables are readable by anyone who sees the Space; pass it as a secret")
         both = set(self.variables) & set(self.secrets)
         if both:
             raise DeployError(f"{sorted(both)} given both as variable and as secret", space_id=self.space_id,

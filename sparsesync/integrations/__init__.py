@@ -8,3 +8,33 @@ mode (`sparsesync_server_mode`); `sparsesync.integrations.trl_rollout`: TRL's as
 worker on sparsesync replicas (`follow_replicas`; both need `trl`). Importing this
 package imports no engine and no trainer library.
 """
+
+import warnings
+
+_TRL_VLLM_WARNING = r"TRL currently supports vLLM versions"
+_quieted = False
+
+
+def quiet_trl_vllm_warning() -> None:
+    """Show TRL's "TRL currently supports vLLM versions ..." warning at most once per process.
+
+    TRL warns from every module that checks the vLLM version (about 8 times per import), and
+    Python's "once" filter counts per module. So this runs TRL's check once, shows what it warned
+    (if anything) once, and ignores the message from then on. The TRL integrations call it
+    before they import TRL; needs `trl` (a no-op without it)."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from trl.import_utils import is_vllm_available
+
+            is_vllm_available()
+    except ImportError:
+        return
+    shown = [w for w in caught if str(w.message).startswith(_TRL_VLLM_WARNING)]
+    if shown:
+        warnings.warn_explicit(shown[0].message, shown[0].category, shown[0].filename, shown[0].lineno)
+    warnings.filterwarnings("ignore", message=_TRL_VLLM_WARNING, category=UserWarning)

@@ -63,9 +63,12 @@ from transformers import TrainerCallback
 
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.errors import ConfigError, PatchMismatchError
+from sparsesync.integrations import quiet_trl_vllm_warning
 from sparsesync.protocol.publisher import Publisher
 
 log = logging.getLogger(__name__)
+quiet_trl_vllm_warning()  # TRL's vLLM-version warning once, whoever imports TRL next
+
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -172,6 +175,19 @@ class VersionedPublisher:
     def open(self) -> None:
         if self.publisher is None:
             self.publisher = Publisher(self.bucket, **self.publisher_options)
+
+    def carry_files(self, model: Any = None, tokenizer: Any = None) -> None:
+        """Carry `model`'s config and generation config and `tokenizer`'s files in every commit
+        from the next one on, so a pulled version loads with `from_pretrained` (an adapter run
+        carries the tokenizer files only). Opens the publisher."""
+        from sparsesync.protocol.extras import files_from_model
+
+        self.open()
+        assert self.publisher is not None
+        model = getattr(model, "module", model)  # DDP
+        if hasattr(model, "get_base_model"):  # PEFT: the base's config (TRL's server mode publishes merged weights)
+            model = model.get_base_model()
+        self.publisher.set_extra_files(files_from_model(model, tokenizer))
 
     def publish(self, state: dict[str, torch.Tensor], version: int | None = None,
                 complete: Mapping[str, torch.Tensor] | None = None) -> int:
@@ -284,8 +300,9 @@ class SparsesyncWeightTransfer(_PublishedViews):
         a run whose newest version c is m continues (deltas from c when the model holds exactly
         version c, checked by state digest, else an anchor at m + 1); a newer run (c > m) is
         refused, naming both versions and the fix; an older or empty one gets an anchor."""
-        m = int(self._bound().model_version)
-        self._v.open()
+        trainer = self._bound()
+        m = int(trainer.model_version)
+        self._v.carry_files(self._model(), getattr(trainer, "processing_class", None))  # opens the publisher
         pub = self._v.publisher
         assert pub is not None
         c, url = pub.committed_version, self._v.bucket
@@ -375,7 +392,7 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         _refuse_sharded(model)  # on every rank, before anything is published or trained
         if not state.is_world_process_zero:
             return
-        self._v.open()
+        self._v.carry_files(model, kw.get("processing_class"))  # opens the publisher
         assert self._v.publisher is not None
         committed = self._v.publisher.committed_version
         if committed is not None and model is not None:

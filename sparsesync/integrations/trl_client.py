@@ -11,10 +11,14 @@ built by `sparsesync_server_mode`:
     trainer.train()
 
 - `init_communicator` opens a sparsesync `Publisher` (no communicator, no `/server_info`).
-- `update_named_params` publishes the streamed parameters as the run's next version (a delta;
-  the first version this process writes is an anchor, also when it continues an existing run),
-  waits for the upload, then until every replica in `replicas` serves that version (`/health`),
-  so the generation that follows is on-policy exactly as with NCCL.
+- `update_named_params` publishes the streamed parameters as version `global_step` of the
+  trainer (0: the weights TRL syncs before the first step; a delta, the first version this
+  process writes an anchor, unless it resumes the run at its newest version with those
+  weights), waits for the upload, then until every replica in `replicas` serves that version
+  (`/health`), so the generation that follows is on-policy exactly as with NCCL.
+- When training ends, the weights of the last optimizer step are published as version
+  `global_step` (TRL syncs only before a generation, so they would never be); `close()` then
+  waits for that upload. Every commit carries the model's config and the tokenizer's files.
 - `generate` sends each prompt to a replica (`/v1/completions`, round-robin client-side:
   no extra service; several replicas behind one trainer) and returns TRL's output shape
   (`prompt_ids`, `completion_ids`, sampled-token `logprobs` / `logprob_token_ids`). Every answer
@@ -29,8 +33,10 @@ head once, in checkpoint names (PEFT adapters merged by TRL before the stream).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +45,13 @@ from typing import Any
 
 import httpx
 import torch
+from transformers import TrainerCallback
 
 from sparsesync.errors import ConfigError, ProtocolError
+from sparsesync.integrations import quiet_trl_vllm_warning
+
+quiet_trl_vllm_warning()  # before TRL is imported (trl_rollout imports it)
+
 from sparsesync.integrations.trl import VersionedPublisher, inference_state
 from sparsesync.integrations.trl_rollout import parse_replica_urls
 
@@ -57,19 +68,23 @@ class SparsesyncVLLMClient:
         sync_timeout_s: how long `update_named_params` waits for the upload and the replicas.
         request_timeout_s: per generation request.
         max_concurrent_requests: prompts generated at the same time.
+        api_key: the replicas' API key (`--api-key`), sent as `Authorization: Bearer`; default
+            the SPARSESYNC_API_KEY environment variable, if set.
         **publisher_options: `PublisherConfig` fields.
     """
 
     def __init__(self, bucket: str, replicas: str | Sequence[str], *, dtype: torch.dtype = torch.bfloat16,
                  sync_timeout_s: float = 300.0, request_timeout_s: float = 300.0, max_concurrent_requests: int = 16,
-                 **publisher_options: Any) -> None:
+                 api_key: str | None = None, **publisher_options: Any) -> None:
         self.replicas = parse_replica_urls(replicas)
         self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self.sync_timeout_s = sync_timeout_s
-        self._http = httpx.Client(timeout=request_timeout_s)
+        key = api_key or os.environ.get("SPARSESYNC_API_KEY")
+        self._http = httpx.Client(timeout=request_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
         self._next = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen")
         self.served: list[int | None] = []  # the weight version of every generate() call, in order
+        self._trainer: Any = None  # the GRPOTrainer whose global_step numbers the versions (`bind`)
         self.base_url = self.replicas[0]
         self.model = self._get(self.replicas[0], "/v1/models")["data"][0]["id"]
 
@@ -82,13 +97,56 @@ class SparsesyncVLLMClient:
         """What TRL reads of vLLM's `/server_info`: the replicas return raw-distribution logprobs."""
         return {"model_config": {"logprobs_mode": "raw_logprobs"}}
 
+    def bind(self, trainer: Any) -> SparsesyncVLLMClient:
+        """Take versions from `trainer` (its `state.global_step` at each weight sync) and carry its
+        model's config and tokenizer files in the run (`sparsesync_server_mode` binds the
+        `GRPOTrainer` it builds). Returns self."""
+        self._trainer = trainer
+        self._v.carry_files(trainer.model, getattr(trainer, "processing_class", None))
+        return self
+
     def update_named_params(self, metadata: Any, iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Publish the streamed parameters as the next version; return once every replica serves it."""
-        version = self._v.publish(inference_state(iterator, self._v.dtype))
-        assert self._v.publisher is not None
-        self._v.publisher.flush(self.sync_timeout_s)
+        """Publish the streamed parameters as version `global_step` of the bound trainer (unbound:
+        the next version) and return once every replica serves it. The first weight sync of a
+        trainer resumed at the run's newest version continues the run when the weights are that
+        version (else ConfigError before anything is published)."""
+        state = inference_state(iterator, self._v.dtype)
+        step = None if self._trainer is None else int(self._trainer.state.global_step)
+        self._v.open()
+        pub = self._v.publisher
+        assert pub is not None
+        if step is not None and self._v.version is None and pub.committed_version is not None and step <= pub.committed_version:
+            self._continue(state, step, pub.committed_version)
+            version = step
+        elif step is not None and step == self._v.version:  # synced again without a step (e.g. by hand after train())
+            self._same_weights(state, step)
+            version = step
+        else:
+            version = self._v.publish(state, step)
+        pub.flush(self.sync_timeout_s)
         self._wait_for_replicas(version)
         log.info("sparsesync: version %d published to %s, served by %d replica(s)", version, self._v.bucket, len(self.replicas))
+
+    def _same_weights(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """A second sync at `step`: the weights must still be version `step` (nothing to publish)."""
+        from sparsesync.checkpoint import checkpoint_digest
+
+        if checkpoint_digest(state) != self._v.digest:
+            raise ConfigError(f"the weights changed since version {step} was published, but the trainer is still at "
+                              f"global_step {step}", hint="publish new weights only after an optimizer step")
+
+    def _continue(self, state: dict[str, torch.Tensor], step: int, committed: int) -> None:
+        """Training (re)starts at `step` <= `committed`, the run's newest version: continue the
+        run when `step == committed` and the weights are that version, refuse otherwise."""
+        url = self._v.bucket
+        if step < committed:
+            raise ConfigError(f"training starts at step {step} but {url} already holds version {committed}; versions "
+                              f"{step + 1}..{committed} would be published twice with different weights",
+                              hint=f"resume from the newest checkpoint (checkpoint-{committed}) or publish to a new run URL")
+        assert self._v.publisher is not None
+        self._v.publisher.resume(state)  # PatchMismatchError unless the weights are that version
+        self._v.version, self._v.names, self._v.digest = committed, frozenset(state), self._v.publisher.state_digest
+        log.info("sparsesync: continuing %s from its version %d", url, committed)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: a replica's engine drops its cached state when it applies a version."""
@@ -123,6 +181,8 @@ class SparsesyncVLLMClient:
         self.close()
 
     def close(self) -> None:
+        """Wait for the last version's upload (the trained weights, published when training
+        ended), then close the publisher and the HTTP client."""
         try:
             self._v.close()
         finally:
@@ -177,16 +237,34 @@ class SparsesyncVLLMClient:
                 time.sleep(0.05)
 
 
+class _FinalSync(TrainerCallback):
+    """Publishes the weights of the last optimizer step when training ends: TRL syncs weights only
+    before a generation, so without it the trained weights would never reach the bucket. Runs on
+    every process (TRL's sync gathers sharded parameters collectively); the main one publishes."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        trainer = self.trainer
+        if getattr(trainer, "_last_loaded_step", None) != state.global_step:
+            trainer.vllm_generation.sync_weights()
+            trainer._last_loaded_step = state.global_step
+
+
 @contextmanager
 def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = None, **options: Any) -> Iterator[None]:
     """While open, a `GRPOTrainer` built with `use_vllm=True, vllm_mode="server"` gets a
     `SparsesyncVLLMClient(bucket, replicas, **options)` instead of TRL's `VLLMClient` (`replicas`
-    default: the config's `vllm_server_base_url`, which may list several, comma-separated).
+    default: the config's `vllm_server_base_url`, which may list several, comma-separated), bound
+    to the trainer (versions = `global_step`; the model's config and tokenizer files carried), and
+    a callback that publishes the final weights when training ends.
     TRL has no setting for its client class: this swaps the name in `trl.generation.vllm_generation`
-    for the duration of the block and puts it back after."""
+    and wraps `GRPOTrainer.__init__` for the duration of the block, and puts both back after."""
     import trl.generation.vllm_generation as generation
+    from trl.trainer.grpo_trainer import GRPOTrainer
 
-    original = generation.VLLMClient
+    original, original_init = generation.VLLMClient, GRPOTrainer.__init__
 
     def _client(base_url: str | None = None, **_: Any) -> SparsesyncVLLMClient:
         urls = replicas if replicas is not None else base_url
@@ -194,8 +272,21 @@ def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = N
             raise ConfigError("no replica URLs", hint="pass replicas= or set vllm_server_base_url in GRPOConfig")
         return SparsesyncVLLMClient(bucket, urls, **options)
 
+    @functools.wraps(original_init)
+    def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        generation_ = getattr(self, "vllm_generation", None)
+        if generation_ is None or generation_.mode != "server":
+            return
+        client = getattr(generation_, "vllm_client", None)  # the main process's
+        if isinstance(client, SparsesyncVLLMClient):
+            client.bind(self)
+        self.add_callback(_FinalSync(self))
+
     generation.VLLMClient = _client  # type: ignore[assignment,misc]
+    GRPOTrainer.__init__ = _init  # type: ignore[method-assign]
     try:
         yield
     finally:
         generation.VLLMClient = original  # type: ignore[misc]
+        GRPOTrainer.__init__ = original_init  # type: ignore[method-assign]

@@ -28,6 +28,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from sparsesync.integrations import quiet_trl_vllm_warning
+
+quiet_trl_vllm_warning()  # before TRL is imported
+
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutGroup, RolloutSample, _AsyncRolloutLoop
 
 from sparsesync.errors import ConfigError

@@ -236,7 +236,7 @@ class DistributedPublisher(Publisher):
                 return super().publish(state, step)
             # nothing is published here, so nothing is checked against the run (which rank 0 may
             # already have moved past when this rank opened it): the version rank 0 gives `step`
-            self._last_version = step if step is not None else (self._last_version or 0) + 1
+            self._last_version = step if step is not None else 0 if self._last_version is None else self._last_version + 1
             return self._last_version
         self._raise_background_error()
         if self._closed:
@@ -575,6 +575,7 @@ class DistributedPublisher(Publisher):
             rec = CommitRecord(
                 version=item.version, epoch=self.epoch, writer=self.writer, state_digest=sd, created_at=time.time(),
                 base_version=item.base_version if parts else None, base_state_digest=base_sd, anchor=anchor, parts=parts,
+                files=self._commit_files(item.version, item.uid),
             )
             self._check_fence()
             rec.metrics = {**metrics, "version": item.version, "base_version": rec.base_version, "ranks": self.world,

@@ -4,7 +4,7 @@ Guarantees: the anchor that followers would cold-start from (the newest anchor f
 delta chain reaches the newest committed version) and every object of every version from
 the oldest kept anchor on stay in place. Deletion order keeps readers safe if gc dies
 midway: commit records that are not valid (fenced writers) first, then old commit records,
-then objects no remaining commit references. Objects of versions newer than the newest
+then objects no remaining commit references (anchors, deltas, checkpoint files). Objects of versions newer than the newest
 commit are never touched: they may belong to a writer that is uploading right now.
 
 gc trusts only what it has seen: an anchor or delta counts as kept only when the listing shows
@@ -28,6 +28,7 @@ from sparsesync.protocol.layout import (
     object_version,
     parse_commit_key,
 )
+from sparsesync.protocol.extras import FILES, file_version
 from sparsesync.protocol.run import Run
 from sparsesync.store import Store
 
@@ -81,11 +82,11 @@ def plan_gc(store: Store, *, keep_anchors: int = 1) -> GcPlan:
     kept = [c for c in commits if c.version >= keep_from]
     plan.kept_versions = [c.version for c in kept]
     plan.old_commits = sorted(_key(c) for c in commits if c.version < keep_from)
-    referenced = {ref.key for c in kept for ref in c.objects()}
+    referenced = {ref.key for c in kept for ref in [*c.objects(), *c.files]}
     for key in sizes:
-        if not key.startswith((ANCHORS, DELTAS)) or key in referenced:
+        if not key.startswith((ANCHORS, DELTAS, FILES)) or key in referenced:
             continue
-        v = object_version(key)
+        v = object_version(key) if not key.startswith(FILES) else file_version(key)
         if v is not None and v <= newest.version:
             plan.objects.append(key)
     plan.objects.sort()

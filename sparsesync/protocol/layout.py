@@ -25,6 +25,7 @@ from typing import Any
 
 from sparsesync.adapter import AdapterMeta
 from sparsesync.errors import ConfigError, MalformedCommitError
+from sparsesync.protocol.extras import FileRef, parse_files
 
 COMMIT_FORMAT = "sparsesync-commit/1"
 COMMIT_FORMAT_PARTS = "sparsesync-commit/2"  # a version in parts (docs/protocol.md, "Versions in parts")
@@ -172,6 +173,7 @@ class CommitRecord:
     adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.adapter)
     format: str = COMMIT_FORMAT
     parts: list[PartRef] = field(default_factory=list)  # format 2: the delta in parts (instead of `delta`)
+    files: list[FileRef] = field(default_factory=list)  # the checkpoint's non-weight files (protocol.extras)
 
     @property
     def has_anchor(self) -> bool:
@@ -192,6 +194,8 @@ class CommitRecord:
         raw = asdict(self)
         if raw["adapter"] is None:
             del raw["adapter"]  # full-weight commits stay as they were
+        if not raw["files"]:
+            del raw["files"]  # likewise without checkpoint files
         if self.parts:
             raw["format"] = COMMIT_FORMAT_PARTS
             raw["parts"] = [{"key": p.key, "size": p.size, "xxh3": p.xxh3, "base_state_digest": p.base_state_digest,
@@ -395,6 +399,7 @@ def _parse_commit(data: bytes, key: str) -> CommitRecord:
             base_state_digest=_str(raw, "base_state_digest", _HEX, optional=True),
             anchor=anchor, metrics=metrics, format=raw["format"], parts=parts,
             adapter=None if raw.get("adapter") is None else AdapterMeta.from_dict(raw["adapter"]),
+            files=parse_files(raw.get("files"), version),  # type: ignore[arg-type]
         )
     except ValueError as e:
         raise bad(str(e)) from None

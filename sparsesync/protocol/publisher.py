@@ -84,6 +84,7 @@ from sparsesync.protocol.layout import (
     valid_commits,
     writer_key,
 )
+from sparsesync.protocol.extras import MODEL_FILES, FileRef, collect_files, file_key
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
 from sparsesync.store import Store, open_store
@@ -154,10 +155,14 @@ class Publisher:
         return super().__new__(cls)
 
     def __init__(self, url: str | Store, config: PublisherConfig | None = None, *, adapter: AdapterMeta | None = None,
-                 **overrides: Any) -> None:
+                 extra_files: str | Path | Mapping[str, bytes] | None = None, **overrides: Any) -> None:
         """`adapter`: publish a LoRA adapter run of this base and config (a PeftModel passed to
-        `publish` brings its own; see sparsesync.adapter)."""
+        `publish` brings its own; see sparsesync.adapter). `extra_files`: the checkpoint's
+        non-weight files every commit carries (a `save_pretrained` folder, of which only config,
+        generation config and tokenizer files are taken, or `{name: bytes}`; see `set_extra_files`)."""
         self.adapter = adapter
+        self._extra = collect_files(extra_files)  # checked before anything is written
+        self._extra_refs: list[FileRef] | None = None  # stored once, then referenced by every commit
         self.config = config or PublisherConfig()
         overrides.pop("group", None)  # group=None: not distributed (see __new__)
         for k, v in overrides.items():
@@ -190,7 +195,8 @@ class Publisher:
 
     # -- public API -------------------------------------------------------------------
     def publish(self, state: Mapping[str, torch.Tensor] | Any, step: int | None = None) -> int:
-        """Publish `state` as version `step` (default: previous + 1). Returns the version.
+        """Publish `state` as version `step` (default: previous + 1; 0 in an empty run: a version is
+        the number of optimizer steps behind its weights, 0 the weights before training). Returns the version.
 
         `state`: a state dict, or a `peft.PeftModel` (its adapter is published: an adapter run).
         Returns after diff+encode (and anchor serialization on anchor versions); the upload
@@ -232,6 +238,17 @@ class Publisher:
         self._last_version = version
         self._enqueue(item)
         return version
+
+    def set_extra_files(self, source: str | Path | Mapping[str, bytes] | None) -> None:
+        """Carry these checkpoint files (config.json, tokenizer files, ...; `protocol.extras`) in
+        every commit from the next one on, so `sparsesync pull` writes a folder that loads as is.
+        Stored once per publisher (and again when they change); an adapter run leaves
+        config.json and generation_config.json out. ConfigError, before anything is uploaded,
+        for names outside the allow-list or files over the bounds."""
+        files = collect_files(source)
+        with self._cv:
+            if files != self._extra:
+                self._extra, self._extra_refs = files, None
 
     def resume(self, state: Mapping[str, torch.Tensor]) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds.
@@ -334,7 +351,7 @@ class Publisher:
     # -- internals --------------------------------------------------------------------
     def _next_version(self, step: int | None) -> int:
         """The version `publish(step)` publishes; ConfigError before anything is written if it cannot."""
-        version = step if step is not None else (self._last_version or 0) + 1
+        version = step if step is not None else 0 if self._last_version is None else self._last_version + 1
         check_version(version, self.store.url)
         if self._last_version is not None and version <= self._last_version:
             raise ConfigError(
@@ -421,6 +438,24 @@ class Publisher:
         prefix = anchor_prefix(item.version, self.epoch, item.uid)
         self.store.put_many([(prefix + f.name, f) for f in files])
         return [ObjectRef(prefix + f.name, f.stat().st_size, file_digest(f)) for f in files]
+
+    def _commit_files(self, version: int, uid: str) -> list[FileRef]:
+        """The checkpoint files' references for a commit of `version`, storing them first when
+        they are new to this publisher (uploader thread; the distributed publisher's rank 0)."""
+        with self._cv:
+            files, refs = self._extra, self._extra_refs
+        if refs is None:
+            refs = []
+            for name, data in sorted(files.items()):
+                if self.adapter is not None and name in MODEL_FILES:
+                    continue  # an adapter folder loads with its base model's config
+                key = file_key(version, self.epoch, uid, name)
+                self.store.put(key, data)
+                refs.append(FileRef(name, key, len(data), bytes_digest(data)))
+            with self._cv:
+                if self._extra is files:  # not replaced meanwhile
+                    self._extra_refs = refs
+        return refs
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -625,6 +660,7 @@ class Publisher:
         rec.parts = refs
         if item.anchor_dir is not None:
             rec.anchor = self._put_anchor_files(item, sorted(item.anchor_dir.iterdir()))
+        rec.files = self._commit_files(item.version, item.uid)
         self._check_fence()
         rec.metrics = {**item.metrics, "version": item.version, "base_version": item.base_version,
                        "upload_s": time.perf_counter() - t0, "kind": "anchor" if rec.anchor and not rec.has_delta else

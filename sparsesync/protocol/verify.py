@@ -3,7 +3,7 @@
 Walks the versions oldest first, applying each delta to the state of its base (digests of
 every touched tensor and of the whole state checked), and loading every anchor (each file's
 bytes and each tensor's digest checked). Where a version has both, the two results must be
-identical. Objects named like commit records that are not commit records are reported (with
+identical; every checkpoint file (config, tokenizer) must match its size and digest. Objects named like commit records that are not commit records are reported (with
 the reason) and fail the run. Reads everything; writes nothing.
 """
 
@@ -47,6 +47,7 @@ def verify_run(url: str | Run) -> VerifyReport:
     state: State | None = None
     digests: dict[str, str] = {}
     held: int | None = None
+    files_checked: dict[object, str | None] = {}
     for rec in commits:
         how: list[str] = []
         error = None
@@ -68,6 +69,15 @@ def verify_run(url: str | Run) -> VerifyReport:
                 state, digests, held = anchor_state, anchor_digests, rec.version
             except SparsesyncError as e:
                 error = (error + "; " if error else "") + f"anchor: {e}"
+        for f in rec.files:  # the checkpoint files pull writes beside the weights (each object read once)
+            if f not in files_checked:
+                try:
+                    run.fetch(f)
+                    files_checked[f] = None
+                except SparsesyncError as e:
+                    files_checked[f] = f"file {f.name}: {e}"
+            if files_checked[f]:
+                error = (error + "; " if error else "") + str(files_checked[f])
         if not how:
             how.append("unreachable")
             error = error or f"no anchor and no delta from a reachable version (base {rec.base_version})"

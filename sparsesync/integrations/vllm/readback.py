@@ -118,8 +118,7 @@ def _as_read(mod: torch.nn.Module, loc: Location, head_cls: type) -> torch.Tenso
     if loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, head_cls) or not _is_embedding(mod)):
         if _kernel_reads_parameter(mod, p):
             return p.detach()
-        k = int(getattr(mod, "input_size_per_partition", 0) or getattr(mod, "embedding_dim", 0) or p.shape[-1])
-        return _probe(mod, k, p.dtype, p.device)
+        return _probe(mod, _input_size(mod, p), p.dtype, p.device)
     if loc.kind in ("expert_w13", "expert_w2"):
         impl = cpu_experts(mod)
         if impl is not None:
@@ -128,6 +127,19 @@ def _as_read(mod: torch.nn.Module, loc: Location, head_cls: type) -> torch.Tenso
             flat[src] = p.detach().reshape(-1)
             return flat.view(p.shape)
     return p.detach()
+
+
+def _input_size(mod: torch.nn.Module, p: torch.Tensor) -> int:
+    """K of a packed linear (the rank's input features). Column/row-parallel layers say
+    `input_size_per_partition`; a replicated one (a MoE router, `GateLinear`) only `input_size`;
+    the packed parameter itself is empty, so its shape says nothing."""
+    for attr in ("input_size_per_partition", "input_size", "embedding_dim"):
+        k = int(getattr(mod, attr, 0) or 0)
+        if k > 0:
+            return k
+    if p.dim() == 2 and p.shape[-1] > 0:
+        return int(p.shape[-1])
+    raise RuntimeError(f"{type(mod).__name__}: packed by its CPU kernel and its input size is unknown")
 
 
 def _is_embedding(mod: torch.nn.Module) -> bool:
@@ -201,7 +213,7 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         loc = layout.locate(name)
         try:
             got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
-        except (KeyError, RuntimeError, IndexError) as e:
+        except (KeyError, RuntimeError, IndexError, ValueError) as e:  # a layout this read-back does not know: loud, named
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
         got = got.to("cpu")

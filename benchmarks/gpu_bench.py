@@ -1,0 +1,371 @@
+"""GPU benchmark: one realistic RL step of a 0.6B- and a 7B-shaped bf16 model living on CUDA,
+sparsesync against the TRL-style extraction on the GPU in the same run (run by
+scripts/gpu_check.sh; writes JSON).
+
+    python benchmarks/gpu_bench.py --json gpu-results/gpu_bench.json     # CUDA: 0.6B and 7B, ~3.5 min on an H100
+    python benchmarks/gpu_bench.py --tiny --json /tmp/b.json             # any CPU: tiny shapes, seconds
+
+The weights are synthesized on the device (Qwen3-shaped, `_codec_data.qwen_like_shapes`;
+per-layer scales and heavy tails as in `_codec_data.make_weights`), then one AdamW step with
+fp32 master weights (a sub-ulp residual per element, update lr x the Adam direction) at
+lr 1e-6: about 1.6% of the bf16 elements change, as in benchmarks/codec_bench.py.
+
+Per shape, each figure the best of the reps that fit the time budget (every rep in the JSON):
+- `diff_encode_s`: `Snapshot.diff_encode(cuda_weights)` with the snapshot in host memory, the
+  Publisher's default on a GPU trainer (each 256 MiB slice is copied to the host and compared
+  there); `diff_encode_cuda_snapshot_s`: the same with `Snapshot(device="cuda")` (the compare
+  runs on the GPU, only the changes are copied).
+- `trl_extract_s`: TRL-style, on the GPU: bitwise compare, nonzero, gather, copy to host,
+  safetensors save (int32 indices + bf16 values).
+- `decode_apply_s`: `apply_patch(read_patch(bytes), cuda_weights)` (decode and validate, base
+  digests, write, target digests); `follower_apply_s`: without the base digest, as a follower
+  applies; `trl_apply_s`: safetensors load, copy to the GPU, `index_put_`, no checks.
+- `snapshot_host_rss_GB`: growth of this process's resident memory when the host snapshot is
+  made (the trainer's extra host memory; the model's bf16 bytes once).
+- `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine on CUDA applying one version
+  (`Engine.apply_sparse` with the follower's decoded updates: write plus the read-back check),
+  as `PauseStats` measures it.
+
+Reps alternate direction (base -> target, then target -> base: the same density) so no
+snapshot has to be rebuilt between them; the replica's weights are put back by a copy. Phases that would not fit `--budget-s` are skipped and
+marked so in the JSON, which is rewritten after every phase (a killed run keeps what it did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _codec_data import qwen_like_shapes  # noqa: E402
+
+from sparsesync.codec import Snapshot, apply_patch, read_patch  # noqa: E402
+from sparsesync.codec.diff import bits_view  # noqa: E402
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def device_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 weights made on `dev`, distributed as `_codec_data.make_weights` draws them."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = random.Random(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t = torch.rand(shape, generator=g, device=dev).mul_(2).sub_(1).exp_().mul_(0.8)
+        else:
+            std = 0.03 if "embed" in name else math.exp(r.uniform(math.log(0.01), math.log(0.05)))
+            t = torch.randn(shape, generator=g, device=dev)
+            tail = torch.rand(shape, generator=g, device=dev) < 0.02
+            t = torch.where(tail, t * torch.empty(shape, device=dev).uniform_(3, 6, generator=g), t).mul_(std)
+            del tail
+        out[name] = t.to(torch.bfloat16)
+        del t
+    return out
+
+
+def master_step(weights: dict[str, torch.Tensor], lr: float, seed: int = 1) -> dict[str, torch.Tensor]:
+    """The bf16 weights after one AdamW step with fp32 master weights (on the weights' device)."""
+    out = {}
+    for i, (name, w) in enumerate(weights.items()):
+        g = torch.Generator(device=w.device).manual_seed(seed * 100003 + i)
+        u = torch.randn(w.shape, generator=g, device=w.device).mul_(0.4).clamp_(-1.0, 1.0)
+        w32 = w.float()
+        ulp = w32.abs().clamp_min(1e-30).log2_().floor_().sub_(7).exp2_()
+        w32.add_(torch.rand(w.shape, generator=g, device=w.device).sub_(0.5).mul_(ulp))
+        del ulp
+        w32.sub_(u.mul_(lr))
+        out[name] = w32.to(torch.bfloat16)
+        del u, w32
+    return out
+
+
+def trl_extract(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> bytes:
+    """TRL-style, where the weights live: compare bits, nonzero, gather; to host; safetensors save."""
+    out = {}
+    for name, b in base.items():
+        t = target[name]
+        idx = torch.nonzero(bits_view(b) != bits_view(t)).squeeze(1)
+        if idx.numel():
+            out[name + ".indices"] = idx.to(torch.int32)
+            out[name + ".values"] = t.reshape(-1)[idx]
+    return st_save({k: v.cpu() for k, v in out.items()})
+
+
+def trl_apply(data: bytes, tensors: dict[str, torch.Tensor]) -> None:
+    d = st_load(data)
+    for key, idx in d.items():
+        if key.endswith(".indices"):
+            name = key[: -len(".indices")]
+            dst = tensors[name]
+            dst.view(-1).index_put_((idx.to(dst.device).long(),), d[name + ".values"].to(dst.device))
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(bits_view(a[k]), bits_view(b[k].to(a[k].device))) for k in a)
+
+
+class Budget:
+    """Seconds left of the run's time box."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def timed(dev: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    sync(dev)
+    t0 = time.perf_counter()
+    r = fn()
+    sync(dev)
+    return time.perf_counter() - t0, r
+
+
+def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: int, budget: Budget, row: dict, save: Callable[[], None]) -> None:
+    """The codec phases for one shape, filling `row` (see the module docstring)."""
+    shapes = qwen_like_shapes(params)
+    t0 = time.perf_counter()
+    a = device_weights(shapes, dev, seed=0)
+    b = master_step(a, lr)
+    sync(dev)
+    n_params = sum(t.numel() for t in a.values())
+    model_gb = n_params * 2 / 1e9
+    n_changed = sum(int((bits_view(a[k]) != bits_view(b[k])).sum()) for k in a)
+    row.update(shape=label, n_params=n_params, model_GB=model_gb, tensors=len(a), lr=lr, n_changed=n_changed,
+               density=n_changed / n_params, synth_s=time.perf_counter() - t0)
+    print(f"[{label}] {n_params / 1e9:.2f}B params, {model_gb:.1f} GB bf16 on {dev}, density {n_changed / n_params:.4f}", flush=True)
+    # est. seconds of one rep, from the first one (phases skip when the budget cannot hold them)
+
+    # -- trainer side: host snapshot (the Publisher's default) --------------------------------
+    gc.collect()
+    rss0 = rss_bytes()
+    t_snap, snap = timed(dev, lambda: Snapshot(a, 0))
+    row.update(snapshot_s=t_snap, snapshot_host_rss_GB=(rss_bytes() - rss0) / 1e9, snapshot_nbytes_GB=snap.nbytes / 1e9)
+    ours, trl, datas = [], [], []
+    pair = (b, a)  # alternate: a -> b, then b -> a
+    for i in range(reps):
+        if i and budget.left() < 2.5 * (ours[0] + trl[0]):
+            row["reps_note"] = f"stopped after {i} reps (budget)"
+            break
+        cur, prev = pair[i % 2], pair[(i + 1) % 2]
+        dt, enc = timed(dev, lambda: snap.diff_encode(cur, i + 1))
+        ours.append(dt)
+        if i < 2:
+            datas.append(enc.data)
+        dt, data_trl = timed(dev, lambda: trl_extract(prev, cur))
+        trl.append(dt)
+        if i == 0:
+            row.update(patch_bytes=len(enc.data), trl_bytes=len(data_trl), B_per_changed=len(enc.data) / max(1, enc.stats.n_changed),
+                       diff_s=enc.stats.diff_s, encode_s=enc.stats.encode_s)
+            trl0 = data_trl
+        del enc, data_trl
+        save()
+    row.update(diff_encode_s=min(ours), diff_encode_all_s=ours, trl_extract_s=min(trl), trl_extract_all_s=trl,
+               diff_encode_GBps=model_gb / min(ours), ratio_ours_over_trl=min(ours) / min(trl))
+    snap_ok = same_bits(snap.state, pair[(len(ours) - 1) % 2])
+    row["snapshot_bit_exact"] = snap_ok
+    del snap
+    gc.collect()
+    save()
+
+    # -- trainer side: snapshot on the GPU -----------------------------------------------------
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        if free < model_gb * 1e9 * 1.3:
+            row["diff_encode_cuda_snapshot"] = f"skipped: {free / 1e9:.1f} GB free on the GPU"
+        elif budget.left() < 3 * min(ours) + 20:
+            row["diff_encode_cuda_snapshot"] = "skipped: budget"
+        else:
+            t_snap, snap = timed(dev, lambda: Snapshot(a, 0, device=dev))
+            cs = []
+            for i in range(min(reps, 2)):
+                dt, enc = timed(dev, lambda: snap.diff_encode(pair[i % 2], i + 1))
+                cs.append(dt)
+                if enc.data != datas[i]:
+                    row["cuda_snapshot_same_bytes"] = False
+                del enc
+            row.setdefault("cuda_snapshot_same_bytes", True)
+            row.update(cuda_snapshot_s=t_snap, diff_encode_cuda_snapshot_s=min(cs), diff_encode_cuda_snapshot_all_s=cs)
+            del snap
+            gc.collect()
+            torch.cuda.empty_cache()
+        save()
+
+    # -- replica side: decode + verify + apply into CUDA weights ---------------------------
+    work = {k: v.clone() for k, v in a.items()}
+    applies: dict[str, list[float]] = {"decode_apply": [], "follower_apply": [], "trl_apply": []}
+    fwd = datas[0]
+    ok = True
+    for i in range(reps):
+        if i and budget.left() < 2 * sum(v[0] for v in applies.values()) + 10:
+            row["apply_note"] = f"stopped after {i} reps (budget)"
+            break
+        for key, check in (("decode_apply", True), ("follower_apply", False)):
+            dt, _ = timed(dev, lambda: apply_patch(read_patch(fwd), work, check_base_digest=check))
+            applies[key].append(dt)
+            ok = ok and same_bits(work, b)
+            for k in work:  # back to a for the next measurement
+                work[k].copy_(a[k])
+        dt, _ = timed(dev, lambda: trl_apply(trl0, work))
+        applies["trl_apply"].append(dt)
+        ok = ok and same_bits(work, b)
+        for k in work:
+            work[k].copy_(a[k])
+        save()
+    row.update({f"{k}_s": min(v) for k, v in applies.items()})
+    row.update({f"{k}_all_s": v for k, v in applies.items()})
+    row["apply_bit_exact"] = ok
+    del work, a, b
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    row["wall_s"] = time.perf_counter() - t0
+    save()
+
+
+def bench_pause(dev: torch.device, hidden: int, layers: int, lr: float, reps: int, row: dict, save: Callable[[], None]) -> None:
+    """The embedded engine on `dev` applying one version as a follower hands it over."""
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.tiny_model import arch_config, build_tiny_model
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(tmp)  # the tokenizer, and a config to copy
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        small = AutoConfig.from_pretrained(tmp)
+        cfg = arch_config("qwen3", small.vocab_size, small.eos_token_id, hidden=hidden, layers=layers)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.generation_config.eos_token_id = small.eos_token_id
+        model.save_pretrained(tmp)
+        del model
+        engine = EmbeddedEngine(tmp, device=str(dev))
+        mirror = engine.state_dict()  # the follower's verified copy, on the host
+        n_params = sum(t.numel() for t in mirror.values())
+        row.update(engine_params=n_params, engine_hidden=hidden, engine_layers=layers, engine_load_s=time.perf_counter() - t0)
+        print(f"[pause] embedded engine on {dev}: {n_params / 1e6:.0f}M params", flush=True)
+        base = {k: v.clone() for k, v in mirror.items()}
+        target = master_step(base, lr)
+        snap = Snapshot(base, 0)
+        patches = [snap.diff_encode(target, 1).data, snap.diff_encode(base, 2).data]
+        pauses, ok = [], True
+        for i in range(reps):
+            for j, data in enumerate(patches):
+                updates = apply_patch(read_patch(data), mirror, check_base_digest=False)
+                engine.apply_sparse(2 * i + j + 1, updates, {n: mirror[n] for n in updates})
+                pauses.append(engine.pauses.last_ms)
+            ok = ok and same_bits(engine.state_dict(), base)
+        row.update(replica_pause_ms=min(pauses), replica_pause_all_ms=pauses, replica_bit_exact=ok,
+                   replica_changed=sum(u.indices.numel() for u in updates.values()))
+        engine.close()
+        del engine
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU if no CUDA): checks the benchmark runs")
+    ap.add_argument("--shapes", default="0.6e9,7e9", help="comma-separated parameter counts")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (1e-6: ~1.6%% of bf16 elements change)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=220, help="time box for the whole run; later reps and phases skip")
+    ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
+    ap.add_argument("--json", type=Path, default=Path("gpu-results/gpu_bench.json"))
+    a = ap.parse_args()
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    budget = Budget(a.budget_s)
+    shapes = [2e6] if a.tiny else [float(s) for s in a.shapes.split(",") if s]
+    env: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "cpus": os.cpu_count(), "tiny": a.tiny,
+                           "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default (<= 4)"), "budget_s": a.budget_s}
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    result: dict[str, Any] = {"env": env, "rows": [], "pause": {}}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        a.json.write_text(json.dumps(result, indent=1, default=str))
+
+    t_start = time.perf_counter()
+    labels = {0.6e9: "0.6B", 7e9: "7B"}
+    for i, params in enumerate(shapes):
+        label = labels.get(params, f"{params / 1e9:g}B")
+        row: dict[str, Any] = {"shape": label}
+        result["rows"].append(row)
+        # about 15 s per 1e9 parameters for one rep of every phase on an H100 host: skip a shape
+        # that cannot fit rather than be killed half-way
+        need = 8 if a.tiny else 15 * params / 1e9 + 10
+        if i and budget.left() < need:
+            row["skipped"] = f"budget: {budget.left():.0f} s left, ~{need:.0f} s needed"
+            save()
+            continue
+        try:
+            bench_codec(label, params, dev, a.lr, a.reps if params < 2e9 or a.tiny else min(a.reps, 2), budget, row, save)
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"out of GPU memory: {e}"
+            gc.collect()
+            torch.cuda.empty_cache()
+        save()
+    try:  # the replica's pause, on a ~0.6B model (vocab 512)
+        if a.tiny:
+            bench_pause(dev, 128, 2, 1e-3, 1, result["pause"], save)
+        elif budget.left() > 30:
+            bench_pause(dev, 1024, 64, a.lr, 2, result["pause"], save)
+        else:
+            result["pause"]["skipped"] = f"budget: {budget.left():.0f} s left"
+    except Exception as e:  # noqa: BLE001 - reported, the other figures still count
+        result["pause"]["error"] = f"{type(e).__name__}: {e}"
+    save()
+    env["wall_s"] = time.perf_counter() - t_start
+    save()
+    keys = ("shape", "density", "B_per_changed", "snapshot_host_rss_GB", "diff_encode_s", "diff_encode_cuda_snapshot_s",
+            "trl_extract_s", "decode_apply_s", "follower_apply_s", "trl_apply_s", "snapshot_bit_exact", "apply_bit_exact")
+    for r in result["rows"]:
+        print(json.dumps({k: (float(f"{r[k]:.4g}") if isinstance(r.get(k), float) else r.get(k)) for k in keys if k in r}))
+    print(json.dumps(result["pause"].get("replica_pause_ms", result["pause"])))
+    print(f"wrote {a.json} in {env['wall_s']:.0f} s")
+    bad = [r["shape"] for r in result["rows"] if r.get("snapshot_bit_exact") is False or r.get("apply_bit_exact") is False
+           or r.get("cuda_snapshot_same_bytes") is False] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
+    if bad or "error" in result["pause"] or any("error" in r for r in result["rows"]):
+        print(f"NOT BIT-EXACT or failed: {bad or 'see errors in the JSON'}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

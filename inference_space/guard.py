@@ -1,0 +1,103 @@
+"""The replica's boundary, before FastAPI parses anything: the API key and the body-size cap.
+
+`Guard` is pure ASGI middleware. Guarantees:
+- With an API key set, every route but `GET /health` needs `Authorization: Bearer <key>` (as
+  vLLM's `--api-key`; `X-API-Key: <key>` is accepted too, for a private Space whose proxy takes
+  the Authorization header); the comparison is constant-time (`hmac.compare_digest`); a refusal
+  is a 401 in OpenAI's error shape, sent before the body is read.
+- A body over `max_body_bytes` is a 413: at once when Content-Length says so (nothing of the body
+  is read), otherwise as soon as the bytes received pass the cap (chunked uploads). The body is
+  buffered only up to the cap, so one request cannot make the replica hold more than that.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+OPEN_PATHS = frozenset({"/health"})
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # prompt batches of TRL-sized token ids fit many times over
+
+
+class Guard:
+    """API key and body cap (see module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        if self._key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _error(send, 401, "missing or wrong API key", "authentication_error",
+                         extra_headers=[(b"www-authenticate", b"Bearer")])
+            return
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await _error(send, 400, f"bad Content-Length {length[:40]!r}", "invalid_request_error")
+                return
+            if declared > self.max_body_bytes:
+                await self._too_large(send, str(declared))
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await self._too_large(send, f"more than {self.max_body_bytes}")
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self._key is not None
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        # both compared, always: the time taken does not say which header was tried
+        ok_bearer = hmac.compare_digest(bearer, self._key)
+        ok_header = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+        return ok_bearer or ok_header
+
+    async def _too_large(self, send: Send, size: str) -> None:
+        await _error(send, 413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
+                                "(split the batch, or raise --max-body-bytes / SPARSESYNC_MAX_BODY_BYTES)",
+                     "invalid_request_error")
+
+
+async def _error(send: Send, status: int, message: str, kind: str,
+                 extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *(extra_headers or [])]})
+    await send({"type": "http.response.body", "body": body})

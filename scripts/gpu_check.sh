@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The GPU check: run it FIRST whenever a CUDA machine is at hand (see README, "Contributing").
+#
+#   bash scripts/gpu_check.sh              # on the GPU machine; figures land in $OUT (default ./gpu-results)
+#   bash scripts/gpu_check.sh --dry-run    # on any CPU machine: the same steps, no CUDA (tests/test_gpu_check.py runs it)
+#   bash scripts/gpu_check.sh --download   # on a machine with the package index: fetch the wheels into .whl/
+#
+# Made for a bare machine with one CUDA GPU and NO network: x86-64, Python 3.12 with torch
+# (2.11 or later, CUDA), numpy, safetensors, xxhash, transformers, peft, pytest, typer, rich
+# already installed, but not zstandard or constriction. Those travel as wheels in the ignored
+# folder .whl/ (carry it along with the working tree), fetched beforehand with --download, i.e.:
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl zstandard==0.25.0 constriction==0.5.0
+#
+# (constriction needs numpy, zstandard nothing; ~6 MB together). huggingface_hub is not needed:
+# sparsesync imports it only to open hf:// stores, and the check uses local folders.
+#
+# Steps, each under its own `timeout` so one hang cannot eat the machine's time (seconds,
+# overridable: GPU_CHECK_T_INSTALL, _BUILD, _ENV, _TESTS, _BENCH):
+#   1. install  the carried wheels into /tmp/sparsesync-site (pip --no-index --no-deps), on PYTHONPATH
+#   2. build    the codec's C passes in place (python sparsesync/codec/_build.py); the repo on PYTHONPATH
+#   3. env      versions, the GPU, nvidia-smi                              -> $OUT/env.json
+#   4. tests    pytest -m gpu over tests/test_gpu_*.py (bit-exact CUDA vs CPU) -> $OUT/pytest.xml
+#   5. bench    benchmarks/gpu_bench.py (0.6B- and 7B-shaped bf16 models)      -> $OUT/gpu_bench.json
+# Everything printed goes to $OUT/log too; $OUT/summary.json holds each step's exit code and
+# seconds. Expected on one H100 with 16 cores: about 5 minutes in all (tests ~1.5, bench ~3.5).
+# Exit code: 0 when every step passed, else 1.
+#
+# torch versions: pyproject declares torch>=2.11, the oldest torch this project runs on: the GPU
+# machines carry 2.11 (this check runs every CUDA path there), CI and scripts/setup.sh the pinned
+# 2.13. The core (codec, protocol, embedded engine, trainer) uses no API newer than FSDP2's
+# public `torch.distributed.fsdp.fully_shard` and `torch.distributed.tensor` (torch 2.6); below
+# 2.11 nothing is tested, so nothing is promised.
+#
+# --dry-run (CPU, no wheels needed): checks that the carried wheels (if any) install for
+# CPython 3.12 manylinux without network (pip --dry-run), builds the codec, collects the gpu
+# tests (they skip, naming the reason) and runs the benchmark in its --tiny CPU mode.
+set -uo pipefail
+
+MODE=run
+case "${1:-}" in
+  "") ;;
+  --dry-run) MODE=dry ;;
+  --download) MODE=download ;;
+  -h|--help) sed -n '2,/^set -uo/p' "$0" | sed 's/^# \{0,1\}//' | grep -v '^set -uo'; exit 0 ;;
+  *) echo "unknown argument: $1 (expected --dry-run, --download or nothing)"; exit 2 ;;
+esac
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+WHEELS=(zstandard==0.25.0 constriction==0.5.0)
+# where the wheels must install: the GPU machine's CPython 3.12 on x86-64 Linux
+PLATFORMS="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+
+if [ "$MODE" = download ]; then
+  exec "$PY" -m pip download --no-deps --only-binary=:all: $PLATFORMS -d .whl "${WHEELS[@]}"
+fi
+
+OUT="${OUT:-$ROOT/gpu-results}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+: > "$OUT/log"
+exec > >(tee -a "$OUT/log") 2>&1
+
+SITE=/tmp/sparsesync-site
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 HF_XET_TELEMETRY_ENABLED=false TOKENIZERS_PARALLELISM=false
+STEPS=()   # "name rc seconds"
+FAILED=0
+
+step() {  # step NAME TIMEOUT_S CMD...: run under timeout, record rc and seconds
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== [$name] (limit ${limit}s) $(date -u +%H:%M:%S)"
+  timeout -k 10 "$limit" bash -c '"$@"' step "$@"   # functions run in a child bash (exported below)
+  local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "=== [$name] TIMED OUT after ${limit}s"; fi
+  echo "=== [$name] rc=$rc in $((SECONDS - t0))s"
+  STEPS+=("$name $rc $((SECONDS - t0))")
+  [ $rc -eq 0 ] || FAILED=1
+  return $rc
+}
+
+install_wheels() {
+  shopt -s nullglob
+  local whl=(.whl/*.whl)
+  if [ "$MODE" = dry ]; then
+    if [ ${#whl[@]} -eq 0 ]; then echo "no .whl/ here: nothing to check (fetch them with --download)"; return 0; fi
+    local tmp; tmp=$(mktemp -d)
+    "$PY" -m pip install --dry-run --no-index --no-deps --only-binary=:all: $PLATFORMS --target "$tmp" "${whl[@]}" || return 1
+    rm -rf "$tmp"
+    return 0
+  fi
+  if "$PY" -c 'import zstandard, constriction' 2>/dev/null; then echo "zstandard and constriction already importable"; return 0; fi
+  if [ ${#whl[@]} -eq 0 ]; then echo "zstandard/constriction missing and no .whl/ carried: run '$0 --download' where the index is reachable, then carry .whl"; return 1; fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whl[@]}" || return 1
+}
+
+build_codec() {
+  "$PY" sparsesync/codec/_build.py >/dev/null || return 1
+  "$PY" -c 'import sparsesync.codec, sparsesync, inference_space; print("sparsesync from", sparsesync.__file__)'
+}
+
+print_env() {
+  "$PY" - "$OUT/env.json" <<'EOF'
+import json, os, platform, subprocess, sys
+from importlib import metadata
+out = {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()}
+for m in ("torch", "numpy", "safetensors", "xxhash", "zstandard", "constriction", "transformers", "peft",
+          "huggingface_hub", "hf_xet", "pytest", "typer", "rich", "httpx"):
+    try:
+        out[m] = metadata.version(m)
+    except metadata.PackageNotFoundError:
+        out[m] = None
+import torch
+out["cuda_available"] = torch.cuda.is_available()
+out["torch_cuda"] = torch.version.cuda
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    out["gpu"] = p.name
+    out["gpu_mem_GiB"] = round(p.total_memory / 2**30, 1)
+    out["gpu_sms"] = p.multi_processor_count
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+try:
+    out["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+except (OSError, subprocess.TimeoutExpired) as e:
+    out["nvidia_smi"] = f"unavailable: {e}"
+print(json.dumps({k: v for k, v in out.items() if k != "nvidia_smi"}, indent=1))
+print(out["nvidia_smi"])
+open(sys.argv[1], "w").write(json.dumps(out, indent=1))
+EOF
+}
+
+run_tests() {
+  local args=(-m gpu -q -p no:cacheprovider -o timeout=150 --junitxml "$OUT/pytest.xml" -rs)
+  local files=(tests/test_gpu_*.py)
+  if [ "$MODE" = dry ]; then
+    "$PY" -m pytest "${args[@]}" "${files[@]}"
+    local rc=$?
+    # no CUDA: every gpu test must be collected and skipped (rc 0); 5 would mean none was collected
+    return $rc
+  fi
+  "$PY" -m pytest "${args[@]}" "${files[@]}"
+}
+
+run_bench() {
+  if [ "$MODE" = dry ]; then
+    "$PY" benchmarks/gpu_bench.py --tiny --json "$OUT/gpu_bench.json"
+  else
+    "$PY" benchmarks/gpu_bench.py --budget-s "${GPU_CHECK_BENCH_BUDGET:-220}" --json "$OUT/gpu_bench.json"
+  fi
+}
+
+export MODE ROOT PY OUT SITE PLATFORMS
+export -f install_wheels build_codec print_env run_tests run_bench
+
+echo "sparsesync GPU check ($MODE) in $ROOT, results in $OUT, python: $(command -v "$PY")"
+step install "${GPU_CHECK_T_INSTALL:-60}" install_wheels
+[ "$MODE" = run ] && [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PYTHONPATH"
+if step build "${GPU_CHECK_T_BUILD:-60}" build_codec; then
+  step env "${GPU_CHECK_T_ENV:-30}" print_env
+  if [ "$MODE" = run ] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "no CUDA device visible to torch: the gpu tests would all skip (use --dry-run on a CPU machine)"; FAILED=1
+  fi
+  step tests "${GPU_CHECK_T_TESTS:-170}" run_tests
+  step bench "${GPU_CHECK_T_BENCH:-270}" run_bench
+fi
+
+{
+  echo "{\"mode\": \"$MODE\", \"ok\": $([ $FAILED -eq 0 ] && echo true || echo false), \"seconds\": $SECONDS, \"steps\": ["
+  sep=""
+  for s in "${STEPS[@]}"; do set -- $s; echo "$sep {\"step\": \"$1\", \"rc\": $2, \"seconds\": $3}"; sep=","; done
+  echo "]}"
+} > "$OUT/summary.json"
+cat "$OUT/summary.json"
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $FAILED

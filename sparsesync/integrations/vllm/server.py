@@ -1,0 +1,149 @@
+"""vLLM's own OpenAI server follows a run from inside its API-server process (an endpoint plugin).
+
+    VLLM_PLUGINS=sparsesync SPARSESYNC_BUCKET=hf://buckets/NS/NAME/RUN \\
+      vllm serve MODEL --weight-transfer-config '{"backend": "sparsesync"}'
+
+vLLM 0.32 loads `vllm.endpoint_plugins` entry points in the API-server process only, and only
+those named in `VLLM_PLUGINS` (a security posture: they add routes). `SparsesyncEndpoint` is
+ours: it adds `GET /sync` (the follower's status, as the replica app reports it) and, when
+`SPARSESYNC_BUCKET` names a run (plus `SPARSESYNC_RUN`, appended), starts a `FollowRunner` on
+background threads that drives the server's own engine client: `pause_generation`,
+`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update(weight_version)`, `reset_prefix_cache`, `resume_generation`, the very
+calls vLLM's dev-mode HTTP routes make (no `VLLM_SERVER_DEV_MODE` needed). The run cannot be
+named inside `--weight-transfer-config`: vLLM's `WeightTransferConfig` forbids keys other than
+`backend`. The general plugin (`plugin.register`) registers the backend in the engine's
+processes. Guarantees: those of `follow.ServerHook`; `/weight_info` reports the version served
+(`weight_version`, a string); a server configured to follow but missing the weight-transfer
+backend refuses to start (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+from argparse import Namespace
+from collections.abc import Coroutine
+from typing import Any
+
+from fastapi import Request  # at module level: the route's annotations are resolved from these globals
+
+from sparsesync.errors import ConfigError
+from sparsesync.integrations.vllm.follow import FollowRunner, bucket_from_env, pause_mode_from_env, poll_interval_from_env, remote_engine
+
+log = logging.getLogger(__name__)
+
+NAME = "sparsesync"
+CALL_TIMEOUT_S = 900.0  # one engine call at most (a pause waits for in-flight requests)
+
+
+class AsyncEngineControl:
+    """`follow.EngineControl` over vLLM's async engine client, called from a thread other than
+    the server's event loop (each call is scheduled on that loop and waited for)."""
+
+    def __init__(self, engine_client: Any, loop: asyncio.AbstractEventLoop, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        from vllm.platforms import current_platform
+
+        self.client = engine_client
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.device_type = str(current_platform.device_type)
+        self.llm_engine = remote_engine()
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the vLLM server's event loop is closed (shutting down)")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s)
+
+    def collective_rpc(self, fn: Any) -> list[Any]:
+        """WeightSync's one RPC asks the worker for the model's fused-module table; callables do
+        not cross to the engine process, so it is read from the model class in this process."""
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        mc = self.client.model_config
+        cls, _ = ModelRegistry.resolve_model_cls(mc.architectures, model_config=mc)
+        return [{k: list(v) for k, v in dict(getattr(cls, "packed_modules_mapping", {}) or {}).items()}]
+
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run(self.client.init_weight_transfer_engine(WeightTransferInitRequest(init_info=request["init_info"])))
+
+    def start_weight_update(self) -> None:
+        self._run(self.client.start_weight_update())
+
+    def update_weights(self, request: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.client.update_weights(WeightTransferUpdateRequest(update_info=request["update_info"])))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(self.client.finish_weight_update(weight_version))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._run(self.client.reset_prefix_cache()))
+
+    def pause(self, mode: str) -> None:
+        self._run(self.client.pause_generation(mode=mode, clear_cache=False))
+
+    def resume(self) -> None:
+        self._run(self.client.resume_generation())
+
+    def weight_version(self) -> str | None:
+        return self._run(self.client.get_weight_version())
+
+
+class SparsesyncEndpoint:
+    """The `vllm.endpoint_plugins` entry point `sparsesync` (see module docstring)."""
+
+    name = NAME
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.runner: FollowRunner | None = None
+
+    def attach_router(self, app: Any) -> None:
+        from fastapi.responses import JSONResponse
+
+        async def sync_status(request: Request) -> JSONResponse:
+            if self.runner is None:
+                st = {"url": None, "state": "static", "current_version": None, "serving_version": None, "engine": "vllm"}
+            else:
+                st = self.runner.status()
+            client = getattr(request.app.state, "engine_client", None)
+            st["vllm_weight_version"] = await client.get_weight_version() if client is not None else None
+            return JSONResponse(st)
+
+        app.add_api_route("/sync", sync_status, methods=["GET"], summary="sparsesync: the run this server follows")
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        bucket = bucket_from_env()
+        if engine_client is None or bucket is None:
+            if engine_client is not None:
+                log.info("sparsesync: SPARSESYNC_BUCKET is not set; serving the startup weights only")
+            return
+        wt = getattr(engine_client.vllm_config, "weight_transfer_config", None)
+        if wt is None or wt.backend != NAME:
+            raise ConfigError(
+                f"SPARSESYNC_BUCKET={bucket} asks this vLLM server to follow a run, but its weight-transfer backend is "
+                f"{getattr(wt, 'backend', None)!r}",
+                hint="""start it with --weight-transfer-config '{"backend": "sparsesync"}'""",
+            )
+        if int(getattr(args, "api_server_count", 1) or 1) > 1:
+            raise ConfigError("a vLLM server following a run needs one API server process (each would drive the engine)",
+                              hint="drop --api-server-count, or follow with the sidecar: sparsesync follow --vllm URL")
+        loop = asyncio.get_running_loop()
+        model_config = engine_client.model_config
+        self.runner = FollowRunner(
+            lambda: AsyncEngineControl(engine_client, loop),
+            bucket,
+            str(model_config.model),
+            revision=getattr(model_config, "revision", None),
+            poll_interval=poll_interval_from_env(),
+            pause_mode=pause_mode_from_env(),
+        )
+        state.sparsesync = self.runner
+        self.runner.start()
+        atexit.register(self.runner.stop)  # the last heartbeat says "stopped"
