@@ -3,8 +3,11 @@
 Sparse sync (sparsesync's publisher and followers) side by side with syncing the full
 checkpoint through the same store in the same run, with 1, 4 and 8 followers, on the local
 store, on S3 over loopback (moto's server), and on S3 behind a link limited to
-`--link-mbit` per connection ("s3-wan": what a replica in another region sees; a loopback
-TCP proxy paces the bytes). Followers run in their own processes, as replicas do, and so does
+`--link-mbit` in each direction, shared by all connections ("s3-wan": what a replica in another
+region sees; a loopback TCP proxy paces the bytes with one token bucket per direction; before
+2026-11-26 the pace was per connection, see benchmarks/results/measured_history.md). On S3 the
+full checkpoint goes up through the product's own multipart upload (S3Store.put of a file:
+parts of 64 MiB, 8 at a time), as the publisher's large objects do. Followers run in their own processes, as replicas do, and so does
 the S3 service (with its proxy). All of them share this machine's cores, which real replicas
 on their own machines do not: with several followers the lag here includes waiting for CPU. Also
 reports how long the trainer was blocked per step and the bytes it uploaded. The first
@@ -204,7 +207,7 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
 def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
           modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size",
           max_poll: float = 0.1, poll: float = 0.02, store_pid: int | None = None) -> dict:
-    from safetensors.torch import save
+    from safetensors.torch import save, save_file
 
     from sparsesync.codec import state_digest, tensor_digests
     from sparsesync.protocol.publisher import Publisher
@@ -245,6 +248,14 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
                 pub.flush()
                 uploaded += pub.metrics[-1]["patch_bytes"]
                 enc_s = pub.metrics[-1]["diff_s"] + pub.metrics[-1]["encode_s"]
+            elif store_url.startswith("s3://"):  # the product's multipart upload of a file
+                ckpt = Path(tempfile.mkdtemp(prefix="sparsesync-full-")) / "model.safetensors"
+                save_file(state, ckpt)
+                was_blocked = time.time() - t_call
+                store.put(f"full/v{v:06d}.safetensors", ckpt)
+                uploaded += ckpt.stat().st_size
+                store.put(f"full-done/v{v:06d}", state_digest(tensor_digests(state)).encode())
+                shutil.rmtree(ckpt.parent, ignore_errors=True)
             else:
                 data = save(state)
                 was_blocked = time.time() - t_call
@@ -293,7 +304,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="deltas after the start that are applied but not timed")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of each step (fp32 master weights)")
     ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
-    ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s per connection")
+    ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s of the link in each direction, shared by all its connections")
     ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
     ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
     ap.add_argument("--effort", default="size", help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)")

@@ -8,8 +8,10 @@ client at `proxy.url`. It knows nothing about HTTP: it pipes bytes, and on comma
 - `drop_next(n)`: cuts every open connection, then accepts and immediately resets the next
   n connections (clients see "connection reset" / "server closed the connection").
 - `restore()`: ends both faults.
-`rate` (bytes per second per connection and direction, None: unlimited) makes it a slow link,
-as a cross-region HTTPS connection is (benchmarks use it; tests leave it off).
+`rate` (bytes per second in each direction, None: unlimited) makes it a slow link, as a
+cross-region path is (benchmarks use it; tests leave it off). The pace is the link's, not each
+connection's: one token bucket per direction is shared by every connection through the proxy,
+so 8 parallel multipart uploads together get `rate`, as they would on a real 500 Mbit/s link.
 `connections` counts connections accepted (dropped ones included).
 """
 
@@ -21,12 +23,32 @@ import threading
 import time
 
 
+class _Pace:
+    """One direction of a paced link: every connection's chunks take turns on it, each leaving
+    when its last byte would have crossed a link of `rate` bytes/s; an idle link banks at most
+    2 ms (what makes up for sleeps that overshoot), so there is no burst after idle time."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._free_at = 0.0  # when the link has carried everything handed to it so far
+        self._lock = threading.Lock()
+
+    def wait(self, n: int) -> None:
+        with self._lock:
+            self._free_at = max(self._free_at, time.monotonic() - 0.002) + n / self.rate
+            leave_at = self._free_at
+        wait = leave_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+
 class TcpProxy:
     """127.0.0.1:<port> -> target_host:target_port, with refuse/drop switches."""
 
     def __init__(self, target_host: str, target_port: int, *, rate: float | None = None) -> None:
         self.target = (target_host, target_port)
         self.rate = rate
+        self._pace = (_Pace(rate), _Pace(rate)) if rate else (None, None)  # (client -> target, target -> client)
         self.port = 0
         self.connections = 0
         self._lock = threading.Lock()
@@ -143,19 +165,14 @@ class TcpProxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._live.update((client, upstream))
-            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, self._pace[0]), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self._pace[1]), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        free_at = 0.0  # when the paced link has carried everything handed to it so far
+    def _pipe(self, src: socket.socket, dst: socket.socket, pace: _Pace | None) -> None:
         try:
             while data := src.recv(65536):
-                if self.rate:  # each chunk arrives when its last byte would have; an idle link banks
-                    # at most 2 ms (what makes up for sleeps that overshoot), so no burst after idle time
-                    free_at = max(free_at, time.monotonic() - 0.002) + len(data) / self.rate
-                    wait = free_at - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
+                if pace is not None:
+                    pace.wait(len(data))
                 dst.sendall(data)
         except OSError:
             pass

@@ -4,6 +4,11 @@ full outputs), and on their rejections: a bad argument raises, and nothing is wr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -117,11 +122,51 @@ def _ref_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray) -> list
 
 
 HW = [0, 1, 2, 3]  # portable; BMI2's pdep; AVX2 class masks; AVX-512BW class masks (each run where the CPU has it)
+HW_NAMES = {0: "portable", 1: "BMI2", 2: "AVX2", 3: "AVX-512"}
+_HW_RAN: dict[int, int] = {}  # level -> tests that ran it (this session)
+_HW_SKIPPED: dict[int, int] = {}  # level -> tests skipped for want of it
 
 
 def _need(hw: int) -> None:
-    if hw not in _native.hw_levels():
-        pytest.skip(f"this CPU lacks HW level {hw} (has {_native.hw_levels()})")
+    """Skip where this CPU lacks the level (the kernels cannot be emulated in-process), counting
+    both ways for the session summary; SPARSESYNC_REQUIRE_HW=3 (say) turns such a skip into a
+    failure, for CI machines that must exercise that level."""
+    if hw in _native.hw_levels():
+        _HW_RAN[hw] = _HW_RAN.get(hw, 0) + 1
+        return
+    _HW_SKIPPED[hw] = _HW_SKIPPED.get(hw, 0) + 1
+    required = int(os.environ.get("SPARSESYNC_REQUIRE_HW", "-1"))
+    msg = f"this CPU lacks HW level {hw} ({HW_NAMES[hw]}; has {_native.hw_levels()})"
+    if hw <= required:
+        pytest.fail(msg + f": SPARSESYNC_REQUIRE_HW={required} asks for it")
+    pytest.skip(msg)
+
+
+def hw_summary() -> str:
+    """One line for the end of the test run: which HW levels the native tests exercised here."""
+    ran = ", ".join(f"{HW_NAMES[h]} ({_HW_RAN[h]} tests)" for h in sorted(_HW_RAN))
+    line = f"native codec HW levels tested on this CPU: {ran or 'none'}"
+    if _HW_SKIPPED:
+        line += "; NOT tested (this CPU lacks them): " + ", ".join(
+            f"{HW_NAMES[h]} ({_HW_SKIPPED[h]} tests skipped)" for h in sorted(_HW_SKIPPED))
+    return line
+
+
+class _HwSummary:
+    """A plugin registered at run time (hooks in a test module are not collected)."""
+
+    @staticmethod
+    def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        if _HW_RAN or _HW_SKIPPED:
+            terminalreporter.write_line(hw_summary())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _report_hw_levels(request):  # type: ignore[no-untyped-def]
+    pm = request.config.pluginmanager
+    if not pm.has_plugin("sparsesync-hw-summary"):
+        pm.register(_HwSummary(), "sparsesync-hw-summary")
+    yield
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
@@ -147,6 +192,25 @@ def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
             out, at = np.full(idx.size, -1, np.int64), np.empty(idx.size, base.dtype)  # the base's bits too, in the same pass
             assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw, at) == -1
             assert np.array_equal(out, idx) and np.array_equal(at, base[idx])
+
+
+def _run_pytest_lacking_avx512(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """This file's per-level test of one pass, in a pytest run whose CPU lacks AVX-512 (the level
+    list is cut to 0-2, as on such a machine)."""
+    code = ("import sys, pytest; from sparsesync.codec import _native; _native.hw_levels = lambda: [0, 1, 2]; "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_codec_native.py', '-k', "
+            "'class_select_names_the_class']))")
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_a_run_says_which_hw_levels_it_tested_and_ci_can_demand_one():
+    run = _run_pytest_lacking_avx512({"SPARSESYNC_REQUIRE_HW": "-1"})
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert ("native codec HW levels tested on this CPU: portable (1 tests), BMI2 (1 tests), AVX2 (1 tests); "
+            "NOT tested (this CPU lacks them): AVX-512 (1 tests skipped)") in run.stdout
+    run = _run_pytest_lacking_avx512({"SPARSESYNC_REQUIRE_HW": "3"})
+    assert run.returncode == 1 and "SPARSESYNC_REQUIRE_HW=3 asks for it" in run.stdout, run.stdout[-2000:]
 
 
 def test_hw_levels_start_portable_and_unknown_levels_are_refused():
