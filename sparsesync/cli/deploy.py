@@ -110,7 +110,9 @@ def inference(
     if dry_run:
         env_vars = " ".join([*(f"{k}={v}" for k, v in sorted(specs[0].variables.items()) if k not in ("HOST",)),
                              *(f"{k}=***" for k in sorted(specs[0].secrets))])
-        typer.echo(f"dry run: nothing sent. Boot one locally: cd {plans[0].folder} && {env_vars} python -m inference_space")
+        boot = ("VLLM_PLUGINS=sparsesync python -m sparsesync.integrations.vllm serve model "
+                "--weight-transfer-config '{\"backend\": \"sparsesync\"}'") if engine == "vllm" else "python -m inference_space"
+        typer.echo(f"dry run: nothing sent. Boot one locally: cd {plans[0].folder} && {env_vars} {boot}")
         return
     for p in plans:
         typer.echo(f"deployed {apply(p, token=token)}")
