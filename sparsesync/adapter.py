@@ -17,6 +17,11 @@ Guarantees:
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
+- An adapter config is bounded before PEFT sees it (`sparsesync.adapter_config`): its numbers and
+  regexes on every read (a commit's `adapter` field, a pushed folder, an engine), its ranks
+  against the adapter tensors wherever tensors and config meet (publish, push, pull, an
+  engine's slot), and an engine refuses an adapter larger than its base before allocating it
+  (`adapter_layout`). A run mixing adapter and full-weight versions is not pulled.
 - What PEFT saves by default is accepted: the frozen base weight of a targeted LM head or
   embedding that it saves beside the adapter is checked to equal the base's and left out
   (`drop_saved_base_layers`); when it differs, or no base is at hand, ConfigError names the
@@ -26,6 +31,7 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import math
 import re
 import tempfile
 import weakref
@@ -36,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sparsesync.adapter_config import check_config as _check_config
+from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint
 from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError
@@ -93,20 +101,6 @@ class AdapterMeta:
             raise ValueError("adapter.base_digest is not a hex digest")
         _check_config(config, "adapter.config")
         return cls(base, digest, config, dtype)
-
-
-def _check_config(config: Any, where: str) -> None:
-    if not isinstance(config, dict):
-        raise ValueError(f"{where} is not a JSON object")
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{where}.peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
-    if type(r) is not int or r < 1:
-        raise ValueError(f"{where}.r is {r!r}, expected a positive integer")
-    if type(alpha) not in (int, float):
-        raise ValueError(f"{where}.lora_alpha is {alpha!r}, expected a number")
-    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
-        raise ValueError(f"{where}.target_modules is {targets!r}, expected a string or a list of strings")
 
 
 # -- the writer side --------------------------------------------------------------------------
@@ -254,6 +248,11 @@ def _with_dtype(state: Mapping[str, torch.Tensor], meta: AdapterMeta) -> tuple[M
     if dtypes != [want] or want not in _DTYPES:
         raise RunKindError(f"the adapter tensors are {', '.join(dtypes)}, expected all {want or 'one of ' + ', '.join(_DTYPES)}",
                            hint="cast the adapter to one dtype for the whole run (e.g. model.to(torch.bfloat16))")
+    try:
+        _check_config(meta.config, "adapter_config")
+    except ValueError as e:
+        raise ConfigError(str(e), hint="adapter runs carry LoRA adapters (peft.LoraConfig) within these bounds") from None
+    check_state_ranks(state, meta.config, f"the adapter of {meta.base_model!r}")
     return state, replace(meta, dtype=want)
 
 
@@ -385,6 +384,7 @@ def write_adapter_folder(state: Mapping[str, torch.Tensor], meta: AdapterMeta, d
     """Write `state` as a PEFT adapter folder into `dest` (which must not hold another model)."""
     from safetensors.torch import save_file
 
+    check_state_ranks(state, meta.config, f"version {version} of the adapter of {meta.base_model!r}")  # before PEFT could load it
     dest.mkdir(parents=True, exist_ok=True)
     save_file(dict(state), str(dest / WEIGHTS_FILE), metadata={
         "format": "pt", "sparsesync_version": str(version), "sparsesync_state_digest": digest})
@@ -452,11 +452,25 @@ TIED_NAMES = {"lm_head.weight": "model.embed_tokens.weight"}  # a tied head is s
 
 def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor an adapter version of `meta` holds on the model in
-    `model_dir` (built on the meta device: no weights are loaded)."""
+    `model_dir` (built on the meta device: no weights are loaded, nothing is allocated).
+    ConfigError when `meta`'s config is out of bounds, or when the adapter would hold more
+    elements than the base model itself: an engine calls this before it allocates the adapter."""
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        _check_config(meta.config, f"the adapter config of {meta.base_model!r}")
+    except ValueError as e:
+        raise ConfigError(str(e), hint="the run's adapter config is out of bounds: publish the adapter to a new run") from None
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(meta), autocast_adapter_dtype=False)
-    return {k: (tuple(v.shape), meta.torch_dtype) for k, v in adapter_tensors(model).items()}
+    layout = {k: (tuple(v.shape), meta.torch_dtype) for k, v in adapter_tensors(model).items()}
+    base_n = sum(v.numel() for v in peft_base_state(model).values())
+    adapter_n = sum(math.prod(shape) for shape, _ in layout.values())
+    if adapter_n > base_n:
+        raise ConfigError(f"the adapter config of {meta.base_model!r} (r={meta.rank}) makes an adapter of {adapter_n:,} "
+                          f"elements on the model in {model_dir}, more than the base model's {base_n:,}",
+                          hint="the run's adapter config asks for a rank its tensors cannot have: publish the adapter "
+                               "to a new run with its own adapter_config.json")
+    return layout

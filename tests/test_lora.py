@@ -139,7 +139,7 @@ def test_adapter_and_full_weight_runs_are_never_confused(bases, tmp_path):  # ty
         pub.publish(trainer.adapter(), 1)  # an adapter state dict without adapter=...: not full weights
     with Publisher(str(tmp_path / "new2"), adapter=meta) as pub, pytest.raises(RunKindError, match="not a LoRA adapter tensor"):
         pub.publish(weights, 1)
-    other = AdapterMeta(meta.base_model, meta.base_digest, {**meta.config, "r": 4}, meta.dtype)
+    other = AdapterMeta(meta.base_model, meta.base_digest, {**meta.config, "lora_alpha": 32}, meta.dtype)  # r must fit the tensors
     with Publisher(lora, adapter=other) as pub, pytest.raises(RunKindError, match="configuration"):
         pub.publish({k: v for k, v in trainer.adapter().items()}, 2)
     # followers and engines

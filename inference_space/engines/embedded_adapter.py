@@ -3,6 +3,8 @@
 Guarantees (on top of `embedded.EmbeddedEngine`'s):
 - The base weights loaded from `model_dir` are checked once, at start, against the run's base
   digest (`BaseModelMismatchError` on a mismatch); they are never written afterwards.
+- The adapter config is bounded before PEFT allocates anything (`sparsesync.adapter.adapter_layout`:
+  numbers and regexes in bounds, the adapter no larger than the base): ConfigError otherwise.
 - The engine's weights are the adapter's tensors under their PEFT names (what
   `adapter_model.safetensors` holds), each mapped onto the live LoRA parameter of the model's
   one adapter slot, in the run's dtype. Versions are written into those parameters in place
@@ -19,7 +21,7 @@ from typing import Any
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine, _LiveMap
-from sparsesync.adapter import AdapterMeta, adapter_tensors, attach_adapter, check_base
+from sparsesync.adapter import AdapterMeta, adapter_layout, adapter_tensors, attach_adapter, check_base
 from sparsesync.errors import EngineError
 
 
@@ -31,6 +33,7 @@ class EmbeddedAdapterEngine(EmbeddedEngine):
     def __init__(self, model_dir: str | Path, *, adapter: AdapterMeta, **kwargs: Any) -> None:
         super().__init__(model_dir, **kwargs)
         check_base(self._live.views(self.model), adapter, str(self.model_dir))
+        adapter_layout(self.model_dir, adapter)  # the config bounded, on the meta device, before PEFT allocates it
         self.adapter = adapter
         self.model = attach_adapter(self.model, adapter).eval()
         views = adapter_tensors(self.model)  # PEFT names -> views of the live LoRA parameters

@@ -1,7 +1,8 @@
 """The vLLM engine serving base + LoRA adapter for an adapter run (sparsesync.adapter).
 
 vLLM is started with LoRA enabled on the base model folder; the base's weights are checked
-once, at start, against the run's base digest (`BaseModelMismatchError`) and never written.
+once, at start, against the run's base digest (`BaseModelMismatchError`) and never written; the
+adapter config is bounded before vLLM starts (`sparsesync.adapter.adapter_layout`).
 Each adapter version goes into a new adapter slot: the verified adapter is written as a PEFT
 folder, registered with vLLM under a fresh integer id (`LoRARequest`), and every request from
 then on names that slot; the previous slot is removed once its requests have finished. Under
@@ -45,12 +46,13 @@ class VllmAdapterEngine(VllmEngine):
 
     def __init__(self, model_dir: str | Path, *, adapter: AdapterMeta, **kwargs: Any) -> None:
         check_base(load_checkpoint(Path(model_dir)), adapter, str(model_dir))  # before vLLM starts
+        layout = adapter_layout(Path(model_dir), adapter)  # the config bounded before vLLM or PEFT allocate it
         max_rank = next((r for r in _RANKS if r >= adapter.rank), None)
         if max_rank is None:
             raise EngineError(f"adapter rank {adapter.rank} is above vLLM's largest LoRA rank {_RANKS[-1]}")
         super().__init__(model_dir, enable_lora=True, max_lora_rank=max_rank, max_loras=2, **kwargs)
         self.adapter = adapter
-        self._specs = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in adapter_layout(self.model_dir, adapter).items()}
+        self._specs = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in layout.items()}
         self._aliases = {}
         self._adapter_state: dict[str, torch.Tensor] = {}
         self._slots = Path(tempfile.mkdtemp(prefix="sparsesync-lora-"))

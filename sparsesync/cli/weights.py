@@ -8,6 +8,9 @@ loaders would otherwise read as part of the model. The checkpoint files the run 
 (config.json, generation_config.json, tokenizer files; `sparsesync.protocol.extras`), each
 checked against its recorded digest, are written beside the weights (replacing DEST's own);
 other files stay.
+A run mixing adapter and full-weight versions (or two adapters) is refused before anything is
+fetched, and an adapter version's config is checked against its tensors before the folder PEFT
+would load is written (`sparsesync.adapter_config`).
 
 `push` numbers a checkpoint by its optimizer step (trainer_state.json's global_step, else a
 `checkpoint-N` folder name) unless `--step` says otherwise, and says which it used.
@@ -148,12 +151,14 @@ def pull(
     carries: `from_pretrained(DEST)` loads it.
 
     DEST is replaced atomically; in an existing folder, other *.safetensors files and indexes are removed."""
+    from sparsesync.adapter_config import check_one_kind
     from sparsesync.cli.run_info import _warn_rejected
     from sparsesync.protocol.run import Run
 
     run = Run(url)
     with _progress() as progress:
         task = progress.add_task("listing commits")
+        check_one_kind(run.commits(), run.url)  # before anything is fetched: a mixed run rebuilds neither kind
 
         def on_step(step):  # type: ignore[no-untyped-def]
             what = "loading anchor" if step.kind == "anchor" else "applying delta to"
@@ -187,7 +192,7 @@ def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ad
     from safetensors.torch import save_file
 
     from sparsesync.codec import write_anchor
-    from sparsesync.errors import OutputError
+    from sparsesync.errors import ConfigError, OutputError
 
     dest = dest.absolute()
     one_file = dest.suffix == ".safetensors"
@@ -228,7 +233,7 @@ def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ad
         for p in stale:
             p.unlink(missing_ok=True)
         return [dest / n for n in new]
-    except OutputError:
+    except (OutputError, ConfigError):  # ConfigError: an adapter config its tensors do not fit (nothing written)
         raise
     except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for the same causes
         raise OutputError(f"cannot write version {version} to {dest}: {' '.join(str(e).split())[:300]}",
