@@ -252,8 +252,8 @@ def readme_using_it_block() -> str:
     text = README.read_text()
     section = text[text.index("\n## Using it\n"):]
     section = section[: section.index("\n## ", 1)]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) == 1, "the README's 'Using it' section has one bash block"
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if b.startswith("sparsesync push")]
+    assert len(blocks) == 1, "the README's 'Using it' section has one bash block of push/pull commands"
     return blocks[0]
 
 
