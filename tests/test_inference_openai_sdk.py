@@ -173,7 +173,9 @@ def test_a_long_batch_never_holds_an_update_past_max_hold(tiny):  # type: ignore
         t0 = time.monotonic()
         full = h.post("/v1/completions", json=body).json()["choices"][0]
         alone = time.monotonic() - t0
-        assert full["finish_reason"] == "length" and alone > 1.5, alone  # long enough to hold an update
+        # long enough that an update waiting on it shows the bound: max_hold_s (0.3 s) plus a decoding
+        # step stays well under half the batch (1.45 s on a quiet 2-core machine, more under load)
+        assert full["finish_reason"] == "length" and alone > 1.0, alone
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(h.post("/v1/completions", json=body).json()))
         t.start()
