@@ -56,7 +56,9 @@ def _measured_claims() -> list[tuple[str, str]]:
     lora = _load("lora_sync.json")["by_lr"]["1e-05"]
     out += [("lora_sync.json", f"{lora['adapter_delta_bf16']['bytes_median'] / 1e6:.2f} MB per version"),
             ("lora_sync.json", f"full adapter {lora['a_full_adapter_bf16']['bytes_median'] / 1e6:.1f} MB"),
-            ("lora_sync.json", f"{lora['c_full_model_bf16']['bytes_median'] / 1e6:.0f} MB")]
+            ("lora_sync.json", f"{lora['c_full_model_bf16']['bytes_median'] / 1e6:.0f} MB"),
+            ("lora_sync.json", f"lag {lora['adapter_delta_bf16']['lag_s_median']:.2f} s** on a local folder"),
+            ("lora_sync.json", f"full adapter {lora['a_full_adapter_bf16']['bytes_median'] / 1e6:.1f} MB, lag {lora['a_full_adapter_bf16']['lag_s_median']:.2f} s")]
     for name, store in (("protocol_lag_poll_loop.json", "local"), ("protocol_lag_poll_loop.json", "s3"),
                         ("protocol_lag_wan_shared.json", "s3-wan"), ("protocol_lag_store_trainer.json", "s3"),
                         ("protocol_lag_wan_shared_trainer.json", "s3-wan")):
