@@ -59,8 +59,8 @@ def _measured_claims() -> list[tuple[str, str]]:
             ("lora_sync.json", f"{lora['c_full_model_bf16']['bytes_median'] / 1e6:.0f} MB"),
             ("lora_sync.json", f"lag {lora['adapter_delta_bf16']['lag_s_median']:.2f} s** on a local folder"),
             ("lora_sync.json", f"full adapter {lora['a_full_adapter_bf16']['bytes_median'] / 1e6:.1f} MB, lag {lora['a_full_adapter_bf16']['lag_s_median']:.2f} s")]
-    for name, store in (("protocol_lag_poll_loop.json", "local"), ("protocol_lag_poll_loop.json", "s3"),
-                        ("protocol_lag_wan_shared.json", "s3-wan"), ("protocol_lag_store_trainer.json", "s3"),
+    for name, store in (("protocol_lag_poll_loop.json", "local"), ("protocol_lag_s3_multipart.json", "s3"),
+                        ("protocol_lag_wan_shared.json", "s3-wan"), ("protocol_lag_s3_multipart_trainer.json", "s3"),
                         ("protocol_lag_wan_shared_trainer.json", "s3-wan")):
         parts, full, met = _lag(name, store)
         out.append((name, f"{parts['lag_s']:.2f} s ({'met' if met else 'not met'}) | {full['lag_s']:.1f} s"))
