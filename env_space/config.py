@@ -52,7 +52,7 @@ class ServerConfig:
             raise ConfigError(f"ENV_MAX_SESSIONS_PER_CLIENT={self.max_sessions_per_client}: must be >= 0 (0: half of ENV_MAX_SESSIONS)")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ConfigError("ENV_API_KEY is shorter than 8 characters", hint="use a long random key, e.g. "
-                              "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+                              "openssl rand -hex 32")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"ENV_PORT={self.port}: must be a TCP port (0-65535)")
 
