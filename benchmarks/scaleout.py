@@ -2,7 +2,7 @@
 
 One 0.6B-shaped model (benchmarks/_codec_data.py: Qwen3-like bf16 weights, one AdamW step with
 fp32 master weights at `--lr`), split over N ranks the way FSDP2 `fully_shard` splits every
-parameter (dim-0 rows, torch.chunk). For each rank, exactly what `DistributedPublisher` runs on
+parameter (dim-0 rows, torch.chunk). For each rank, exactly what the sharded publisher (`writer.sharded`) runs on
 that rank: a `PartedSnapshot` of only its rows (units `name[start:stop]`, grouped into parts of
 `--part-bytes`), then `diff_encode` of the next version against it; and the rank's file of a
 sharded anchor (`anchor_shards.assign`: the whole tensors it writes, their bytes and the time to
@@ -32,13 +32,13 @@ from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
 
 from sparsesync.codec.anchor import write_anchor_shard  # noqa: E402
 from sparsesync.protocol.anchor_shards import assign  # noqa: E402
-from sparsesync.protocol.distributed import shard_rows  # noqa: E402
+from sparsesync.protocol.writer.ranks import shard_rows  # noqa: E402
 from sparsesync.protocol.layout import Unit  # noqa: E402
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes  # noqa: E402
 
 
 def rank_share(state: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, Unit]]:
-    """{unit key: rows of this rank} (views) and the units, as `distributed.local_units` makes them."""
+    """{unit key: rows of this rank} (views) and the units, as `writer.ranks.local_units` makes them."""
     out, units = {}, {}
     for name, t in state.items():
         start, stop = shard_rows(t.shape[0], rank, world)

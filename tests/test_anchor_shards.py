@@ -194,7 +194,7 @@ def _gather_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from sparsesync.protocol.anchor_shards import gather_rows
-    from sparsesync.protocol.distributed import shard_rows
+    from sparsesync.protocol.writer.ranks import shard_rows
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

@@ -6,8 +6,8 @@ Launched by torchrun (WORLD_SIZE > 1 in the environment), `python -m trainer` is
 sharded run; nothing in the config switches it on. Each rank initializes the process group (gloo
 on CPU, `cuda:nccl,cpu:gloo` on CUDA, so the publisher's CPU shards still have a backend), loads
 the same weights, wraps them with FSDP2 `fully_shard` (every decoder layer, then the root) and
-publishes `model.state_dict()` (DTensors) through `Publisher`, which is then a
-`DistributedPublisher`: each rank diffs and uploads its own rows, rank 0 commits.
+publishes `model.state_dict()` (DTensors) through `Publisher`, which then runs
+in its sharded mode (`sparsesync.protocol.writer.sharded`): each rank diffs and uploads its own rows, rank 0 commits.
 
 Design: rank 0 alone drives the rollout side (replica pool, rollout workers, buffer, fleet wait,
 metrics) and sends each step's groups to every rank over a gloo group of our own

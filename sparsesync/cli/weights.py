@@ -60,7 +60,8 @@ def push(
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.errors import ConfigError
     from sparsesync.protocol.layout import check_version
-    from sparsesync.protocol.publisher import Publisher, PublisherConfig
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
 

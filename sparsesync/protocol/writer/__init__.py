@@ -1,0 +1,13 @@
+"""The writer's parts, composed by `sparsesync.protocol.publisher.Publisher` (the one entry point).
+
+- `config`: `PublisherConfig`, the publisher's options, validated before anything is written.
+- `commits`: `CommitWriter`, the writer epoch (claim, fence) and every object a version writes,
+  the commit record last and confirmed visible; `CheckpointFiles`, the non-weight files.
+- `uploads`: `UploadQueue`, the versions waiting for upload, coalescing, retries with backoff.
+- `anchors`: `AnchorPolicy`, when a version also carries a full anchor.
+- `whole`: `WholeState`, one process diffs, encodes and uploads the whole state.
+- `sharded`: `ShardedState`, every rank of a torch.distributed trainer its own shard.
+
+Each part has a small public interface; none imports another's private names, and none
+imports `publisher` (the facade sits above them).
+"""

@@ -1,0 +1,396 @@
+"""Sharded encoding: on every rank of a torch.distributed trainer, each rank diffs, encodes and uploads its own shard.
+
+Under an initialized `torch.distributed` process group (world size > 1), or given `group=`,
+`Publisher(url)` on every rank is one rank of a distributed writer. The first `publish` decides
+the mode, alike on every rank: with DTensors in the state, the ranks set up the groups below (a
+collective: every rank must publish) and publish in shards (`ShardedState`); without (DDP,
+replicated weights), rank 0 publishes exactly as a single process does (`WholeState`) and the
+other ranks' calls do nothing, so a publisher created on rank 0 only (TRL's
+`is_world_process_zero`) still works. `publish(model.state_dict(), step)` takes DTensor values
+sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain tensors:
+
+- each rank keeps a snapshot of only its rows of every DTensor and diffs and encodes only those
+  (memory and time per rank about 1/N of the model), as parts over `name[start:stop]` units in
+  global coordinates (`sparsesync.protocol.parts`); plain (replicated) tensors are published by
+  rank 0 only. The key set is the checkpoint's, as a single-process publisher's
+  (`checkpoint_shards`): tied names once (FSDP2 gives them DTensors over one local storage),
+  runtime-fused MoE experts per expert (each a whole tensor of the rank whose rows hold that
+  expert), tensors a later state leaves out (frozen) from the previous version.
+- each rank uploads its parts in the background as they are encoded; then one collective
+  (`all_gather_object` on a gloo group of our own) carries every rank's part references and
+  digests to rank 0, which writes the commit record (fenced as a single-process writer is) and
+  broadcasts the outcome. If any rank failed or died before its parts were stored, no commit is
+  written and every surviving rank raises RankFailedError from its next `publish`/`flush`
+  (a dead rank is noticed by gloo at once, or after `dist_timeout_s`).
+- anchors (the first version, then as `anchor_every`/`anchor_fraction` say, decided alike on
+  every rank from all ranks' byte counts) are sharded: each tensor is gathered whole to one rank
+  only, and every rank writes its tensors as one file of a transformers-loadable sharded
+  checkpoint (`model-0000k-of-0000n.safetensors`); rank 0 adds `model.safetensors.index.json` at
+  commit (`sparsesync.protocol.anchor_shards`; no rank holds the whole model). Such a version is
+  an anchor only, without parts.
+- when uploads lag, versions are coalesced as a single-process publisher's are, decided alike
+  on every rank (every rank must commit the same versions): when some rank has `queue_size`
+  versions waiting and every rank still has the previous version waiting (not started), every
+  rank merges the new version into it (B->N-1 and N-1->N become B->N, part by part; N-1 is never
+  committed). Otherwise (an anchor is due, or some rank already uploads N-1) `publish` waits
+  while `queue_size` versions wait for upload. Deciding costs nothing extra: it rides on the
+  all_reduce that decides anchors.
+
+A new writer continues a sharded run with an anchor (its first version), at any world size; with
+`resume(model.state_dict())` its first version is a delta, at any world size, once the weights are
+checked to be the run's newest version (PatchMismatchError on all ranks when they are not): at the
+world size that wrote it (same units), the digests of every rank's units must make up its state
+digest; otherwise (another world size, or an anchor) the weights are hashed over that version's
+own units, each tensor gathered to one rank as for an anchor. `state_digest` is the global digest
+of the newest committed version (after `flush()`; ConfigError before).
+
+This module is the mode (`ShardedState`: publish, resume, upload, commit); what each rank holds
+and the collectives that gather across ranks are in `writer.ranks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsesync.checkpoint import check_key_set, shared_aliases
+from sparsesync.codec import state_digest
+from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
+from sparsesync.errors import ConfigError, PatchMismatchError, RankFailedError, RunNotFoundError, SparsesyncError, StoreUnavailableError
+from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit
+from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
+from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
+from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
+from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.ranks import (
+    RANK_DIED,
+    Ranks,
+    ShardedTensor,
+    anchor_plan,
+    checkpoint_shards,
+    collective,
+    combined_metrics,
+    digests_over,
+    gather_whole,
+    local_units,
+    shard_rows,
+)
+from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue, coalesce, wait_to_retry
+
+log = logging.getLogger(__name__)
+STORE_TRIES = 5  # store outages retried (with backoff) before a rank reports failure to the others
+
+
+class ShardedState:
+    """The sharded writer mode of one rank (see the module docstring). Creating it is a
+    collective (every rank of `ranks` creates it, at its first `publish` or `resume`): our own
+    gloo groups (one for the caller's thread, one for the uploader; never the trainer's), and
+    rank 0's epoch, writer id and tied names for all (rank 0 holds rows of every non-empty
+    tensor, so it sees every tie; a rank with an empty shard could not, and every rank must plan
+    the same key set)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], *, ranks: Ranks, config: PublisherConfig, run: Run,
+                 commits: CommitWriter, files: CheckpointFiles, queue: UploadQueue, anchors: AnchorPolicy,
+                 staging: Path, newest: int | None) -> None:
+        self.r, self.config, self.run, self.commits, self.files = ranks, config, run, commits, files
+        self.queue, self.anchors, self.staging, self.url = queue, anchors, staging, run.store.url
+        self.snapshot: PartedSnapshot | None = None  # this rank's units of the last published (or resumed) version
+        self.published = self.committed = newest  # the last version published here, the newest committed
+        self.committed_digest: str | None = None  # the global state digest of `committed`
+        self.key_set: list[ShardedTensor] | None = None  # the run's tensors (from the first version), no data
+        timeout = timedelta(seconds=config.dist_timeout_s)
+        self._ctl = dist.new_group(ranks=list(ranks.ranks), backend="gloo", timeout=timeout)
+        self._up = dist.new_group(ranks=list(ranks.ranks), backend="gloo", timeout=timeout)
+        got: list[Any] = [(commits.epoch, commits.writer, shared_aliases(state) if ranks.rank == 0 else None)]
+        dist.broadcast_object_list(got, src=ranks.src, group=self._ctl)
+        commits.epoch, commits.writer, self.aliases = got[0]
+
+    @property
+    def started(self) -> bool:
+        return self.snapshot is not None
+
+    @property
+    def state_digest(self) -> str | None:
+        """The global state digest of the newest version, once committed (ConfigError before)."""
+        if self.published is not None and self.published != self.committed:
+            raise ConfigError(f"the state digest of version {self.published} is known once it is committed",
+                              hint="call flush() first: a sharded version's digest covers every rank's part")
+        return self.committed_digest
+
+    # -- publish ----------------------------------------------------------------------
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Publish this rank's share of `state` as `version` (every rank calls it with the same
+        version). Returns after diff+encode (and, on anchor versions, the gather to rank 0)."""
+        rank, world = self.r.rank, self.r.world
+        tensors = self._with_frozen(checkpoint_shards(state, rank, world, self.aliases))
+        local, units = local_units(tensors, rank, world)
+        pinned = self.queue.take_newest(self.published) if self.snapshot is not None else None
+        anchor, merge = (True, False) if self.snapshot is None else self._plan(version, pinned)
+        if pinned is not None and not merge:
+            self.queue.append(pinned)  # back where it was: the uploader takes it in turn
+        if not merge:
+            self.queue.wait_for_room()
+        if anchor:
+            item = PendingVersion(version=version, base_version=None, state_digest="", base_state_digest=None,
+                                  digests={}, base_digests=None, changes=None, delta=None, anchor_dir=None, metrics={})
+            t0 = time.perf_counter()
+            self.snapshot = self._shard_snapshot(local, units, version)
+            item.metrics["snapshot_s"] = time.perf_counter() - t0
+            self.anchors.anchored(version, self._write_anchor_shard(item, tensors))
+            item.digests = self.snapshot.digests
+            self.queue.append(item)
+        else:
+            assert self.snapshot is not None
+            after = pinned if merge else None
+
+            def enqueue(item: PendingVersion) -> None:
+                self.queue.append(item if after is None else coalesce(after, item))
+
+            self.queue.encode_streamed(self.snapshot, local, version, after=after, enqueue=enqueue,
+                                       seal=lambda item: self.anchors.add_delta(int(item.metrics["patch_bytes"])))
+        self.published = version
+
+    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue the run from its newest committed version, whose weights `state` holds (a
+        collective, on every rank): the next `publish` is a delta against it once the weights are
+        checked to be that version; PatchMismatchError on every rank when they are not. When that
+        version is in parts over the same units (written at this world size), every rank's unit
+        digests make up its state digest; over other units (another world size's rows, or whole
+        tensors: an anchor, or a single process's version) the weights are hashed over its units
+        (`ranks.digests_over`: each tensor gathered to one rank, as for an anchor, but nothing written
+        or uploaded). The delta is over this world's units."""
+        if self.snapshot is not None:
+            raise ConfigError("resume() must come before the first publish()")
+        rank, world = self.r.rank, self.r.world
+        tensors = checkpoint_shards(state, rank, world, self.aliases)
+        self.key_set = [replace(t, local=None) for t in tensors]
+        snap = self._shard_snapshot(*local_units(tensors, rank, world), 0)
+        info = self._newest_info() if rank == 0 else None
+        got: list[Any] = [None] * world
+        with collective(f"resume() of {self.url}"):
+            dist.all_gather_object(got, (snap.digests, info), group=self._ctl)
+        info = got[0][1]
+        if info is None:
+            raise RunNotFoundError(f"nothing to resume under {self.url}", hint="publish() starts a run")
+        digests = {k: d for held, _ in got for k, d in held.items()}
+        if info["units"] is None or [u.key for u in info["units"]] != sorted(digests):
+            # another world size's rows, or whole tensors (an anchor, or a single process's version):
+            # hash the weights over the newest version's own units
+            t0 = time.perf_counter()
+            with collective(f"resume() of {self.url}"):
+                digests = digests_over(tensors, info["units"] or [Unit(t.name) for t in tensors], self.r, self._ctl)
+            log.info("resume(): version %d of %s covers other units (another world size, or whole tensors): "
+                     "checked the weights over its units in %.1f s; the first version is a delta over this "
+                     "world's units", info["version"], self.url, time.perf_counter() - t0)
+        if state_digest(digests) != info["state_digest"]:
+            raise PatchMismatchError(
+                f"the weights given to resume() on {world} ranks have state digest {state_digest(digests)}, "
+                f"but version {info['version']} of {self.url} has {info['state_digest']}",
+                hint="load the run's newest version into the model on every rank first (`Run(url).reconstruct()`)",
+            )
+        snap.version = info["version"]
+        for sub in snap.snapshots:
+            sub.version = info["version"]
+        self.snapshot = snap
+        self.anchors.resume_from(info["history"], with_bytes=rank == 0)  # summed over ranks by `_plan`
+        self.committed_digest = info["state_digest"]
+
+    # -- upload (the uploader's thread) ------------------------------------------------------
+    def upload(self, item: PendingVersion, adapter: Any = None) -> dict[str, Any]:
+        """Store this rank's objects, then one collective; rank 0 commits; all learn the outcome.
+        The commit's metrics (this rank's); RankFailedError when any rank failed."""
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"rank": self.r.rank, "version": item.version, "error": None}
+        try:
+            refs, anchor = self._store_local(item)
+            report.update(parts=refs, anchor=anchor, digests=item.digests, base_digests=item.base_digests or {},
+                          anchor_digests=item.metrics.get("_anchor_digests", {}),
+                          metrics={k: v for k, v in item.metrics.items() if not k.startswith("_")})
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            report["error"] = f"{type(e).__name__}: {e}"
+        reports: list[Any] = [None] * self.r.world
+        outcome: list[Any] = [None]
+        with collective(f"version {item.version} of {self.url} was not committed", "a rank did not report its part",
+                         hint=f"{RANK_DIED}: the next writer continues from the newest committed version"):
+            dist.all_gather_object(reports, report, group=self._up)
+            if self.r.rank == 0:
+                outcome = [self._commit_all(item, reports, t0)]
+            dist.broadcast_object_list(outcome, src=self.r.src, group=self._up)  # (error or None, state digest)
+        error, digest = outcome[0]
+        if error is not None:
+            raise RankFailedError(f"version {item.version} of {self.url} was not committed: {error}",
+                                  hint="fix the failing rank and restart the job: the next writer continues from the newest committed version")
+        if item.anchor_dir is not None:
+            shutil.rmtree(item.anchor_dir, ignore_errors=True)
+        self.committed, self.committed_digest = item.version, digest
+        return {k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version}
+
+    def _store_local(self, item: PendingVersion) -> tuple[list[PartRef], list[ObjectRef]]:
+        """Upload this rank's parts (and its anchor file), retrying store outages a few times
+        (the last one is reported to every rank)."""
+        backoff = self.config.retry_backoff_s
+        for _ in range(STORE_TRIES - 1):
+            try:
+                return self._store_objects(item)
+            except StoreUnavailableError as e:
+                backoff = wait_to_retry(f"rank {self.r.rank}: upload of version {item.version}", e, backoff)
+        return self._store_objects(item)
+
+    def _store_objects(self, item: PendingVersion) -> tuple[list[PartRef], list[ObjectRef]]:
+        """One try of `_store_local`."""
+        if err := item.metrics.get("_anchor_error"):
+            raise SparsesyncError(err)
+        refs: list[PartRef] | None = []
+        if item.parts is not None:
+            base = item.base_version
+            assert base is not None
+            refs = self.queue.parts_of(item, lambda part: self.commits.put_part(base, item.version, item.uid, part))
+        if refs is None:
+            raise SparsesyncError(f"encoding version {item.version} failed on this rank")
+        anchor = self.commits.put_anchor(item.version, item.uid, sorted(item.anchor_dir.iterdir())) if item.anchor_dir else []
+        return refs, anchor
+
+    def _commit_all(self, item: PendingVersion, reports: list[dict[str, Any]], t0: float) -> tuple[str | None, str]:
+        """Rank 0: write the commit record from every rank's report (and an anchor's index);
+        (the error text or None, the version's state digest)."""
+        bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
+        bad += [f"rank {r['rank']} published version {r['version']}, rank 0 {item.version}" for r in reports
+                if not r["error"] and r["version"] != item.version]
+        if bad:
+            return "; ".join(bad), ""
+        try:
+            anchor = sorted((o for r in reports for o in r["anchor"]), key=lambda o: o.key)
+            parts = [p for r in reports for p in r["parts"]]
+            digests = {k: d for r in reports for k, d in r["digests"].items()}
+            if parts:
+                sd = state_digest(digests)
+                base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
+            else:
+                (sd, index), base_sd = self._anchor_index(item, reports), None
+                anchor += index
+            rec = CommitRecord(
+                version=item.version, epoch=self.commits.epoch, writer=self.commits.writer, state_digest=sd,
+                created_at=time.time(), base_version=item.base_version if parts else None, base_state_digest=base_sd,
+                anchor=anchor, parts=parts, files=self.files.refs(self.commits, item.version, item.uid, adapter_run=False),
+            )
+            rec.metrics = {**combined_metrics([r["metrics"] for r in reports]), "version": item.version,
+                           "base_version": rec.base_version, "ranks": self.r.world,
+                           "upload_s": time.perf_counter() - t0, "kind": "delta" if parts else "anchor"}
+            self.commits.commit(rec)
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            return f"rank 0 could not commit: {type(e).__name__}: {e}", ""
+        return None, sd
+
+    def _anchor_index(self, item: PendingVersion, reports: list[dict[str, Any]]) -> tuple[str, list[ObjectRef]]:
+        """Rank 0, an anchor version: its state digest (whole tensors), and the index it stores
+        beside the ranks' files when there are several ([] when one file holds it all)."""
+        plan = item.metrics["_anchor_plan"]
+        digests = {k: d for r in reports for k, d in r["anchor_digests"].items()}
+        if set(digests) != set(plan.owner):
+            raise SparsesyncError(f"the ranks' anchor files hold {len(digests)} tensors, the plan {len(plan.owner)}")
+        if len(plan.files) == 1:
+            return state_digest(digests), []
+        path = write_anchor_index(self._anchor_folder(item), plan.weight_map, digests, version=item.version,
+                                  total_size=plan.total_size)
+        return state_digest(digests), self.commits.put_anchor(item.version, item.uid, [path])
+
+    # -- internals --------------------------------------------------------------------
+    def _shard_snapshot(self, local: dict[str, torch.Tensor], units: list[Unit], version: int) -> PartedSnapshot:
+        """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of `part_bytes`."""
+        by_key = {u.key: u for u in units}
+        groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
+        return PartedSnapshot(groups, local, version, effort=self.config.effort)
+
+    def _anchor_folder(self, item: PendingVersion) -> Path:
+        """The staging folder of the anchor files of `item` (created, and set as its `anchor_dir`)."""
+        d = self.staging / f"anchor-{item.version}-{item.uid}"
+        d.mkdir(parents=True, exist_ok=True)
+        item.anchor_dir = d
+        return d
+
+    def _with_frozen(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+        """`tensors` in the run's key set, as `checkpoint_state` completes a whole state: the first
+        version sets it; later, tensors the state lacks (frozen, left out by the caller) are this
+        rank's share of the previous version (the snapshot), and names the run lacks raise ConfigError
+        on every rank alike (names are global) before anything is published."""
+        if self.key_set is None or self.snapshot is None:
+            self.key_set = [replace(t, local=None) for t in tensors]
+            return tensors
+        given = {t.name: t for t in tensors}
+        check_key_set(given, (t.name for t in self.key_set))
+        held = self.snapshot.state
+        out = []
+        for t in self.key_set:
+            if t.name in given:
+                out.append(given[t.name])
+            elif t.holder is None:
+                start, stop = shard_rows(t.shape[0], self.r.rank, self.r.world)
+                empty = torch.empty((0, *t.shape[1:]), dtype=t.dtype)
+                out.append(replace(t, local=held[Unit(t.name, (start, stop)).key] if stop > start else empty))
+            else:
+                out.append(replace(t, local=held[t.name] if t.holder == self.r.rank else None))
+        return out
+
+    def _newest_info(self) -> dict[str, Any] | None:
+        """Rank 0, for resume(): what the run's newest version covers, and its anchor history."""
+        commits = self.run.commits()
+        if not commits:
+            return None
+        newest = commits[-1]
+        return {
+            "version": newest.version, "state_digest": newest.state_digest, "history": AnchorHistory.of(commits),
+            "units": sorted((u for p in newest.parts for u in p.units), key=lambda u: u.key) if newest.parts else None,
+        }
+
+    def _write_anchor_shard(self, item: PendingVersion, tensors: list[ShardedTensor]) -> int:
+        """Every rank: gather the tensors the plan gives this rank, whole, and write them as its
+        file of the anchor of `item` (`anchor_shards`); the file's size (0: none here). A failure
+        after the collectives is reported at commit, so every rank raises it."""
+        t0 = time.perf_counter()
+        plan = anchor_plan(tensors, self.r.world)
+        mine: dict[str, torch.Tensor] = {}
+        with collective(f"anchor of version {item.version} of {self.url}"):
+            got: list[Any] = [item.uid]
+            dist.broadcast_object_list(got, src=self.r.src, group=self._ctl)  # one folder for every rank's file
+            item.uid = got[0]
+            for t, whole in gather_whole(tensors, plan, self.r, self._ctl):
+                # a tensor held whole is copied: experts are views of one fused tensor, which safetensors refuses
+                mine[t.name] = whole if t.holder is None else whole.detach().to("cpu", copy=True).contiguous()
+        item.metrics["_anchor_plan"], item.metrics["_anchor_digests"] = plan, {}
+        nbytes = 0
+        if self.r.rank in plan.files:
+            try:
+                path = self._anchor_folder(item) / plan.files[self.r.rank]
+                item.metrics["_anchor_digests"] = write_anchor_shard(mine, path, version=item.version,
+                                                                     alone=len(plan.files) == 1)
+                nbytes = path.stat().st_size
+            except Exception as e:  # noqa: BLE001 - reported at commit, raised on every rank
+                item.metrics["_anchor_error"] = f"writing its anchor file failed: {type(e).__name__}: {e}"
+        item.metrics["anchor_bytes"] = nbytes
+        item.metrics["anchor_write_s"] = time.perf_counter() - t0
+        return nbytes
+
+    def _plan(self, version: int, pinned: PendingVersion | None) -> tuple[bool, bool]:
+        """(anchor, merge) for `version`, alike on every rank (one all_reduce): the anchor rule on
+        all ranks' delta bytes and rank 0's anchor size; and, for a delta, whether it is merged
+        into the previous version (`pinned`, which then is never committed). That happens when
+        some rank has `queue_size` versions waiting and every rank still has the previous one
+        waiting: uploads lag, and training goes on instead of waiting for them."""
+        full = self.queue.waiting + (pinned is not None) >= self.config.queue_size
+        t = torch.tensor([float(self.anchors.delta_bytes), float(self.anchors.anchor_bytes), float(full),
+                          float(pinned is not None)], dtype=torch.float64)
+        with collective(f"version {version} of {self.url} not published"):
+            dist.all_reduce(t, group=self._ctl)
+        if self.anchors.due(version, delta_bytes=float(t[0]), anchor_bytes=float(t[1])):
+            return True, False
+        return False, float(t[2]) > 0 and int(t[3]) == self.r.world
