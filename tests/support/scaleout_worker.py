@@ -101,7 +101,7 @@ def main() -> None:
     pub = Publisher(store, anchor_every=args.get("anchor_every", 0), anchor_fraction=1e9,
                     part_bytes=args.get("part_bytes", 16 << 10), dist_timeout_s=args.get("dist_timeout", 60),
                     effort=args.get("effort", "size"), queue_size=args.get("queue_size", 4))
-    assert (pub.rank, pub.world) == (rank, world)  # one rank of a distributed publisher
+    assert type(pub) is Publisher and (pub.rank, pub.world) == (rank, world)  # one rank of a distributed publisher
     try:
         if args.get("resume"):
             pub.resume(model.state_dict())
