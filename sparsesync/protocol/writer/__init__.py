@@ -7,6 +7,8 @@
 - `anchors`: `AnchorPolicy`, when a version also carries a full anchor.
 - `whole`: `WholeState`, one process diffs, encodes and uploads the whole state.
 - `sharded`: `ShardedState`, every rank of a torch.distributed trainer its own shard.
+- `ranks`: what each rank holds (`shard_rows`, `checkpoint_shards`, `local_units`) and the
+  collectives that gather across ranks (split from `sharded` to keep both under 450 lines).
 
 Each part has a small public interface; none imports another's private names, and none
 imports `publisher` (the facade sits above them).

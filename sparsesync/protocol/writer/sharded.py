@@ -65,7 +65,14 @@ import torch.distributed as dist
 from sparsesync.checkpoint import check_key_set, shared_aliases
 from sparsesync.codec import state_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
-from sparsesync.errors import ConfigError, PatchMismatchError, RankFailedError, RunNotFoundError, SparsesyncError, StoreUnavailableError
+from sparsesync.errors import (
+    ConfigError,
+    PatchMismatchError,
+    RankFailedError,
+    RunNotFoundError,
+    SparsesyncError,
+    StoreUnavailableError,
+)
 from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.run import Run
