@@ -13,9 +13,9 @@ import torch
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, DigestMismatchError, MalformedCommitError, PatchMismatchError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.layout import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digests
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.store import open_store

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, check_follow
+from sparsesync.adapter import check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -60,8 +60,8 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
-from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.parts import Prefetcher
+from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 

@@ -3,7 +3,7 @@
 A part is an ordinary format-3 patch (docs/format.md) over a set of *units*: whole tensors, or
 rows [start, stop) of a tensor's dim 0 (a rank's FSDP shard), named inside the patch by
 `Unit.key` (`name` or `name[start:stop]`), in global checkpoint coordinates. The commit record
-lists the parts (`layout.PartRef`, docs/protocol.md "Versions in parts").
+lists the parts (`records.PartRef`, docs/protocol.md "Versions in parts").
 
 Guarantees:
 - Writer: `PartedSnapshot.diff_encode` hands each part to `on_part` as soon as it is encoded (the
@@ -49,10 +49,10 @@ from sparsesync.codec import (
 )
 from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
-from sparsesync.codec.digest import digest_after_put
+from sparsesync.codec.digest import bytes_digest, digest_after_put
 from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError
-from sparsesync.protocol.layout import DELTAS, CommitRecord, PartRef, Unit, parse_part_key
-from sparsesync.protocol.run import bytes_digest
+from sparsesync.protocol.keys import DELTAS, parse_part_key
+from sparsesync.protocol.records import CommitRecord, PartRef, Unit
 from sparsesync.store import Store
 
 DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
