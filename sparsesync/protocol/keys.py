@@ -12,8 +12,9 @@ A run is everything under one URL prefix:
     fleet/<replica>.json                               a replica's heartbeat (overwritten in place)
     switches/v0000000041.json                          "switch to version 41 at apply_at", written once
 
-Guarantees: every builder's output parses back (`parse_*`) to what built it. Every object name
-of a writer is unique (epoch + random uid), so nothing but a heartbeat is ever overwritten. The
+Guarantees: a key built from values the names can carry (versions of 10 digits, epochs of 6,
+hex uids, ids of `[A-Za-z0-9_.-]`) parses back (`parse_*`) to those values. Every object name of
+a writer is unique (epoch + random uid), so nothing but a heartbeat is ever overwritten. The
 names sort by version. Parsing is strict and total: a key that does not match gives None, never
 an exception; readers ignore such keys and `gc` treats them as garbage. What an object holds is
 `records.py`'s concern; this module only names things.
