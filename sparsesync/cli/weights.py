@@ -59,10 +59,10 @@ def push(
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.errors import ConfigError
-    from sparsesync.protocol.layout import check_version
+    from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.publisher import Publisher
-    from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.protocol.run import Run
+    from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.store import open_store
 
     PublisherConfig(effort=effort).validate()  # before anything is read or written

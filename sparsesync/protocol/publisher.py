@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
+from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.extras import collect_files
-from sparsesync.protocol.layout import check_version
+from sparsesync.protocol.keys import check_version
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES
+from sparsesync.protocol.records import AdapterMeta
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sparsesync.protocol.layout import CommitRecord
+from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.writer.config import PublisherConfig
 
 

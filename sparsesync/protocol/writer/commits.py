@@ -23,20 +23,18 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.errors import FencedWriterError, ProtocolError, StoreUnavailableError
-from sparsesync.protocol.extras import MODEL_FILES, FileRef, file_key
-from sparsesync.protocol.layout import (
+from sparsesync.protocol.extras import MODEL_FILES
+from sparsesync.protocol.keys import (
     COMMITS,
-    MAX_COMMIT_BYTES,
     MAX_EPOCH,
     WRITERS,
-    CommitRecord,
-    ObjectRef,
-    PartRef,
     anchor_prefix,
     commit_key,
     delta_key,
     epoch_lock_key,
+    file_key,
     parse_commit_key,
     parse_epoch_lock_key,
     parse_writer_key,
@@ -45,7 +43,8 @@ from sparsesync.protocol.layout import (
     writer_key,
 )
 from sparsesync.protocol.parts import EncodedPart
-from sparsesync.protocol.run import bytes_digest, file_digest, read_at_most
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef
+from sparsesync.protocol.run import read_at_most
 from sparsesync.store import Store
 
 CLAIM_TRIES = 100  # epochs tried before giving up on a run that other writers keep claiming

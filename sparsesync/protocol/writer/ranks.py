@@ -30,7 +30,7 @@ from sparsesync.checkpoint import EXPERT_KEY, check_tied, split_fused_experts
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, RankFailedError
 from sparsesync.protocol.anchor_shards import AnchorPlan, assign, gather_rows
-from sparsesync.protocol.layout import Unit
+from sparsesync.protocol.records import Unit
 
 RANK_DIED = "a rank of the trainer died or hung; restart the job"
 @contextlib.contextmanager

@@ -73,8 +73,8 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreUnavailableError,
 )
-from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
+from sparsesync.protocol.records import CommitRecord, ObjectRef, PartRef, Unit
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter

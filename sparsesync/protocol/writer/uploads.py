@@ -30,8 +30,9 @@ import torch
 
 from sparsesync.codec import TensorChange, compose_changes, encode_changes
 from sparsesync.errors import SparsesyncError, StoreUnavailableError
-from sparsesync.protocol.layout import PartRef, new_uid
+from sparsesync.protocol.keys import new_uid
 from sparsesync.protocol.parts import EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
+from sparsesync.protocol.records import PartRef
 from sparsesync.protocol.writer.config import PublisherConfig
 
 log = logging.getLogger(__name__)

@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, write_anchor
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
-from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.parts import PartedSnapshot
+from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
