@@ -67,7 +67,7 @@ class WholeState:
         """Diff and encode `state` (from `checkpoint`) as `version` and queue it for upload."""
         if self.snapshot is None:
             t0 = time.perf_counter()
-            self.snapshot = self._new_snapshot(state, version)
+            self.snapshot = self.new_snapshot(state, version)
             item = PendingVersion(
                 version=version, base_version=None, state_digest=self.snapshot.state_digest,
                 base_state_digest=None, digests=dict(self.snapshot.digests), base_digests=None,
@@ -107,7 +107,7 @@ class WholeState:
                 "resume() cannot check whole weights against it",
                 hint="publish without resume(): the first version is then a new anchor",
             )
-        snap = self._new_snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
+        snap = self.new_snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
         if snap.state_digest != newest.state_digest:
             raise PatchMismatchError(
                 f"the weights given to resume() have state digest {snap.state_digest}, but version "
@@ -159,14 +159,15 @@ class WholeState:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         return rec.metrics
 
-    # -- internals --------------------------------------------------------------------
-    def _new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
+    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
+        """The snapshot of `state` as `version` (in parts when the state is larger than one part)."""
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
         if self.config.part_bytes and sum(t.numel() * t.element_size() for t in state.values()) > self.config.part_bytes:
             return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)
         return Snapshot(state, version, effort=self.config.effort)
 
+    # -- internals --------------------------------------------------------------------
     def _seal(self, item: PendingVersion) -> None:
         """A delta in parts is encoded: count its bytes, and serialize an anchor when one is due."""
         self.anchors.add_delta(int(item.metrics["patch_bytes"]))
