@@ -265,23 +265,29 @@ def wait_for_fleet(
 ) -> list[Seen]:
     """Block until `min_replicas` live replicas serve `version` or newer (with `staged`: have
     staged or serve it); returns them. FleetTimeoutError after `timeout` s names who is behind."""
+    from sparsesync.protocol.rewind import Lineage  # rewind hook: a replica on an abandoned version counts for nothing
+
     if min_replicas < 1:
         raise ConfigError(f"min_replicas={min_replicas}: must be >= 1")
     deadline = time.monotonic() + timeout
+    records: dict[str, Any] = {}  # commit records read so far (immutable)
     while True:
         try:
             view = read_fleet(store)
+            lineage = Lineage(store, records)
         except StoreError as e:  # a failed listing is retried until the deadline
             log.warning("reading the fleet of %s failed: %s", store.url, e)
-            view = FleetView([], [], time.time())
-        ready = [s for s in view.live if reached(s.record, version, staged)]
+            view, lineage = FleetView([], [], time.time()), None
+        ready = [s for s in view.live if reached(s.record, version, staged)
+                 and (lineage is None or not lineage.abandoned(s.record, version))]
         if len(ready) >= min_replicas:
             return ready
         left = deadline - time.monotonic()
         if left <= 0:
             behind = ", ".join(
                 f"{s.record.replica} at {s.record.version}" + (f" (staged {s.record.staged_version})" if staged else "")
-                for s in view.live if not reached(s.record, version, staged)
+                + (" (abandoned by a rewind)" if lineage is not None and lineage.abandoned(s.record, version) else "")
+                for s in view.live if s not in ready
             ) or "none"
             raise FleetTimeoutError(
                 f"only {len(ready)} of the {min_replicas} replicas needed {'have staged' if staged else 'serve'} "

@@ -250,11 +250,15 @@ class Publisher:
             if files != self._extra:
                 self._extra, self._extra_refs = files, None
 
-    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+    def resume(self, state: Mapping[str, torch.Tensor], *, version: int | None = None) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds.
 
         The next `publish` is then a delta against that version instead of a fresh anchor.
         Raises PatchMismatchError when `state` is not exactly that version.
+
+        `version` below the newest: a rewind (`sparsesync.protocol.rewind`): `state` (checked
+        against the run's version `version` when it has one) becomes that version at once and the
+        newer versions are abandoned; replicas follow without any change.
         """
         if self._snapshot is not None:
             raise ConfigError("resume() must come before the first publish()")
@@ -262,6 +266,11 @@ class Publisher:
         if not commits:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
         newest = commits[-1]
+        if version is not None and version != newest.version:  # rewind hook (protocol/rewind.py)
+            from sparsesync.protocol.rewind import rewind
+
+            rewind(self, state, version, commits)
+            return
         if any(u.rows is not None for p in newest.parts for u in p.units):
             raise ConfigError(
                 f"version {newest.version} of {self.store.url} was published in shards by a distributed trainer; "

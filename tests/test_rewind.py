@@ -1,0 +1,213 @@
+"""Rewinds (docs/protocol.md, "Rewinds"): a writer resumes from a state older than the run's newest
+version; the run goes on at the same URL and replicas move to the rewound weights.
+
+Real publishers and followers on a local folder; the replica is a follower driving an engine
+stand-in that keeps its own copy of the weights and the digest of every state it ever served.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparsesync.cli import app
+from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.errors import FleetTimeoutError, PatchMismatchError, VersionNotFoundError
+from sparsesync.protocol.fleet import Heartbeat, heartbeat_key, wait_for_fleet
+from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.gc import apply_gc, plan_gc
+from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.run import Run
+from sparsesync.protocol.verify import verify_run
+from sparsesync.store import open_store
+from tests.weights import assert_bit_equal, make_state, train_step
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    return state_digest(tensor_digests(state))
+
+
+class ServingEngine:
+    """An engine stand-in: its own weights, and the digest of every state it served, in order."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.served: list[tuple[int, str]] = []
+        self.lock = threading.Lock()
+
+    def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.weights = {k: v.clone() for k, v in tensors.items()}
+            self.served.append((version, digest(self.weights)))
+
+    def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
+        with self.lock:
+            for name, upd in updates.items():
+                self.weights[name].view(-1)[upd.indices] = upd.values
+            self.served.append((version, digest(self.weights)))
+
+    def digests(self) -> list[str]:
+        with self.lock:
+            return [d for _v, d in self.served]
+
+
+def _states(seed: int, n: int, start: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = [start if start is not None else make_state(seed)]
+    for _ in range(n - 1):
+        out.append(train_step(out[-1], g))
+    return out
+
+
+def _publish(url: str, states: dict[int, dict[str, torch.Tensor]], **kw: object) -> None:
+    with Publisher(url, anchor_every=0, **kw) as pub:
+        for v, s in sorted(states.items()):
+            pub.publish(s, v)
+            pub.flush()  # every version committed (none coalesced)
+
+
+def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandoned_version(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    first = _states(1, 6)  # the first attempt: versions 0..5, then a crash; the checkpoint is step 4
+    _publish(url, dict(enumerate(first)))
+    engine = ServingEngine()
+    follower = Follower(url, engine, poll_interval=0.05, max_poll_interval=0.05)
+    follower.start()
+    try:
+        _until(lambda: follower.current_version == 5, 30, "the replica to serve version 5")
+        abandoned = digest(first[5])
+        # the resumed trainer: checkpoint-4's weights, then steps 5..7 of another trajectory
+        second = _states(2, 4, start=first[4])
+        with Publisher(url, anchor_every=0) as pub:
+            t0 = time.monotonic()
+            pub.resume(second[0], version=4)
+            assert pub.committed_version == 4 and pub.state_digest == digest(first[4])
+            # committed before resume() returns: the replica moves within its poll interval
+            _until(lambda: engine.digests()[-1] == digest(first[4]), 5, "the replica to serve the rewound version 4")
+            moved = len(engine.served)
+            assert time.monotonic() - t0 < 2.0
+            for v, s in enumerate(second[1:], start=5):
+                pub.publish(s, v)
+            pub.flush()
+        _until(lambda: engine.digests()[-1] == digest(second[3]), 30, "the replica to serve the new version 7")
+    finally:
+        follower.stop()
+    assert abandoned not in engine.digests()[moved - 1:]  # never served an abandoned version after the rewind
+    assert_bit_equal(engine.weights, second[3])
+    assert follower.current_version == 7
+
+    run = Run(url)
+    commits = run.commits()
+    assert [(c.version, c.epoch) for c in commits] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2)]
+    assert commits[4].metrics["kind"] == "rewind" and commits[4].metrics["rewind_from"] == 5
+    assert commits[4].has_anchor and commits[4].metrics["abandoned"] == [4, 5]
+    assert commits[5].base_version == 4  # deltas from the rewound version
+    # pull --version 5 is the new attempt's version 5, bit for bit
+    _rec, v5, _ = run.reconstruct(5)
+    assert_bit_equal(v5, second[1])
+    assert digest(v5) != abandoned
+    assert verify_run(url).ok
+
+    # log says what the rewind abandoned; verify passes; gc drops the abandoned commit records
+    res = CliRunner().invoke(app, ["log", url])
+    assert res.exit_code == 0 and "rewind" in res.output and "abandoned" in res.output, res.output
+    assert "versions 4..5 of epoch 1 abandoned" in " ".join(res.output.split()), res.output
+    rows = [json.loads(line) for line in CliRunner().invoke(app, ["log", url, "--json"]).output.splitlines()]
+    assert rows[4]["kind"] == "rewind" and rows[4]["rewind_from"] == 5
+    plan = plan_gc(open_store(url))
+    assert plan.invalid_commits == ["commits/v0000000004-e000001.json", "commits/v0000000005-e000001.json"]
+    apply_gc(open_store(url), plan)
+    _rec, final, _ = Run(url).reconstruct()
+    assert_bit_equal(final, second[3])
+
+
+def test_a_rewound_version_number_that_only_the_abandoned_attempt_reached_is_not_pullable(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    first = _states(3, 7)
+    _publish(url, dict(enumerate(first)))
+    with Publisher(url, anchor_every=0) as pub:
+        pub.resume(first[2], version=2)
+    with pytest.raises(VersionNotFoundError, match=r"abandoned by the rewind to version 2 \(epoch 2\)"):
+        Run(url).reconstruct(6)
+    res = CliRunner().invoke(app, ["pull", url, str(tmp_path / "out"), "--version", "6"])
+    assert res.exit_code != 0 and "abandoned by the rewind" in str(res.exception or res.output)
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_anything_is_uploaded(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    first = _states(4, 6)
+    _publish(url, dict(enumerate(first)))
+    before = {o.key for o in open_store(url).list("") if not o.key.startswith("writers/")}
+    other = _states(5, 5)
+    with Publisher(url, anchor_every=0) as pub, pytest.raises(PatchMismatchError) as e:
+        pub.resume(other[4], version=4)
+    assert "version 4 of" in str(e.value) and "not a checkpoint of this run" in str(e.value)
+    assert "versions 0..5" in e.value.hint, e.value.hint  # names what exists
+    # the weights of version 3 offered as step 4: the hint names version 3
+    with Publisher(url, anchor_every=0) as pub, pytest.raises(PatchMismatchError) as e:
+        pub.resume(first[3], version=4)
+    assert "version 3 of the run" in e.value.hint and "checkpoint-3" in e.value.hint
+    assert {o.key for o in open_store(url).list("") if not o.key.startswith("writers/")} == before
+    assert [c.version for c in Run(url).commits()] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_rewind_to_a_step_the_run_never_committed_writes_an_anchor(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    first = _states(6, 7)
+    _publish(url, {0: first[0], 2: first[2], 4: first[4], 6: first[6]})  # published every second step
+    follower = Follower(url)
+    assert follower.sync_once() == 6
+    with Publisher(url, anchor_every=0) as pub:
+        pub.resume(first[3], version=3)
+        pub.publish(first[5], 5)
+    commits = Run(url).commits()
+    assert [(c.version, c.epoch) for c in commits] == [(0, 1), (2, 1), (3, 2), (5, 2)]
+    assert commits[2].has_anchor and not commits[2].has_delta and commits[2].metrics["kind"] == "rewind"
+    assert follower.sync_once() == 5
+    assert_bit_equal(follower.mirror, first[5])
+
+
+def test_the_fleet_view_does_not_count_a_replica_serving_an_abandoned_version(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    first = _states(7, 6)
+    _publish(url, dict(enumerate(first)))
+    store = open_store(url)
+    with Publisher(url, anchor_every=0) as pub:
+        pub.resume(first[4], version=4)
+        second = train_step(first[4], torch.Generator().manual_seed(9))
+        pub.publish(second, 5)
+        pub.flush()
+    now = time.time()
+
+    def beat(name: str, version: int, state: dict[str, torch.Tensor]) -> None:
+        hb = Heartbeat(replica=name, written_at=now, interval_s=30.0, health="following", version=version,
+                       state_digest=digest(state), newest_version=version, lag=0, last_apply_at=now,
+                       last_apply_s=0.01, last_error=None)
+        store.put(heartbeat_key(name), hb.to_json())
+
+    beat("stuck", 5, first[5])  # still serving the abandoned version 5 of epoch 1
+    with pytest.raises(FleetTimeoutError, match="stuck"):
+        wait_for_fleet(store, 5, 1, timeout=0.3)
+    with pytest.raises(FleetTimeoutError):
+        wait_for_fleet(store, 4, 1, timeout=0.3)  # 5 >= 4 by number, but not a version of the run
+    beat("good", 5, second)
+    assert [s.record.replica for s in wait_for_fleet(store, 5, 1, timeout=5)] == ["good"]
+    res = CliRunner().invoke(app, ["status", url, "--json"])
+    report = json.loads(res.output)
+    rows = {r["replica"]: r for r in report["replicas"]}
+    assert rows["stuck"]["abandoned"] is True and rows["good"]["abandoned"] is False
+    assert res.exit_code == 3 and any("abandoned" in p for p in report["problems"]), report["problems"]
