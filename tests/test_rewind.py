@@ -211,3 +211,55 @@ def test_the_fleet_view_does_not_count_a_replica_serving_an_abandoned_version(tm
     rows = {r["replica"]: r for r in report["replicas"]}
     assert rows["stuck"]["abandoned"] is True and rows["good"]["abandoned"] is False
     assert res.exit_code == 3 and any("abandoned" in p for p in report["problems"]), report["problems"]
+
+
+def _save(folder: Path, state: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def _push(*args: str) -> str:
+    res = CliRunner().invoke(app, ["push", *args])
+    assert res.exit_code == 0, (res.output, res.exception)
+    return " ".join(res.output.split())
+
+
+def test_push_of_an_older_checkpoint_rewinds_the_run_and_the_replica_follows(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    url = str(tmp_path / "run")
+    first = _states(11, 6)
+    for step, state in enumerate(first):  # a trainer pushing every checkpoint, then crashing after step 5
+        _push(str(_save(tmp_path / "a" / f"checkpoint-{step}", state)), url)
+    engine = ServingEngine()
+    follower = Follower(url, engine)
+    assert follower.sync_once() == 5
+    abandoned = digest(first[5])
+    # the trainer resumes from checkpoint-4: pushing it rewinds the run to 4 (nothing new uploaded but the record)
+    out = _push(str(tmp_path / "a" / "checkpoint-4"), url)
+    assert "pushed version 4 (rewind" in out and "versions [4, 5] of the older attempt abandoned" in out, out
+    assert follower.sync_once() == 4 and engine.digests()[-1] == digest(first[4])
+    second = _states(12, 4, start=first[4])
+    for step, state in enumerate(second[1:], start=5):
+        _push(str(_save(tmp_path / "b" / f"checkpoint-{step}", state)), url)
+        assert follower.sync_once() == step
+    # --step N below the newest with weights the run does not hold: version N, a delta from N - 1
+    third = train_step(second[1], torch.Generator().manual_seed(13))
+    out = _push(str(_save(tmp_path / "c" / "weights", third)), url, "--step", "6")
+    assert "pushed version 6 (delta" in out and "versions [6, 7] of the older attempt abandoned" in out, out
+    assert follower.sync_once() == 6
+    assert_bit_equal(engine.weights, third)
+    assert abandoned not in engine.digests()[6:]  # after the rewind: never the first attempt's version 5
+    commits = Run(url).commits()  # every push is a writer of its own (a new epoch)
+    assert [(c.version, c.base_version, c.metrics["kind"]) for c in commits][3:] == [
+        (3, 2, "delta"), (4, None, "rewind"), (5, 4, "delta"), (6, 5, "delta")]
+    assert commits[4].has_anchor and not commits[4].has_delta
+    res = CliRunner().invoke(app, ["pull", url, str(tmp_path / "pulled.safetensors")])
+    assert res.exit_code == 0, res.output
+    assert_bit_equal(load_file(str(tmp_path / "pulled.safetensors")), third)
+    # the newest again: nothing to do
+    assert "already holds these weights" in _push(str(tmp_path / "c" / "weights"), url, "--step", "6")
+    assert [c.version for c in Run(url).commits()] == [0, 1, 2, 3, 4, 5, 6]

@@ -234,3 +234,28 @@ class Lineage:
         if at is not None:
             return hb.staged_at is not None and hb.staged_at < at - SWITCH_SLACK_S
         return staged in self.untrusted  # no trusted commit has that number, an abandoned one has
+
+
+# ------------------------------------------------------------------------------ push --step N <= newest
+def continue_below(pub: Publisher, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
+    """Stand `pub` (not published yet) at the trusted `version`, whose weights `state` holds
+    (checked by state digest), without committing anything: its next `publish(state, N)` (N above
+    `version`, at or below the run's newest) is a delta `version -> N` whose commit abandons the
+    older epochs' versions from N on (`sparsesync push --step N`)."""
+    target = next((c for c in commits if c.version == version), None)
+    if target is None:
+        raise ConfigError(f"version {version} is not committed under {pub.store.url}")
+    state, pub.adapter = adapter_state(state, pub.adapter)
+    check_publish(commits[-1], pub.adapter, pub.store.url)
+    snap = pub._new_snapshot(checkpoint_state(state), version)
+    if snap.state_digest != target.state_digest:
+        raise PatchMismatchError(f"the weights given have state digest {snap.state_digest}, but version {version} of "
+                                 f"{pub.store.url} has {target.state_digest}", hint="load that version first (`sparsesync pull`)")
+    pub._snapshot = snap
+    pub.committed_version = pub._last_version = version
+    anchors = [c for c in commits if c.has_anchor and c.version <= version]
+    if anchors:
+        last = anchors[-1]
+        pub._last_anchor_version, pub._anchor_bytes = last.version, sum(o.size for o in last.anchor)
+        pub._delta_bytes_since_anchor = sum(o.size for c in commits if last.version < c.version <= version
+                                            for o in c.delta_objects())
