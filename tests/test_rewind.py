@@ -114,7 +114,7 @@ def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandone
     commits = run.commits()
     assert [(c.version, c.epoch) for c in commits] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2)]
     assert commits[4].metrics["kind"] == "rewind" and commits[4].metrics["rewind_from"] == 5
-    assert commits[4].has_anchor and commits[4].metrics["abandoned"] == [4, 5]
+    assert commits[4].has_anchor and commits[4].metrics["abandoned"] == [5]
     assert commits[5].base_version == 4  # deltas from the rewound version
     # pull --version 5 is the new attempt's version 5, bit for bit
     _rec, v5, _ = run.reconstruct(5)
@@ -124,8 +124,8 @@ def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandone
 
     # log says what the rewind abandoned; verify passes; gc drops the abandoned commit records
     res = CliRunner().invoke(app, ["log", url])
-    assert res.exit_code == 0 and "rewind" in res.output and "abandoned" in res.output, res.output
-    assert "versions 4..5 of epoch 1 abandoned" in " ".join(res.output.split()), res.output
+    assert res.exit_code == 0 and "rewind" in res.output, res.output
+    assert "the commits of versions 4..5 by epoch 1 are no longer trusted" in " ".join(res.output.split()), res.output
     rows = [json.loads(line) for line in CliRunner().invoke(app, ["log", url, "--json"]).output.splitlines()]
     assert rows[4]["kind"] == "rewind" and rows[4]["rewind_from"] == 5
     plan = plan_gc(open_store(url))
@@ -240,7 +240,7 @@ def test_push_of_an_older_checkpoint_rewinds_the_run_and_the_replica_follows(tmp
     abandoned = digest(first[5])
     # the trainer resumes from checkpoint-4: pushing it rewinds the run to 4 (nothing new uploaded but the record)
     out = _push(str(tmp_path / "a" / "checkpoint-4"), url)
-    assert "pushed version 4 (rewind" in out and "versions [4, 5] of the older attempt abandoned" in out, out
+    assert "pushed version 4 (rewind" in out and "versions [5] of the older attempt abandoned" in out, out
     assert follower.sync_once() == 4 and engine.digests()[-1] == digest(first[4])
     second = _states(12, 4, start=first[4])
     for step, state in enumerate(second[1:], start=5):
@@ -263,3 +263,65 @@ def test_push_of_an_older_checkpoint_rewinds_the_run_and_the_replica_follows(tmp
     # the newest again: nothing to do
     assert "already holds these weights" in _push(str(tmp_path / "c" / "weights"), url, "--step", "6")
     assert [c.version for c in Run(url).commits()] == [0, 1, 2, 3, 4, 5, 6]
+
+
+class _TimedEngine(ServingEngine):
+    """ServingEngine that also notes when each (version, state) went live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_at: dict[str, float] = {}
+
+    def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
+        super().load_full(version, tensors)
+        self.live_at[self.served[-1][1]] = time.time()
+
+    def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
+        super().apply_sparse(version, updates, full)
+        self.live_at[self.served[-1][1]] = time.time()
+
+
+def test_coordinated_replicas_switch_together_across_a_rewind(tmp_path: Path) -> None:
+    from sparsesync.protocol.fleet import epoch_switch_key, switch_key
+    from sparsesync.protocol.fleet_member import FleetOptions
+
+    url = str(tmp_path / "run")
+    engines = [_TimedEngine() for _ in range(3)]
+    # each polls at its own pace: alone they would go live up to 0.6 s apart
+    followers = [Follower(url, e, poll_interval=p, max_poll_interval=p,
+                          fleet=FleetOptions(replica_id=f"r{i}", interval_s=0.1, engine="test", coordinated=True,
+                                             switch_deadline_s=20.0))
+                 for i, (e, p) in enumerate(zip(engines, (0.05, 0.3, 0.6), strict=True))]
+    first = _states(21, 6)
+    with Publisher(url, anchor_every=0) as pub:
+        pub.publish(first[0], 0)
+        pub.flush()
+        for f in followers:
+            f.start()
+        try:
+            pub.wait_for_fleet(0, 3, timeout=30)
+            for v in range(1, 6):
+                pub.publish(first[v], v)
+                pub.flush()
+                pub.wait_for_fleet(v, 3, timeout=30)
+            assert open_store(url).exists(switch_key(5))
+            time.sleep(1.0)  # the crash
+            second = _states(22, 3, start=first[4])
+            with Publisher(url, anchor_every=0) as pub2:
+                pub2.resume(second[0], version=4)
+                pub2.wait_for_fleet(4, 3, timeout=30)  # replicas on the abandoned 5 do not count
+                assert all(e.digests()[-1] == digest(first[4]) for e in engines)
+                for v, s in ((5, second[1]), (6, second[2])):
+                    pub2.publish(s, v)
+                    pub2.flush()
+                    pub2.wait_for_fleet(v, 3, timeout=30)
+                    times = [e.live_at[digest(s)] for e in engines]
+                    assert max(times) - min(times) < 0.05, (v, times)  # together, not each at its own pace
+                    assert all(f.status().fleet["last_switch"]["how"] == "switch" for f in followers)
+                    assert all(e.digests()[-1] == digest(s) for e in engines)
+                assert open_store(url).exists(epoch_switch_key(5, pub2.epoch))  # the old v5 record was the abandoned one's
+        finally:
+            for f in followers:
+                f.stop()
+    for e in engines:
+        assert digest(first[5]) not in e.digests()[e.digests().index(digest(first[5])) + 1:]

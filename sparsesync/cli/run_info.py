@@ -89,8 +89,8 @@ def _show_rewinds(run: Any) -> None:
     for a in abandoned_by_rewinds([o.key for o in run.store.list(COMMITS)]):
         vs = a.versions
         span = f"version {vs[0]}" if len(vs) == 1 else f"versions {vs[0]}..{vs[-1]}"
-        console.print(f"rewind to version {a.version} (epoch {a.by_epoch}): {span} of epoch {a.epoch} abandoned",
-                      soft_wrap=True)
+        console.print(f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} "
+                      "are no longer trusted", soft_wrap=True)
 
 
 def _warn_rejected(rejected: dict[str, str]) -> None:

@@ -120,7 +120,7 @@ def push(
         finally:
             pub.close()
     m = {**pub.metrics[-1], "step_from": step_from}
-    if rewind:
+    if rewind and m.get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
         from sparsesync.protocol.layout import COMMITS
         from sparsesync.protocol.rewind import abandoned_by_rewinds
 

@@ -76,6 +76,12 @@ def switch_key(version: int) -> str:
     return f"{SWITCHES}v{version:010d}.json"
 
 
+def epoch_switch_key(version: int, epoch: int) -> str:
+    """The switch record of version `version` as committed again by `epoch` after a rewind
+    (`protocol.rewind.current_switch`; docs/protocol.md, "Rewinds")."""
+    return f"{SWITCHES}v{version:010d}-e{epoch:06d}.json"
+
+
 def expiry_s(interval_s: float) -> float:
     """How old a heartbeat written every `interval_s` may be and still count as live."""
     return 3 * interval_s + EXPIRY_GRACE_S
@@ -199,7 +205,7 @@ class SwitchRecord:
             raise ValueError(f"not a {SWITCH_FORMAT} record")
         rec = cls(version=_int(raw, "version", optional=False), apply_at=_time(raw, "apply_at"),  # type: ignore[arg-type]
                   written_at=_time(raw, "written_at"), by=_text(raw, "by"))
-        if key != switch_key(rec.version):
+        if key != switch_key(rec.version) and not re.fullmatch(rf"{SWITCHES}v{rec.version:010d}-e\d{{6}}\.json", key):
             raise ValueError(f"version {rec.version} does not match the record's name")
         return rec
 
@@ -236,22 +242,25 @@ def read_fleet(store: Store, *, now: float | None = None, max_age_s: float | Non
     return FleetView(seen, skipped, now)
 
 
-def read_switch(store: Store, version: int) -> SwitchRecord | None:
-    """The switch record of `version`, or None (absent, unreadable, or malformed: logged)."""
-    rec, why = _read_record(store, switch_key(version), SwitchRecord.from_json)
+def read_switch(store: Store, version: int, epoch: int | None = None) -> SwitchRecord | None:
+    """The switch record of `version` (`epoch`: its record after a rewind, `epoch_switch_key`),
+    or None (absent, unreadable, or malformed: logged)."""
+    key = switch_key(version) if epoch is None else epoch_switch_key(version, epoch)
+    rec, why = _read_record(store, key, SwitchRecord.from_json)
     if rec is None and why != "absent":
-        log.warning("ignoring switch record %s: %s", store.object_url(switch_key(version)), why)
+        log.warning("ignoring switch record %s: %s", store.object_url(key), why)
     return rec
 
 
-def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0) -> SwitchRecord:
+def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0, epoch: int | None = None) -> SwitchRecord:
     """Write the switch record of `version` (apply `apply_in_s` from now) unless one exists;
-    returns the record in force. Create-only where the store has it, so racing writers agree."""
+    returns the record in force. Create-only where the store has it, so racing writers agree.
+    `epoch`: the record of `version` as committed again by that epoch after a rewind."""
     now = time.time()
     rec = SwitchRecord(version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT])
-    if store.put_new(switch_key(version), rec.to_json()):
+    if store.put_new(switch_key(version) if epoch is None else epoch_switch_key(version, epoch), rec.to_json()):
         return rec
-    return read_switch(store, version) or rec
+    return read_switch(store, version, epoch) or rec
 
 
 def wait_for_fleet(
@@ -279,14 +288,14 @@ def wait_for_fleet(
             log.warning("reading the fleet of %s failed: %s", store.url, e)
             view, lineage = FleetView([], [], time.time()), None
         ready = [s for s in view.live if reached(s.record, version, staged)
-                 and (lineage is None or not lineage.abandoned(s.record, version))]
+                 and (lineage is None or not lineage.abandoned(s.record, version, staged))]
         if len(ready) >= min_replicas:
             return ready
         left = deadline - time.monotonic()
         if left <= 0:
             behind = ", ".join(
                 f"{s.record.replica} at {s.record.version}" + (f" (staged {s.record.staged_version})" if staged else "")
-                + (" (abandoned by a rewind)" if lineage is not None and lineage.abandoned(s.record, version) else "")
+                + (" (abandoned by a rewind)" if lineage is not None and lineage.abandoned(s.record, version, staged) else "")
                 for s in view.live if s not in ready
             ) or "none"
             raise FleetTimeoutError(

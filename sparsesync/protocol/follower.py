@@ -323,7 +323,7 @@ class Follower:
     def _gate(self, rec: CommitRecord, *, last: bool) -> None:
         """Coordinated switching: hold the newest staged version until the fleet switches to it."""
         if self.fleet is not None and last:
-            self.fleet.gate(rec.version, rec.created_at, self.current_version)
+            self.fleet.gate(rec.version, rec.created_at, self.current_version, rec.epoch)
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""

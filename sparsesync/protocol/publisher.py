@@ -342,9 +342,13 @@ class Publisher:
         """Tell coordinated replicas to apply `version` together: writes its switch record (once)
         and returns its apply_at (unix time). Default lead: the slowest live replica's poll."""
         from sparsesync.protocol.fleet import read_fleet, switch_lead_s, write_switch
+        from sparsesync.protocol.rewind import current_switch
 
         lead = switch_lead_s(read_fleet(self.store)) if apply_in_s is None else apply_in_s
-        return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead).apply_at
+        # rewind hook: the plain record may belong to a version a rewind abandoned
+        ours = next((c for c in self.run.commits() if c.version == version and c.epoch == self.epoch), None)
+        sw, epoch = current_switch(self.store, version, self.epoch, ours.created_at) if ours else (None, None)
+        return (sw or write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead, epoch=epoch)).apply_at
 
     @property
     def state_digest(self) -> str | None:

@@ -110,7 +110,7 @@ def rewind(pub: Publisher, state: Mapping[str, torch.Tensor] | Any, version: int
     else:
         rec.anchor = _upload_anchor(pub, snap.state, version, uid)
     rec.files = pub._commit_files(version, uid)
-    abandoned = [c for c in commits if c.version >= version]
+    abandoned = [c for c in commits if c.version > version]  # version N itself: the same weights (checked)
     rec.metrics = {"kind": "rewind", "version": version, "rewind_from": newest.version,
                    "rewind_from_epoch": max(c.epoch for c in abandoned), "abandoned": [c.version for c in abandoned],
                    "anchor_bytes": sum(o.size for o in rec.anchor), "upload_s": time.perf_counter() - t0,
@@ -198,9 +198,10 @@ class Lineage:
         return self._cache[key]
 
     def judge(self, version: int | None, digest: str | None) -> str:
-        """"trusted": the trusted commit of `version` has `digest`; "abandoned": it has another digest,
-        or an untrusted commit of `version` has `digest`; "unknown" otherwise (nothing to serve, or
-        a version this listing does not show yet)."""
+        """"trusted": the trusted commit of `version` has `digest`; "abandoned": `version` was
+        committed again by a newer epoch (a rewind) and `digest` is not the trusted one, or an
+        untrusted commit of `version` has `digest`; "unknown" otherwise (nothing to serve, a
+        version this listing does not show yet, or a digest no commit explains)."""
         if version is None:
             return "unknown"
         key = self.trusted.get(version)
@@ -208,7 +209,9 @@ class Lineage:
             rec = self.record(key)
             if rec is None or digest is None:
                 return "unknown"
-            return "trusted" if rec.state_digest == digest else "abandoned"
+            if rec.state_digest == digest:
+                return "trusted"
+            return "abandoned" if version in self.untrusted else "unknown"
         for k in self.untrusted.get(version, []):
             rec = self.record(k)
             if rec is not None and digest is not None and rec.state_digest == digest:
@@ -221,19 +224,19 @@ class Lineage:
         rec = self.record(key) if key is not None else None
         return None if rec is None else rec.created_at
 
-    def abandoned(self, hb: Any, target: int) -> bool:
-        """Whether heartbeat `hb` (`fleet.Heartbeat`) reaches version `target` only through an
-        abandoned version: it serves one, or what it staged is a version number that was
-        re-committed after it staged it (or that only an abandoned commit has)."""
-        if hb.version is not None and hb.version >= target:
-            return self.judge(hb.version, hb.state_digest) == "abandoned"
-        staged = hb.staged_version
-        if staged is None or staged < target:
+    def abandoned(self, hb: Any, target: int, staged: bool = False) -> bool:
+        """Whether heartbeat `hb` (`fleet.Heartbeat`) reaches version `target` (`fleet.reached`)
+        only through a version a rewind abandoned: it serves one (and, with `staged`, has not
+        staged `target` or newer since that version was committed again)."""
+        served = hb.version is not None and hb.version >= target
+        if served and self.judge(hb.version, hb.state_digest) != "abandoned":
             return False
-        at = self.committed_at(staged)
-        if at is not None:
-            return hb.staged_at is not None and hb.staged_at < at - SWITCH_SLACK_S
-        return staged in self.untrusted  # no trusted commit has that number, an abandoned one has
+        if staged and hb.staged_version is not None and hb.staged_version >= target:
+            at = self.committed_at(hb.staged_version)
+            if at is not None:
+                return hb.staged_at is not None and hb.staged_at < at - SWITCH_SLACK_S
+            return hb.staged_version in self.untrusted  # no trusted commit has that number, an abandoned one has
+        return served
 
 
 # ------------------------------------------------------------------------------ push --step N <= newest
@@ -259,3 +262,17 @@ def continue_below(pub: Publisher, state: Mapping[str, torch.Tensor], version: i
         pub._last_anchor_version, pub._anchor_bytes = last.version, sum(o.size for o in last.anchor)
         pub._delta_bytes_since_anchor = sum(o.size for c in commits if last.version < c.version <= version
                                             for o in c.delta_objects())
+
+
+# ------------------------------------------------------------------------------ switching together
+def current_switch(store: Store, version: int, epoch: int, committed_at: float) -> tuple[Any, int | None]:
+    """(the switch record in force for the commit of `version` by `epoch`, written `committed_at`,
+    or None; the epoch its key carries, None for the plain `switches/v{N}.json`). A plain record
+    written more than `SWITCH_SLACK_S` before that commit belongs to a version a rewind abandoned:
+    the commit's switch is then `switches/v{N}-e{E}.json` (docs/protocol.md, "Rewinds")."""
+    from sparsesync.protocol.fleet import read_switch
+
+    plain = read_switch(store, version)
+    if plain is None or plain.written_at >= committed_at - SWITCH_SLACK_S:
+        return plain, None
+    return read_switch(store, version, epoch), epoch
