@@ -34,7 +34,7 @@ from trainer.config import TrainerConfig  # noqa: E402
 from trainer.processes import ProcessSet, free_port  # noqa: E402
 from trainer.train import AsyncGRPOTrainer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 

@@ -26,7 +26,7 @@ from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.store import open_store
-from tests.weights import assert_bit_equal, make_state, train_step
+from tests.support.weights import assert_bit_equal, make_state, train_step
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
