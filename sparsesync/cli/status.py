@@ -3,7 +3,8 @@ from the bucket alone (the replicas' heartbeats, `sparsesync.protocol.fleet`).
 
 Exit status: 0 when the fleet is healthy; 3 when a threshold is crossed: fewer than
 `--min-replicas` live replicas, a live replica more than `--max-lag` versions behind the newest
-committed version or serving a version a rewind abandoned (`abandoned`), or a live replica "degraded"; 1 on an error (no run, store unreachable).
+committed version or serving a version a rewind abandoned (`abandoned`), or a live replica
+"degraded"; 1 on an error (no run, store unreachable).
 With `--watch` the table refreshes until Ctrl-C, and the exit status is that of the last look.
 
 Records are data: every string from the bucket (replica names, health, errors, engine, where,

@@ -61,7 +61,6 @@ def push(
     adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
-    from sparsesync.errors import ConfigError
     from sparsesync.protocol.layout import check_version
     from sparsesync.protocol.publisher import Publisher, PublisherConfig
     from sparsesync.protocol.run import Run

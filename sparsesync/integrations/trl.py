@@ -315,8 +315,8 @@ class SparsesyncWeightTransfer(_PublishedViews):
         if c > m and m == 0:  # training from scratch (the cold sync is version 1): not a resume
             raise ConfigError(
                 f"TRL's model_version is 0 (training from scratch) but {url} already holds version {c}",
-                hint=f"resume from a checkpoint of this run (its rollout_state.json has the model_version; TRL restores "
-                     f"it only with an AsyncRolloutWorker such as SparsesyncRolloutWorker) or publish to a new run URL",
+                hint="resume from a checkpoint of this run (its rollout_state.json has the model_version; TRL restores "
+                     "it only with an AsyncRolloutWorker such as SparsesyncRolloutWorker) or publish to a new run URL",
             )
         if c > m:  # resumed from an older checkpoint: rewind the run to model_version m (docs/protocol.md, "Rewinds")
             pub.resume(model_state(self._model(), self._v.dtype), version=m)  # PatchMismatchError: not this run's

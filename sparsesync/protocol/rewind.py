@@ -30,7 +30,12 @@ import torch
 from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import write_anchor
-from sparsesync.errors import ConfigError, MalformedCommitError, PatchMismatchError, SparsesyncError
+from sparsesync.errors import (
+    ConfigError,
+    MalformedCommitError,
+    PatchMismatchError,
+    SparsesyncError,
+)
 from sparsesync.protocol.layout import (
     COMMITS,
     MAX_COMMIT_BYTES,

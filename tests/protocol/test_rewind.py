@@ -18,7 +18,11 @@ from typer.testing import CliRunner
 
 from sparsesync.cli import app
 from sparsesync.codec import state_digest, tensor_digests
-from sparsesync.errors import FleetTimeoutError, PatchMismatchError, VersionNotFoundError
+from sparsesync.errors import (
+    FleetTimeoutError,
+    PatchMismatchError,
+    VersionNotFoundError,
+)
 from sparsesync.protocol.fleet import Heartbeat, heartbeat_key, wait_for_fleet
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc

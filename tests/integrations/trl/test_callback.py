@@ -400,8 +400,6 @@ def test_async_grpo_resume_continues_at_trls_model_version(tiny_model: Path, tmp
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """TRL's `_inner_training_loop` restores `model_version` from the checkpoint's rollout_state.json
     (it cannot train on CPU, so the test sets the restored value as TRL does)."""
-    from sparsesync.errors import ConfigError
-
     bucket = tmp_path / "bucket"
     first = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
     _train_begin(first)
