@@ -61,7 +61,7 @@ def push(
     adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
-    from sparsesync.protocol.layout import check_version
+    from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.publisher import Publisher, PublisherConfig
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
@@ -120,7 +120,7 @@ def push(
             pub.close()
     m = {**pub.metrics[-1], "step_from": step_from}
     if rewind and m.get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
-        from sparsesync.protocol.layout import COMMITS
+        from sparsesync.protocol.keys import COMMITS
         from sparsesync.protocol.rewind import abandoned_by_rewinds
 
         m["abandoned"] = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])

@@ -36,18 +36,10 @@ from sparsesync.errors import (
     PatchMismatchError,
     SparsesyncError,
 )
-from sparsesync.protocol.layout import (
-    COMMITS,
-    MAX_COMMIT_BYTES,
-    CommitRecord,
-    ObjectRef,
-    anchor_prefix,
-    commit_key,
-    new_uid,
-    parse_commit_key,
-    valid_commits,
-)
-from sparsesync.protocol.run import file_digest, read_at_most
+from sparsesync.codec.digest import file_digest
+from sparsesync.protocol.keys import COMMITS, anchor_prefix, commit_key, new_uid, parse_commit_key, valid_commits
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
+from sparsesync.protocol.run import read_at_most
 from sparsesync.store import Store
 
 if TYPE_CHECKING:
