@@ -23,10 +23,12 @@ from sparsesync.errors import (
     PatchMismatchError,
     VersionNotFoundError,
 )
-from sparsesync.protocol.fleet import Heartbeat, heartbeat_key, wait_for_fleet
+from sparsesync.protocol.fleet import wait_for_fleet
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc
+from sparsesync.protocol.keys import heartbeat_key
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import Heartbeat
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.store import open_store
@@ -286,8 +288,8 @@ class _TimedEngine(ServingEngine):
 
 
 def test_coordinated_replicas_switch_together_across_a_rewind(tmp_path: Path) -> None:
-    from sparsesync.protocol.fleet import epoch_switch_key, switch_key
     from sparsesync.protocol.fleet_member import FleetOptions
+    from sparsesync.protocol.keys import epoch_switch_key, switch_key
 
     url = str(tmp_path / "run")
     engines = [_TimedEngine() for _ in range(3)]
