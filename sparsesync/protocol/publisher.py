@@ -171,21 +171,58 @@ class Publisher:
         for names outside the allow-list or files over the bounds."""
         self._files.set(collect_files(source))
 
-    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+    def resume(self, state: Mapping[str, torch.Tensor], *, version: int | None = None) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds.
 
         The next `publish` is then a delta against that version instead of a fresh anchor.
         Raises PatchMismatchError when `state` is not exactly that version. Distributed with
         DTensors: a collective, on every rank (see `sparsesync.protocol.writer.sharded`);
         replicated weights: rank 0 resumes as one process does.
+
+        `version` below the newest: a rewind (`sparsesync.protocol.rewind`): `state` (checked
+        against the run's version `version` when it has one) becomes that version at once and the
+        newer versions are abandoned; replicas follow without any change. Not yet distributed.
         """
         if self._ranks is not None:
+            newest = self.run.newest() if version is not None else None
+            if newest is not None and version != newest.version:
+                raise ConfigError(f"a distributed publisher cannot rewind {self.store.url} to version {version} yet",
+                                  hint="resume from the run's newest version, or publish to a new run URL")
             if holds_shards(state) and self._decided:
                 raise ConfigError("resume() must come before the first publish()")
             if not self._decided:
                 self._choose(state)
-        if self._mode is not None:
-            self._mode.resume(state)
+        mode = self._mode
+        if isinstance(mode, WholeState) and version is not None:
+            commits = mode.commits_to_resume()
+            if version != commits[-1].version:  # a rewind (docs/protocol.md, "Rewinds")
+                from sparsesync.protocol.rewind import rewind
+
+                state, self.adapter = adapter_state(state, self.adapter)
+                rec = rewind(mode, state, version, commits, self.adapter)
+                self._newest, self.committed_version, self._last_version = rec, version, version
+                self.metrics.append(rec.metrics)
+                return
+            mode.resume(state, commits)
+        elif mode is not None:
+            mode.resume(state)
+
+    def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
+        """Stand (before the first `publish`) at the run's trusted `version`, below its newest,
+        whose weights `state` holds (checked by state digest), without committing anything: the
+        next `publish(state, N)` (N above `version`, at or below the run's newest) is a delta
+        `version -> N` whose commit abandons the older epochs' versions from N on (`sparsesync
+        push --step N`; `sparsesync.protocol.rewind.stand_below`). One process only."""
+        from sparsesync.protocol.rewind import stand_below
+
+        if not isinstance(self._mode, WholeState):
+            raise ConfigError(f"a distributed publisher cannot continue {self.store.url} below its newest version",
+                              hint="resume from the run's newest version, or publish to a new run URL")
+        commits = self._mode.commits_to_resume()
+        state, self.adapter = adapter_state(state, self.adapter)
+        check_publish(commits[-1], self.adapter, self.store.url)
+        stand_below(self._mode, state, version, commits)
+        self.committed_version = self._last_version = version
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed (or raise the uploader's error).
@@ -221,9 +258,13 @@ class Publisher:
         """Tell coordinated replicas to apply `version` together: writes its switch record (once)
         and returns its apply_at (unix time). Default lead: the slowest live replica's poll."""
         from sparsesync.protocol.fleet import read_fleet, switch_lead_s, write_switch
+        from sparsesync.protocol.rewind import current_switch
 
         lead = switch_lead_s(read_fleet(self.store)) if apply_in_s is None else apply_in_s
-        return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead).apply_at
+        # rewind hook: the plain record may belong to a version a rewind abandoned
+        ours = next((c for c in self.run.commits() if c.version == version and c.epoch == self.epoch), None)
+        sw, epoch = current_switch(self.store, version, self.epoch, ours.created_at) if ours else (None, None)
+        return (sw or write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead, epoch=epoch)).apply_at
 
     @property
     def state_digest(self) -> str | None:

@@ -92,14 +92,20 @@ class WholeState:
                 self.write_anchor(item)
         self._enqueue(item)
 
-    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Continue the run from its newest committed version, whose weights `state` holds.
-        PatchMismatchError when `state` is not exactly that version."""
+    def commits_to_resume(self) -> list[CommitRecord]:
+        """The run's commits, for a writer that continues it: ConfigError after the first publish,
+        RunNotFoundError when the run has none."""
         if self.snapshot is not None:
             raise ConfigError("resume() must come before the first publish()")
         commits = self.run.commits()
         if not commits:
             raise RunNotFoundError(f"nothing to resume under {self.url}", hint="publish() starts a run")
+        return commits
+
+    def resume(self, state: Mapping[str, torch.Tensor], commits: list[CommitRecord] | None = None) -> None:
+        """Continue the run (`commits`, listed afresh when None) from its newest committed version,
+        whose weights `state` holds. PatchMismatchError when `state` is not exactly that version."""
+        commits = self.commits_to_resume() if commits is None else commits
         newest = commits[-1]
         if any(u.rows is not None for p in newest.parts for u in p.units):
             raise ConfigError(
@@ -114,8 +120,13 @@ class WholeState:
                 f"{newest.version} of {self.url} has {newest.state_digest}",
                 hint="load the run's newest version first (`sparsesync pull`)",
             )
+        self.stand_at(snap, AnchorHistory.of(commits))
+
+    def stand_at(self, snap: Snapshot | PartedSnapshot, history: AnchorHistory) -> None:
+        """Continue from `snap`, a version the run trusts (`resume`, a rewind), whose anchors
+        `history` describes: the next `publish` is a delta against it."""
         self.snapshot = snap
-        self.anchors.resume_from(AnchorHistory.of(commits))
+        self.anchors.resume_from(history)
 
     def write_anchor(self, item: PendingVersion) -> None:
         """Serialize the snapshot (which holds `item`'s version) as `item`'s anchor, to staging."""
