@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer in vLLM server mode on sparsesync (sparsesync/integrations/trl_client.py).
+"""TRL's GRPOTrainer in vLLM server mode on sparsesync (sparsesync/integrations/trl/client.py).
 
 A real `GRPOTrainer(use_vllm=True, vllm_mode="server")` is built inside `sparsesync_server_mode`
 and trains on CPU: its weight syncs publish to a local bucket (no NCCL communicator) and its
@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from sparsesync.integrations.trl import model_state  # noqa: E402
-from sparsesync.integrations.trl_client import SparsesyncVLLMClient, sparsesync_server_mode  # noqa: E402
+from sparsesync.integrations.trl import SparsesyncVLLMClient, sparsesync_server_mode  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
