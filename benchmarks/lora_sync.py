@@ -34,8 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch

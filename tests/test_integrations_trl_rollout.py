@@ -25,8 +25,7 @@ pytest.importorskip("aiohttp")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from sparsesync.errors import ConfigError  # noqa: E402
-from sparsesync.integrations.trl import SparsesyncWeightTransfer  # noqa: E402
-from sparsesync.integrations.trl import follow_replicas, parse_replica_urls  # noqa: E402
+from sparsesync.integrations.trl import SparsesyncWeightTransfer, follow_replicas, parse_replica_urls  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.test_inference_server import Server  # noqa: E402
 

@@ -22,8 +22,6 @@ pytest.importorskip("trl")
 pytest.importorskip("transformers")
 
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.integrations.trl import (  # noqa: E402
     SparsesyncCallback,
     SparsesyncWeightTransfer,
@@ -31,6 +29,8 @@ from sparsesync.integrations.trl import (  # noqa: E402
     inference_state,
     model_state,
 )
+from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.run import Run  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

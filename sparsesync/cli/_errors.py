@@ -70,7 +70,7 @@ def run_guarded(fn: Callable[[], object]) -> None:
         if debug():
             raise
         fail(f"{type(e).__name__}: {e}", _os_hint(e))
-    except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: still one line
+    except Exception as e:  # a bug or an unexpected library error: still one line
         if debug():
             raise
         fail(f"unexpected {type(e).__name__}: {e}", "set SPARSESYNC_DEBUG=1 for the traceback, and report it")

@@ -53,7 +53,21 @@ _HOMES = {
     "parse_replica_urls": "rollout",
 }
 
-__all__ = list(_HOMES)
+__all__ = [
+    "SparsesyncCallback",
+    "SparsesyncWeightTransfer",
+    "VersionedPublisher",
+    "checkpoint_name",
+    "inference_state",
+    "model_state",
+    "sharding",
+    "SparsesyncVLLMClient",
+    "sparsesync_server_mode",
+    "SparsesyncRolloutLoop",
+    "SparsesyncRolloutWorker",
+    "follow_replicas",
+    "parse_replica_urls",
+]
 
 
 def __getattr__(name: str) -> Any:
