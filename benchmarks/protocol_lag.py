@@ -73,7 +73,7 @@ def _s3_service(link_bps: float | None, ready, stop, core: int | None = None) ->
     proxy = None
     if link_bps:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.tcp_proxy import TcpProxy
+        from tests.support.tcp_proxy import TcpProxy
 
         proxy = TcpProxy(host, port, rate=link_bps).start()
         host, port = "127.0.0.1", proxy.port

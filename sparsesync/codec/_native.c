@@ -2,7 +2,7 @@
  * element, in C.
  *
  * Guarantee: each function computes exactly what its numpy definition in
- * tests/test_codec_native.py computes (the tests compare them on every element width); it
+ * tests/codec/test_native.py computes (the tests compare them on every element width); it
  * never reads or writes outside the buffers it is given (every length and index is checked
  * here, whatever the caller passed, before the first write), and it releases the GIL while it
  * runs, so the codec's threads overlap on several cores. Buffers come in through the buffer
