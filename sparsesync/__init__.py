@@ -26,11 +26,13 @@ The packages underneath, low to high (each imports only its own layer or lower; 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+TYPE_CHECKING = False  # typing's own flag without importing typing (type checkers take any TYPE_CHECKING as True)
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily (__getattr__)
+    from typing import Any
+
     from sparsesync.errors import (
         BaseModelMismatchError,
         BrokenChainError,
