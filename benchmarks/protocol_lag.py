@@ -184,7 +184,7 @@ def _note_commits(store, written: dict[int, float]) -> None:  # type: ignore[no-
     """Record in `written` when each commit record `store` writes is stored (unix time by version):
     the publisher's store, wrapped, so the lag splits into the trainer's part (publish() to
     its commit) and the follower's (the commit to applied)."""
-    from sparsesync.protocol.layout import parse_commit_key
+    from sparsesync.protocol.keys import parse_commit_key
 
     put = store.put
 

@@ -113,7 +113,7 @@ def push(
     """
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
-    from sparsesync.protocol.layout import check_version
+    from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.publisher import Publisher, PublisherConfig
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, meta_from_peft
+from sparsesync.adapter import meta_from_peft
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import AdapterMeta
 from trainer.config import TrainerConfig
 from trainer.policy import load_policy, publish_state, resolve_precision
 

@@ -99,7 +99,8 @@ def _newest_commit(store: Any) -> Any:
     """The newest trusted commit record, reading records from the newest name down (not all of
     them); names whose object is gone or not a commit record are passed over, as every reader does."""
     from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
-    from sparsesync.protocol.layout import COMMITS, MAX_COMMIT_BYTES, CommitRecord, valid_commits
+    from sparsesync.protocol.keys import COMMITS, valid_commits
+    from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
 
     for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
         try:
@@ -153,6 +154,6 @@ def _str(v: object) -> str:
 
 def _safe(text: object) -> str:
     """A string from the bucket as table text: control characters replaced, markup escaped."""
-    from sparsesync.protocol.fleet import clean_text
+    from sparsesync.protocol.records import clean_text
 
     return escape(clean_text(str(text)))

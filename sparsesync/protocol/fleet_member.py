@@ -9,7 +9,8 @@ Guarantees:
 - The gate holds only the newest version a coordinated replica has staged, and never past the
   deadline `commit time + switch_deadline_s` (at most that long after staging), nor past a
   switch record's `apply_at` (at most `MAX_LEAD_S` ahead). A cold replica, and every
-  intermediate version of a catch-up, go live at once. Records and layout: `fleet.py`.
+  intermediate version of a catch-up, go live at once. Reading the fleet: `fleet.py`; the records:
+  `records` (`Heartbeat`, `SwitchRecord`), their names: `keys`.
 """
 
 from __future__ import annotations
@@ -26,19 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparsesync.errors import ConfigError, StoreAuthError, StoreError
-from sparsesync.protocol.fleet import (
-    MAX_LEAD_S,
-    MAX_TEXT,
-    REPLICA_ID_RE,
-    Heartbeat,
-    SwitchRecord,
-    heartbeat_key,
-    read_fleet,
-    read_switch,
-    reached,
-    switch_lead_s,
-    write_switch,
-)
+from sparsesync.protocol.fleet import reached, read_fleet, read_switch, switch_lead_s, write_switch
+from sparsesync.protocol.keys import REPLICA_ID_RE, heartbeat_key
+from sparsesync.protocol.records import MAX_LEAD_S, MAX_TEXT, Heartbeat, SwitchRecord
 from sparsesync.store import Store
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, check_follow
+from sparsesync.adapter import check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -60,8 +60,8 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
-from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.parts import Prefetcher
+from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -208,7 +208,7 @@ class Follower:
                 self._set(lag=self._lag(newest.version))
                 return
             except _BAD_OBJECT as e:
-                key = getattr(e, "_sparsesync_key", None)
+                key = e.key
                 log.warning("sync of %s failed: %s", self.store.url, e)
                 if key is not None and key in self._suspect:
                     self._bad.add(key)  # failed twice: avoid it, re-plan around it
@@ -285,7 +285,7 @@ class Follower:
                 try:
                     state, digests = self.run.fetch_anchor(rec)
                 except _BAD_OBJECT as e:
-                    e._sparsesync_key = rec.anchor[0].key  # type: ignore[attr-defined]
+                    e.key = rec.anchor[0].key
                     raise
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
@@ -331,7 +331,7 @@ class Follower:
             try:
                 return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch)
             except DigestMismatchError as e:
-                if getattr(e, "_sparsesync_written", False):
+                if e.written:
                     self._mirror_version = None  # undone, but the base bits were not what we thought: reload
                 raise
         assert rec.delta is not None
@@ -348,7 +348,7 @@ class Follower:
                 self._mirror_version = None
                 raise
         except _BAD_OBJECT as e:
-            e._sparsesync_key = rec.delta.key  # type: ignore[attr-defined]
+            e.key = rec.delta.key
             raise
         self.digests = digests
         return updates

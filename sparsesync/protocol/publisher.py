@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
+from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Effort, Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.codec.patch import check_effort
 from sparsesync.errors import (
     ConfigError,
@@ -63,30 +64,28 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreUnavailableError,
 )
-from sparsesync.protocol.layout import (
+from sparsesync.protocol.extras import MODEL_FILES, collect_files
+from sparsesync.protocol.keys import (
     COMMITS,
-    PartRef,
-    part_key,
-    MAX_COMMIT_BYTES,
     MAX_EPOCH,
     WRITERS,
-    CommitRecord,
-    ObjectRef,
     anchor_prefix,
     check_version,
     commit_key,
     delta_key,
-    new_uid,
     epoch_lock_key,
+    file_key,
+    new_uid,
     parse_commit_key,
     parse_epoch_lock_key,
     parse_writer_key,
+    part_key,
     valid_commits,
     writer_key,
 )
-from sparsesync.protocol.extras import MODEL_FILES, FileRef, collect_files, file_key
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
-from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, AdapterMeta, CommitRecord, FileRef, ObjectRef, PartRef
+from sparsesync.protocol.run import Run, read_at_most
 from sparsesync.store import Store, open_store
 
 log = logging.getLogger(__name__)

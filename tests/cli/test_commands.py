@@ -202,7 +202,7 @@ def test_pulled_folder_loads_with_from_pretrained_and_versions_are_steps(tmp_pat
 
 def test_hostile_checkpoint_files_are_refused_with_one_line(tmp_path, capsys, monkeypatch):
     from sparsesync.protocol import extras
-    from sparsesync.protocol.layout import commit_key
+    from sparsesync.protocol.keys import commit_key
     from sparsesync.protocol.run import Run
     from sparsesync.tiny_model import build_tiny_model
 

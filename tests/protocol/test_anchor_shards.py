@@ -17,11 +17,13 @@ from safetensors.torch import save_file
 
 from sparsesync.codec import write_anchor
 from sparsesync.codec.anchor import INDEX_NAME
+from sparsesync.codec.digest import file_digest
 from sparsesync.errors import DigestMismatchError, MalformedCommitError, PatchFormatError
 from sparsesync.protocol.anchor_shards import assign
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.layout import CommitRecord, ObjectRef, anchor_prefix, commit_key
-from sparsesync.protocol.run import Run, file_digest
+from sparsesync.protocol.keys import anchor_prefix, commit_key
+from sparsesync.protocol.records import CommitRecord, ObjectRef
+from sparsesync.protocol.run import Run
 from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state
 

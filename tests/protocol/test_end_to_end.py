@@ -12,7 +12,7 @@ import torch
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.errors import FencedWriterError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.layout import COMMITS, DELTAS
+from sparsesync.protocol.keys import COMMITS, DELTAS
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
@@ -241,7 +241,7 @@ def test_publishers_starting_together_never_share_an_epoch(store_url):
 def test_an_epoch_reserved_but_not_yet_claimed_is_skipped(store_url):
     """A writer that reserved epoch 1 with its create-only lock and died before writing its
     claim: the next writer takes epoch 2, and never waits on the dead one."""
-    from sparsesync.protocol.layout import epoch_lock_key
+    from sparsesync.protocol.keys import epoch_lock_key
 
     store = open_store(store_url, create=True)
     if not store.has_create_only:
@@ -255,7 +255,7 @@ def test_an_epoch_reserved_but_not_yet_claimed_is_skipped(store_url):
 def test_writers_sharing_an_epoch_are_ordered_by_id(store_url):
     """Without create-only writes two writers may claim the same epoch: the one with the
     smaller id stops at its next commit, loudly."""
-    from sparsesync.protocol.layout import writer_key
+    from sparsesync.protocol.keys import writer_key
 
     store = open_store(store_url, create=True)
     p = Publisher(store_url, writer="trainer-a")
@@ -267,9 +267,28 @@ def test_writers_sharing_an_epoch_are_ordered_by_id(store_url):
     assert Run(store).commits() == []
 
 
+def test_a_writer_claim_is_a_record_of_the_schema(tmp_path):
+    """The claim a publisher writes parses as `records.WriterClaim`, whose `to_json` gives the
+    same bytes back (one schema module serves every record of a run)."""
+    from sparsesync.protocol.keys import WRITERS, parse_writer_key
+    from sparsesync.protocol.records import WriterClaim
+
+    url = str(tmp_path / "run")
+    with Publisher(url, writer="trainer-a") as p:
+        p.publish(make_state(3), 1)
+    store = open_store(url)
+    [key] = [o.key for o in store.list(WRITERS) if parse_writer_key(o.key)]
+    data = store.get(key)
+    claim = WriterClaim.from_json(data, key)
+    assert (claim.epoch, claim.writer) == (p.epoch, "trainer-a") and claim.to_json() == data
+    with pytest.raises(ValueError, match="does not match the claim's name"):
+        WriterClaim.from_json(data, key.replace("trainer-a", "trainer-b"))
+
+
 def test_fenced_commit_written_anyway_is_ignored(store_url):
     """Without compare-and-swap a fenced writer may still land a commit; readers ignore it."""
-    from sparsesync.protocol.layout import CommitRecord, commit_key
+    from sparsesync.protocol.keys import commit_key
+    from sparsesync.protocol.records import CommitRecord
 
     g = torch.Generator().manual_seed(6)
     state = make_state(5)

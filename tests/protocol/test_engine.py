@@ -28,9 +28,10 @@ from sparsesync.cli import app  # noqa: E402
 from sparsesync.errors import EngineCheckError  # noqa: E402
 from sparsesync.protocol import parts as parts_mod  # noqa: E402
 from sparsesync.protocol import run as run_mod  # noqa: E402
-from sparsesync.protocol.fleet import heartbeat_key, read_fleet, switch_key  # noqa: E402
+from sparsesync.protocol.fleet import read_fleet  # noqa: E402
 from sparsesync.protocol.fleet_member import FleetOptions  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.keys import heartbeat_key, switch_key  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.store import open_store  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc
-from sparsesync.protocol.layout import ANCHORS, DELTAS, object_version
+from sparsesync.protocol.keys import ANCHORS, DELTAS, object_version
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run

@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,10 +23,12 @@ from typer.testing import CliRunner
 
 from sparsesync.cli import app
 from sparsesync.errors import FleetTimeoutError
-from sparsesync.protocol.fleet import MAX_RECORD_BYTES, Heartbeat, heartbeat_key, read_fleet, read_switch, switch_key
+from sparsesync.protocol.fleet import read_fleet, read_switch
 from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.keys import heartbeat_key, switch_key
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import MAX_RECORD_BYTES, Heartbeat
 from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
 

@@ -36,11 +36,12 @@ from safetensors.torch import load_file, save_file
 
 from sparsesync.cli import app
 from sparsesync.cli._errors import run_guarded
-from sparsesync.codec import tensor_digests, state_digest
+from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.errors import SparsesyncError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.layout import CommitRecord, commit_key
+from sparsesync.protocol.keys import commit_key
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
 from sparsesync.store import Store, open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
@@ -549,6 +550,23 @@ def test_malformed_commit_records_are_one_line_reasons(template, tmp_path, body,
     _check_pulled(*_cli("pull", str(run), str(tmp_path / "o")), tmp_path / "o", str(run), states, reason)
 
 
+@pytest.mark.parametrize("field", ["created_at", "metrics.density"])
+def test_a_number_too_large_for_a_float_is_not_a_commit(template, tmp_path, field):
+    """An integer too large for a float (JSON has them) where a commit record wants a number is not
+    a commit, with a one-line reason naming the field (before: OverflowError out of every reader)."""
+    run, states = _copy(template, tmp_path)
+    rec = _record(run, 4)
+    if field == "created_at":
+        rec["created_at"] = 10**400
+    else:
+        rec["metrics"]["density"] = 10**400
+    (run / commit_key(4, 1)).write_bytes(json.dumps(rec).encode())
+    code, out, err = _cli("log", str(run))
+    assert code == 0 and "3 committed" in out and "Traceback" not in err, (out, err)
+    assert f"{field} is a number too large for a float" in err, err
+    _check_follower(str(run), states, field)
+
+
 def test_pull_failures_are_one_line_and_leave_dest_as_it_was(template, tmp_path):
     run, states = _copy(template, tmp_path)
     # a folder nobody (root included) may create files in
@@ -750,7 +768,8 @@ _fleet_record = st.tuples(
 
 
 def _fleet_body(kind: str, n: int, changes: dict) -> tuple[str, bytes]:
-    from sparsesync.protocol.fleet import Heartbeat, SwitchRecord, heartbeat_key, switch_key
+    from sparsesync.protocol.keys import heartbeat_key, switch_key
+    from sparsesync.protocol.records import Heartbeat, SwitchRecord
 
     if kind == "heartbeat":
         rec: dict = json.loads(Heartbeat(replica=f"h{n}", written_at=time.time(), interval_s=1.0, health="following",
@@ -781,9 +800,9 @@ def test_any_fleet_record_is_read_as_data(fleet_run, records):
     numbers in range and no control characters, a record from the future is not live, and
     `sparsesync status` prints it as text (no markup, no escape sequence)."""
     from sparsesync.errors import FleetTimeoutError
-    from sparsesync.protocol.fleet import (
-        EXPIRY_GRACE_S, FLEET, SWITCHES, Heartbeat, heartbeat_key, read_fleet, read_switch, switch_lead_s, wait_for_fleet,
-    )
+    from sparsesync.protocol.fleet import EXPIRY_GRACE_S, read_fleet, read_switch, switch_lead_s, wait_for_fleet
+    from sparsesync.protocol.keys import FLEET, SWITCHES, heartbeat_key
+    from sparsesync.protocol.records import Heartbeat
 
     max_time = 1e11  # the year 5138: no record's time is later
 

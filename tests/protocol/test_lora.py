@@ -26,12 +26,13 @@ from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
 from inference_space.testing import PROMPTS  # noqa: E402
-from sparsesync.adapter import AdapterMeta, adapter_tensors, meta_from_peft  # noqa: E402
+from sparsesync.adapter import adapter_tensors, meta_from_peft  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.records import AdapterMeta  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 
@@ -294,7 +295,7 @@ def test_trainer_lora_section_is_validated() -> None:
 
 def test_a_commit_with_a_malformed_adapter_field_is_not_a_commit(bases, tmp_path):  # type: ignore[no-untyped-def]
     from sparsesync.errors import MalformedCommitError
-    from sparsesync.protocol.layout import CommitRecord
+    from sparsesync.protocol.records import CommitRecord
 
     bucket = str(tmp_path / "bucket")
     with Publisher(bucket) as pub:

@@ -27,8 +27,8 @@ from typer.testing import CliRunner  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.errors import ConfigError, MalformedCommitError, RunKindError  # noqa: E402
-from sparsesync.protocol.layout import CommitRecord  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.records import CommitRecord  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from tests.protocol.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
 

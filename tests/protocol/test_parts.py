@@ -13,9 +13,9 @@ import torch
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, DigestMismatchError, MalformedCommitError, PatchMismatchError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.layout import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digests
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.records import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.store import open_store
@@ -132,7 +132,7 @@ def test_follower_fails_whole_when_one_part_is_damaged(tmp_path):
     saved = dict(digests)
     with pytest.raises(DigestMismatchError) as e:
         apply_parts(run.fetch, rec3, mirror, digests)
-    assert getattr(e.value, "_sparsesync_key", None) == rec3.parts[-1].key
+    assert e.value.key == rec3.parts[-1].key and not e.value.written  # refused before any write
     assert_bit_equal(mirror, before)  # no part applied, not even the ones that verified
     assert digests == saved
     # a follower reaches version 2, refuses 3 whole, keeps serving 2 and says why
@@ -158,7 +158,7 @@ def test_parts_written_then_a_later_part_fails_are_all_undone(tmp_path):
     before = {k: v.clone() for k, v in mirror.items()}
     with pytest.raises(DigestMismatchError) as e:
         apply_parts(run.fetch, rec3, mirror, digests)
-    assert getattr(e.value, "_sparsesync_written", False)
+    assert e.value.written and e.value.key == rec3.parts[-1].key
     assert_bit_equal(mirror, before)
 
 
