@@ -20,8 +20,11 @@ fetched, and an adapter version's config is checked against its tensors before t
 would load is written (`sparsesync.adapter_config`).
 
 `push` numbers a checkpoint by its optimizer step (trainer_state.json's global_step, else a
-`checkpoint-N` folder name) unless `step` says otherwise, and says which it used; a version not
-newer than the run's newest is refused before anything is written.
+`checkpoint-N` folder name) unless `step` says otherwise, and says which it used. A step at or
+below the run's newest version rewinds the run (docs/protocol.md, "Rewinds"): to that version
+when the checkpoint is the run's version of it, else the checkpoint becomes that version as a
+delta from the newest version below it; the newer versions are abandoned either way. A step the
+newest version already holds with these weights pushes nothing (`PushResult.held`).
 
 Both import torch only when called. Errors are `sparsesync.errors` classes (`ConfigError`,
 `OutputError`, store and protocol errors), each naming the object and carrying a `hint`.
@@ -61,6 +64,11 @@ class PushResult:
     """The publisher's metrics of the version (`kind`, `n_changed`, `patch_bytes`, ...)."""
     files: list[str]
     """The checkpoint files that travel with it (config.json, tokenizer files, ...)."""
+    held: bool = False
+    """The run's newest version already was `version` with these weights: nothing was pushed."""
+    abandoned: list[int] | None = None
+    """A push below the newest version that continued from an older one: the versions of the older
+    attempt it abandoned (None for any other push)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ def push(
         url: The run: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.
         step: The version number (default: the checkpoint's optimizer step, from
             trainer_state.json's global_step or a checkpoint-N folder name; else newest + 1, 0 in
-            a new run). Must be newer than the run's newest version.
+            a new run). At or below the run's newest version: a rewind (see the module docstring).
         step_source: How messages name an explicit `step` (the CLI: "--step").
         anchor_every: Write a full anchor every N versions.
         public: Create a missing bucket public (default private).
@@ -109,7 +117,8 @@ def push(
         progress: Called with a description of each phase, from the first network call on.
 
     Returns:
-        The version committed, where its number came from, its metrics and the files carried.
+        The version committed, where its number came from, its metrics, the files carried, and
+        what a rewind held or abandoned.
     """
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
@@ -138,28 +147,67 @@ def push(
     newest = run.newest()
     if step is None:
         step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
-    elif newest is not None and step <= newest.version:
-        raise ConfigError(f"version {step} (from {step_from}) is not newer than version {newest.version}, the newest of {store.url}",
-                          hint=f"pass {step_source} N with a larger N, or push to a new run URL")
     meta = None
     if config is not None:
         meta, state = lora.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
                                            newest, store.url)
     lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
+    rewind = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
+    plan = _plan_rewind(run, state, step, step_from, step_source, store.url) if rewind else None
+    if plan == "held":
+        return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
     pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
     try:
-        if newest is not None:
-            _rec, base, _digests = run.reconstruct(newest.version)
-            pub.resume(base)
-            del base
-        say("diff + encode")
-        version = pub.publish(state, step)
-        say(f"uploading version {version}")
-        pub.flush()
+        if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
+            say(f"rewinding to version {step}")
+            pub.resume(state, version=step)
+            version = step
+        else:
+            base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
+            if base_version is not None:
+                _rec, base, _digests = run.reconstruct(base_version)
+                if rewind:  # continue below the newest: the commit of `step` abandons the newer versions
+                    from sparsesync.protocol.rewind import continue_below
+
+                    continue_below(pub, base, base_version, run.commits())
+                else:
+                    pub.resume(base)
+                del base
+            say("diff + encode")
+            version = pub.publish(state, step)
+            say(f"uploading version {version}")
+            pub.flush()
     finally:
         pub.close()
+    abandoned = None
+    if rewind and pub.metrics[-1].get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
+        from sparsesync.protocol.keys import COMMITS
+        from sparsesync.protocol.rewind import abandoned_by_rewinds
+
+        abandoned = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
+                     if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions]
     files = [f.name for f in Run(store).commit(version).files]
-    return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files)
+    return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,
+                      abandoned=abandoned)
+
+
+def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: str, url: str) -> str | int:
+    """How `push` publishes version `step` at or below the run's newest (docs/protocol.md,
+    "Rewinds"): "held" (the newest already is these weights), "rewind" (these weights are the
+    run's version `step`: the run is rewound to it), or the newest version below `step` to
+    continue from (the checkpoint then becomes version `step`, abandoning the newer versions)."""
+    from sparsesync.checkpoint import checkpoint_digest
+
+    commits = run.commits()
+    same = next((c for c in commits if c.version == step), None)
+    if same is not None and same.state_digest == checkpoint_digest(state):
+        return "held" if same is commits[-1] else "rewind"
+    below = [c.version for c in commits if c.version < step]
+    if not below:
+        raise ConfigError(f"version {step} (from {step_from}) is not newer than version {commits[-1].version}, the newest "
+                          f"of {url}, and the run has no version below it to continue from",
+                          hint=f"pass {step_source} N with a larger N, or push to a new run URL")
+    return below[-1]
 
 
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")

@@ -81,10 +81,11 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
     assert (pushed.version, pushed.step_from, pushed.metrics["kind"]) == (7, "the folder name checkpoint-7", "anchor")
     assert phases[0].startswith("reading the newest version of") and "diff + encode" in phases
     pushed = sparsesync.push(str(tmp_path / "next.safetensors"), url, step=9)
-    assert (pushed.version, pushed.step_from, pushed.metrics["kind"]) == (9, "step", "delta")
+    assert (pushed.version, pushed.step_from, pushed.metrics["kind"], pushed.abandoned) == (9, "step", "delta", None)
     assert pushed.metrics["n_changed"] == 5
-    with pytest.raises(sparsesync.ConfigError, match=r"version 9 \(from step\) is not newer than version 9") as e:
-        sparsesync.push(tmp_path / "next.safetensors", url, step=9)
+    assert sparsesync.push(tmp_path / "next.safetensors", url, step=9).held  # the newest already: nothing pushed
+    with pytest.raises(sparsesync.ConfigError, match=r"version 3 \(from step\) is not newer than version 9") as e:
+        sparsesync.push(tmp_path / "checkpoint-7", url, step=3)  # a rewind with no version below 3 to continue from
     assert "step N with a larger N" in e.value.hint
 
     rejected: list[dict[str, str]] = []
@@ -98,3 +99,7 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
     with pytest.raises(sparsesync.VersionNotFoundError):
         sparsesync.pull(url, tmp_path / "v8", version=8)
     assert not (tmp_path / "v8").exists()
+    # a push below the newest continues from the version below it and abandons the newer ones
+    pushed = sparsesync.push(tmp_path / "checkpoint-7", url, step=8)
+    assert (pushed.version, pushed.abandoned, pushed.held) == (8, [9], False)
+    _assert_bit_equal(load_file(str(sparsesync.pull(url, tmp_path / "v8.safetensors").files[0])), first)

@@ -1,8 +1,8 @@
 """`sparsesync push` and `sparsesync pull`: weight versions in and out of a run.
 
 Each command is `sparsesync.transfer.push` / `pull` (the library functions: what they guarantee,
-the atomic write of DEST, the version numbering, is documented there) plus a spinner on stderr
-and the one line (or JSON) it prints.
+the atomic write of DEST, the version numbering and rewinds, is documented there) plus a spinner
+on stderr and the one line (or JSON) it prints.
 """
 
 from __future__ import annotations
@@ -66,7 +66,13 @@ def push(
     with _Spinner() as spinner:
         result = transfer.push(source, url, step=step, step_source="--step", anchor_every=anchor_every, public=public,
                                base_model=base_model, effort=effort, progress=spinner)
+    if result.held:
+        console.print(f"version {result.version} of {result.url} already holds these weights (the newest); nothing pushed",
+                      soft_wrap=True)
+        return
     m = {**result.metrics, "step_from": result.step_from}
+    if result.abandoned is not None:
+        m["abandoned"] = result.abandoned
     if as_json:
         console.print_json(json.dumps({**m, "files": result.files}))
         return
@@ -78,6 +84,8 @@ def push(
         msg += f"; anchor {m['anchor_bytes']:,} bytes"
     if result.files:
         msg += f"; with {', '.join(result.files)}"
+    if m.get("abandoned"):
+        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"
     console.print(msg, soft_wrap=True)
 
 

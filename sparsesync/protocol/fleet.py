@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sparsesync.errors import ConfigError, FleetTimeoutError, ObjectNotFoundError, StoreError
-from sparsesync.protocol.keys import FLEET, parse_heartbeat_key, switch_key
+from sparsesync.protocol.keys import FLEET, epoch_switch_key, parse_heartbeat_key, switch_key
 from sparsesync.protocol.records import MAX_LEAD_S, MAX_RECORD_BYTES, MAX_TEXT, Heartbeat, SwitchRecord, clean_text
 from sparsesync.store import Store
 
@@ -112,22 +112,25 @@ def read_fleet(store: Store, *, now: float | None = None, max_age_s: float | Non
     return FleetView(seen, skipped, now)
 
 
-def read_switch(store: Store, version: int) -> SwitchRecord | None:
-    """The switch record of `version`, or None (absent, unreadable, or malformed: logged)."""
-    rec, why = _read_record(store, switch_key(version), SwitchRecord.from_json)
+def read_switch(store: Store, version: int, epoch: int | None = None) -> SwitchRecord | None:
+    """The switch record of `version` (`epoch`: its record after a rewind, `keys.epoch_switch_key`),
+    or None (absent, unreadable, or malformed: logged)."""
+    key = switch_key(version) if epoch is None else epoch_switch_key(version, epoch)
+    rec, why = _read_record(store, key, SwitchRecord.from_json)
     if rec is None and why != "absent":
-        log.warning("ignoring switch record %s: %s", store.object_url(switch_key(version)), why)
+        log.warning("ignoring switch record %s: %s", store.object_url(key), why)
     return rec
 
 
-def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0) -> SwitchRecord:
+def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0, epoch: int | None = None) -> SwitchRecord:
     """Write the switch record of `version` (apply `apply_in_s` from now) unless one exists;
-    returns the record in force. Create-only where the store has it, so racing writers agree."""
+    returns the record in force. Create-only where the store has it, so racing writers agree.
+    `epoch`: the record of `version` as committed again by that epoch after a rewind."""
     now = time.time()
     rec = SwitchRecord(version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT])
-    if store.put_new(switch_key(version), rec.to_json()):
+    if store.put_new(switch_key(version) if epoch is None else epoch_switch_key(version, epoch), rec.to_json()):
         return rec
-    return read_switch(store, version) or rec
+    return read_switch(store, version, epoch) or rec
 
 
 def wait_for_fleet(
@@ -141,23 +144,29 @@ def wait_for_fleet(
 ) -> list[Seen]:
     """Block until `min_replicas` live replicas serve `version` or newer (with `staged`: have
     staged or serve it); returns them. FleetTimeoutError after `timeout` s names who is behind."""
+    from sparsesync.protocol.rewind import Lineage  # rewind hook: a replica on an abandoned version counts for nothing
+
     if min_replicas < 1:
         raise ConfigError(f"min_replicas={min_replicas}: must be >= 1")
     deadline = time.monotonic() + timeout
+    records: dict[str, Any] = {}  # commit records read so far (immutable)
     while True:
         try:
             view = read_fleet(store)
+            lineage = Lineage(store, records)
         except StoreError as e:  # a failed listing is retried until the deadline
             log.warning("reading the fleet of %s failed: %s", store.url, e)
-            view = FleetView([], [], time.time())
-        ready = [s for s in view.live if reached(s.record, version, staged)]
+            view, lineage = FleetView([], [], time.time()), None
+        ready = [s for s in view.live if reached(s.record, version, staged)
+                 and (lineage is None or not lineage.abandoned(s.record, version, staged))]
         if len(ready) >= min_replicas:
             return ready
         left = deadline - time.monotonic()
         if left <= 0:
             behind = ", ".join(
                 f"{s.record.replica} at {s.record.version}" + (f" (staged {s.record.staged_version})" if staged else "")
-                for s in view.live if not reached(s.record, version, staged)
+                + (" (abandoned by a rewind)" if lineage is not None and lineage.abandoned(s.record, version, staged) else "")
+                for s in view.live if s not in ready
             ) or "none"
             raise FleetTimeoutError(
                 f"only {len(ready)} of the {min_replicas} replicas needed {'have staged' if staged else 'serve'} "

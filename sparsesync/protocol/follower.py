@@ -323,7 +323,7 @@ class Follower:
     def _gate(self, rec: CommitRecord, *, last: bool) -> None:
         """Coordinated switching: hold the newest staged version until the fleet switches to it."""
         if self.fleet is not None and last:
-            self.fleet.gate(rec.version, rec.created_at, self.current_version)
+            self.fleet.gate(rec.version, rec.created_at, self.current_version, rec.epoch)
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
@@ -367,7 +367,7 @@ class Follower:
                 self.hook.load_full(rec.version, state)
             except BaseException as e2:
                 self._engine_failed = True
-                self._set(current_version=None, lag=None)
+                self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception):
                     raise
                 raise SparsesyncError(
@@ -375,12 +375,12 @@ class Follower:
                     hint="the replica reports no version until a load succeeds (retried with backoff); check the engine logs",
                 ) from e2
         except BaseException:  # an interrupt inside the engine: its bits are unknown
-            self._set(current_version=None, lag=None)
+            self._set(current_version=None, lag=None, state_digest=None)
             raise
         if adopt is not None:
             adopt()
         self._engine_behind = False
-        self._set(current_version=rec.version)  # the engine holds it: report it at once
+        self._set(current_version=rec.version, state_digest=rec.state_digest)  # the engine holds it: report it at once
 
     def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
         st = self._status

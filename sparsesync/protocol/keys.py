@@ -49,7 +49,7 @@ _ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/"
 _SHARD_NAME_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 _FILE_KEY_RE = re.compile(r"^files/v(\d{10})-e(\d{6})-[0-9a-f]+/([^/]+)$")
 _HEARTBEAT_RE = re.compile(r"^fleet/([A-Za-z0-9_.-]{1,64})\.json$")
-_SWITCH_RE = re.compile(r"^switches/v(\d{10})\.json$")
+_SWITCH_RE = re.compile(r"^switches/v(\d{10})(?:-e\d{6})?\.json$")  # -e: a version committed again after a rewind
 
 
 # ------------------------------------------------------------------------------ builders
@@ -93,6 +93,12 @@ def heartbeat_key(replica_id: str) -> str:
 
 def switch_key(version: int) -> str:
     return f"{SWITCHES}v{version:010d}.json"
+
+
+def epoch_switch_key(version: int, epoch: int) -> str:
+    """The switch record of `version` as committed again by `epoch` after a rewind
+    (`protocol.rewind.current_switch`; docs/protocol.md, "Rewinds")."""
+    return f"{SWITCHES}v{version:010d}-e{epoch:06d}.json"
 
 
 def check_version(version: object, url: str) -> int:

@@ -123,8 +123,10 @@ class Run:
             if rec.version == version:
                 return rec
         have = ", ".join(str(c.version) for c in commits[-5:])
+        from sparsesync.protocol.rewind import abandoned_note  # rewind hook: say which rewind abandoned it
+
         raise VersionNotFoundError(
-            f"version {version} is not committed under {self.url} (newest: {have})",
+            f"version {version} is not committed under {self.url} (newest: {have}){abandoned_note(self.store, version)}",
             hint="run `sparsesync log URL` to list committed versions",
         )
 

@@ -195,9 +195,14 @@ def test_pulled_folder_loads_with_from_pretrained_and_versions_are_steps(tmp_pat
     _assert_loads_as(tmp_path / "pulled-100", second)
     assert (tmp_path / "pulled-100" / "notes.txt").read_text() == "mine"
     assert "3/3 versions verified" in _invoke("verify", run)
-    # a step that is not newer than the run's newest version is refused before anything is written
-    with __import__("pytest").raises(Exception, match=r"version 101 \(from trainer_state.json's global_step\) is not newer"):
-        _invoke("push", str(second), run)
+    # a checkpoint of a step at or below the newest version that the run holds rewinds the run to it
+    # (docs/protocol.md, "Rewinds"): version 205 is abandoned
+    out = " ".join(_invoke("push", str(second), run).split())
+    assert "pushed version 101 (rewind; version from trainer_state.json's global_step)" in out, out
+    assert "versions [205] of the older attempt abandoned" in out, out
+    from sparsesync.protocol.run import Run
+
+    assert [c.version for c in Run(run).commits()] == [100, 101]
 
 
 def test_hostile_checkpoint_files_are_refused_with_one_line(tmp_path, capsys, monkeypatch):

@@ -118,7 +118,8 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
         assert chat.json()["choices"][0]["message"]["role"] == "assistant" and chat.json()["weight_version"] == 2
         models = c.get("/v1/models").json()
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["weight_version"] == 2
-        assert c.get("/health").json() == {"status": "ok", "engine": "embedded", "weight_version": 2, "state": "following"}
+        assert c.get("/health").json() == {"status": "ok", "engine": "embedded", "weight_version": 2, "state": "following",
+                                           "state_digest": pub.state_digest}  # the version's identity (a rewind reuses numbers)
 
         # malformed requests: clear 4xx naming the problem
         for bad, code, word in [

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -104,12 +105,14 @@ def test_grpo_trainer_callback_publishes_bit_exact(tiny_model: Path, tmp_path: P
     assert state_digest(follower.digests) == cb.state_digest == state_digest(tensor_digests(final))
 
 
-def _grpo(model: Path, out: Path, callback: SparsesyncCallback, max_steps: int):  # noqa: ANN202
+def _grpo(model: Path, out: Path, callback: SparsesyncCallback, max_steps: int, reward=None):  # noqa: ANN202, ANN001
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    def reward(completions: list[str], **_: object) -> list[float]:
+    def distinct(completions: list[str], **_: object) -> list[float]:
         return [len(set(s)) / 16 for s in completions]
+
+    reward = reward or distinct
 
     args = GRPOConfig(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
@@ -145,21 +148,99 @@ def test_grpo_resume_continues_the_run_and_pull_is_bit_exact(tiny_model: Path, t
     assert _bits_equal(load_file(str(tmp_path / "pulled.safetensors")), final)
 
 
-def test_grpo_resume_from_an_older_checkpoint_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
-    from sparsesync.errors import ConfigError
+class _ServedDigests:
+    """The replica's engine (an EmbeddedEngine) as the follower's hook, noting the state digest of
+    every version it served, in order."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.served: list[str] = []
+
+    def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
+        self.engine.load_full(version, tensors)
+        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
+
+    def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
+        self.engine.apply_sparse(version, updates, full)
+        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
+
+
+def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_follows(tiny_model: Path,
+                                                                                       tmp_path: Path) -> None:
+    """Publish every step, checkpoint every 2, crash after step 5, resume from checkpoint-4 to step 8:
+    the same run goes on (a rewind, docs/protocol.md), and a replica that followed the first attempt
+    ends serving the resumed trainer's weights, never an abandoned version after the rewind."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+    from typer.testing import CliRunner
+
+    from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.cli import app
 
     bucket, out = tmp_path / "bucket", tmp_path / "out"
-    _grpo(tiny_model, out, SparsesyncCallback(str(bucket), anchor_every=0), max_steps=4).train()
-    trainer = _grpo(tiny_model, out, SparsesyncCallback(str(bucket), anchor_every=0), max_steps=6)
-    steps: list[int] = []
-    trainer.add_callback(type("_Steps", (__import__("transformers").TrainerCallback,), {
-        "on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})())
-    with pytest.raises(ConfigError) as e:
-        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    msg = str(e.value)
-    assert "step 2" in msg and "version 4" in msg and "checkpoint-4" in msg and "new run URL" in msg, msg
-    assert steps == []  # refused before the first training step
-    assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2, 3, 4]  # nothing published
+    cb = SparsesyncCallback(str(bucket), anchor_every=0, queue_size=16)
+
+    class _Crash(TrainerCallback):  # after step 5 is published, the process dies
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == 5:
+                cb._v.publisher.flush()
+                raise KeyboardInterrupt("crash after step 5")
+
+    replica = _ServedDigests(EmbeddedEngine(tiny_model))
+    follower = Follower(str(bucket), replica, poll_interval=0.05, max_poll_interval=0.05)
+    follower.start()
+    try:
+        first = _grpo(tiny_model, out, cb, max_steps=8)
+        first.add_callback(_Crash())
+        with pytest.raises(KeyboardInterrupt):
+            first.train()
+        run = Run(str(bucket))
+        assert [c.version for c in run.commits()] == [0, 1, 2, 3, 4, 5]
+        assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+        abandoned = run.commit(5).state_digest
+        deadline = time.monotonic() + 60
+        while abandoned not in replica.served[-1:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert replica.served[-1] == abandoned  # the replica serves the first attempt's version 5
+        n_before = len(replica.served)
+
+        cb2 = SparsesyncCallback(str(bucket), anchor_every=0)
+        # the restart also changes the reward (the fix the crash called for), so steps 5.. really differ
+        trainer = _grpo(tiny_model, out, cb2, max_steps=8, reward=lambda completions, **_: [s.count("a") / 8 for s in completions])
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        final = model_state(trainer.model)
+        deadline = time.monotonic() + 60
+        while replica.served[-1] != cb2.state_digest and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        follower.stop()
+
+    commits = Run(str(bucket)).commits()
+    assert [(c.version, c.epoch) for c in commits] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2), (8, 2)]
+    assert commits[4].metrics["kind"] == "rewind" and [c.base_version for c in commits[5:]] == [4, 5, 6, 7]
+    assert cb2.version == 8 and cb2.state_digest == state_digest(tensor_digests(final)) != abandoned
+    # the replica served the resumed trainer's weights at the end, and never the abandoned version again
+    assert replica.served[-1] == cb2.state_digest
+    assert abandoned not in replica.served[n_before:]
+    fresh = tmp_path / "final"
+    trainer.save_model(str(fresh))
+    saved = {k: v.to(torch.bfloat16) for k, v in load_file(str(fresh / "model.safetensors")).items()}
+    assert _bits_equal(replica.engine.state_dict(), saved)
+    # a fresh engine loaded from the final model (in the replica's dtype) generates what the replica does
+    from inference_space.engines import SamplingParams
+    from inference_space.testing import PROMPTS
+
+    trainer.model.to(torch.bfloat16).save_pretrained(str(tmp_path / "final-bf16"))
+    trainer.processing_class.save_pretrained(str(tmp_path / "final-bf16"))
+    fresh_engine = EmbeddedEngine(tmp_path / "final-bf16")
+    assert _bits_equal(fresh_engine.state_dict(), replica.engine.state_dict())
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    assert [[(c.token_ids, c.logprobs) for c in e.generate(p, greedy)] for p in PROMPTS for e in (replica.engine,)] == \
+        [[(c.token_ids, c.logprobs) for c in fresh_engine.generate(p, greedy)] for p in PROMPTS]
+    # `sparsesync pull` is the final model's own saved tensors, in bf16
+    result = CliRunner().invoke(app, ["pull", str(bucket), str(tmp_path / "pulled.safetensors")])
+    assert result.exit_code == 0, result.output
+    assert _bits_equal(load_file(str(tmp_path / "pulled.safetensors")), saved)
 
 
 def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
@@ -329,8 +410,6 @@ def test_async_grpo_resume_continues_at_trls_model_version(tiny_model: Path, tmp
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """TRL's `_inner_training_loop` restores `model_version` from the checkpoint's rollout_state.json
     (it cannot train on CPU, so the test sets the restored value as TRL does)."""
-    from sparsesync.errors import ConfigError
-
     bucket = tmp_path / "bucket"
     first = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
     _train_begin(first)
@@ -365,16 +444,31 @@ def test_async_grpo_resume_continues_at_trls_model_version(tiny_model: Path, tmp
     assert [c.version for c in commits] == [1, 2, 3, 4, 5] and commits[-1].has_anchor
     assert follower.sync_once() == 5 and _bits_equal(follower.mirror, model_state(other.model))
 
-    # resumed from an older checkpoint (model_version 3): refused before anything is published or trained
+    # resumed from an older checkpoint (model_version 3) with other weights: refused before anything is
+    # published or trained, the hint naming what the run holds
+    from sparsesync.errors import PatchMismatchError
+
     worker = _IdleRolloutWorker()
     old = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket)), monkeypatch, worker)
     old.model_version = 3
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(PatchMismatchError) as e:
         _train_begin(old)
-    msg = str(e.value)
-    assert "model_version is 3" in msg and "version 5" in msg and "new run URL" in msg, msg
+    assert "version 3 of" in str(e.value) and "version 5 of the run" in e.value.hint, (str(e.value), e.value.hint)
     assert not worker.started and [c.version for c in Run(str(bucket)).commits()] == [1, 2, 3, 4, 5]
     old.weight_transfer.destroy()
+    # ... with the checkpoint's own weights (version 3): the run is rewound to 3, TRL's cold sync is 4
+    _rec, v3, _ = Run(str(bucket)).reconstruct(3)
+    transfer = SparsesyncWeightTransfer(str(bucket), anchor_every=0)
+    worker = _IdleRolloutWorker()
+    old = _async_trainer(tiny_model, tmp_path / "out", transfer, monkeypatch, worker)
+    old.model.load_state_dict({k: v.to(torch.float32) for k, v in v3.items()}, strict=False)  # a tied head follows
+    old.model_version = 3
+    _train_begin(old)
+    transfer.destroy()
+    commits = Run(str(bucket)).commits()
+    assert [c.version for c in commits] == [1, 2, 3, 4] and commits[2].metrics["kind"] == "rewind"
+    assert worker.started and worker.versions == [4] and transfer.version == 4
+    assert follower.sync_once() == 4 and _bits_equal(follower.mirror, model_state(old.model))
 
 
 def _checkpoint_keys(model_dir: Path) -> set[str]:
