@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,8 +48,8 @@ def _rank(rank: int, world: int, port: int, job: dict, out: mp.Queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from sparsesync.protocol.writer.ranks import shard_rows
     from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.ranks import shard_rows
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
