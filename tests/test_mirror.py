@@ -60,6 +60,7 @@ def test_mirror_is_a_shared_file_map_in_the_mirror_dir(tmp_path: Path, monkeypat
             pub.publish(state, v)
             pub.flush()
             assert f.sync_once() == v
+            f.wait_for_version(v, timeout=1)  # (version 0 included: it was taken for "none" before)
             assert_bit_equal(f.mirror, state)
             state = _step(state, g)
     assert all(is_file_backed(t) for t in f.mirror.values())
