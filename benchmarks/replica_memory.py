@@ -101,6 +101,7 @@ class Sampler:
     def __init__(self, pid: int, period: float = 0.02) -> None:
         self.pid, self.period = pid, period
         self.peak: dict[str, int] = {}
+        self.peak_at: dict[str, float] = {}  # unix time of each peak
         self.mounts = _tmpfs_mounts()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -116,7 +117,8 @@ class Sampler:
         if st:
             st["nonevictable"] = st.get("RssAnon", 0) + st.get("RssShmem", 0)
             for k, v in st.items():
-                self.peak[k] = max(self.peak.get(k, 0), v)
+                if v > self.peak.get(k, -1):
+                    self.peak[k], self.peak_at[k] = v, time.time()
         return st
 
     def snapshot(self) -> dict[str, int]:
@@ -127,10 +129,10 @@ class Sampler:
         self.peak["nonevictable"] = max(self.peak.get("nonevictable", 0), st["nonevictable"])
         return st
 
-    def stop(self) -> dict[str, int]:
+    def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join()
-        return dict(self.peak)
+        return {**self.peak, "at": dict(self.peak_at)}
 
 
 class Worker:
@@ -301,7 +303,8 @@ def run_replica(engine: str, model: Path, src: Path, live: Path, versions: int, 
     t_start = time.time()
     w = Worker(["replica", engine, str(model), str(live), str(versions)], logs / f"replica-{engine}.log", tree)
     w.expect("READY")
-    startup_s = time.time() - t_start
+    t_ready = time.time()
+    startup_s = t_ready - t_start
     started = w.sampler.snapshot()
     rows, after = [], {}
     for v, ckey, keys in _commit_objects(src):
@@ -312,12 +315,13 @@ def run_replica(engine: str, model: Path, src: Path, live: Path, versions: int, 
         _, t_served, pause_ms, fetch_s = w.expect("SERVED")
         time.sleep(0.3)
         after[v] = w.sampler.snapshot()
-        rows.append({"version": v, "lag_s": float(t_served) - t_commit, "pause_ms": float(pause_ms),
+        rows.append({"version": v, "commit_at": t_commit - t_ready, "lag_s": float(t_served) - t_commit, "pause_ms": float(pause_ms),
                      "fetch_s": None if fetch_s == "None" else float(fetch_s), "rss": after[v]["VmRSS"],
                      "nonevictable": after[v]["nonevictable"]})
     w.expect("GENERATED")
     w.expect("DONE")
     peak = w.close()
+    peak["at"] = {k: round(t - t_ready, 3) for k, t in peak["at"].items()}  # seconds after READY (negative: during start-up)
     return {"startup_s": startup_s, "started": started, "after": {1: after[1], versions: after[versions]}, "peak": peak, "rows": rows}
 
 
