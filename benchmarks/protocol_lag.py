@@ -73,7 +73,7 @@ def _s3_service(link_bps: float | None, ready, stop, core: int | None = None) ->
     proxy = None
     if link_bps:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.tcp_proxy import TcpProxy
+        from tests.support.tcp_proxy import TcpProxy
 
         proxy = TcpProxy(host, port, rate=link_bps).start()
         host, port = "127.0.0.1", proxy.port
@@ -184,7 +184,7 @@ def _note_commits(store, written: dict[int, float]) -> None:  # type: ignore[no-
     """Record in `written` when each commit record `store` writes is stored (unix time by version):
     the publisher's store, wrapped, so the lag splits into the trainer's part (publish() to
     its commit) and the follower's (the commit to applied)."""
-    from sparsesync.protocol.layout import parse_commit_key
+    from sparsesync.protocol.keys import parse_commit_key
 
     put = store.put
 

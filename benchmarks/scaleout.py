@@ -33,8 +33,8 @@ from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
 from sparsesync.codec.anchor import write_anchor_shard  # noqa: E402
 from sparsesync.protocol.anchor_shards import assign  # noqa: E402
 from sparsesync.protocol.distributed import shard_rows  # noqa: E402
-from sparsesync.protocol.layout import Unit  # noqa: E402
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes  # noqa: E402
+from sparsesync.protocol.records import Unit  # noqa: E402
 
 
 def rank_share(state: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, Unit]]:

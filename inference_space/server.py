@@ -164,7 +164,9 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
     @app.get("/health")
     def health() -> dict[str, Any]:
         st = replica.status()
-        return {"status": "ok", "engine": st["engine"], "weight_version": st["serving_version"], "state": st["state"]}
+        digest = st.get("state_digest") if st.get("current_version") == st["serving_version"] else None
+        return {"status": "ok", "engine": st["engine"], "weight_version": st["serving_version"], "state": st["state"],
+                "state_digest": digest}  # the version's identity: a number may be re-committed after a rewind
 
     @app.get("/sync")
     def sync() -> dict[str, Any]:

@@ -22,7 +22,7 @@
 #   1. install  the carried wheels into /tmp/sparsesync-site (pip --no-index --no-deps), on PYTHONPATH
 #   2. build    the codec's C passes in place (python sparsesync/codec/_build.py); the repo on PYTHONPATH
 #   3. env      versions, the GPU, nvidia-smi                              -> $OUT/env.json
-#   4. tests    pytest -m gpu over tests/test_gpu_*.py (bit-exact CUDA vs CPU) -> $OUT/pytest.xml
+#   4. tests    pytest -m gpu over tests/gpu/test_*.py (bit-exact CUDA vs CPU) -> $OUT/pytest.xml
 #   5. bench    benchmarks/gpu_bench.py (0.6B- and 7B-shaped bf16 models)      -> $OUT/gpu_bench.json
 # Everything printed goes to $OUT/log too; $OUT/summary.json holds each step's exit code and
 # seconds. Expected on one H100 with 16 cores: about 5 minutes in all (tests ~1.5, bench ~3.5).
@@ -136,7 +136,7 @@ EOF
 
 run_tests() {
   local args=(-m gpu -q -p no:cacheprovider -o timeout=150 --junitxml "$OUT/pytest.xml" -rs)
-  local files=(tests/test_gpu_*.py)
+  local files=(tests/gpu/test_*.py)
   if [ "$MODE" = dry ]; then
     "$PY" -m pytest "${args[@]}" "${files[@]}"
     local rc=$?

@@ -1,11 +1,13 @@
 """LoRA adapter runs: a run whose versions are a PEFT adapter's tensors, not a model's weights.
 
-An adapter run is an ordinary run (anchors, deltas, commits; docs/protocol.md) whose tensors are
-what PEFT writes into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`,
-...), and whose every commit record names, in its `adapter` field (`AdapterMeta`), the base
-model the adapter belongs to (its id and the state digest of its weights in the checkpoint's
-own key set) and the adapter's configuration (the `adapter_config.json` content: rank, alpha,
-target modules, ...).
+This module is the PEFT bridge: it turns PEFT models and adapter folders into what a run
+carries, and a run's adapter versions back into PEFT models and folders. An adapter run is an
+ordinary run (anchors, deltas, commits; docs/protocol.md) whose tensors are what PEFT writes
+into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, ...), and whose
+every commit record names, in its `adapter` field (`AdapterMeta`, a record of
+`sparsesync.protocol.records`), the base model the adapter belongs to (its id and the state
+digest of its weights in the checkpoint's own key set) and the adapter's configuration (the
+`adapter_config.json` content: rank, alpha, target modules, ...).
 
 Guarantees:
 - An adapter run and a full-weight run are never confused: a publisher refuses to add adapter
@@ -33,12 +35,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import tempfile
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -46,68 +49,20 @@ from sparsesync.adapter_config import check_config as _check_config
 from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint
 from sparsesync.codec.digest import state_digest, tensor_digests
-from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError
-
-if TYPE_CHECKING:
-    from sparsesync.protocol.layout import CommitRecord
+from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError, SparsesyncError
+from sparsesync.protocol.records import ADAPTER_DTYPES as _DTYPES
+from sparsesync.protocol.records import AdapterMeta, CommitRecord
+from sparsesync.protocol.run import Run
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_HEX = re.compile(r"^[0-9a-f]{8,64}$")
 _LORA_KEY = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
-_DTYPES = ("float32", "bfloat16", "float16")
 _MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json larger than this is not one
-
-
-@dataclass(frozen=True)
-class AdapterMeta:
-    """What every commit of an adapter run says about the adapter (the commit's `adapter` field)."""
-
-    base_model: str  # the base model's id or path, as the trainer named it
-    base_digest: str  # state digest of the base weights, checkpoint key set (codec.state_digest)
-    config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json content
-    dtype: str = ""  # the adapter tensors' dtype ("float32", "bfloat16"); "" until the first publish fills it
-
-    @property
-    def rank(self) -> int:
-        return int(self.config["r"])
-
-    @property
-    def alpha(self) -> float:
-        return float(self.config["lora_alpha"])
-
-    @property
-    def target_modules(self) -> list[str] | str:
-        return self.config["target_modules"]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"base_model": self.base_model, "base_digest": self.base_digest, "config": self.config, "dtype": self.dtype}
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> AdapterMeta:
-        """Parse the commit field; ValueError with a one-line reason on anything else."""
-        if not isinstance(raw, dict) or set(raw) != {"base_model", "base_digest", "config", "dtype"}:
-            raise ValueError("adapter is not an object with exactly base_model, base_digest, config, dtype")
-        base, digest, config, dtype = raw["base_model"], raw["base_digest"], raw["config"], raw["dtype"]
-        if dtype not in _DTYPES:
-            raise ValueError(f"adapter.dtype is {dtype!r}, expected one of {', '.join(_DTYPES)}")
-        if not isinstance(base, str) or len(base) > 1024:
-            raise ValueError("adapter.base_model is not a string of at most 1024 characters")
-        if not isinstance(digest, str) or not _HEX.match(digest):
-            raise ValueError("adapter.base_digest is not a hex digest")
-        _check_config(config, "adapter.config")
-        return cls(base, digest, config, dtype)
 
 
 # -- the writer side --------------------------------------------------------------------------
 def is_peft_model(obj: object) -> bool:
     """True for a `peft.PeftModel` (without importing peft when it is not loaded)."""
-    import sys
-
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(obj, peft.PeftModel)
 
@@ -320,9 +275,6 @@ def run_adapter(commits: list[CommitRecord]) -> AdapterMeta | None:
 def read_run_adapter(url: str) -> AdapterMeta | None:
     """The adapter of the run at `url` as its newest commit says; None for a full-weight run, and
     when no version can be read yet (a follower then refuses adapter versions by name)."""
-    from sparsesync.errors import SparsesyncError
-    from sparsesync.protocol.run import Run
-
     try:
         return run_adapter(Run(url).commits())
     except SparsesyncError:

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 
 class SparsesyncError(Exception):
-    """Base of every sparsesync error. `hint` says how to fix it (may be empty)."""
+    """Base of every sparsesync error. `hint` says how to fix it (may be empty).
+
+    Where the failure is one object of a run, `key` names it (the part, delta, anchor file or
+    commit record; a reader that fails on an object's bytes sets it before the error leaves it),
+    and `written` says that the failing step had already written into the caller's state: its
+    writes were undone, but the bits it started from were not what their digests said, so the
+    holder must reload rather than fetch the object again.
+    """
+
+    key: str | None = None
+    written: bool = False
 
     def __init__(self, message: str, *, hint: str = "") -> None:
         super().__init__(message)

@@ -3,10 +3,10 @@
 - `store_url` (parametrized: ids `local`, `s3`, `hf`): a fresh empty store URL, with the env
   that backend needs set for the test (credentials, endpoint). Open it with `open_store`.
 - `store_backend`: which of the three this test runs on.
-- `store_faults`: a `tests.store_faults.StoreFaults` for that backend (unavailable, failing
+- `store_faults`: a `tests.support.store_faults.StoreFaults` for that backend (unavailable, failing
   requests, stale listings); healed after every test.
-- `hub_server`: the session's `tests.hub_server.HubServer` (behind a `TcpProxy`).
-- `s3_server`: the session's `tests.s3_server.S3Server` (moto behind a `TcpProxy`).
+- `hub_server`: the session's `tests.support.hub_server.HubServer` (behind a `TcpProxy`).
+- `s3_server`: the session's `tests.support.s3_server.S3Server` (moto behind a `TcpProxy`).
 Servers start lazily: `-k local` starts none.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.hub_server import HubServer
-from tests.s3_server import CREDENTIALS, S3Server
-from tests.store_faults import StoreFaults
+from tests.support.hub_server import HubServer
+from tests.support.s3_server import CREDENTIALS, S3Server
+from tests.support.store_faults import StoreFaults
 
 # before any hf_xet session exists: no telemetry, no progress bars, in every test
 os.environ["HF_XET_TELEMETRY_ENABLED"] = "false"
@@ -94,7 +94,7 @@ def store_url(store_backend: str, request: pytest.FixtureRequest, tmp_path: Path
 
 @pytest.fixture
 def store_faults(store_backend: str, store_url: str, request: pytest.FixtureRequest) -> Iterator[StoreFaults]:
-    """Fault switches for the store behind `store_url` (see tests/store_faults.py)."""
+    """Fault switches for the store behind `store_url` (see tests/support/store_faults.py)."""
     hub = request.getfixturevalue("hub_server") if store_backend == "hf" else None
     s3 = request.getfixturevalue("s3_server") if store_backend == "s3" else None
     faults = StoreFaults(store_backend, hub=hub, s3=s3)

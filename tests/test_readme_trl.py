@@ -22,7 +22,7 @@ from sparsesync.checkpoint import load_checkpoint  # noqa: E402
 from sparsesync.integrations.trl import model_state  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
-from tests.test_inference_server import Server  # noqa: E402
+from tests.apps.inference.test_server import Server  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = re.compile(r'^MODEL, BUCKET = .*\nREPLICAS = .*$', re.M)

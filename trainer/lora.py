@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, meta_from_peft
+from sparsesync.adapter import meta_from_peft
+from sparsesync.protocol.records import AdapterMeta
 from trainer.config import TrainerConfig
 
 

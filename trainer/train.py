@@ -15,7 +15,11 @@ in the bucket) serving the newest version minus at most `fleet_max_lag`.
 Precision: on CPU the master weights are fp32 by default and the replicas get a bf16 cast
 (`publish_dtype`); on GPU the parameters are bf16 (`master_dtype = "auto"`). The first version
 published (version 0) is the weights as loaded, so replicas started from the same model folder
-already hold it bit for bit (they report version None until they apply version 0).
+already hold it bit for bit (they report version None until they apply version 0). On a bucket
+that already holds a run, the weights at `[model] path` continue it: from its newest version,
+or, when they are an older version (a checkpoint from before a crash), from that one: the run
+is rewound to it (docs/protocol.md, "Rewinds"), the rollouts start once every replica serves it,
+and samples of versions above the learner's are dropped (`dropped_abandoned`).
 
 Under torchrun (`torchrun --nproc-per-node N -m trainer --config trainer.toml`) the same loop
 runs on every rank, data parallel on an FSDP2-sharded policy: rank 0 alone runs the rollout
@@ -177,6 +181,7 @@ class AsyncGRPOTrainer:
         self.device, self.master_dtype, self.publish_dtype = resolve_precision(cfg)
         self.headers = auth_headers(cfg)
         self.version = -1  # newest published version (-1: none yet)
+        self._rewound = False  # the first version rewound the run (its [model] path holds an older version)
 
     def run(self) -> TrainResult:
         """Train for `optim.steps` steps; returns the result after the last version is committed."""
@@ -227,6 +232,8 @@ class AsyncGRPOTrainer:
             if lead:
                 with self._lead_alone(ctx):
                     self._wait_for_fleet(publisher)
+                    if self._rewound:  # no rollout from weights the rewind abandoned
+                        self._wait_for_rewound_replicas(pool, publisher)
                 workers.initial_version = self.version
                 workers.start()
                 poller.start()
@@ -360,12 +367,22 @@ class AsyncGRPOTrainer:
         try:
             publisher.resume(state)
         except PatchMismatchError as e:
-            raise ConfigError(
-                f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run whose newest version "
-                f"({publisher.committed_version}) is not the weights at [model] path",
-                hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights "
-                     "(`sparsesync pull`)",
-            ) from e
+            # weights of an older version (a checkpoint from before a crash): rewind the run to it
+            from sparsesync.checkpoint import checkpoint_digest
+            from sparsesync.protocol.rewind import describe_versions, version_with_digest
+
+            commits = publisher.run.commits()
+            older = version_with_digest(commits, checkpoint_digest(state))
+            if older is None:
+                raise ConfigError(
+                    f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run, and the weights at [model] path are "
+                    f"none of its {describe_versions(commits)} (newest {publisher.committed_version})",
+                    hint="use a fresh bucket or prefix for a new run, or start from one of the run's versions "
+                         f"(`sparsesync pull {self.cfg.sync.bucket} DIR --version N`)",
+                ) from e
+            publisher.resume(state, version=older.version)  # docs/protocol.md, "Rewinds"
+            self._rewound = True
+            log.warning("[model] path holds version %d of %s: the run is rewound to it", older.version, self.cfg.sync.bucket)
         return publisher.committed_version
 
     def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
@@ -416,6 +433,24 @@ class AsyncGRPOTrainer:
                 with contextlib.suppress(SparsesyncError):  # tell the others why, if they can still hear it
                     send_batch(ctx, "stop", f"{type(e).__name__}: {e}")
             raise
+
+    def _wait_for_rewound_replicas(self, pool: ReplicaPool, publisher: Publisher) -> None:
+        """After a rewind, until every replica of `[rollout] replicas` serves the rewound version
+        (its `/sync` state digest; a replica that reports none: its version), so no rollout comes
+        from an abandoned version. TrainerError after `[sync] fleet_timeout_s`."""
+        deadline = time.monotonic() + self.cfg.sync.fleet_timeout_s
+        want = (self.version, publisher.state_digest)
+        while True:
+            seen = {u: None if st is None else (st.get("serving_version"), st.get("state_digest", want[1]))
+                    for u, st in pool.sync_status().items()}
+            behind = {u: v for u, v in seen.items() if v != want}
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TrainerError(
+                    f"after the rewind to version {want[0]}, replicas {sorted(behind)} still serve {list(behind.values())} "
+                    f"after {self.cfg.sync.fleet_timeout_s} s", hint="check that they follow [sync] bucket (GET /sync)")
+            time.sleep(0.1)
 
     def _wait_for_fleet(self, publisher: Publisher) -> float:
         """With `[sync] fleet_min_replicas` = n: block until n replicas report (in their bucket

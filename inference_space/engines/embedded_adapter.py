@@ -21,8 +21,9 @@ from typing import Any
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine, _LiveMap
-from sparsesync.adapter import AdapterMeta, adapter_layout, adapter_tensors, attach_adapter, check_base
+from sparsesync.adapter import adapter_layout, adapter_tensors, attach_adapter, check_base
 from sparsesync.errors import EngineError
+from sparsesync.protocol.records import AdapterMeta
 
 
 class EmbeddedAdapterEngine(EmbeddedEngine):

@@ -31,10 +31,11 @@ import torch
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.vllm_engine import VllmEngine
-from sparsesync.adapter import AdapterMeta, adapter_layout, check_base, write_adapter_folder
+from sparsesync.adapter import adapter_layout, check_base, write_adapter_folder
 from sparsesync.checkpoint import load_checkpoint
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
+from sparsesync.protocol.records import AdapterMeta
 
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 

@@ -57,6 +57,7 @@ def log(
             "anchor_bytes": sum(o.size for o in c.anchor) if c.anchor else None,
             "diff_s": m.get("diff_s"), "encode_s": m.get("encode_s"), "upload_s": m.get("upload_s"),
             "coalesced": m.get("coalesced"),
+            **({"rewind_from": m.get("rewind_from"), "abandoned": m.get("abandoned")} if m.get("kind") == "rewind" else {}),
         })
     if as_json:
         for r in rows:
@@ -64,6 +65,7 @@ def log(
         return
     if not rows:
         fail(f"no committed version under {url}", "check the URL, or publish with `sparsesync push`")
+    _show_rewinds(run)
     console.print(f"{url}: {len(rows)} committed version(s); diff, enc(ode), up(load) in seconds", soft_wrap=True)
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))  # compact: fits 80 columns
     for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff", "enc", "up"):
@@ -77,6 +79,18 @@ def log(
             _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
         )
     console.print(t)
+
+
+def _show_rewinds(run: Any) -> None:
+    """One line per rewind: the versions of the older epoch it abandoned (docs/protocol.md, "Rewinds")."""
+    from sparsesync.protocol.keys import COMMITS
+    from sparsesync.protocol.rewind import abandoned_by_rewinds
+
+    for a in abandoned_by_rewinds([o.key for o in run.store.list(COMMITS)]):
+        vs = a.versions
+        span = f"version {vs[0]}" if len(vs) == 1 else f"versions {vs[0]}..{vs[-1]}"
+        console.print(f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} "
+                      "are no longer trusted", soft_wrap=True)
 
 
 def _warn_rejected(rejected: dict[str, str]) -> None:

@@ -3,7 +3,8 @@ from the bucket alone (the replicas' heartbeats, `sparsesync.protocol.fleet`).
 
 Exit status: 0 when the fleet is healthy; 3 when a threshold is crossed: fewer than
 `--min-replicas` live replicas, a live replica more than `--max-lag` versions behind the newest
-committed version, or a live replica "degraded"; 1 on an error (no run, store unreachable).
+committed version or serving a version a rewind abandoned (`abandoned`), or a live replica
+"degraded"; 1 on an error (no run, store unreachable).
 With `--watch` the table refreshes until Ctrl-C, and the exit status is that of the last look.
 
 Records are data: every string from the bucket (replica names, health, errors, engine, where,
@@ -69,16 +70,23 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
     """The run's newest committed version, every heartbeat, and the thresholds crossed."""
     from sparsesync.protocol.fleet import read_fleet
 
+    from sparsesync.protocol.rewind import Lineage
+
     newest = _newest_commit(store)
     view = read_fleet(store)
+    lineage = Lineage(store)  # a replica still on a version a rewind abandoned (reads only those records)
     rows, problems = [], []
     for seen in sorted(view.replicas, key=lambda s: s.record.replica):
         r = seen.record
         behind = None if r.version is None else max(newest.version - r.version, 0)
-        rows.append({**seen.to_dict(), "behind": behind})
+        abandoned = lineage.judge(r.version, r.state_digest) == "abandoned"
+        rows.append({**seen.to_dict(), "behind": behind, "abandoned": abandoned})
         if not seen.live:
             continue
-        if r.version is None or (behind is not None and behind > max_lag):
+        if abandoned:
+            problems.append(f"{r.replica} serves version {r.version} of an abandoned attempt (state {r.state_digest}); "
+                            f"the run was rewound, newest is {newest.version}")
+        elif r.version is None or (behind is not None and behind > max_lag):
             problems.append(f"{r.replica} serves version {r.version}, newest is {newest.version} (max lag {max_lag})")
         if r.health == "degraded":
             retry = "" if r.retry_at is None else f" (next attempt in {max(r.retry_at - view.read_at, 0.0):.0f} s)"
@@ -99,7 +107,8 @@ def _newest_commit(store: Any) -> Any:
     """The newest trusted commit record, reading records from the newest name down (not all of
     them); names whose object is gone or not a commit record are passed over, as every reader does."""
     from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
-    from sparsesync.protocol.layout import COMMITS, MAX_COMMIT_BYTES, CommitRecord, valid_commits
+    from sparsesync.protocol.keys import COMMITS, valid_commits
+    from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
 
     for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
         try:
@@ -129,6 +138,8 @@ def _table(report: dict[str, Any], *, show_all: bool) -> Table:
         if not r["live"] and not show_all:
             continue
         health = r["health"] if r["live"] else ("stopped" if r["health"] == "stopped" else "gone (aged out)")
+        if r.get("abandoned"):
+            health += " (abandoned version)"
         if r["live"] and r.get("retry_at") is not None:
             health += f" (retry in {max(r['retry_at'] - report['read_at'], 0.0):.0f}s)"
         style = "" if r["live"] and r["health"] == "following" else ("red" if r["live"] else "dim")
@@ -153,6 +164,6 @@ def _str(v: object) -> str:
 
 def _safe(text: object) -> str:
     """A string from the bucket as table text: control characters replaced, markup escaped."""
-    from sparsesync.protocol.fleet import clean_text
+    from sparsesync.protocol.records import clean_text
 
     return escape(clean_text(str(text)))

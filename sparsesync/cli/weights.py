@@ -13,7 +13,10 @@ fetched, and an adapter version's config is checked against its tensors before t
 would load is written (`sparsesync.adapter_config`).
 
 `push` numbers a checkpoint by its optimizer step (trainer_state.json's global_step, else a
-`checkpoint-N` folder name) unless `--step` says otherwise, and says which it used.
+`checkpoint-N` folder name) unless `--step` says otherwise, and says which it used. A step at or
+below the run's newest version rewinds the run (docs/protocol.md, "Rewinds"): to that version
+when the checkpoint is the run's version of it, else the checkpoint becomes that version as a
+delta from the newest version below it; the newer versions are abandoned either way.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ def push(
     adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
-    from sparsesync.errors import ConfigError
-    from sparsesync.protocol.layout import check_version
+    from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.publisher import Publisher, PublisherConfig
     from sparsesync.protocol.run import Run
     from sparsesync.store import open_store
@@ -83,26 +85,46 @@ def push(
         newest = run.newest()
         if step is None:
             step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
-        elif newest is not None and step <= newest.version:
-            raise ConfigError(f"version {step} (from {step_from}) is not newer than version {newest.version}, the newest of {store.url}",
-                              hint="pass --step N with a larger N, or push to a new run URL")
         meta = None
         if config is not None:
             meta, state = lora.meta_for_folder(config, state, base_model, newest, store.url)
         lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
+        rewind = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
+        plan = _plan_rewind(run, state, step, step_from, store.url) if rewind else None
+        if plan == "held":
+            console.print(f"version {step} of {store.url} already holds these weights (the newest); nothing pushed",
+                          soft_wrap=True)
+            return
         pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
         try:
-            if newest is not None:
-                _rec, base, _digests = run.reconstruct(newest.version)
-                pub.resume(base)
-                del base
-            progress.update(task, description="diff + encode")
-            version = pub.publish(state, step)
-            progress.update(task, description=f"uploading version {version}")
-            pub.flush()
+            if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
+                progress.update(task, description=f"rewinding to version {step}")
+                pub.resume(state, version=step)
+                version = step
+            else:
+                base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
+                if base_version is not None:
+                    _rec, base, _digests = run.reconstruct(base_version)
+                    if rewind:  # continue below the newest: the commit of `step` abandons the newer versions
+                        from sparsesync.protocol.rewind import continue_below
+
+                        continue_below(pub, base, base_version, run.commits())
+                    else:
+                        pub.resume(base)
+                    del base
+                progress.update(task, description="diff + encode")
+                version = pub.publish(state, step)
+                progress.update(task, description=f"uploading version {version}")
+                pub.flush()
         finally:
             pub.close()
     m = {**pub.metrics[-1], "step_from": step_from}
+    if rewind and m.get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
+        from sparsesync.protocol.keys import COMMITS
+        from sparsesync.protocol.rewind import abandoned_by_rewinds
+
+        m["abandoned"] = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
+                          if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions]
     files = [f.name for f in Run(store).commit(version).files]
     if as_json:
         console.print_json(json.dumps({**m, "files": files}))
@@ -115,7 +137,29 @@ def push(
         msg += f"; anchor {m['anchor_bytes']:,} bytes"
     if files:
         msg += f"; with {', '.join(files)}"
+    if m.get("abandoned"):
+        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"
     console.print(msg, soft_wrap=True)
+
+
+def _plan_rewind(run: Any, state: Any, step: int, step_from: str, url: str) -> str | int:
+    """How `push` publishes version `step` at or below the run's newest (docs/protocol.md,
+    "Rewinds"): "held" (the newest already is these weights), "rewind" (these weights are the
+    run's version `step`: the run is rewound to it), or the newest version below `step` to
+    continue from (the checkpoint then becomes version `step`, abandoning the newer versions)."""
+    from sparsesync.checkpoint import checkpoint_digest
+    from sparsesync.errors import ConfigError
+
+    commits = run.commits()
+    same = next((c for c in commits if c.version == step), None)
+    if same is not None and same.state_digest == checkpoint_digest(state):
+        return "held" if same is commits[-1] else "rewind"
+    below = [c.version for c in commits if c.version < step]
+    if not below:
+        raise ConfigError(f"version {step} (from {step_from}) is not newer than version {commits[-1].version}, the newest "
+                          f"of {url}, and the run has no version below it to continue from",
+                          hint="pass --step N with a larger N, or push to a new run URL")
+    return below[-1]
 
 
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")

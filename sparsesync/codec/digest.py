@@ -4,12 +4,16 @@ Guarantee: two tensors of the same dtype and shape have the same `tensor_digest`
 xxh3_64 collisions, ~2^-64 per pair) their bit patterns are identical. NaN payloads, -0.0 and
 every other bit pattern count. The digest is for integrity (truncation, corruption, applying a
 patch to the wrong base), not authentication: anyone can forge it.
+
+Object bytes (patch files, anchor files, checkpoint files) are digested the same way
+(`bytes_digest`, `file_digest`): the `xxh3` a commit record names each object by.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -119,4 +123,18 @@ def state_digest(digests: Mapping[str, str]) -> str:
     h = xxhash.xxh3_64()
     for name in sorted(digests):
         h.update(f"{name}\0{digests[name]}\n".encode())
+    return h.hexdigest()
+
+
+def bytes_digest(data: bytes) -> str:
+    """The digest commit records use for object bytes (xxh3_64 hex)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_digest(path: Path, chunk: int = 64 << 20) -> str:
+    """`bytes_digest` of a file's bytes, read `chunk` bytes at a time."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
     return h.hexdigest()

@@ -34,15 +34,18 @@ heartbeats) serving version k - `fleet_max_lag`. Only the main process publishes
 
 Versions: `SparsesyncWeightTransfer` publishes version `model_version + 1` in each
 `send_weights`, the number TRL's trainer gives that policy once it returns, also after a
-resume (TRL restores `model_version` from the checkpoint); `init_weight_transfer` refuses,
-before training, a run that already holds newer versions and continues one that holds exactly
-`model_version` (deltas when the model's weights have that version's state digest, else an
-anchor). `SparsesyncCallback` publishes version `state.global_step`.
+resume (TRL restores `model_version` from the checkpoint); `init_weight_transfer` rewinds, before
+training, a run that already holds newer versions to `model_version` (docs/protocol.md,
+"Rewinds") and continues one that holds exactly `model_version` (deltas when the model's
+weights have that version's state digest, else an anchor). `SparsesyncCallback` publishes version `state.global_step`.
 
 Resume: `SparsesyncCallback` on a run that already has versions continues it when training
 starts at the run's newest version and the model's weights have that version's state digest
-(the next versions are deltas against it); training that starts at an older step is refused in
-`on_train_begin`, before the first step, naming both versions and the fix.
+(the next versions are deltas against it). Training that starts at an older step (a crash after
+the newest checkpoint) rewinds the run to that step in `on_train_begin` (docs/protocol.md,
+"Rewinds"): the checkpoint's weights must be the run's version of that step when it has one
+(else PatchMismatchError before the first step), become that version at once, and replicas
+follow them; the newer versions are abandoned.
 
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
 `send_weights` (frozen parameters, which it does not stream, are read from the model on the
@@ -299,7 +302,8 @@ class SparsesyncWeightTransfer(_PublishedViews):
         `model_version` m (restored from the checkpoint on resume), before any training step:
         a run whose newest version c is m continues (deltas from c when the model holds exactly
         version c, checked by state digest, else an anchor at m + 1); a newer run (c > m) is
-        refused, naming both versions and the fix; an older or empty one gets an anchor."""
+        rewound to m (the model must hold the run's version m when it has one; replicas move to
+        it), or refused when m is 0 (training from scratch); an older or empty one gets an anchor."""
         trainer = self._bound()
         m = int(trainer.model_version)
         self._v.carry_files(self._model(), getattr(trainer, "processing_class", None))  # opens the publisher
@@ -308,13 +312,17 @@ class SparsesyncWeightTransfer(_PublishedViews):
         c, url = pub.committed_version, self._v.bucket
         if c is None or c < m:
             return
-        if c > m:
+        if c > m and m == 0:  # training from scratch (the cold sync is version 1): not a resume
             raise ConfigError(
-                f"TRL's model_version is {m} but {url} already holds version {c}; versions {m + 1}..{c} would be "
-                f"published twice with different weights",
-                hint=f"resume from the newest checkpoint (its rollout_state.json has model_version {c}; TRL restores it "
-                     f"only with an AsyncRolloutWorker such as SparsesyncRolloutWorker) or publish to a new run URL",
+                f"TRL's model_version is 0 (training from scratch) but {url} already holds version {c}",
+                hint="resume from a checkpoint of this run (its rollout_state.json has the model_version; TRL restores "
+                     "it only with an AsyncRolloutWorker such as SparsesyncRolloutWorker) or publish to a new run URL",
             )
+        if c > m:  # resumed from an older checkpoint: rewind the run to model_version m (docs/protocol.md, "Rewinds")
+            pub.resume(model_state(self._model(), self._v.dtype), version=m)  # PatchMismatchError: not this run's
+            self._v.version, self._v.digest = m, pub.state_digest
+            log.info("sparsesync: rewound %s to version %d (TRL's model_version)", url, m)
+            return
         try:
             pub.resume(model_state(self._model(), self._v.dtype))
         except PatchMismatchError:
@@ -402,21 +410,19 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
 
     def _continue(self, model: torch.nn.Module, step: int, committed: int) -> None:
         """Training (re)starts at `step` on a run whose newest version is `committed`: continue it
-        with deltas when the model holds exactly that version, refuse before training otherwise."""
+        with deltas when the model holds exactly that version; at an older step (a resume from an
+        older checkpoint) rewind the run to `step` (`Publisher.resume(..., version=step)`: checked
+        against the run's version `step` by state digest, refused before training otherwise)."""
         url = self._v.bucket
-        if step < committed:
-            raise ConfigError(
-                f"training starts at step {step} but {url} already holds version {committed}; "
-                f"versions {step + 1}..{committed} would be published twice with different weights",
-                hint=f"resume from the newest checkpoint (checkpoint-{committed}) or publish to a new run URL",
-            )
         if step > committed:  # the run is behind this checkpoint: the next publish is a fresh anchor
             if self.publish_initial:
                 self._publish(model, step)
             return
         weights = model_state(getattr(model, "module", model), self._v.dtype)
         assert self._v.publisher is not None
-        self._v.publisher.resume(weights)  # PatchMismatchError unless the state digests match
+        # PatchMismatchError unless the state digests match; below the newest: a rewind to `step`
+        self._v.publisher.resume(weights, version=step if step < committed else None)
+        committed = step
         self._v.version, self._v.names = committed, frozenset(weights)
         self._v.digest = self._v.publisher.state_digest
         log.info("sparsesync: continuing %s from its version %d", url, committed)

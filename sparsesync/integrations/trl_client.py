@@ -137,16 +137,14 @@ class SparsesyncVLLMClient:
 
     def _continue(self, state: dict[str, torch.Tensor], step: int, committed: int) -> None:
         """Training (re)starts at `step` <= `committed`, the run's newest version: continue the
-        run when `step == committed` and the weights are that version, refuse otherwise."""
+        run when `step == committed` and the weights are that version; at an older step rewind the
+        run to `step` (docs/protocol.md, "Rewinds"; the weights must be the run's version `step`
+        when it has one). PatchMismatchError otherwise, before anything is published."""
         url = self._v.bucket
-        if step < committed:
-            raise ConfigError(f"training starts at step {step} but {url} already holds version {committed}; versions "
-                              f"{step + 1}..{committed} would be published twice with different weights",
-                              hint=f"resume from the newest checkpoint (checkpoint-{committed}) or publish to a new run URL")
         assert self._v.publisher is not None
-        self._v.publisher.resume(state)  # PatchMismatchError unless the weights are that version
-        self._v.version, self._v.names, self._v.digest = committed, frozenset(state), self._v.publisher.state_digest
-        log.info("sparsesync: continuing %s from its version %d", url, committed)
+        self._v.publisher.resume(state, version=step if step < committed else None)
+        self._v.version, self._v.names, self._v.digest = step, frozenset(state), self._v.publisher.state_digest
+        log.info("sparsesync: continuing %s from its version %d", url, step)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: a replica's engine drops its cached state when it applies a version."""
@@ -218,16 +216,24 @@ class SparsesyncVLLMClient:
         raise ProtocolError(f"no replica of {self.replicas} answered: {error}")
 
     def _wait_for_replicas(self, version: int) -> None:
+        """Until every replica serves `version` or newer; a replica that reports its state digest
+        must serve exactly the published one (after a rewind an abandoned version has the same number)."""
         deadline = time.monotonic() + self.sync_timeout_s
         waiting = list(self.replicas)
         seen: dict[str, Any] = {}
         while waiting:
             for url in list(waiting):
+                digest = None
                 try:
-                    seen[url] = self._get(url, "/health").get("weight_version")
+                    health = self._get(url, "/health")
+                    seen[url], digest = health.get("weight_version"), health.get("state_digest")
                 except httpx.HTTPError as e:
                     seen[url] = f"unreachable ({type(e).__name__})"
-                if isinstance(seen[url], int) and seen[url] >= version:
+                v = seen[url]
+                if digest is not None and isinstance(v, int) and (v > version or digest != self._v.digest):
+                    # newer than what this trainer just published, or another state: an abandoned version
+                    seen[url] = f"{v} of an abandoned attempt (state {digest})"
+                elif isinstance(v, int) and v >= version:
                     waiting.remove(url)
             if waiting:
                 if time.monotonic() > deadline:

@@ -72,9 +72,10 @@ from sparsesync.errors import (
     StoreUnavailableError,
 )
 from sparsesync.protocol.anchor_shards import AnchorPlan, assign, gather_rows
-from sparsesync.protocol.layout import CommitRecord, ObjectRef, PartRef, Unit, commit_key
+from sparsesync.protocol.keys import commit_key
 from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.publisher import Publisher, PublisherConfig, _Item, _wait_to_retry
+from sparsesync.protocol.records import CommitRecord, ObjectRef, PartRef, Unit
 
 log = logging.getLogger(__name__)
 _STORE_TRIES = 5  # store outages retried (with backoff) before a rank reports failure to the others

@@ -9,7 +9,8 @@ Guarantees:
 - The gate holds only the newest version a coordinated replica has staged, and never past the
   deadline `commit time + switch_deadline_s` (at most that long after staging), nor past a
   switch record's `apply_at` (at most `MAX_LEAD_S` ahead). A cold replica, and every
-  intermediate version of a catch-up, go live at once. Records and layout: `fleet.py`.
+  intermediate version of a catch-up, go live at once. Reading the fleet: `fleet.py`; the records:
+  `records` (`Heartbeat`, `SwitchRecord`), their names: `keys`.
 """
 
 from __future__ import annotations
@@ -26,19 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparsesync.errors import ConfigError, StoreAuthError, StoreError
-from sparsesync.protocol.fleet import (
-    MAX_LEAD_S,
-    MAX_TEXT,
-    REPLICA_ID_RE,
-    Heartbeat,
-    SwitchRecord,
-    heartbeat_key,
-    read_fleet,
-    read_switch,
-    reached,
-    switch_lead_s,
-    write_switch,
-)
+from sparsesync.protocol.fleet import reached, read_fleet, read_switch, switch_lead_s, write_switch
+from sparsesync.protocol.keys import REPLICA_ID_RE, heartbeat_key
+from sparsesync.protocol.records import MAX_LEAD_S, MAX_TEXT, Heartbeat, SwitchRecord
+from sparsesync.protocol.rewind import Lineage, current_switch
 from sparsesync.store import Store
 
 log = logging.getLogger(__name__)
@@ -134,6 +126,7 @@ class FleetMember:
         self._digest: str | None = None  # state digest of the version served
         self._staged: tuple[int, float] | None = None
         self._last_switch: dict[str, Any] | None = None
+        self._records: dict[str, Any] = {}  # commit records read by the switch rule (immutable)
         self._writes = 0
         self._state = "off" if not options.heartbeat else "starting"  # ok | read-only | failing
         self._error: str | None = None
@@ -170,7 +163,7 @@ class FleetMember:
                 "staged_version": self._staged[0] if self._staged else None, "last_switch": self._last_switch,
             }
 
-    def gate(self, version: int, committed_at: float, serving: int | None) -> None:
+    def gate(self, version: int, committed_at: float, serving: int | None, epoch: int | None = None) -> None:
         """Hold a staged `version` until the fleet switches to it (coordinated mode only).
 
         Returns at once when not coordinated, or when the engine serves nothing yet (a cold
@@ -188,9 +181,13 @@ class FleetMember:
         deadline = min(committed_at, now) + opt.switch_deadline_s
         how = "deadline"
         while not self._follower_stop.is_set():
-            sw = read_switch(self.store, version)
+            key_epoch = None
+            if epoch is None:
+                sw = read_switch(self.store, version)
+            else:  # a record of a version a rewind abandoned does not count (protocol/rewind.py)
+                sw, key_epoch = current_switch(self.store, version, epoch, committed_at)
             if sw is None and opt.switch_rule == "all-staged":
-                sw = self._switch_if_all_staged(version)
+                sw = self._switch_if_all_staged(version, key_epoch)
             if sw is not None:
                 self._follower_stop.wait(min(max(sw.apply_at - time.time(), 0.0), MAX_LEAD_S))
                 how = "switch"
@@ -205,22 +202,25 @@ class FleetMember:
             self._last_switch = {"version": version, "how": how, "at": time.time()}
 
     # -- internals ------------------------------------------------------------------------
-    def _switch_if_all_staged(self, version: int) -> SwitchRecord | None:
+    def _switch_if_all_staged(self, version: int, epoch: int | None = None) -> SwitchRecord | None:
         """The rule: when every live coordinated replica has staged (or serves) `version`, any
-        of them writes its switch record."""
+        of them writes its switch record (`epoch`: under its key after a rewind). A replica that
+        reaches it only through a version a rewind abandoned has not."""
         try:
             view = read_fleet(self.store)
+            lineage = Lineage(self.store, self._records)
         except StoreError as e:
             log.warning("reading the fleet of %s failed: %s", self.store.url, e)
             return None
         members = [s for s in view.live if s.record.coordinated and s.record.replica != self.options.replica_id]
-        if not all(reached(s.record, version, staged=True) for s in members):
+        if not all(reached(s.record, version, staged=True) and not lineage.abandoned(s.record, version, staged=True)
+                   for s in members):
             return None
         if self._state == "read-only":
             return None  # cannot write it; wait for one written by another replica or the trainer
         try:
             return write_switch(self.store, version, by=f"replica:{self.options.replica_id}",
-                                apply_in_s=switch_lead_s(view))
+                                apply_in_s=switch_lead_s(view), epoch=epoch)
         except StoreError as e:
             log.warning("could not write the switch record of version %d: %s", version, e)
             return None

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, check_follow
+from sparsesync.adapter import check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -66,9 +66,9 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
-from sparsesync.protocol.layout import CommitRecord
 from sparsesync.protocol.mirror import MirrorDir, release_freed_memory
 from sparsesync.protocol.parts import Prefetcher
+from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -221,7 +221,7 @@ class Follower:
                 self._set(lag=self._lag(newest.version))
                 return
             except _BAD_OBJECT as e:
-                key = getattr(e, "_sparsesync_key", None)
+                key = e.key
                 log.warning("sync of %s failed: %s", self.store.url, e)
                 if key is not None and key in self._suspect:
                     self._bad.add(key)  # failed twice: avoid it, re-plan around it
@@ -298,7 +298,7 @@ class Follower:
                 try:
                     state, digests = self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=self._mirror_dir.allocate)
                 except _BAD_OBJECT as e:
-                    e._sparsesync_key = rec.anchor[0].key  # type: ignore[attr-defined]
+                    e.key = rec.anchor[0].key
                     raise
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
@@ -336,7 +336,7 @@ class Follower:
     def _gate(self, rec: CommitRecord, *, last: bool) -> None:
         """Coordinated switching: hold the newest staged version until the fleet switches to it."""
         if self.fleet is not None and last:
-            self.fleet.gate(rec.version, rec.created_at, self.current_version)
+            self.fleet.gate(rec.version, rec.created_at, self.current_version, rec.epoch)
 
     def _stage_delta(self, rec: CommitRecord) -> dict[str, SparseUpdate]:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
@@ -344,7 +344,7 @@ class Follower:
             try:
                 return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch)
             except DigestMismatchError as e:
-                if getattr(e, "_sparsesync_written", False):
+                if e.written:
                     self._mirror_version = None  # undone, but the base bits were not what we thought: reload
                 raise
         assert rec.delta is not None
@@ -361,7 +361,7 @@ class Follower:
                 self._mirror_version = None
                 raise
         except _BAD_OBJECT as e:
-            e._sparsesync_key = rec.delta.key  # type: ignore[attr-defined]
+            e.key = rec.delta.key
             raise
         self.digests = digests
         return updates
@@ -380,7 +380,7 @@ class Follower:
                 self.hook.load_full(rec.version, state)
             except BaseException as e2:
                 self._engine_failed = True
-                self._set(current_version=None, lag=None)
+                self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception):
                     raise
                 raise SparsesyncError(
@@ -388,12 +388,12 @@ class Follower:
                     hint="the replica reports no version until a load succeeds (retried with backoff); check the engine logs",
                 ) from e2
         except BaseException:  # an interrupt inside the engine: its bits are unknown
-            self._set(current_version=None, lag=None)
+            self._set(current_version=None, lag=None, state_digest=None)
             raise
         if adopt is not None:
             adopt()
         self._engine_behind = False
-        self._set(current_version=rec.version)  # the engine holds it: report it at once
+        self._set(current_version=rec.version, state_digest=rec.state_digest)  # the engine holds it: report it at once
 
     def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
         st = self._status

@@ -19,16 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparsesync.errors import BrokenChainError, ConfigError
-from sparsesync.protocol.layout import (
+from sparsesync.protocol.keys import (
     ANCHORS,
     COMMITS,
     DELTAS,
-    CommitRecord,
+    FILES,
     commit_key,
+    file_version,
     object_version,
     parse_commit_key,
 )
-from sparsesync.protocol.extras import FILES, file_version
+from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
 from sparsesync.store import Store
 

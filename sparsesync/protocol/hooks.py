@@ -55,6 +55,7 @@ class FollowerStatus:
     failures: int = 0  # failed sync attempts in a row (0 once one succeeds)
     retry_at: float | None = None  # unix time of the next attempt after a failure (backoff); None: none pending
     retry_in_s: float | None = None  # seconds until then, as of this status
+    state_digest: str | None = None  # the commit's state digest of current_version (a version number may be re-committed after a rewind)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,7 +3,7 @@
 A part is an ordinary format-3 patch (docs/format.md) over a set of *units*: whole tensors, or
 rows [start, stop) of a tensor's dim 0 (a rank's FSDP shard), named inside the patch by
 `Unit.key` (`name` or `name[start:stop]`), in global checkpoint coordinates. The commit record
-lists the parts (`layout.PartRef`, docs/protocol.md "Versions in parts").
+lists the parts (`records.PartRef`, docs/protocol.md "Versions in parts").
 
 Guarantees:
 - Writer: `PartedSnapshot.diff_encode` hands each part to `on_part` as soon as it is encoded (the
@@ -49,10 +49,10 @@ from sparsesync.codec import (
 )
 from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
-from sparsesync.codec.digest import digest_after_put
-from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError
-from sparsesync.protocol.layout import DELTAS, CommitRecord, PartRef, Unit, parse_part_key
-from sparsesync.protocol.run import bytes_digest
+from sparsesync.codec.digest import bytes_digest, digest_after_put
+from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
+from sparsesync.protocol.keys import DELTAS, parse_part_key
+from sparsesync.protocol.records import CommitRecord, PartRef, Unit
 from sparsesync.store import Store
 
 DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
@@ -353,7 +353,8 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     part (of those needed for `names`, default all) is verified and decoded. Returns the changed
     elements by tensor name in the tensor's own flat coordinates (what an engine's sparse loader
     takes). Raises DigestMismatchError/PatchMismatchError/ProtocolError/PatchFormatError with the
-    failing part's key in `e._sparsesync_key`, leaving `state` and `digests` as they were.
+    failing part's key in `e.key` (and `e.written` when the writes had begun: undone, but the held
+    bits were not what their digests said), leaving `state` and `digests` as they were.
     """
     if not rec.parts:
         raise ProtocolError(f"version {rec.version} has no parts")
@@ -375,14 +376,14 @@ def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Muta
         if ref.key in ready:
             try:
                 staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates, ready[ref.key].predicted))
-            except Exception as e:
-                e._sparsesync_key = ref.key  # type: ignore[attr-defined]
+            except SparsesyncError as e:
+                e.key = ref.key
                 raise
     for ref, fut in _as_fetched(fetch, [r for r in refs if r.key not in ready]):
         try:
             staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
-        except Exception as e:
-            e._sparsesync_key = ref.key  # type: ignore[attr-defined]
+        except SparsesyncError as e:
+            e.key = ref.key
             raise
     with interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
         return _write_all(rec, staged, digests, names)
@@ -405,8 +406,7 @@ def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping
             try:
                 verify_digests(s.views, s.targets, known=known)
             except DigestMismatchError as e:
-                e._sparsesync_key = s.ref.key  # type: ignore[attr-defined]
-                e._sparsesync_written = True  # type: ignore[attr-defined]
+                e.key, e.written = s.ref.key, True
                 raise
         new = dict(digests)
         set_unit_digests(new, [(u, s.targets[u.key]) for s in staged for u in s.ref.units])
@@ -416,7 +416,7 @@ def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping
                 f"{state_digest(new)}, expected {rec.state_digest} (undone)",
                 hint="the parts do not make up the committed version; reload from an anchor",
             )
-            err._sparsesync_written = True  # type: ignore[attr-defined]
+            err.written = True
             raise err
     except BaseException:
         for s, old, _ in reversed(written):

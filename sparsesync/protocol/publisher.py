@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import AdapterMeta, adapter_state, check_publish
+from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Effort, Snapshot, TensorChange, compose_changes, encode_changes, write_anchor
+from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.codec.patch import check_effort
 from sparsesync.errors import (
     ConfigError,
@@ -63,30 +64,28 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreUnavailableError,
 )
-from sparsesync.protocol.layout import (
+from sparsesync.protocol.extras import MODEL_FILES, collect_files
+from sparsesync.protocol.keys import (
     COMMITS,
-    PartRef,
-    part_key,
-    MAX_COMMIT_BYTES,
     MAX_EPOCH,
     WRITERS,
-    CommitRecord,
-    ObjectRef,
     anchor_prefix,
     check_version,
     commit_key,
     delta_key,
-    new_uid,
     epoch_lock_key,
+    file_key,
+    new_uid,
     parse_commit_key,
     parse_epoch_lock_key,
     parse_writer_key,
+    part_key,
     valid_commits,
     writer_key,
 )
-from sparsesync.protocol.extras import MODEL_FILES, FileRef, collect_files, file_key
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES, EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
-from sparsesync.protocol.run import Run, bytes_digest, file_digest, read_at_most
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, AdapterMeta, CommitRecord, FileRef, ObjectRef, PartRef
+from sparsesync.protocol.run import Run, read_at_most
 from sparsesync.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -250,11 +249,15 @@ class Publisher:
             if files != self._extra:
                 self._extra, self._extra_refs = files, None
 
-    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+    def resume(self, state: Mapping[str, torch.Tensor], *, version: int | None = None) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds.
 
         The next `publish` is then a delta against that version instead of a fresh anchor.
         Raises PatchMismatchError when `state` is not exactly that version.
+
+        `version` below the newest: a rewind (`sparsesync.protocol.rewind`): `state` (checked
+        against the run's version `version` when it has one) becomes that version at once and the
+        newer versions are abandoned; replicas follow without any change.
         """
         if self._snapshot is not None:
             raise ConfigError("resume() must come before the first publish()")
@@ -262,6 +265,11 @@ class Publisher:
         if not commits:
             raise RunNotFoundError(f"nothing to resume under {self.store.url}", hint="publish() starts a run")
         newest = commits[-1]
+        if version is not None and version != newest.version:  # rewind hook (protocol/rewind.py)
+            from sparsesync.protocol.rewind import rewind
+
+            rewind(self, state, version, commits)
+            return
         if any(u.rows is not None for p in newest.parts for u in p.units):
             raise ConfigError(
                 f"version {newest.version} of {self.store.url} was published in shards by a distributed trainer; "
@@ -333,9 +341,13 @@ class Publisher:
         """Tell coordinated replicas to apply `version` together: writes its switch record (once)
         and returns its apply_at (unix time). Default lead: the slowest live replica's poll."""
         from sparsesync.protocol.fleet import read_fleet, switch_lead_s, write_switch
+        from sparsesync.protocol.rewind import current_switch
 
         lead = switch_lead_s(read_fleet(self.store)) if apply_in_s is None else apply_in_s
-        return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead).apply_at
+        # rewind hook: the plain record may belong to a version a rewind abandoned
+        ours = next((c for c in self.run.commits() if c.version == version and c.epoch == self.epoch), None)
+        sw, epoch = current_switch(self.store, version, self.epoch, ours.created_at) if ours else (None, None)
+        return (sw or write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead, epoch=epoch)).apply_at
 
     @property
     def state_digest(self) -> str | None:

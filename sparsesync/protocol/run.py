@@ -1,6 +1,6 @@
 """Reading a run: which versions are committed, how to reach one, and fetching verified objects.
 
-Guarantees: only committed versions (under the fencing rule of `layout.valid_commits`) are
+Guarantees: only committed versions (under the fencing rule of `keys.valid_commits`) are
 ever returned; every object's bytes are checked against the size and xxh3 digest recorded in
 its commit before anything parses them; `reconstruct` returns a state whose digest equals the
 commit's `state_digest` or raises.
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from sparsesync.codec import Patch, apply_patch, load_anchor, read_patch, state_digest
 from sparsesync.codec.anchor import Alloc
 from sparsesync.codec.apply import SparseUpdate
+from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.errors import (
     BrokenChainError,
     DigestMismatchError,
@@ -29,29 +29,12 @@ from sparsesync.errors import (
     RunNotFoundError,
     VersionNotFoundError,
 )
-from sparsesync.protocol.layout import (
-    COMMITS,
-    MAX_COMMIT_BYTES,
-    CommitRecord,
-    ObjectRef,
-    valid_commits,
-)
+from sparsesync.protocol.keys import COMMITS, valid_commits
+from sparsesync.protocol.parts import apply_parts
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
 from sparsesync.store import Store, open_store
 
 State = dict[str, torch.Tensor]
-
-
-def bytes_digest(data: bytes) -> str:
-    """The digest commit records use for object bytes."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def file_digest(path: Path, chunk: int = 64 << 20) -> str:
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -141,8 +124,10 @@ class Run:
             if rec.version == version:
                 return rec
         have = ", ".join(str(c.version) for c in commits[-5:])
+        from sparsesync.protocol.rewind import abandoned_note  # rewind hook: say which rewind abandoned it
+
         raise VersionNotFoundError(
-            f"version {version} is not committed under {self.url} (newest: {have})",
+            f"version {version} is not committed under {self.url} (newest: {have}){abandoned_note(self.store, version)}",
             hint="run `sparsesync log URL` to list committed versions",
         )
 
@@ -297,8 +282,6 @@ class Run:
         `parts.Prefetcher`); for one file a DigestMismatchError means `state` was written and
         must be discarded (`apply_loaded`)."""
         if rec.parts:
-            from sparsesync.protocol.parts import apply_parts
-
             return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched)
         return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests)
 

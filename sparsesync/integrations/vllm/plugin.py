@@ -50,7 +50,7 @@ def check_endpoint_enabled(environ: dict[str, str] | None = None, modules: objec
 
 # The entry points pyproject.toml declares, as a dist-info folder: a copy of sparsesync that is
 # not pip-installed (the Space image copies the package) puts this folder on sys.path so vLLM's
-# processes find both plugins. tests/test_vllm_serve.py checks it against pyproject.toml.
+# processes find both plugins. tests/integrations/vllm/test_serve.py checks it against pyproject.toml.
 DIST_INFO = "sparsesync_vllm_plugins-0.dist-info"
 ENTRY_POINTS = {
     "vllm.general_plugins": "sparsesync.integrations.vllm.plugin:register",
