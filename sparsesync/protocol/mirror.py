@@ -9,7 +9,13 @@ Guarantees:
   version). The file is unlinked as soon as it is mapped: nothing is left on disk when the
   process ends, however it ends, and the space returns when the last tensor of the map is gone.
   A mirror file is never read back after a restart: the follower rebuilds it from an anchor.
+  Its disk blocks are reserved before it is mapped (`posix_fallocate`): a full disk is an error
+  at allocation (then anonymous memory, with a warning), never a fault while writing.
 - Tensors start at 64-byte boundaries of the file (aligned for every dtype).
+- The cost: the kernel writes dirty mirror pages back to disk (each version dirties most of
+  them; the kernel writes each dirty page at most about every 30 s, more often when dirty
+  memory passes its background ratio). `SPARSESYNC_MIRROR_DIR=memory` keeps the mirror in
+  anonymous memory instead (no disk traffic, one more copy that cannot be paged without swap).
 - The directory (`mirror_dir()`): `SPARSESYNC_MIRROR_DIR`, else `$XDG_CACHE_HOME/sparsesync/mirror`,
   else `~/.cache/sparsesync/mirror`; never `TMPDIR`, which may be tmpfs (memory). A directory on
   tmpfs or ramfs is used, with a warning (it is memory then). When the directory cannot be
@@ -39,6 +45,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV_DIR = "SPARSESYNC_MIRROR_DIR"
+IN_MEMORY = "memory"  # the directory value that keeps the mirror in anonymous memory
 ALIGN = 64
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 _COUNTER = itertools.count()
@@ -73,7 +80,8 @@ class MirrorDir:
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self.directory = Path(directory) if directory is not None else mirror_dir()
-        self._checked = False
+        in_memory = str(directory if directory is not None else os.environ.get(ENV_DIR, "")) == IN_MEMORY
+        self._checked = in_memory  # "memory": anonymous memory, by choice (no file, no warning)
         self._usable = False
         self._lock = threading.Lock()
 
@@ -116,7 +124,9 @@ class MirrorDir:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, size)
+                # blocks reserved now: a write into a mapped hole of a full disk would kill the
+                # process (SIGBUS); here it is an OSError, and the mirror falls back to memory
+                os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
             storage = torch.UntypedStorage.from_file(str(path), True, size)

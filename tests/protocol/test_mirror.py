@@ -168,3 +168,9 @@ def test_anchor_loads_straight_into_the_allocated_tensors(tmp_path: Path) -> Non
     storages = {t.untyped_storage().data_ptr() for t in got.values()}
     assert len(storages) == 1  # one map for the whole state
     assert all(t.data_ptr() % 64 == 0 for t in got.values())
+
+
+def test_mirror_dir_memory_keeps_the_mirror_in_anonymous_memory(tmp_path: Path) -> None:
+    """The opt-out (no disk writeback): SPARSESYNC_MIRROR_DIR=memory / --mirror-dir memory."""
+    got = MirrorDir("memory").allocate({"w": (torch.bfloat16, (64, 64))})
+    assert not is_file_backed(got["w"]) and not (Path.cwd() / "memory").exists()
