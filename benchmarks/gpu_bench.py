@@ -48,15 +48,15 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import torch  # noqa: E402
+import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save  # noqa: E402
+from safetensors.torch import save as st_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _codec_data import qwen_like_shapes  # noqa: E402
+from _codec_data import qwen_like_shapes
 
-from sparsesync.codec import Snapshot, apply_patch, read_patch  # noqa: E402
-from sparsesync.codec.diff import bits_view  # noqa: E402
+from sparsesync.codec import Snapshot, apply_patch, read_patch
+from sparsesync.codec.diff import bits_view
 
 
 def rss_bytes() -> int:
@@ -172,7 +172,7 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
     # -- trainer side: host snapshot (the Publisher's default) --------------------------------
     gc.collect()
     rss0 = rss_bytes()
-    t_snap, snap = timed(dev, lambda: Snapshot(a, 0))
+    t_snap, snap = timed(dev, lambda: Snapshot(a, 0))  # noqa: F821 - bound above (pyflakes misreads the del at the end)
     row.update(snapshot_s=t_snap, snapshot_host_rss_GB=(rss_bytes() - rss0) / 1e9, snapshot_nbytes_GB=snap.nbytes / 1e9)
     ours, trl, datas = [], [], []
     pair = (b, a)  # alternate: a -> b, then b -> a
@@ -209,7 +209,7 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
         elif budget.left() < 3 * min(ours) + 20:
             row["diff_encode_cuda_snapshot"] = "skipped: budget"
         else:
-            t_snap, snap = timed(dev, lambda: Snapshot(a, 0, device=dev))
+            t_snap, snap = timed(dev, lambda: Snapshot(a, 0, device=dev))  # noqa: F821 - as above
             cs = []
             for i in range(min(reps, 2)):
                 dt, enc = timed(dev, lambda: snap.diff_encode(pair[i % 2], i + 1))
@@ -234,12 +234,12 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
             row["apply_note"] = f"stopped after {i} reps (budget)"
             break
         for key, check in (("decode_apply", True), ("follower_apply", False)):
-            dt, _ = timed(dev, lambda: apply_patch(read_patch(fwd), work, check_base_digest=check))
+            dt, _ = timed(dev, lambda: apply_patch(read_patch(fwd), work, check_base_digest=check))  # noqa: F821 - as above
             applies[key].append(dt)
             ok = ok and same_bits(work, b)
             for k in work:  # back to a for the next measurement
                 work[k].copy_(a[k])
-        dt, _ = timed(dev, lambda: trl_apply(trl0, work))
+        dt, _ = timed(dev, lambda: trl_apply(trl0, work))  # noqa: F821 - as above
         applies["trl_apply"].append(dt)
         ok = ok and same_bits(work, b)
         for k in work:

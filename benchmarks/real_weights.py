@@ -23,7 +23,6 @@ push wrote under deltas/ and commits/). Writes benchmarks/results/real_weights.j
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import subprocess

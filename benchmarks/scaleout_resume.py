@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -136,7 +136,7 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
             raise _bad(e) from e
         try:
             ids = replica.engine.apply_chat_template([m.template_dict() for m in req.messages])
-        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+        except Exception as e:  # template errors are the request's fault
             raise HTTPException(status_code=400, detail=f"cannot apply the chat template: {e}") from e
         # no max_tokens: the rest of the context (as OpenAI and vLLM)
         room = replica.engine.max_model_len - len(ids)

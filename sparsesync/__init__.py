@@ -1,8 +1,128 @@
 """sparsesync: move RL weight updates as sparse, digest-checked safetensors patches through a bucket.
 
-The library: change detection and the patch codec (`sparsesync.codec`), object stores
-(`sparsesync.store`), the bucket protocol with its publisher and follower
-(`sparsesync.protocol`), and the `sparsesync` CLI (`sparsesync.cli`).
+The front door:
+
+    import sparsesync
+
+    with sparsesync.Publisher("hf://buckets/me/rl-weights/run-1") as pub:   # the trainer
+        pub.publish(model.state_dict(), step)
+    follower = sparsesync.Follower("hf://buckets/me/rl-weights/run-1", hook=...)  # each replica
+    sparsesync.push("checkpoints/checkpoint-100", url)   # a checkpoint on disk in ...
+    sparsesync.pull(url, "policy/")                       # ... and out, bit-exact
+    store = sparsesync.open_store(url)                    # the bucket itself
+
+and every error the library raises on purpose (`sparsesync.SparsesyncError` and its subclasses,
+from `sparsesync.errors`). The names load on first use (PEP 562), so `import sparsesync` (and
+`sparsesync --help`) imports neither torch nor any store client.
+
+The packages underneath, low to high (each imports only its own layer or lower; `pyproject.toml`
+`[tool.importlinter]` checks it): `errors`, `codec` (change detection and the patch codec),
+`store` (object stores), `protocol` (the run layout, publisher and follower; with `checkpoint`,
+`adapter`, `adapter_config`), `transfer` (push/pull), `integrations` (vLLM, TRL), the apps
+(`sparsesync.deploy`; `trainer`, `inference_space`, `env_space` beside this package) and the
+`sparsesync` CLI (`sparsesync.cli`).
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+TYPE_CHECKING = False  # typing's own flag without importing typing (type checkers take any TYPE_CHECKING as True)
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily (__getattr__)
+    from typing import Any
+
+    from sparsesync.errors import (
+        BaseModelMismatchError,
+        BrokenChainError,
+        ConfigError,
+        DigestMismatchError,
+        EngineCheckError,
+        EngineError,
+        FencedWriterError,
+        FleetTimeoutError,
+        MalformedCommitError,
+        ObjectNotFoundError,
+        OutputError,
+        PatchError,
+        PatchFormatError,
+        PatchMismatchError,
+        ProtocolError,
+        RankFailedError,
+        RunKindError,
+        RunNotFoundError,
+        SparsesyncError,
+        StoreAuthError,
+        StoreError,
+        StoreUnavailableError,
+        VersionNotFoundError,
+        WeightUpdateError,
+    )
+    from sparsesync.protocol.follower import Follower
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.store import open_store
+    from sparsesync.transfer import pull, push
+
+_ERRORS = (
+    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "OutputError",
+    "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
+    "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
+    "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
+    "FencedWriterError", "RankFailedError", "FleetTimeoutError",
+    "EngineError", "WeightUpdateError", "EngineCheckError",
+)  # fmt: skip
+_HOMES: dict[str, str] = {
+    "Publisher": "sparsesync.protocol.publisher",
+    "Follower": "sparsesync.protocol.follower",
+    "push": "sparsesync.transfer",
+    "pull": "sparsesync.transfer",
+    "open_store": "sparsesync.store",
+    **dict.fromkeys(_ERRORS, "sparsesync.errors"),
+}
+
+__all__ = [
+    "__version__",
+    "Publisher",
+    "Follower",
+    "push",
+    "pull",
+    "open_store",
+    "SparsesyncError",
+    "ConfigError",
+    "RunKindError",
+    "BaseModelMismatchError",
+    "OutputError",
+    "PatchError",
+    "PatchFormatError",
+    "PatchMismatchError",
+    "DigestMismatchError",
+    "StoreError",
+    "ObjectNotFoundError",
+    "StoreUnavailableError",
+    "StoreAuthError",
+    "ProtocolError",
+    "MalformedCommitError",
+    "RunNotFoundError",
+    "VersionNotFoundError",
+    "BrokenChainError",
+    "FencedWriterError",
+    "RankFailedError",
+    "FleetTimeoutError",
+    "EngineError",
+    "WeightUpdateError",
+    "EngineCheckError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once loaded, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""Every exception sparsesync raises on purpose.
+"""Every exception the sparsesync library raises on purpose.
 
 Each error carries what went wrong (naming the object: a tensor, a file, a URL, a version),
 and a `hint`: the action that fixes it. The CLI turns them into one clear line in one place
@@ -6,6 +6,10 @@ and a `hint`: the action that fixes it. The CLI turns them into one clear line i
 
 Rule of thumb: raise the most specific class, put the bad value and what was expected into
 the message, and put the fix into `hint`.
+
+Library errors only: the apps keep theirs (`trainer/errors.py`, `sparsesync/deploy/errors.py`,
+`env_space/errors.py`), subclasses of `SparsesyncError` where the CLI runs the app, so the CLI
+still prints every one of them in its one place.
 """
 
 from __future__ import annotations
@@ -137,45 +141,10 @@ class FleetTimeoutError(ProtocolError, TimeoutError):
         self.ready = list(ready or [])
 
 
-# ---------------------------------------------------------------------------- deploy
-class DeployError(SparsesyncError):
-    """Rendering or creating a Space failed. `space_id` names the Space (never a token)."""
-
-    def __init__(self, message: str, *, space_id: str = "", hint: str = "") -> None:
-        super().__init__(message, hint=hint)
-        self.space_id = space_id
-
-
-# ---------------------------------------------------------------------------- trainer
-class TrainerError(SparsesyncError):
-    """Base for failures of the asynchronous GRPO trainer (trainer/) and the local demo."""
-
-
-class ReplicaUnavailableError(TrainerError):
-    """No inference replica answered a request (every one failed or is cooling down).
-    `urls` names the replicas tried."""
-
-    def __init__(self, message: str, *, urls: list[str] | None = None, hint: str = "") -> None:
-        super().__init__(message, hint=hint)
-        self.urls = list(urls or [])
-
-
-class RolloutError(TrainerError):
-    """An episode could not be played (the environment server refused or a reply was malformed)."""
-
-
-class DemoCheckError(TrainerError):
-    """A check of the local demo failed (reward did not rise, staleness out of bound, replicas
-    not bit-exact, a process died). `check` names the failed check."""
-
-    def __init__(self, message: str, *, check: str = "", hint: str = "") -> None:
-        super().__init__(message, hint=hint)
-        self.check = check
-
-
-# ---------------------------------------------------------------------------- inference replicas
+# ---------------------------------------------------------------------------- inference engines
 class EngineError(SparsesyncError):
-    """An inference engine (embedded transformers or vLLM) failed to load, generate or apply."""
+    """An inference engine (embedded transformers or vLLM) failed to load, generate or apply.
+    Library errors: `sparsesync.integrations.vllm` raises them, as do the replicas' engines."""
 
 
 class WeightUpdateError(EngineError):

@@ -36,8 +36,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from sparsesync.errors import DemoCheckError
 from trainer.config import LORA_ALL_LINEAR, LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
+from trainer.errors import DemoCheckError
 from trainer.metrics import MetricsLogger
 from trainer.processes import ProcessSet, free_port
 

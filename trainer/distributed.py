@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from sparsesync.checkpoint import shared_aliases
-from sparsesync.errors import ConfigError, RankFailedError, TrainerError
+from sparsesync.errors import ConfigError, RankFailedError
 from trainer.buffer import Group
+from trainer.errors import TrainerError
 
 
 def launched_distributed() -> bool:

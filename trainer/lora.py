@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from sparsesync.adapter import meta_from_peft
+from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import AdapterMeta
 from trainer.config import TrainerConfig
+from trainer.policy import load_policy, publish_state, resolve_precision
 
 
 def lora_policy(model: torch.nn.Module, cfg: TrainerConfig, dtype: torch.dtype) -> Any:
@@ -39,9 +41,6 @@ def adapter_meta(model: Any, cfg: TrainerConfig, publish_dtype: torch.dtype) -> 
 def publish_initial_adapter(cfg: TrainerConfig) -> None:
     """Publish version 0 (the adapter as initialised) of an adapter run before any replica
     starts, so replicas know the run's adapter and base; the trainer resumes from it."""
-    from sparsesync.protocol.publisher import Publisher
-    from trainer.train import load_policy, publish_state, resolve_precision
-
     device, master, publish = resolve_precision(cfg)
     torch.manual_seed(cfg.optim.seed)
     model = lora_policy(load_policy(cfg, device, master), cfg, master)

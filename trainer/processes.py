@@ -31,7 +31,7 @@ from types import FrameType
 
 import httpx
 
-from sparsesync.errors import DemoCheckError
+from trainer.errors import DemoCheckError
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = None

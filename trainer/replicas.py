@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from sparsesync.errors import ReplicaUnavailableError, RolloutError
+from trainer.errors import ReplicaUnavailableError, RolloutError
 
 log = logging.getLogger(__name__)
 

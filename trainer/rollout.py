@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 
 from env_space.client import EnvClient, EnvClientError
-from sparsesync.errors import ReplicaUnavailableError, RolloutError, TrainerError
 from trainer.buffer import BufferClosed, Group, RolloutBuffer, Sample
+from trainer.errors import ReplicaUnavailableError, RolloutError, TrainerError
 from trainer.grpo import group_advantages
 from trainer.replicas import ReplicaPool
 

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_digest, map_tied
-from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError, TrainerError
+from sparsesync.checkpoint import checkpoint_digest
+from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError
 from sparsesync.protocol.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer
 from trainer.config import TrainerConfig
@@ -64,14 +64,14 @@ from trainer.distributed import (
     shard_policy,
     stop_on_sigterm,
 )
+from trainer.errors import TrainerError
 from trainer.grpo import Batch, grpo_loss, token_logprobs
 from trainer.metrics import MetricsLogger
+from trainer.policy import load_policy, publish_state, resolve_precision
 from trainer.replicas import ReplicaPool
 from trainer.rollout import RolloutWorkers, SamplingParams
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -91,19 +91,6 @@ class TrainResult:
     commit_digest: str = ""  # the last commit record's state digest (under torchrun: over its row units, not state_digest)
 
 
-def resolve_precision(cfg: TrainerConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
-    """(device, master dtype, publish dtype) for this machine."""
-    m = cfg.model
-    if m.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("[model] device = 'cuda' but no CUDA device is visible", hint="set device = 'auto' or 'cpu'")
-    device = torch.device("cuda" if m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available()) else "cpu")
-    if m.master_dtype == "auto":
-        master = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        master = _DTYPES[m.master_dtype]
-    return device, master, _DTYPES[m.publish_dtype]
-
-
 def auth_headers(cfg: TrainerConfig) -> dict[str, str] | None:
     """The Authorization header for private replicas / env (the token comes from the environment only)."""
     var = cfg.rollout.auth_token_env
@@ -114,30 +101,6 @@ def auth_headers(cfg: TrainerConfig) -> dict[str, str] | None:
         raise ConfigError(f"[rollout] auth_token_env = {var!r}, but the environment variable {var} is not set",
                           hint=f"export {var}=<token with read access to the Spaces>, or set auth_token_env = \"\"")
     return {"Authorization": f"Bearer {token}"}
-
-
-def load_policy(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The model from a local folder or the Hub, in `dtype` on `device`, in train mode."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype, revision=cfg.model.revision)
-    except OSError as e:
-        raise ConfigError(f"[model] path = {cfg.model.path!r}: cannot load a model from it ({e})",
-                          hint="pass a folder with config.json + safetensors, or a Hub model id (needs network)") from e
-    model.to(device)
-    model.train()
-    return model
-
-
-def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights replicas receive: every state-dict tensor (a PEFT model: every adapter tensor)
-    cast to `dtype`, contiguous, on CPU; names tied to one tensor (a tied LM head) stay one
-    tensor, which the publisher sends once."""
-    from sparsesync.adapter import adapter_tensors, is_peft_model
-
-    state = adapter_tensors(model) if is_peft_model(model) else model.state_dict()
-    return map_tied(state, lambda t: t.detach().to(dtype=dtype).contiguous().cpu())
 
 
 class _StatusPoller:

@@ -44,7 +44,6 @@ the most likely token's (OpenAI's top-1).
 from __future__ import annotations
 
 import math
-
 import threading
 import time
 from abc import ABC, abstractmethod

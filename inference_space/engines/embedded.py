@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
-from sparsesync.codec.apply import SparseUpdate
 from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
+from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
 
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
-from sparsesync.codec.apply import SparseUpdate
 from sparsesync.checkpoint import TIED_ALIASES, load_checkpoint
+from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class VllmEngine(Engine):
         try:
             with _flask_proxies_resolvable():
                 self.llm = LLM(**kw)
-        except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; name the model
+        except Exception as e:  # vLLM raises many kinds; name the model
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
         from sparsesync.integrations.vllm.apply import WeightSync
 

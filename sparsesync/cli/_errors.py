@@ -1,7 +1,8 @@
 """The one place where exceptions become what a CLI user reads.
 
 Every failure prints as one line `error: <what>` plus `fix: <hint>`, exit status 1: our
-SparsesyncErrors with their hint, OS errors (read-only folder, full disk) with the fix their
+SparsesyncErrors with their hint (the library's, `sparsesync/errors.py`, and the apps' the CLI
+runs, `trainer/errors.py` and `sparsesync/deploy/errors.py`, all subclasses), OS errors (read-only folder, full disk) with the fix their
 errno calls for, and anything unexpected (a bug) named by its type. `SPARSESYNC_DEBUG=1` shows
 the traceback instead. Secrets are redacted from every message we print: tokens, the values of
 secret environment variables, URL userinfo and key-bearing query parameters.
@@ -69,7 +70,7 @@ def run_guarded(fn: Callable[[], object]) -> None:
         if debug():
             raise
         fail(f"{type(e).__name__}: {e}", _os_hint(e))
-    except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: still one line
+    except Exception as e:  # a bug or an unexpected library error: still one line
         if debug():
             raise
         fail(f"unexpected {type(e).__name__}: {e}", "set SPARSESYNC_DEBUG=1 for the traceback, and report it")

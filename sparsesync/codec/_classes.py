@@ -16,7 +16,6 @@ import numpy as np
 
 from sparsesync.codec import _native
 
-
 # Elements are grouped by the magnitude of their base value: key = top 7 magnitude bits (for
 # bf16/fp32 the top 7 exponent bits, for fp16 5 exponent + 2 mantissa bits, for fp8 all of it).
 # Thresholds t_1 < ... < t_{K-1} in [1, 127] split keys into K classes: class c holds keys in

@@ -9,9 +9,8 @@ bytes) and is a plain safetensors file any safetensors reader loads. Spec: docs/
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping

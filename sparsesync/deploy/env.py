@@ -15,8 +15,8 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
+from sparsesync.deploy.errors import DeployError
 from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec
-from sparsesync.errors import DeployError
 
 APP_PORT = 8000
 

@@ -24,8 +24,8 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from sparsesync.deploy.errors import DeployError
 from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact
-from sparsesync.errors import DeployError
 
 APP_PORT = 7860
 ENGINES = ("embedded", "vllm")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sparsesync.errors import DeployError
+from sparsesync.deploy.errors import DeployError
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi

@@ -2,11 +2,11 @@
 
 `sparsesync.integrations.vllm`: the vLLM plugin, weight-transfer backend, apply and engine-side
 check. `sparsesync.integrations.trl`: TRL's trainers publishing through sparsesync
-(`SparsesyncCallback`, `SparsesyncWeightTransfer`; needs `transformers`);
-`sparsesync.integrations.trl_client`: a drop-in for TRL's vLLM client in `GRPOTrainer` server
-mode (`sparsesync_server_mode`); `sparsesync.integrations.trl_rollout`: TRL's async GRPO rollout
-worker on sparsesync replicas (`follow_replicas`; both need `trl`). Importing this
-package imports no engine and no trainer library.
+(`callback`: `SparsesyncCallback`, `SparsesyncWeightTransfer`; needs `transformers`), a drop-in
+for TRL's vLLM client in `GRPOTrainer` server mode (`client`: `sparsesync_server_mode`) and TRL's
+async GRPO rollout worker on sparsesync replicas (`rollout`: `follow_replicas`; both need `trl`).
+Both packages re-export their public names. Importing this package (or `trl`, `vllm` under it)
+imports no engine and no trainer library.
 """
 
 import warnings

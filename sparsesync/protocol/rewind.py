@@ -30,13 +30,13 @@ import torch
 from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import write_anchor
+from sparsesync.codec.digest import file_digest
 from sparsesync.errors import (
     ConfigError,
     MalformedCommitError,
     PatchMismatchError,
     SparsesyncError,
 )
-from sparsesync.codec.digest import file_digest
 from sparsesync.protocol.keys import COMMITS, anchor_prefix, commit_key, new_uid, parse_commit_key, valid_commits
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
 from sparsesync.protocol.run import read_at_most

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparsesync.codec import _native
-from sparsesync.codec._classes import class_of, class_ranks, class_select
+from sparsesync.codec._classes import class_of, class_select
 from sparsesync.codec.diff import _changed_slice_np, put_bits, take_bits
 from sparsesync.codec.digest import digest_after_put, put_and_digest, tensor_digest
 

@@ -193,7 +193,7 @@ class ServerHook:
             self.control.pause(self.pause_mode)
             try:
                 write()
-            except Exception as e:  # noqa: BLE001 - the server reports any kind
+            except Exception as e:  # the server reports any kind
                 err = engine_failure(f"update to version {version}", e)
                 self.weight_version, self.check_error = None, str(err)
                 raise err from e
@@ -254,7 +254,7 @@ class FollowRunner:
             self.hook = ServerHook(self._control(), state, run_url=self.bucket, pause_mode=self.pause_mode, check=self.check)
             self.follower = Follower(self.bucket, hook=self.hook, poll_interval=self.poll_interval,
                                      fleet=FleetOptions(engine=self.hook.name))
-        except Exception as e:  # noqa: BLE001 - report it; the server keeps serving its startup weights
+        except Exception as e:  # report it; the server keeps serving its startup weights
             self.setup_error = str(engine_failure("sparsesync follower setup", e))
             raise
         finally:
@@ -265,7 +265,7 @@ class FollowRunner:
         def run() -> None:
             try:
                 self.setup()
-            except Exception:  # noqa: BLE001 - recorded in setup_error
+            except Exception:  # recorded in setup_error
                 log.exception("sparsesync: the vLLM server will not follow %s", self.bucket)
                 return
             assert self.follower is not None

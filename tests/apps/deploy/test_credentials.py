@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from sparsesync.cli import app
 from sparsesync.deploy import space
+from sparsesync.deploy.errors import DeployError
 from sparsesync.deploy.inference import inference_space_specs
-from sparsesync.errors import DeployError
 from sparsesync.tiny_model import build_tiny_model
 from tests.apps.deploy.test_env import TOKEN, _SpaceHub, space_hub  # noqa: F401 - the fixture
 

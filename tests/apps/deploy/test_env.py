@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from sparsesync.cli import app
 from sparsesync.deploy import space
 from sparsesync.deploy.env import env_space_spec
-from sparsesync.errors import DeployError
+from sparsesync.deploy.errors import DeployError
 
 TOKEN = "hf_deployTestToken0000000"
 SECRET = "hf_secretValueNeverPrinted42"

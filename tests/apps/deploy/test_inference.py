@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sparsesync.cli import app
+from sparsesync.deploy.errors import DeployError
 from sparsesync.deploy.inference import inference_space_specs
-from sparsesync.errors import DeployError
 
 pytest.importorskip("transformers", reason="the embedded engine needs transformers (pip install -e '.[embedded]')")
 

@@ -10,7 +10,6 @@ batch never keeps a committed version off the engine past `max_hold_s`).
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time

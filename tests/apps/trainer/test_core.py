@@ -225,7 +225,7 @@ def test_a_rollout_worker_stopped_by_a_bug_is_reported_at_once(monkeypatch):
     """A worker that raises something other than a rollout failure (a bug) used to die silently,
     and the learner waited forever on the buffer; now `check()` raises it at once."""
     import trainer.rollout as rollout
-    from sparsesync.errors import TrainerError
+    from trainer.errors import TrainerError
     from trainer.replicas import ReplicaPool
 
     def buggy(*args, **kwargs):  # the fault: a programming error inside a rollout

@@ -18,7 +18,7 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from sparsesync.errors import ReplicaUnavailableError, RolloutError  # noqa: E402
+from trainer.errors import ReplicaUnavailableError, RolloutError  # noqa: E402
 from trainer.replicas import ReplicaPool  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""TRL's real trainers publishing through sparsesync (sparsesync/integrations/trl.py), on CPU.
+"""TRL's real trainers publishing through sparsesync (sparsesync/integrations/trl/callback.py), on CPU.
 
 - `trl.GRPOTrainer` trains 2 steps on the tiny model with `SparsesyncCallback`; a Follower
   rebuilds every version bit for bit.
@@ -23,8 +23,6 @@ pytest.importorskip("trl")
 pytest.importorskip("transformers")
 
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.integrations.trl import (  # noqa: E402
     SparsesyncCallback,
     SparsesyncWeightTransfer,
@@ -32,6 +30,8 @@ from sparsesync.integrations.trl import (  # noqa: E402
     inference_state,
     model_state,
 )
+from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.run import Run  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -256,12 +256,22 @@ def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(t
     assert [c.version for c in Run(str(bucket)).commits()] == [0, 1, 2]
 
 
-def test_old_import_path_still_works() -> None:
+def test_trl_package_reexports_its_modules_and_the_old_paths_are_gone() -> None:
+    """`sparsesync.integrations.trl` is a package shaped like `integrations.vllm`: its public names
+    are its modules' own objects, and the old import paths (shims) no longer exist."""
     import sparsesync.integrations.trl as lib
-    import trainer.trl_integration as old
+    import trainer
+    from sparsesync.integrations.trl import callback, client, rollout
 
-    assert old.SparsesyncCallback is lib.SparsesyncCallback
-    assert old.SparsesyncWeightTransfer is lib.SparsesyncWeightTransfer
+    assert lib.SparsesyncCallback is callback.SparsesyncCallback
+    assert lib.SparsesyncWeightTransfer is callback.SparsesyncWeightTransfer
+    assert lib.sparsesync_server_mode is client.sparsesync_server_mode
+    assert lib.follow_replicas is rollout.follow_replicas
+    assert all(getattr(lib, name) is not None for name in lib.__all__)
+    integrations = Path(lib.__file__).parents[1]
+    gone = [Path(trainer.__file__).with_name("trl_integration.py"), integrations / "trl.py",
+            integrations / "trl_client.py", integrations / "trl_rollout.py"]
+    assert [p for p in gone if p.exists()] == []
 
 
 class _IdleRolloutWorker:
@@ -560,7 +570,7 @@ def test_trls_vllm_version_warning_shows_at_most_once() -> None:
     import sys
 
     code = ("import warnings; warnings.simplefilter('default')\n"
-            "from sparsesync.integrations.trl_client import sparsesync_server_mode\n"
+            "from sparsesync.integrations.trl import sparsesync_server_mode\n"
             "from trl import GRPOConfig, GRPOTrainer\n"
             "import trl.generation.vllm_generation, trl.generation.vllm_client\n"
             "from trl.experimental.async_grpo import AsyncGRPOTrainer\n")

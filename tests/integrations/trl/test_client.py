@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer in vLLM server mode on sparsesync (sparsesync/integrations/trl_client.py).
+"""TRL's GRPOTrainer in vLLM server mode on sparsesync (sparsesync/integrations/trl/client.py).
 
 A real `GRPOTrainer(use_vllm=True, vllm_mode="server")` is built inside `sparsesync_server_mode`
 and trains on CPU: its weight syncs publish to a local bucket (no NCCL communicator) and its
@@ -19,8 +19,7 @@ pytest.importorskip("trl")
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
-from sparsesync.integrations.trl import model_state  # noqa: E402
-from sparsesync.integrations.trl_client import SparsesyncVLLMClient, sparsesync_server_mode  # noqa: E402
+from sparsesync.integrations.trl import SparsesyncVLLMClient, model_state, sparsesync_server_mode  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
@@ -36,9 +35,9 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("arch", ["qwen3-tied"])
 def test_grpo_trainer_server_mode_publishes_and_generates_on_replicas(arch: str, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import trl.generation.vllm_generation as generation
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
-    import trl.generation.vllm_generation as generation
 
     def reward(completions: list[str], **_: object) -> list[float]:
         return [len(set(s)) / 16 for s in completions]
@@ -83,9 +82,8 @@ def test_grpo_trainer_server_mode_publishes_and_generates_on_replicas(arch: str,
 
 
 def test_weight_update_fails_in_bounded_time_when_a_replica_does_not_follow_the_run(tmp_path: Path) -> None:
-    from sparsesync.errors import ProtocolError
-
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.errors import ProtocolError
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     with Server(Replica(EmbeddedEngine(model_dir), None)) as lone:  # serves its folder, follows nothing

@@ -1,4 +1,4 @@
-"""TRL's async GRPO rollout worker on real sparsesync replicas (sparsesync/integrations/trl_rollout.py).
+"""TRL's async GRPO rollout worker on real sparsesync replicas (sparsesync/integrations/trl/rollout.py).
 
 Two embedded-engine replicas (inference_space over uvicorn on 127.0.0.1) follow a local bucket
 that a real `AsyncGRPOTrainer` publishes to through `SparsesyncWeightTransfer` (fleet wait: one
@@ -25,8 +25,7 @@ pytest.importorskip("aiohttp")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from sparsesync.errors import ConfigError  # noqa: E402
-from sparsesync.integrations.trl import SparsesyncWeightTransfer  # noqa: E402
-from sparsesync.integrations.trl_rollout import follow_replicas, parse_replica_urls  # noqa: E402
+from sparsesync.integrations.trl import SparsesyncWeightTransfer, follow_replicas, parse_replica_urls  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.apps.inference.test_server import Server  # noqa: E402
 

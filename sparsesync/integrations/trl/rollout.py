@@ -28,13 +28,17 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from sparsesync.errors import ConfigError
 from sparsesync.integrations import quiet_trl_vllm_warning
 
 quiet_trl_vllm_warning()  # before TRL is imported
 
-from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutGroup, RolloutSample, _AsyncRolloutLoop
-
-from sparsesync.errors import ConfigError
+from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
+    AsyncRolloutWorker,
+    RolloutGroup,
+    RolloutSample,
+    _AsyncRolloutLoop,
+)
 
 # the versions reported for the turns of the conversation being generated (one asyncio task each)
 _TURN_VERSIONS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sparsesync_turn_versions", default=None)

@@ -50,10 +50,10 @@ from transformers import TrainerCallback
 from sparsesync.errors import ConfigError, ProtocolError
 from sparsesync.integrations import quiet_trl_vllm_warning
 
-quiet_trl_vllm_warning()  # before TRL is imported (trl_rollout imports it)
+quiet_trl_vllm_warning()  # before TRL is imported (the rollout module imports it)
 
-from sparsesync.integrations.trl import VersionedPublisher, inference_state
-from sparsesync.integrations.trl_rollout import parse_replica_urls
+from sparsesync.integrations.trl.callback import VersionedPublisher, inference_state  # noqa: E402
+from sparsesync.integrations.trl.rollout import parse_replica_urls  # noqa: E402
 
 log = logging.getLogger(__name__)
 
