@@ -29,6 +29,7 @@ ENV = {  # flag -> environment variable
     "tensor_parallel_size": "SPARSESYNC_TENSOR_PARALLEL_SIZE",
     "vllm_apply": "SPARSESYNC_VLLM_APPLY",
     "device": "SPARSESYNC_DEVICE",
+    "mirror_dir": "SPARSESYNC_MIRROR_DIR",
     "log_level": "SPARSESYNC_LOG_LEVEL",
     "api_key": "SPARSESYNC_API_KEY",
     "max_body_bytes": "SPARSESYNC_MAX_BODY_BYTES",
@@ -56,6 +57,8 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
                    "sparse (GPU only, in place; not yet run on a GPU) [SPARSESYNC_VLLM_APPLY]")
     p.add_argument("--device", help="embedded engine: torch device, e.g. cuda, cuda:1, cpu (default cuda when one is "
                    "available, else cpu) [SPARSESYNC_DEVICE]")
+    p.add_argument("--mirror-dir", help="folder on local disk (not tmpfs) for the follower's file-backed copy of the weights "
+                   "(default ~/.cache/sparsesync/mirror) [SPARSESYNC_MIRROR_DIR]")
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health [SPARSESYNC_API_KEY]")
     p.add_argument("--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]")
@@ -95,6 +98,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             max_hold_s=_seconds(args.get("max_hold"), 60.0),
             vllm_apply=vllm_apply,
             device=device,
+            mirror_dir=args.get("mirror_dir") or None,
         )
         if cfg.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={cfg.max_body_bytes}: must be >= 1024")

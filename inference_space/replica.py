@@ -8,6 +8,9 @@ Guarantees:
   engine is paused only inside the hook (see `engines.base` for the in-flight policy).
 - When the run is a LoRA adapter run (its newest commit at start says so), the engine serves
   the run's base model (checked against its digest) plus the adapter (`engines.adapters`).
+- Host memory: the follower's mirror is the replica's only host copy of the weights besides the
+  engine's own (the vLLM engine keeps none), in a file map on local disk (`--mirror-dir`,
+  `sparsesync.protocol.mirror`); freed memory goes back to the OS after every version.
 - A replica whose sync fails (anchor fallback, store unreachable, bad patch, engine failure)
   keeps serving its last good version; `status()` then says state "degraded" with the error.
 """
@@ -46,12 +49,14 @@ class ReplicaConfig:
     max_hold_s: float | None = 60.0  # a batch keeping a committed version waiting longer is cut; None: never
     vllm_apply: str = "auto"  # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
     device: str = "cpu"  # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
+    mirror_dir: str | None = None  # folder on local disk for the follower's file-backed mirror (None: SPARSESYNC_MIRROR_DIR or ~/.cache/sparsesync/mirror)
 
 
 class Replica:
     """An engine following a run (see module docstring)."""
 
-    def __init__(self, engine: Engine, bucket: str | None = None, *, poll_interval: float = 1.0, served_model_name: str | None = None) -> None:
+    def __init__(self, engine: Engine, bucket: str | None = None, *, poll_interval: float = 1.0, served_model_name: str | None = None,
+                 mirror_dir: str | None = None) -> None:
         self.engine = engine
         self.bucket = bucket
         self.model_name = served_model_name or engine.model_name
@@ -59,7 +64,8 @@ class Replica:
         # heartbeats into the run (and coordinated switching when SPARSESYNC_SWITCH=coordinated)
         fleet = FleetOptions(engine=engine.name)
         self.follower: Follower | None = Follower(
-            bucket, hook=engine, poll_interval=poll_interval, fleet=fleet, adapter=getattr(engine, "adapter", None)
+            bucket, hook=engine, poll_interval=poll_interval, fleet=fleet, adapter=getattr(engine, "adapter", None),
+            mirror_dir=mirror_dir,
         ) if bucket else None
         self.started_at = time.time()
 
@@ -134,6 +140,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
         kwargs["adapter"] = read_run_adapter(cfg.bucket)
     engine = make_engine(cfg.engine, cfg.model, **kwargs)
     engine.request_timeout_s, engine.max_hold_s = cfg.request_timeout_s, cfg.max_hold_s
-    replica = Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name)
+    replica = Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name,
+                      mirror_dir=cfg.mirror_dir)
     replica.model_aliases = (given,)
     return replica

@@ -90,8 +90,8 @@ class VllmEngine(Engine):
         if on_cpu and tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(tensor_parallel_size))
         self.mode = apply_mode(mode, on_cpu=on_cpu)
-        self._state = load_checkpoint(self.model_dir)  # what vLLM serves, checkpoint coordinates
-        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in self._state.items()}
+        startup = load_checkpoint(self.model_dir)  # a file map of the checkpoint: read only where a reload needs it
+        self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in startup.items()}
         kw: dict[str, Any] = dict(
             model=str(self.model_dir),
             distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
@@ -114,11 +114,13 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM could not load {self.model_dir}: {e}", hint="see the vLLM log above") from e
         from sparsesync.integrations.vllm.apply import WeightSync
 
-        self.sync = WeightSync(self.llm, self._state, mode=self.mode, check=check)
+        # no copy of the weights of its own: the source is the checkpoint's map, then the follower's mirror
+        self.sync = WeightSync(self.llm, startup, mode=self.mode, check=check)
+        del startup
         self.tokenizer = self.llm.get_tokenizer()
         self._vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
-            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._state and a not in self._state}
+            self._aliases = {a: c for a, c in TIED_ALIASES.items() if c in self._specs and a not in self._specs}
         self.last_sent: list[str] = []  # checkpoint tensors the last update handed to vLLM
         self._lora_request: Any = None  # the adapter slot every request uses (vllm_adapter.VllmAdapterEngine)
 
@@ -181,14 +183,14 @@ class VllmEngine(Engine):
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         with _check_errors():
             self.sync.load(version, tensors)
-        self.last_sent = sorted(self._state)
+        self.last_sent = sorted(self.sync.source)
 
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
         if self._stale:  # after a failure (base.Engine lets this through only with every stale tensor in `full`)
-            self._load_full(version, {**self._state, **full})
+            self._load_full(version, {**self.sync.source, **full})
             return
         with _check_errors():
-            self.last_sent = self.sync.patch(version, updates)
+            self.last_sent = self.sync.patch(version, updates, full=full)
 
     def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:
         """One raw update through vLLM's API (tests use it to send what `sync` never would)."""
@@ -196,8 +198,9 @@ class VllmEngine(Engine):
             self.sync._transfer(version, kind, payload)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights handed to vLLM (checkpoint coordinates; vLLM's own tensors are repacked)."""
-        return {k: v.clone() for k, v in self._state.items()}
+        """The weights last handed to vLLM (checkpoint coordinates; vLLM's own tensors are repacked),
+        copied from the tensors they were read from (the follower's mirror, or the checkpoint)."""
+        return {k: v.clone() for k, v in self.sync.source.items()}
 
     def vllm_weight_version(self) -> str:
         return str(self.llm.get_weight_version())

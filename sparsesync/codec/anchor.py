@@ -12,16 +12,21 @@ the index's `metadata` holds `total_size`, `sparsesync.version` and `sparsesync.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from sparsesync.codec._container import header_length, parse_header_json
+from sparsesync.codec._container import (
+    ST_DTYPES,
+    Stream,
+    header_length,
+    parse_header_json,
+    parse_streams,
+)
 from sparsesync.codec.digest import state_digest, tensor_digest
 from sparsesync.errors import DigestMismatchError, PatchFormatError
 
@@ -105,29 +110,55 @@ def _bad(path: Path, msg: str) -> PatchFormatError:
     return PatchFormatError(f"anchor file '{path}': {msg}", hint="the anchor is corrupt or not a sparsesync anchor; fetch it again")
 
 
-def _shard_meta(path: Path) -> dict[str, str]:
+def _shard_header(path: Path) -> tuple[dict[str, str], dict[str, Stream]]:
+    """A shard's metadata and its validated tensor table (offsets within the file)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         n = header_length(f.read(8))
-        if 8 + n > os.fstat(f.fileno()).st_size:
+        if 8 + n > size:
             raise _bad(path, f"declared header length {n} B exceeds the file")
-        meta, _ = parse_header_json(f.read(n))
-    return meta
+        meta, table = parse_header_json(f.read(n))
+    try:
+        return meta, parse_streams(table, 8 + n, size - 8 - n)
+    except PatchFormatError as e:
+        raise _bad(path, f"not a valid safetensors file ({e})") from None
 
 
-def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
+Alloc = Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], dict[str, torch.Tensor]]
+
+
+def _read_into(f: BinaryIO, t: torch.Tensor, start: int, nbytes: int, path: Path) -> None:
+    """Read `nbytes` at `start` of `f` straight into `t`'s memory (no intermediate copy)."""
+    if nbytes == 0:
+        return
+    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    f.seek(start)
+    got = 0
+    while got < nbytes:
+        n = f.readinto(buf[got:])
+        if not n:
+            raise _bad(path, f"ends inside a tensor ({got} of {nbytes} bytes read)")
+        got += n
+
+
+def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
     """Load an anchor from its files (shards, with or without the index) on CPU, verifying every
-    tensor's digest and that all files agree on the version."""
+    tensor's digest and that all files agree on the version.
+
+    Each tensor's bytes are read from its file straight into its destination tensor: by default
+    new CPU tensors; with `alloc`, the tensors `alloc({name: (dtype, shape)})` returns (e.g. views
+    of a file-backed map, `sparsesync.protocol.mirror`). Memory: the tensors, nothing else."""
     paths = [Path(f) for f in files]
     index_paths = [p for p in paths if p.name.endswith(".index.json")]
     shards = sorted(p for p in paths if p.suffix == ".safetensors")
     if not shards or len(index_paths) > 1:
         raise PatchFormatError(f"anchor files {[str(p) for p in paths]}: expected one or more .safetensors shards and at most one index", hint="pass the anchor's files")
-    state: dict[str, torch.Tensor] = {}
-    digests: dict[str, str] = {}
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     home: dict[str, str] = {}  # tensor -> the file holding it
     versions: set[str] = set()
+    tables: list[tuple[Path, dict[str, Stream], dict[str, str]]] = []
     for p in shards:
-        meta = _shard_meta(p)
+        meta, streams = _shard_header(p)
         try:
             shard_digests = json.loads(meta.get("sparsesync.digests", ""))
         except (ValueError, RecursionError):
@@ -135,25 +166,27 @@ def load_anchor(files: Sequence[Path]) -> tuple[dict[str, torch.Tensor], AnchorI
         if not isinstance(shard_digests, dict) or not all(isinstance(v, str) for v in shard_digests.values()):
             raise _bad(p, "metadata 'sparsesync.digests' is not a map of name -> digest")
         versions.add(meta.get("sparsesync.version", ""))
-        try:
-            with safe_open(str(p), framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                if set(names) != set(shard_digests):
-                    raise _bad(p, f"tensors {sorted(set(names) ^ set(shard_digests))[:5]} lack a digest or a tensor")
-                for name in names:
-                    if name in state:
-                        raise _bad(p, f"tensor '{name}' appears in two shards")
-                    t = f.get_tensor(name)
-                    got = tensor_digest(t)
-                    if got != shard_digests[name]:
-                        raise DigestMismatchError(
-                            f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}", hint="the anchor is corrupt; fetch it again"
-                        )
-                    state[name] = t
-                    digests[name] = got
-                    home[name] = p.name
-        except SafetensorError as e:
-            raise _bad(p, f"not a valid safetensors file ({e})") from None
+        if set(streams) != set(shard_digests):
+            raise _bad(p, f"tensors {sorted(set(streams) ^ set(shard_digests))[:5]} lack a digest or a tensor")
+        for name, s in streams.items():
+            if name in layout:
+                raise _bad(p, f"tensor '{name}' appears in two shards")
+            layout[name] = (ST_DTYPES[s.dtype][0], s.shape)
+            home[name] = p.name
+        tables.append((p, streams, shard_digests))
+    state = alloc(layout) if alloc is not None else {n: torch.empty(shape, dtype=dt) for n, (dt, shape) in layout.items()}
+    digests: dict[str, str] = {}
+    for p, streams, shard_digests in tables:
+        with open(p, "rb", buffering=0) as f:
+            for name, s in sorted(streams.items(), key=lambda kv: kv[1].start):
+                t = state[name]
+                _read_into(f, t, s.start, s.nbytes, p)
+                got = tensor_digest(t)
+                if got != shard_digests[name]:
+                    raise DigestMismatchError(
+                        f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}", hint="the anchor is corrupt; fetch it again"
+                    )
+                digests[name] = got
     if len(versions) != 1 or not next(iter(versions)).isdigit():
         raise PatchFormatError(f"anchor files disagree on or lack 'sparsesync.version': {sorted(versions)}", hint="pass the files of one anchor")
     version = int(next(iter(versions)))

@@ -5,6 +5,11 @@ Guarantees:
   fetches, checks object digests, decodes and applies each patch to its own CPU mirror
   (all-or-nothing, target digests and the commit's state digest verified) while the engine
   keeps serving; only then does it call the hook, whose duration is the replica's pause.
+- The mirror is the replica's only host copy of the weights besides the engine's own, and it
+  is not anonymous memory: anchors are read straight into one shared file map in `mirror_dir`
+  (`sparsesync.protocol.mirror`: on local disk, default `~/.cache/sparsesync/mirror`), which
+  patches then write in place, so the OS can page it. After each attempt the memory the
+  allocator kept from freed buffers is handed back to the OS (`release_freed_memory`).
 - A version number is reported only while the engine holds exactly that version. The
   follower tracks whether the engine holds what the mirror holds: once the mirror has taken a
   version the engine has not (an exception anywhere between the mirror's advance and the
@@ -44,6 +49,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -60,6 +66,7 @@ from sparsesync.errors import (
 )
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
+from sparsesync.protocol.mirror import MirrorDir, release_freed_memory
 from sparsesync.protocol.parts import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
@@ -98,9 +105,12 @@ class Follower:
         fleet: FleetOptions | None = None,
         adapter: AdapterMeta | None = None,
         prefetch: bool = True,
+        mirror_dir: str | Path | None = None,
     ) -> None:
         """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
-        the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow)."""
+        the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow).
+        `mirror_dir`: the folder on local disk the mirror's file map lives in (default
+        `sparsesync.protocol.mirror.mirror_dir()`: `SPARSESYNC_MIRROR_DIR` or ~/.cache/sparsesync/mirror)."""
         self.adapter = adapter
         self.store = open_store(url) if isinstance(url, str) else url
         self._owns_store = isinstance(url, str)
@@ -109,7 +119,8 @@ class Follower:
         self.poll_interval = poll_interval
         self.max_poll_interval = max_poll_interval
         self.max_retry_interval = max_retry_interval
-        self.mirror: State = {}
+        self.mirror: State = {}  # tensors of one shared file map (mirror.MirrorDir), written in place
+        self._mirror_dir = MirrorDir(mirror_dir)
         self.digests: dict[str, str] = {}
         self._mirror_version: int | None = None  # version the mirror holds (None: must reload)
         # True while the mirror holds changes the engine has not received (or the engine's bits are
@@ -191,6 +202,8 @@ class Follower:
             except BaseException:
                 self._failed(newest)  # a bug or an interrupt: counted, and the engine stays reconciled
                 raise
+            finally:
+                release_freed_memory()  # decode buffers and the engine's reload temporaries, back to the OS
             if self._status.state == "degraded":
                 self._failed(newest)
             return self.current_version
@@ -246,7 +259,7 @@ class Follower:
         """Block until the replica serves `version` or newer; TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while (self._status.current_version or -1) < version:
+            while self._status.current_version is None or self._status.current_version < version:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -283,7 +296,7 @@ class Follower:
             last = step is steps[-1]
             if step.kind == "anchor":
                 try:
-                    state, digests = self.run.fetch_anchor(rec)
+                    state, digests = self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=self._mirror_dir.allocate)
                 except _BAD_OBJECT as e:
                     e.key = rec.anchor[0].key
                     raise

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from sparsesync.codec import Patch, apply_patch, load_anchor, read_patch, state_digest
+from sparsesync.codec.anchor import Alloc
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.errors import (
@@ -208,8 +209,9 @@ class Run:
             )
         return data
 
-    def fetch_anchor(self, rec: CommitRecord, workdir: Path | None = None) -> tuple[State, dict[str, str]]:
-        """Download, verify and load the anchor of `rec`: (state, per-tensor digests)."""
+    def fetch_anchor(self, rec: CommitRecord, workdir: Path | None = None, *, alloc: Alloc | None = None) -> tuple[State, dict[str, str]]:
+        """Download (into a temporary folder in `workdir`), verify and load the anchor of `rec`:
+        (state, per-tensor digests). `alloc`: where the tensors go (`codec.anchor.load_anchor`)."""
         with tempfile.TemporaryDirectory(dir=workdir, prefix="sparsesync-anchor-") as tmp:
             items = [(ref.key, Path(tmp) / Path(ref.key).name) for ref in rec.anchor]
             self.store.get_many(items)
@@ -221,7 +223,7 @@ class Run:
                         f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
                         hint="the stored anchor is damaged; publish a new anchor",
                     )
-            state, info = load_anchor([p for _k, p in items])  # shards and, when sharded, the index
+            state, info = load_anchor([p for _k, p in items], alloc=alloc)  # shards and, when sharded, the index
         if info.version != rec.version or info.state_digest != rec.state_digest:
             raise DigestMismatchError(
                 f"anchor of version {rec.version} under {self.url} holds version {info.version} "

@@ -1,7 +1,7 @@
 """Apply sparsesync versions to a running vLLM `LLM`, and prove they reached the forward pass.
 
-`WeightSync(llm, checkpoint_state)` drives one engine from any caller (the replica app's
-`VllmEngine`, a user's own script). Guarantees:
+`WeightSync(llm, source)` drives one engine from any caller (the replica app's `VllmEngine`, a
+user's own script). Guarantees:
 
 - Weights reach vLLM only through its weight-transfer API (`start_weight_update` /
   `update_weights` / `finish_weight_update(weight_version=...)`, finish in a `finally`); vLLM's
@@ -11,8 +11,10 @@
   with KV computed by another version's weights.
 - "reload" mode (CPU): each update sends every checkpoint tensor of every vLLM layer it
   touches (`Layout.complete_groups`: q/k/v together, gate/up together, all experts of a MoE
-  layer together) and nothing else; the values come from `self.state`, a CPU copy of the served
-  weights in checkpoint coordinates. "sparse" mode (GPU): indices and values only.
+  layer together) and nothing else; the values come from `self.source`: references to the served
+  version's tensors in checkpoint coordinates, never a copy of its own (at start the checkpoint
+  the engine loaded; then the tensors each `load` and `patch` was given, e.g. the follower's
+  file-backed mirror). "sparse" mode (GPU): indices and values only.
 - Staging: in memory for single-process engines; otherwise a file under /dev/shm that every
   worker reads (multi-process, tensor parallel), removed after the update.
 """
@@ -48,7 +50,10 @@ def _single_process(llm: Any) -> bool:
 class WeightSync:
     """Moves one vLLM engine from version to version (see module docstring)."""
 
-    def __init__(self, llm: Any, state: dict[str, torch.Tensor], *, mode: str = "reload", check: bool = True, run_url: str = "") -> None:
+    def __init__(self, llm: Any, source: Mapping[str, torch.Tensor], *, mode: str = "reload", check: bool = True, run_url: str = "") -> None:
+        """`source`: the tensors vLLM serves now, in checkpoint coordinates (e.g. the checkpoint it
+        loaded, `sparsesync.checkpoint.load_checkpoint`: a file map, read only where needed).
+        Held by reference: the caller must not change them except through `load`/`patch`."""
         from sparsesync.integrations.vllm import plugin
 
         plugin.register()
@@ -56,38 +61,47 @@ class WeightSync:
             raise EngineError(f"vllm update mode '{mode}': expected 'reload' or 'sparse'")
         self.llm = llm
         self.mode = mode
-        self.state = state  # what vLLM serves, checkpoint coordinates (CPU); written in place
+        self.source: dict[str, torch.Tensor] = dict(source)  # name -> the served version's tensor (references)
         self.in_memory = _single_process(llm)
         try:
             packed = llm.collective_rpc(_packed_mapping)[0] or DEFAULT_PACKED
         except Exception:  # noqa: BLE001 - engines may refuse callables over RPC
             packed = DEFAULT_PACKED
-        self.layout = Layout({k: tuple(v.shape) for k, v in state.items()}, packed)
-        shapes = {k: list(v.shape) for k, v in state.items()}
+        self.layout = Layout({k: tuple(v.shape) for k, v in self.source.items()}, packed)
+        shapes = {k: list(v.shape) for k, v in self.source.items()}
         llm.init_weight_transfer_engine({"init_info": {"run_url": run_url, "shapes": shapes, "check": check}})
 
     @torch.no_grad()
     def load(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Replace every weight with `tensors` (checkpoint names, complete key set)."""
-        for name, t in tensors.items():
-            self.state[name].copy_(t)
-        self._transfer(version, "dense", {"tensors": dict(self.state)})
+        """Replace every weight with `tensors` (checkpoint names, complete key set), which become
+        the source (by reference, no copy)."""
+        self.source = dict(tensors)
+        self._transfer(version, "dense", {"tensors": dict(self.source)})
 
     @torch.no_grad()
-    def patch(self, version: int, updates: Mapping[str, SparseUpdate], digests: Mapping[str, str] | None = None) -> list[str]:
-        """Write the changed elements of one version; returns the checkpoint tensors sent."""
+    def patch(self, version: int, updates: Mapping[str, SparseUpdate], digests: Mapping[str, str] | None = None,
+              *, full: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+        """Write the changed elements of one version; returns the checkpoint tensors sent.
+
+        `full`: the version's value of each touched tensor (the follower's mirror): they become
+        the source's tensors for those names, by reference. A touched tensor not in `full` is
+        written into the source's tensor in place (a caller that owns the source, e.g. a copy of
+        the checkpoint)."""
         for name, upd in updates.items():
-            self.state[name].view(-1).index_put_((upd.indices,), upd.values)
+            if full is not None and name in full:
+                self.source[name] = full[name]
+            else:
+                self.source[name].view(-1).index_put_((upd.indices,), upd.values)
         if self.mode == "sparse":
             payload = {
                 "updates": {n: (u.indices, u.values) for n, u in updates.items()},
-                "shapes": {n: list(self.state[n].shape) for n in updates},
+                "shapes": {n: list(self.source[n].shape) for n in updates},
                 "digests": dict(digests or {}),
             }
             self._transfer(version, "sparse", payload)
             return sorted(updates)
         names = self.layout.complete_groups(updates)
-        self._transfer(version, "dense", {"tensors": {n: self.state[n] for n in names}})
+        self._transfer(version, "dense", {"tensors": {n: self.source[n] for n in names}})
         return names
 
     def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:

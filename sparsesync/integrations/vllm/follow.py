@@ -140,7 +140,7 @@ class ServerHook:
             raise ConfigError(f"pause mode {pause_mode!r}: expected one of {', '.join(PAUSE_MODES)}")
         self.control = control
         self.pause_mode = pause_mode
-        self.state = state  # what the server serves, checkpoint coordinates (written by WeightSync)
+        self.state = state  # the served checkpoint's layout (names, shapes, dtypes); its data is never written
         # in-place sparse patches on a GPU server; elsewhere (CPU, or a device not known) complete
         # reload groups, which every device supports
         mode = "sparse" if getattr(control, "device_type", None) == "cuda" else "reload"
@@ -162,7 +162,7 @@ class ServerHook:
         full = self._drop_aliases(full)
         updates = {k: v for k, v in updates.items() if k in full}
         self._check_layout(full, [])
-        self._apply(version, lambda: self.sync.patch(version, updates))
+        self._apply(version, lambda: self.sync.patch(version, updates, full=full))
 
     # -- internals ----------------------------------------------------------------------
     def _drop_aliases(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -99,12 +99,12 @@ def _kernel_reads_parameter(mod: torch.nn.Module, p: torch.Tensor) -> bool:
     return not bool(mod.cpu_linear(x, torch.zeros_like(p), None).any())
 
 
-def as_read(mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str], torch.Tensor] | None = None) -> torch.Tensor:
+def as_read(mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str, str], torch.Tensor] | None = None) -> torch.Tensor:
     """The parameter as the forward pass reads it, in vLLM's (unpacked) layout. `cache` keeps
     one read per parameter across the checkpoint tensors fused into it."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    key = (id(mod), loc.param)
+    key = (id(mod), loc.module, loc.param)
     if cache is not None and key in cache:
         return cache[key]
     value = _as_read(mod, loc, ParallelLMHead)
@@ -173,7 +173,7 @@ def _local_expected(mod: torch.nn.Module, loc: Location, t: torch.Tensor, rank: 
 
 
 def local_pair(
-    model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int, cache: dict[tuple[int, str], torch.Tensor] | None = None
+    model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int, cache: dict[tuple[int, str, str], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine value, expected value), both in the rank's checkpoint coordinates."""
     mod = module_of(model, loc)
@@ -208,9 +208,14 @@ def flushed(t: torch.Tensor) -> torch.Tensor:
 def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
     """One message per tensor of `expected` (checkpoint names) the engine does not compute with."""
     problems = []
-    cache: dict[tuple[int, str], torch.Tensor] = {}
-    for name, want in expected.items():
-        loc = layout.locate(name)
+    cache: dict[tuple[int, str, str], torch.Tensor] = {}
+    # grouped by the parameter they are read from, so the cache holds one parameter's read at a
+    # time (a read of every parameter at once is another copy of the model)
+    located = sorted(((name, layout.locate(name)) for name in expected), key=lambda nl: (nl[1].module, nl[1].param))
+    for name, loc in located:
+        want = expected[name]
+        if cache and next(iter(cache))[1:] != (loc.module, loc.param):
+            cache.clear()
         try:
             got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
         except (KeyError, RuntimeError, IndexError, ValueError) as e:  # a layout this read-back does not know: loud, named

@@ -1,0 +1,176 @@
+"""The follower's mirror lives in a file map on local disk, not in anonymous memory (issue 42).
+
+A real run (Publisher into a local folder) is followed by a real Follower. Checked: the mirror's
+tensors are views of a shared file map in the configured folder (nothing left in the folder),
+bit-exact with every version; following a model much larger than a bound grows the process's
+anonymous memory by less than the bound; a failed apply leaves the mapped mirror at its previous
+version's bits; memory a hook frees is handed back to the OS after each version; anchors load
+straight into the map.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsesync.codec import tensor_digests, write_anchor
+from sparsesync.codec.anchor import load_anchor
+from sparsesync.errors import DigestMismatchError
+from sparsesync.protocol import parts as parts_mod
+from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.mirror import ENV_DIR, MirrorDir, is_file_backed
+from sparsesync.protocol.publisher import Publisher
+from tests.support.weights import assert_bit_equal
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def _state(n_tensors: int, numel: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(numel, generator=g).to(torch.bfloat16) for i in range(n_tensors)}
+
+
+def _step(state: dict[str, torch.Tensor], g: torch.Generator, density: float = 0.01) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        idx = torch.randint(0, t.numel(), (max(1, int(t.numel() * density)),), generator=g)
+        t[idx] = torch.randn(idx.numel(), generator=g).to(t.dtype)
+        out[name] = t
+    return out
+
+
+def test_mirror_is_a_shared_file_map_in_the_mirror_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mdir = tmp_path / "mirror"
+    monkeypatch.setenv(ENV_DIR, str(mdir))  # the replica's setting (SPARSESYNC_MIRROR_DIR / --mirror-dir)
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(1)
+    state = _state(4, 1 << 14)
+    f = Follower(url, prefetch=False)
+    with Publisher(url, anchor_every=0) as pub:
+        for v in range(3):
+            pub.publish(state, v)
+            pub.flush()
+            assert f.sync_once() == v
+            f.wait_for_version(v, timeout=1)  # (version 0 included: it was taken for "none" before)
+            assert_bit_equal(f.mirror, state)
+            state = _step(state, g)
+    assert all(is_file_backed(t) for t in f.mirror.values())
+    maps = Path("/proc/self/maps").read_text()
+    assert str(mdir) in maps  # mapped from the configured folder ...
+    assert list(mdir.iterdir()) == []  # ... and unlinked at once: nothing is left behind
+
+
+def test_following_a_large_model_keeps_anonymous_memory_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """48 MB of weights followed through an anchor and 3 deltas (each touching every page of
+    every tensor): the anonymous memory grows by less than a quarter of the model."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(2)
+    states = [_state(6, 4 << 20)]  # 6 x 4M bf16 = 48 MB
+    for _ in range(3):
+        states.append(_step(states[-1], g))
+    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    with Publisher(url, anchor_every=0) as pub:
+        for v, s in enumerate(states):
+            pub.publish(s, v)
+        pub.flush()
+    final = tensor_digests(states[-1])
+    del states, s
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the publisher and the states freed
+    before = _status("RssAnon")
+    f = Follower(url, prefetch=False)
+    assert f.sync_once() == 3
+    grown = _status("RssAnon") - before
+    assert tensor_digests(f.mirror) == final
+    assert grown < model_bytes // 4, f"anonymous memory grew by {grown >> 20} MiB following a {model_bytes >> 20} MiB model"
+
+
+def test_a_failed_apply_leaves_the_mapped_mirror_at_its_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All or nothing on the file map: a version whose digests fail after its writes is undone in place."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(3)
+    v0 = _state(3, 1 << 12)
+    v1 = _step(v0, g)
+    f = Follower(url, prefetch=False)
+    with Publisher(url, anchor_every=0, part_bytes=8192) as pub:  # a version in parts, one tensor each
+        pub.publish(v0, 0)
+        pub.flush()
+        assert f.sync_once() == 0
+        pub.publish(v1, 1)
+        pub.flush()
+    real = parts_mod.verify_digests
+    calls = []
+
+    def fail(*a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        raise DigestMismatchError("injected: a target digest after the writes")
+
+    monkeypatch.setattr(parts_mod, "verify_digests", fail)
+    assert f.sync_once() == 0 and f.status().state == "degraded" and calls
+    assert all(is_file_backed(t) for t in f.mirror.values())
+    assert_bit_equal(f.mirror, v0)
+    monkeypatch.setattr(parts_mod, "verify_digests", real)
+    g2 = Follower(url, prefetch=False)  # (f now plans around the parts that failed twice)
+    assert g2.sync_once() == 1
+    assert_bit_equal(g2.mirror, v1)
+
+
+def test_memory_a_hook_frees_goes_back_to_the_os(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's reload frees model-sized memory in many blocks between blocks it keeps (what
+    vLLM's layerwise reload does); after the version, that memory is returned to the OS."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
+    kept: list[torch.Tensor] = []
+
+    class FragmentingHook:
+        def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
+            self._churn()
+
+        def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
+            self._churn()
+
+        @staticmethod
+        def _churn() -> None:
+            blocks = []
+            for _ in range(1024):  # 64 MiB in 64 KiB blocks (heap, not mmap), a small block kept after each
+                blocks.append(torch.empty(1 << 16, dtype=torch.uint8).fill_(1))
+                kept.append(torch.empty(64, dtype=torch.uint8))
+            del blocks
+
+    url = str(tmp_path / "run")
+    with Publisher(url, anchor_every=0) as pub:
+        pub.publish(_state(2, 1 << 10), 0)
+        pub.flush()
+    f = Follower(url, FragmentingHook(), prefetch=False)  # type: ignore[arg-type]
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _status("RssAnon")
+    assert f.sync_once() == 0
+    grown = _status("RssAnon") - before
+    assert grown < 16 << 20, f"{grown >> 20} MiB freed by the hook stayed with the process"
+
+
+def test_anchor_loads_straight_into_the_allocated_tensors(tmp_path: Path) -> None:
+    state = _state(3, 1000)
+    files = write_anchor(state, tmp_path / "a", version=4, max_shard_bytes=3000)
+    mirror = MirrorDir(tmp_path / "m")
+    got, info = load_anchor(files, alloc=mirror.allocate)
+    assert_bit_equal(got, state)
+    assert info.version == 4 and all(is_file_backed(t) for t in got.values())
+    storages = {t.untyped_storage().data_ptr() for t in got.values()}
+    assert len(storages) == 1  # one map for the whole state
+    assert all(t.data_ptr() % 64 == 0 for t in got.values())
+
+
+def test_mirror_dir_memory_keeps_the_mirror_in_anonymous_memory(tmp_path: Path) -> None:
+    """The opt-out (no disk writeback): SPARSESYNC_MIRROR_DIR=memory / --mirror-dir memory."""
+    got = MirrorDir("memory").allocate({"w": (torch.bfloat16, (64, 64))})
+    assert not is_file_backed(got["w"]) and not (Path.cwd() / "memory").exists()
