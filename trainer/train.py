@@ -332,7 +332,7 @@ class AsyncGRPOTrainer:
         except PatchMismatchError as e:
             # weights of an older version (a checkpoint from before a crash): rewind the run to it
             from sparsesync.checkpoint import checkpoint_digest
-            from sparsesync.protocol.rewind import describe_versions, version_with_digest
+            from sparsesync.protocol.writer.rewind import describe_versions, version_with_digest
 
             commits = publisher.run.commits()
             older = version_with_digest(commits, checkpoint_digest(state))
