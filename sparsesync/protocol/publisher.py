@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from sparsesync.adapter import adapter_state, check_publish
+from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.extras import collect_files
@@ -48,7 +49,7 @@ from sparsesync.protocol.writer.anchors import AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig
 from sparsesync.protocol.writer.ranks import Ranks, holds_shards
-from sparsesync.protocol.writer.rewind import rewind, stand_below
+from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
 from sparsesync.protocol.writer.sharded import ShardedState
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
 from sparsesync.protocol.writer.whole import WholeState
@@ -186,7 +187,7 @@ class Publisher:
         Distributed with DTensors: every rank rewinds its shard alike (a collective).
         """
         if self._ranks is not None:
-            if holds_shards(state) and self._decided:
+            if holds_shards(state) and self._decided and not isinstance(self._mode, ShardedState):
                 raise ConfigError("resume() must come before the first publish()")
             if not self._decided:
                 self._choose(state)
@@ -208,6 +209,21 @@ class Publisher:
             mode.resume(state)
         elif version is not None:  # replicated weights, rank > 0: rank 0 resumes (or rewinds) for all
             self._last_version = version
+
+    def version_of(self, state: Mapping[str, torch.Tensor] | Any) -> int | None:
+        """The newest version the run trusts whose weights `state` holds (by state digest), or None:
+        which version a checkpoint is, before `resume(state, version=...)`. Distributed with
+        DTensors: a collective, on every rank, before the first publish (the weights are hashed
+        over the units of the run's commits); replicated weights: rank 0's answer, None elsewhere."""
+        if self._ranks is not None and not self._decided:
+            self._choose(state)
+        if isinstance(self._mode, ShardedState):
+            return self._mode.held_version(state)
+        if self._mode is None:
+            return None
+        state, _adapter = adapter_state(state, self.adapter)
+        same = version_with_digest(self.run.commits(), checkpoint_digest(state))
+        return None if same is None else same.version
 
     def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
         """Stand (before the first `publish`) at the run's trusted `version`, below its newest,

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from sparsesync.checkpoint import check_key_set, shared_aliases
-from sparsesync.codec import state_digest
+from sparsesync.codec import state_digest, tensor_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
 from sparsesync.errors import (
     ConfigError,
@@ -225,6 +225,24 @@ class ShardedState:
         self.queue.flush()
         self.queue.raise_error()
         self.published = n
+
+    def held_version(self, state: Mapping[str, torch.Tensor]) -> int | None:
+        """The newest trusted version whose weights `state` holds, or None (a collective, before the
+        first publish): the weights are hashed over each set of units the run's commits use (this
+        world's rows: the ranks' own digests; others: `_digests_over`), nothing written."""
+        tensors = checkpoint_shards(state, self.r.rank, self.r.world, self.aliases)
+        local, _units = local_units(tensors, self.r.rank, self.r.world)
+        listing = [(c.version, c.state_digest, sorted((u for p in c.parts for u in p.units), key=lambda u: u.key)
+                    if c.parts else None) for c in self.run.commits()] if self.r.rank == 0 else None
+        got: list[Any] = [None] * self.r.world
+        with collective(f"resume() of {self.url}"):
+            dist.all_gather_object(got, ({k: tensor_digest(t) for k, t in local.items()}, listing), group=self._ctl)
+        own, listing = {k: d for held, _ in got for k, d in held.items()}, got[0][1]
+        found: list[int] = []
+        for units in {repr(u): u for _v, _d, u in listing}.values():  # alike on every rank: rank 0's listing
+            digest = state_digest(self._digests_over(tensors, own, units, listing[-1][0]))
+            found += [v for v, d, u in listing if u == units and d == digest]
+        return max(found, default=None)
 
     def _digests_over(self, tensors: list[ShardedTensor], own: dict[str, str], units: list[Unit] | None,
                       version: int) -> dict[str, str]:
