@@ -53,7 +53,6 @@ from pathlib import Path
 
 import torch
 
-from sparsesync.adapter import check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -64,6 +63,7 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreError,
 )
+from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
 from sparsesync.protocol.mirror import MirrorDir, release_freed_memory
@@ -108,7 +108,7 @@ class Follower:
         mirror_dir: str | Path | None = None,
     ) -> None:
         """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
-        the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow).
+        the other kind, base or config raise RunKindError (sparsesync.protocol.adapter_runs.check_follow).
         `mirror_dir`: the folder on local disk the mirror's file map lives in (default
         `sparsesync.protocol.mirror.mirror_dir()`: `SPARSESYNC_MIRROR_DIR` or ~/.cache/sparsesync/mirror)."""
         self.adapter = adapter
