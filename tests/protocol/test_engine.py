@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.errors import EngineCheckError  # noqa: E402
-from sparsesync.protocol import parts as parts_mod  # noqa: E402
+from sparsesync.protocol import parts_reader as parts_mod  # noqa: E402
 from sparsesync.protocol import run as run_mod  # noqa: E402
 from sparsesync.protocol.fleet import read_fleet  # noqa: E402
 from sparsesync.protocol.fleet_member import FleetOptions  # noqa: E402
