@@ -8,7 +8,6 @@ folder. The follower started by the block then serves the last step, bit for bit
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,13 @@ pytest.importorskip("transformers", reason="the block's replica engine needs tra
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
+from tests.support.readme import readme_blocks  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 URL = "hf://buckets/me/rl-weights/run-1"
 
 
 def readme_python_block() -> str:
-    text = README.read_text()
-    section = text[text.index("\n## Using it\n"):]
-    section = section[: section.index("\n## ", 1)]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = readme_blocks("Using it", "python")
     assert len(blocks) == 1, "the README's 'Using it' section has one python block"
     return blocks[0]
 
