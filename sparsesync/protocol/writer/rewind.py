@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparsesync.adapter import check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import write_anchor
 from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError
+from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.keys import new_uid
 from sparsesync.protocol.records import AdapterMeta, CommitRecord, ObjectRef
 from sparsesync.protocol.run import Run
