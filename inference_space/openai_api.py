@@ -7,7 +7,9 @@ the `developer` role (sent to the chat template as `system`, as OpenAI treats it
 `max_completion_tokens` (the SDK's current name for `max_tokens`).
 
 Responses follow vLLM's OpenAI server field by field; the extras an RL trainer needs ride along:
-`weight_version` (top level and per choice), `prompt_token_ids`, `token_ids`. Logprobs are in
+`weight_version` and `state_digest` (top level and per choice: the version that produced the
+completion and its commit's state digest, read together under the engine's gate, so a sample of a
+version a rewind abandoned is told from the new commit of that number), `prompt_token_ids`, `token_ids`. Logprobs are in
 OpenAI's shape: completions `{tokens (strings), token_logprobs, top_logprobs, text_offset}`,
 chat `{content: [{token, logprob, bytes, top_logprobs}]}`; `return_tokens_as_token_ids` makes
 every token string vLLM's "token_id:N".
@@ -231,26 +233,26 @@ class Shaper:
         choices = [{
             "index": i, "text": c.text, "logprobs": self.completion_logprobs(c), "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
-            "weight_version": c.weight_version,
+            "weight_version": c.weight_version, "state_digest": c.state_digest,
         } for i, c in enumerate(outs)]  # prompt-major across the batch
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": self.created,
-                "model": self.model, "weight_version": version_of(outs), "choices": choices, "usage": usage(outs, n)}
+                "model": self.model, "weight_version": version_of(outs), "state_digest": digest_of(outs), "choices": choices, "usage": usage(outs, n)}
 
     def chat(self, outs: list[Completion], n: int, prompt_ids: list[int]) -> dict[str, Any]:
         choices = [{
             "index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": self.chat_logprobs(c),
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids,
-            "token_ids": c.token_ids, "weight_version": c.weight_version,
+            "token_ids": c.token_ids, "weight_version": c.weight_version, "state_digest": c.state_digest,
         } for i, c in enumerate(outs)]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": self.created,
-                "model": self.model, "weight_version": version_of(outs), "prompt_token_ids": prompt_ids,
+                "model": self.model, "weight_version": version_of(outs), "state_digest": digest_of(outs), "prompt_token_ids": prompt_ids,
                 "choices": choices, "usage": usage(outs, n)}
 
     # -- streams ------------------------------------------------------------------------------
     def completion_stream(self, outs: list[Completion], n: int, include_usage: bool) -> Iterator[str]:
         rid, version = f"cmpl-{uuid.uuid4().hex}", version_of(outs)
         head = {"id": rid, "object": "text_completion", "created": self.created, "model": self.model,
-                "weight_version": version}
+                "weight_version": version, "state_digest": digest_of(outs)}
         for i, c in enumerate(outs):
             segments = self.segments(c)
             offset = 0
@@ -259,7 +261,7 @@ class Shaper:
                 choice = {"index": i, "text": text, "logprobs": self.completion_logprobs(c, lo, hi, offset),
                           "finish_reason": c.finish_reason if last else None,
                           "stop_reason": c.stop_reason if last else None,
-                          "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version}
+                          "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version, "state_digest": c.state_digest}
                 if k == 0:
                     choice["prompt_token_ids"] = c.prompt_token_ids
                 offset += sum(len(s) for s in choice["logprobs"]["tokens"])
@@ -271,10 +273,10 @@ class Shaper:
     def chat_stream(self, outs: list[Completion], n: int, include_usage: bool) -> Iterator[str]:
         rid, version = f"chatcmpl-{uuid.uuid4().hex}", version_of(outs)
         head = {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "weight_version": version}
+                "weight_version": version, "state_digest": digest_of(outs)}
         for i, c in enumerate(outs):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                     "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version}
+                     "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
             yield _sse({**head, "choices": [first]})
             segments = self.segments(c)
             for k, (text, lo, hi) in enumerate(segments):
@@ -282,7 +284,7 @@ class Shaper:
                 yield _sse({**head, "choices": [{
                     "index": i, "delta": {"content": text}, "logprobs": self.chat_logprobs(c, lo, hi),
                     "finish_reason": c.finish_reason if last else None, "stop_reason": c.stop_reason if last else None,
-                    "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version}]})
+                    "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version, "state_digest": c.state_digest}]})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": usage(outs, n)})
         yield "data: [DONE]\n\n"
@@ -326,6 +328,12 @@ def usage(outs: list[Completion], n: int = 1) -> dict[str, int]:
     prompt = sum(len(c.prompt_token_ids) for c in outs[::n])
     completion = sum(len(c.token_ids) for c in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def digest_of(outs: list[Completion]) -> str | None:
+    """The state digest all of `outs` were produced by (None: mixed, or not known)."""
+    digests = {c.state_digest for c in outs}
+    return digests.pop() if len(digests) == 1 else None
 
 
 def version_of(outs: list[Completion]) -> int | None:

@@ -6,7 +6,9 @@ weight updates never overlap. The engine holds one gate; a weight update waits f
 that is running to finish, blocks new batches while it writes (that is the replica's pause),
 then lets them run on the new weights. So a completion is produced by exactly one weight
 version, and the `weight_version` it reports is the version that produced every one of its
-tokens. Updates are preferred over new batches (a steady stream of requests cannot starve
+tokens; its `state_digest` (the commit's state digest of that version, as the follower handed it
+over with the weights) is read under the same gate, so the pair names one commit even when a
+rewind committed the version number again with other weights. Updates are preferred over new batches (a steady stream of requests cannot starve
 them).
 
 Every update is validated against the engine's checkpoint layout (names, shapes, dtypes,
@@ -115,6 +117,7 @@ class Completion:
     weight_version: int | None  # None: the weights from --model, before any bucket version
     stop_reason: str | None = None  # why an "abort" ended it: "weight_update" | "request_timeout"
     top_logprobs: list[dict[int, float]] | None = None  # per token, the most likely token's logprob (logprobs=1)
+    state_digest: str | None = None  # the commit's state digest of `weight_version` (read with it, under the gate)
 
 
 @dataclass
@@ -207,6 +210,7 @@ class Engine(ABC):
         self.model_dir = Path(model_dir)
         self._gate = _Gate()
         self._version: int | None = None
+        self._digest: str | None = None  # state digest of `_version` (None: not told, or no version)
         self._specs: dict[str, TensorSpec] = {}  # checkpoint layout, set by subclasses at load
         self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
         self.check_error: str | None = None  # why the served weights are not a verified version
@@ -220,6 +224,11 @@ class Engine(ABC):
     @property
     def weight_version(self) -> int | None:
         return self._version
+
+    @property
+    def state_digest(self) -> str | None:
+        """The commit's state digest of the version served (None before one, or when not told)."""
+        return self._digest
 
     @property
     def model_name(self) -> str:
@@ -251,11 +260,11 @@ class Engine(ABC):
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         with self._gate.batch():
-            version = self._version
+            version, digest = self._version, self._digest
             self._batch_started = time.monotonic()
             outs = self._generate(ids, params)
         for c in outs:
-            c.weight_version = version
+            c.weight_version, c.state_digest = version, digest
         return outs
 
     @abstractmethod
@@ -274,17 +283,21 @@ class Engine(ABC):
         return None
 
     # -- the ApplyHook ------------------------------------------------------------------
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Replace every weight with `tensors` (checkpoint names), check them, then serve `version`."""
+    takes_state_digest = True  # the follower hands over each version's state digest (`state_digest=`)
+
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None) -> None:
+        """Replace every weight with `tensors` (checkpoint names), check them, then serve `version`
+        (whose commit's state digest is `state_digest`, reported with every completion)."""
         self._validate_full(tensors)
         tensors = {k: v for k, v in tensors.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._guarded(version, lambda: self._load_full(version, tensors))
+            self._guarded(version, lambda: self._load_full(version, tensors), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def apply_sparse(
-        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None,
+        state_digest: str | None = None,
     ) -> None:
         """Write the changed elements of one verified version in place, check them, then serve `version`.
 
@@ -296,7 +309,7 @@ class Engine(ABC):
         full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
-            self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version))
+            self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def _sparse_if_sound(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], base_version: int | None) -> None:
@@ -315,18 +328,19 @@ class Engine(ABC):
             )
         self._apply_sparse(version, updates, full)
 
-    def _guarded(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
+    def _guarded(self, version: int, write, digest: str | None = None) -> None:  # type: ignore[no-untyped-def]
         """Run a write (under the gate); the version moves only when it and its read-back passed.
         Any failure leaves every tensor stale until a full load passes its check."""
         try:
             write()
         except EngineCheckError as e:
-            self._version, self.check_error, self._stale = None, str(e), set(self._specs)
+            self._version, self._digest, self.check_error, self._stale = None, None, str(e), set(self._specs)
             raise
         except Exception as e:
-            self._version, self.check_error, self._stale = None, f"update to version {version} failed half-way: {e}", set(self._specs)
+            self._version, self._digest = None, None
+            self.check_error, self._stale = f"update to version {version} failed half-way: {e}", set(self._specs)
             raise
-        self._version, self.check_error, self._stale = version, None, set()
+        self._version, self._digest, self.check_error, self._stale = version, digest, None, set()
 
     @staticmethod
     def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:

@@ -303,13 +303,13 @@ class Follower:
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, state), rec, state,
+                self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
                                 adopt=lambda: self._adopt(state, digests, rec.version))
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
             elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror), rec, self.mirror)
+                self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
                 self._advance(rec, 0.0, time.perf_counter() - t1, anchor=False)
             else:
                 in_sync = self._in_sync()
@@ -321,10 +321,14 @@ class Follower:
                 t1 = time.perf_counter()
                 if in_sync:
                     full = {name: self.mirror[name] for name in updates}
-                    self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full), rec, self.mirror)
+                    self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full, **self._label(rec)), rec, self.mirror)
                 else:  # the engine missed earlier changes of the mirror: send all of it
-                    self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror), rec, self.mirror)
+                    self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
+
+    def _label(self, rec: CommitRecord) -> dict[str, str]:
+        """The keyword a hook that reports its weights' state digest takes (`takes_state_digest`)."""
+        return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
 
     def _in_sync(self) -> bool:
         """Whether the engine holds exactly the mirror's version (so a patch may go on top)."""
@@ -377,7 +381,7 @@ class Follower:
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
             log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
-                self.hook.load_full(rec.version, state)
+                self.hook.load_full(rec.version, state, **self._label(rec))
             except BaseException as e2:
                 self._engine_failed = True
                 self._set(current_version=None, lag=None, state_digest=None)

@@ -5,6 +5,9 @@ and shapes of the trainer's state dict). For each new version it fetches, verifi
 the patch while the replica keeps serving, applies it to the mirror (all-or-nothing, target
 digests verified), and only then calls the hook, which is the only step that touches the
 engine. If the hook raises, the follower reloads the engine from the mirror with `load_full`.
+A hook whose class sets `takes_state_digest = True` also gets `state_digest=` (the commit's state
+digest of `version`) on both calls, so it can report which commit its weights are, not only which
+version number (a rewind commits a number again with other weights).
 """
 
 from __future__ import annotations

@@ -5,12 +5,15 @@ trusted version, an abandoned one (a rewind committed that version number again 
 weights, or the digest is an untrusted commit's), or one this listing cannot judge (a version
 newer than it shows), reading at most the records of that version (cached: records are
 immutable). Used by the fleet (`fleet.wait_for_fleet`, the switch rule in `fleet_member`) and
-`sparsesync status`. Readers never need it to stay bit-exact: trust is the fencing rule
+`sparsesync status`. `TrustedCommits`: whether a sample's `(version, state_digest)` (what a replica
+returns with each completion) is the run's trusted commit of that version, so an RL trainer drops
+samples of versions a rewind abandoned (TRL's async rollout worker). Readers never need it to stay bit-exact: trust is the fencing rule
 (`keys.valid_commits`) and identity the state digest; this only makes the fleet view right.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sparsesync.errors import MalformedCommitError, SparsesyncError
@@ -86,3 +89,38 @@ class Lineage:
                 return hb.staged_at is not None and hb.staged_at < at - STAGED_SLACK_S
             return hb.staged_version in self.untrusted  # no trusted commit has that number, an abandoned one has
         return served
+
+
+class TrustedCommits:
+    """Whether a sample's `(version, state_digest)` names the run's trusted commit of that version.
+
+    One listing of `commits/` is reused for `max_age_s` seconds; a pair it does not trust is
+    judged again on a fresh listing (it may name a version committed since). `version` None (a
+    replica serving its `--model` weights, before any bucket version) is trusted; a digest of
+    None (a replica that does not report one) is trusted only when no other epoch ever
+    committed that version number (nothing to confuse it with)."""
+
+    def __init__(self, store: Store, *, max_age_s: float = 10.0) -> None:
+        self.store = store
+        self.max_age_s = max_age_s
+        self._cache: dict[str, CommitRecord | None] = {}
+        self._lineage: Lineage | None = None
+        self._listed_at = 0.0
+
+    def _judge(self, lin: Lineage, version: int, digest: str | None) -> bool:
+        key = lin.trusted.get(version)
+        if key is None:
+            return False
+        if digest is None:
+            return version not in lin.untrusted
+        rec = lin.record(key)
+        return rec is not None and rec.state_digest == digest
+
+    def trusts(self, version: int | None, digest: str | None) -> bool:
+        if version is None:
+            return True
+        fresh = self._lineage is None or time.monotonic() - self._listed_at > self.max_age_s
+        if not fresh and self._judge(self._lineage, version, digest):  # type: ignore[arg-type]
+            return True
+        self._lineage, self._listed_at = Lineage(self.store, self._cache), time.monotonic()
+        return self._judge(self._lineage, version, digest)

@@ -278,6 +278,10 @@ class SparsesyncWeightTransfer(_PublishedViews):
         self.pauses = 0
         self.resumes = 0
 
+    @property
+    def bucket(self) -> str:  # the run URL (the rollout worker drops samples that are not its trusted commits)
+        return self._v.bucket
+
     def bind(self, trainer: Any) -> SparsesyncWeightTransfer:
         """Take versions (`model_version`) and the full model from `trainer`, the
         `AsyncGRPOTrainer` built with this transfer. Required before training; returns self."""

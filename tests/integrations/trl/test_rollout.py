@@ -131,3 +131,65 @@ def test_async_rollout_worker_tags_samples_with_the_replicas_versions(tmp_path: 
         completion = s.input_ids[s.completion_mask.astype(bool)].tolist()
         assert s.input_ids[: len(prompt_ids)].tolist() == prompt_ids
         assert completion == expected[s.model_version][0], (s.model_version, completion)
+
+
+def test_samples_of_a_version_a_rewind_abandoned_are_told_from_the_new_one(tmp_path: Path) -> None:
+    """A replica (embedded engine, real HTTP server) returns with each completion the state digest
+    of the weights that made it, read with its version; after a rewind to 2 and a new version 3,
+    the rollout loop's check drops a sample of the abandoned 3 and keeps the new 3's."""
+    from inference_space.testing import PROMPTS, Trainer
+    from sparsesync.integrations.trl.rollout import SparsesyncRolloutLoop
+    from sparsesync.protocol.lineage import TrustedCommits
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.store import open_store
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    bucket = str(tmp_path / "bucket")
+    first = Trainer(model_dir, seed=4)
+    states = {v: first.step(density=0.2, scale=0.5) for v in (1, 2, 3)}
+    replica = Replica(EmbeddedEngine(model_dir), bucket, poll_interval=0.05)
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    def answer(c: httpx.Client, version: int) -> tuple[int, str]:
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["weight_version"] != version:
+            assert time.monotonic() < deadline, f"the replica never served version {version}"
+            time.sleep(0.02)
+        out = c.post("/v1/completions", json=body).json()
+        (ch,) = out["choices"]
+        assert ch["state_digest"] == out["state_digest"] and ch["weight_version"] == out["weight_version"] == version
+        stream = c.post("/v1/completions", json={**body, "stream": True}).text
+        assert f'"state_digest":"{ch["state_digest"]}"' in stream
+        return version, ch["state_digest"]
+
+    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        with Publisher(bucket, anchor_every=0) as pub:  # the first attempt: 1..3, then a crash
+            for v, s in states.items():
+                pub.publish(s, v)
+                pub.flush()
+                if v == 2:
+                    kept = answer(c, 2)
+            abandoned = answer(c, 3)
+            assert abandoned[1] == pub.state_digest
+        assert c.get("/health").json()["state_digest"] == abandoned[1]
+        second = Trainer(model_dir, seed=9)
+        second.state = dict(states[2])
+        with Publisher(bucket, anchor_every=0) as pub:  # resumed from checkpoint 2: rewind, then a new 3
+            pub.resume(states[2], version=2)
+            assert answer(c, 2) == kept
+            pub.publish(second.step(density=0.2, scale=0.5), 3)
+            pub.flush()
+            deadline = time.monotonic() + 30
+            while c.get("/health").json()["state_digest"] != pub.state_digest:
+                assert time.monotonic() < deadline, "the replica never served the new version 3"
+                time.sleep(0.02)
+            new = answer(c, 3)
+            assert new == (3, pub.state_digest) != abandoned
+
+    trusted = TrustedCommits(open_store(bucket))
+    assert trusted.trusts(*new) and trusted.trusts(*kept) and trusted.trusts(None, None)
+    assert not trusted.trusts(*abandoned)
+    assert not trusted.trusts(3, None)  # no digest reported and two epochs committed 3: not trusted
+    loop = SparsesyncRolloutLoop.__new__(SparsesyncRolloutLoop)  # its check alone, on the replica's answers
+    loop.trusted = trusted
+    assert loop.untrusted({new, kept, (None, None)}) == [] and loop.untrusted({new, abandoned}) == [abandoned]
