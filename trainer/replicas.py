@@ -38,6 +38,7 @@ class Choice:
     logprobs: tuple[float, ...]  # log-prob of each token in `token_ids` under the serving weights
     weight_version: int | None  # None: the replica still serves its start-up weights
     finish_reason: str | None
+    state_digest: str | None = None  # the commit's state digest of `weight_version` (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class ReplicaPool:
 
 def _parse(url: str, data: dict[str, Any], latency_s: float) -> Completion:
     """Check and convert a /v1/completions reply (raises ValueError/KeyError/TypeError)."""
-    top_version = data.get("weight_version")
+    top_version, top_digest = data.get("weight_version"), data.get("state_digest")
     choices = []
     for c in data["choices"]:
         token_ids = tuple(int(t) for t in c["token_ids"])
@@ -211,6 +212,7 @@ def _parse(url: str, data: dict[str, Any], latency_s: float) -> Completion:
             logprobs=logprobs,
             weight_version=None if version is None else int(version),
             finish_reason=c.get("finish_reason"),
+            state_digest=c.get("state_digest", top_digest),
         ))
     if not choices:
         raise ValueError("no choices")

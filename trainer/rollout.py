@@ -79,7 +79,7 @@ def play_group(
         Sample(
             prompt_ids=c.prompt_ids, completion_ids=c.token_ids, logprobs=c.logprobs, reward=r, advantage=a,
             version=initial_version if c.weight_version is None else c.weight_version,
-            replica=comp.replica, text=c.text,
+            replica=comp.replica, text=c.text, state_digest=c.state_digest,
         )
         for c, r, a in zip(comp.choices, rewards, adv, strict=True)
         if c.token_ids  # an empty completion has no token to train on

@@ -48,6 +48,7 @@ import torch
 
 from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.errors import ConfigError, SparsesyncError
+from sparsesync.protocol.lineage import TrustedCommits
 from sparsesync.protocol.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer
 from trainer.config import TrainerConfig
@@ -143,6 +144,7 @@ class AsyncGRPOTrainer:
         self.logger = logger
         self.on_step = on_step
         self.device, self.master_dtype, self.publish_dtype = resolve_precision(cfg)
+        self._trusted: TrustedCommits | None = None  # judges samples' (version, state digest) once the run is open
         self.headers = auth_headers(cfg)
         self.version = -1  # newest published version (-1: none yet)
 
@@ -191,6 +193,7 @@ class AsyncGRPOTrainer:
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
             self.version, rewound = first_version(publisher, state, cfg, ctx)  # trainer/resume.py
+            self._trusted = TrustedCommits(publisher.store)  # samples of versions a rewind abandoned are dropped
             if lead:
                 with self._lead_alone(ctx):
                     self._wait_for_fleet(publisher)
@@ -362,7 +365,7 @@ class AsyncGRPOTrainer:
         """`n` groups from the buffer, checking on the workers (and calling `tick`) every 2 s while waiting."""
         while True:
             try:
-                return buffer.take(n, self.version, timeout=2.0)
+                return buffer.take(n, self.version, timeout=2.0, trusted=self._trusted.trusts if self._trusted else None)
             except TimeoutError:
                 workers.check()
                 if tick is not None:
