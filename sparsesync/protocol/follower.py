@@ -326,8 +326,7 @@ class Follower:
                     self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
 
-    def _label(self, rec: CommitRecord) -> dict[str, str]:
-        """The keyword a hook that reports its weights' state digest takes (`takes_state_digest`)."""
+    def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
         return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
 
     def _in_sync(self) -> bool:
