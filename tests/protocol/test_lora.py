@@ -387,3 +387,46 @@ def test_adapter_saved_with_peft_defaults_targeting_lm_head_round_trips(bases, t
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
     with pytest.raises(ConfigError, match="save_embedding_layers=False"):
         runner.invoke(app, ["push", str(bad), run], catch_exceptions=False)
+
+
+def test_adapter_run_follower_moves_across_a_rewind_bit_exact(bases, tmp_path):  # type: ignore[no-untyped-def]
+    """A replica of an adapter run follows the first attempt to version 5; the trainer resumes
+    from its step-3 adapter (a rewind) and trains on other data to 6: the replica never serves an
+    abandoned version after the rewind and ends on the resumed trainer's adapter, bit-exact."""
+    base, bucket = bases["qwen3"], str(tmp_path / "bucket")
+    first = LoraTrainer(base)
+    with Publisher(bucket, anchor_every=4, anchor_fraction=100.0) as pub:  # the first attempt: 0..5, then a crash
+        pub.publish(first.model, 0)
+        pub.flush()
+        meta = Run(bucket).newest().adapter
+        engine = EmbeddedAdapterEngine(base, adapter=meta)
+        follower = Follower(bucket, hook=engine, poll_interval=0.05, adapter=meta)
+        for step in range(1, 6):
+            first.step()
+            if step == 3:
+                checkpoint = first.adapter()
+            pub.publish(first.model, step)
+            pub.flush()
+        assert follower.sync_once() == 5
+        abandoned = tensor_digests(engine.state_dict())
+    second = LoraTrainer(base)  # resumed at checkpoint 3 (the same three steps), on other data from then on
+    for _ in range(3):
+        second.step()
+    second.g = torch.Generator().manual_seed(99)
+    assert tensor_digests(second.adapter()) == tensor_digests(checkpoint)
+    with Publisher(bucket, anchor_every=4, anchor_fraction=100.0) as pub:
+        pub.resume(second.model, version=3)
+        assert follower.sync_once() == 3 == engine.weight_version
+        assert tensor_digests(engine.state_dict()) == tensor_digests(checkpoint) != abandoned
+        assert [c.state_digest for c in engine.generate(PROMPTS[0], ONE)] == [pub.state_digest]
+        for step in (4, 5, 6):
+            second.step()
+            pub.publish(second.model, step)
+            pub.flush()
+            assert follower.sync_once() == step == engine.weight_version
+            assert tensor_digests(engine.state_dict()) == tensor_digests(second.adapter())
+            # each completion names the commit that made it, not only its number (3..5 were committed twice)
+            assert [(c.weight_version, c.state_digest) for c in engine.generate(PROMPTS[0], ONE)] == [(step, pub.state_digest)]
+    fresh = EmbeddedAdapterEngine(base, adapter=meta)  # the resumed trainer's final adapter, loaded whole
+    fresh.load_full(6, second.adapter())
+    assert greedy(engine, GREEDY) == greedy(fresh, GREEDY)
