@@ -45,3 +45,24 @@ def test_local_store_copies_a_file_through_a_fixed_buffer(tmp_path: Path) -> Non
     peak = _traced_peak(lambda: store.get_file("anchors/a/model.safetensors", dest))
     assert peak < 2 << 20, f"getting a {FILE_MB} MB file held {peak >> 20} MB at once"
     assert dest.read_bytes() == path.read_bytes()
+
+
+def test_a_committed_version_is_let_go(tmp_path: Path) -> None:
+    """The uploader kept the last version it committed (its changes and patch: ~12 B per changed
+    element) until the next one arrived: beside the next version's own, two at once."""
+    import gc
+
+    import torch
+
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.uploads import PendingVersion
+
+    state = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16)}
+    with Publisher(str(tmp_path / "run"), anchor_every=0) as pub:
+        for v in range(3):
+            state["w"][v] += 1
+            pub.publish(state, v)
+            pub.flush()
+            gc.collect()
+            held = [o.version for o in gc.get_objects() if type(o) is PendingVersion]
+            assert held == [], f"after version {v} was committed, versions {held} are still held"
