@@ -135,7 +135,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
     else:
         kwargs = {"device": cfg.device}
     if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
-        from sparsesync.adapter import read_run_adapter
+        from sparsesync.protocol.adapter_runs import read_run_adapter
 
         kwargs["adapter"] = read_run_adapter(cfg.bucket)
     engine = make_engine(cfg.engine, cfg.model, **kwargs)

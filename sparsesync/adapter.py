@@ -1,29 +1,23 @@
-"""LoRA adapter runs: a run whose versions are a PEFT adapter's tensors, not a model's weights.
+"""The PEFT bridge: PEFT models and adapter folders in, PEFT models and adapter folders out.
 
-This module is the PEFT bridge: it turns PEFT models and adapter folders into what a run
-carries, and a run's adapter versions back into PEFT models and folders. An adapter run is an
-ordinary run (anchors, deltas, commits; docs/protocol.md) whose tensors are what PEFT writes
-into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, ...), and whose
-every commit record names, in its `adapter` field (`AdapterMeta`, a record of
-`sparsesync.protocol.records`), the base model the adapter belongs to (its id and the state
-digest of its weights in the checkpoint's own key set) and the adapter's configuration (the
-`adapter_config.json` content: rank, alpha, target modules, ...).
+An adapter run (docs/protocol.md, "Adapter runs") is an ordinary run whose tensors are what
+PEFT writes into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, ...)
+and whose every commit record carries an `AdapterMeta` (`sparsesync.protocol.records`): the
+base model's id and digest and the adapter's `adapter_config.json`. This module knows PEFT and
+the adapter files, not runs: what a run's `adapter` field means to a publisher or a follower
+(the two kinds never confused, `AdapterMeta` built from a PEFT model or a folder) is
+`sparsesync.protocol.adapter_runs`, which builds on this one. Nothing here imports the protocol
+(`AdapterMeta` appears in annotations only; its fields are all this module reads).
 
 Guarantees:
-- An adapter run and a full-weight run are never confused: a publisher refuses to add adapter
-  versions to a full-weight run and the reverse, and to change the base or the configuration
-  of an adapter run (`check_publish`); a follower built for one kind refuses the other, and an
-  adapter follower refuses versions of another base or configuration (`check_follow`); a
-  mapping with LoRA tensor names is never published as full weights.
 - The base weights a replica serves the adapter on are checked against the run's base digest
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
-- An adapter config is bounded before PEFT sees it (`sparsesync.adapter_config`): its numbers and
-  regexes on every read (a commit's `adapter` field, a pushed folder, an engine), its ranks
-  against the adapter tensors wherever tensors and config meet (publish, push, pull, an
-  engine's slot), and an engine refuses an adapter larger than its base before allocating it
-  (`adapter_layout`). A run mixing adapter and full-weight versions is not pulled.
+- An adapter config is bounded before PEFT sees it (`sparsesync.adapter_config`, `check_supported`):
+  its numbers and regexes on every read (a pushed folder, an engine), its ranks against the
+  adapter tensors before a folder is written, and an engine refuses an adapter larger than its
+  base before allocating it (`adapter_layout`).
 - What PEFT saves by default is accepted: the frozen base weight of a targeted LM head or
   embedding that it saves beside the adapter is checked to equal the base's and left out
   (`drop_saved_base_layers`); when it differs, or no base is at hand, ConfigError names the
@@ -37,11 +31,9 @@ import math
 import re
 import sys
 import tempfile
-import weakref
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,10 +41,10 @@ from sparsesync.adapter_config import check_config as _check_config
 from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint
 from sparsesync.codec.digest import state_digest, tensor_digests
-from sparsesync.errors import BaseModelMismatchError, ConfigError, RunKindError, SparsesyncError
-from sparsesync.protocol.records import ADAPTER_DTYPES as _DTYPES
-from sparsesync.protocol.records import AdapterMeta, CommitRecord
-from sparsesync.protocol.run import Run
+from sparsesync.errors import BaseModelMismatchError, ConfigError
+
+if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
+    from sparsesync.protocol.records import AdapterMeta
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -115,21 +107,9 @@ def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any
     return json.loads(_CONFIG_TEXT[key])
 
 
-def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | None = None, *,
-                   dtype: torch.dtype | None = None) -> AdapterMeta:
-    """The `AdapterMeta` of a PEFT model (hashes its base weights once). `dtype`: the dtype
-    replicas receive (base and adapter), when the trainer holds them in another (fp32 master)."""
-    config = peft_config_json(model, adapter_name)
-    _check_supported(config, f"adapter {adapter_name!r}")
-    base = peft_base_state(model)
-    if dtype is not None:
-        base = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in base.items()}
-    meta = AdapterMeta(base_model or str(config.get("base_model_name_or_path") or ""), base_digest(base), config)
-    state = adapter_tensors(model, adapter_name)
-    return _with_dtype({k: v.to(dtype) for k, v in state.items()} if dtype is not None else state, meta)[1]
-
-
-def _check_supported(config: dict[str, Any], what: str) -> None:
+def check_supported(config: dict[str, Any], what: str) -> None:
+    """ConfigError (naming `what`) unless `config` is an adapter_config.json that adapter runs carry:
+    a LoRA config within `sparsesync.adapter_config`'s bounds, without `modules_to_save`."""
     try:
         _check_config(config, what)
     except ValueError as e:
@@ -137,122 +117,6 @@ def _check_supported(config: dict[str, Any], what: str) -> None:
     if config.get("modules_to_save"):
         raise ConfigError(f"{what}: modules_to_save={config['modules_to_save']!r} is not supported in adapter runs",
                           hint="train those modules as part of a full-weight run, or leave modules_to_save unset")
-
-
-class AdapterState(dict):  # type: ignore[type-arg]
-    """An adapter version's tensors (PEFT names) carrying the `AdapterMeta` of their run, so a
-    publisher handed it publishes an adapter run (what `peft_publish_state` returns)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], meta: AdapterMeta) -> None:
-        super().__init__(tensors)
-        self.meta = meta
-
-
-_META_CACHE: weakref.WeakKeyDictionary[Any, dict[torch.dtype, AdapterMeta]] = weakref.WeakKeyDictionary()
-
-
-def peft_publish_state(model: Any, dtype: torch.dtype) -> AdapterState | None:
-    """For a PEFT model: its adapter tensors cast to `dtype` (contiguous, CPU) with its
-    `AdapterMeta` (the base is hashed once per model and dtype); None for any other model.
-    Integrations call this so that a LoRA trainer publishes the adapter, not merged weights."""
-    if not is_peft_model(model):
-        return None
-    metas = _META_CACHE.setdefault(model, {})
-    if dtype not in metas:
-        metas[dtype] = meta_from_peft(model, dtype=dtype)
-    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in adapter_tensors(model).items()}
-    return AdapterState(state, metas[dtype])
-
-
-def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torch.Tensor], AdapterMeta | None]:
-    """What `Publisher.publish` publishes for `obj`: a PEFT model becomes its adapter tensors
-    (`adapter_tensors`) and its `AdapterMeta` (`meta` when given, so the base is hashed
-    once); a mapping is published as is, and must hold adapter tensors exactly when `meta` is set."""
-    if is_peft_model(obj):
-        if meta is None:
-            meta = meta_from_peft(obj)
-        elif peft_config_json(obj) != meta.config:
-            raise RunKindError("the PEFT model's adapter_config differs from the one this publisher's run carries",
-                               hint="publish it to a new run URL")
-        return _with_dtype(adapter_tensors(obj), meta)
-    if isinstance(obj, AdapterState) and meta is None:
-        meta = obj.meta
-    if not isinstance(obj, Mapping):
-        raise ConfigError(f"cannot publish a {type(obj).__name__}", hint="pass a state dict or a peft.PeftModel")
-    lora = [n for n in obj if is_adapter_key(n)]
-    if meta is None and lora:
-        raise RunKindError(
-            f"the state holds LoRA adapter tensors ({lora[0]!r}, ...), but this publisher writes full weights",
-            hint="publish the PeftModel itself, or pass Publisher(url, adapter=AdapterMeta(...)) for an adapter state dict",
-        )
-    if meta is not None and len(lora) != len(obj):
-        other = next(n for n in obj if not is_adapter_key(n))
-        saved = (" (PEFT saves the targeted LM head's or embedding's base weight beside the adapter unless "
-                 "save_pretrained(..., save_embedding_layers=False))") if saved_base_layers({other: obj[other]}) else ""
-        raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run{saved}",
-                           hint="publish sparsesync.adapter.adapter_tensors(model) (or push the adapter folder with the "
-                                "CLI, which checks such base copies against --base and leaves them out), or full weights "
-                                "to a full-weight run")
-    return (obj, meta) if meta is None else _with_dtype(obj, meta)
-
-
-def _with_dtype(state: Mapping[str, torch.Tensor], meta: AdapterMeta) -> tuple[Mapping[str, torch.Tensor], AdapterMeta]:
-    """`meta` with the adapter tensors' one dtype filled in; RunKindError on a mixed or changed dtype."""
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
-    want = meta.dtype or (dtypes[0] if dtypes else "")
-    if dtypes != [want] or want not in _DTYPES:
-        raise RunKindError(f"the adapter tensors are {', '.join(dtypes)}, expected all {want or 'one of ' + ', '.join(_DTYPES)}",
-                           hint="cast the adapter to one dtype for the whole run (e.g. model.to(torch.bfloat16))")
-    try:
-        _check_config(meta.config, "adapter_config")
-    except ValueError as e:
-        raise ConfigError(str(e), hint="adapter runs carry LoRA adapters (peft.LoraConfig) within these bounds") from None
-    check_state_ranks(state, meta.config, f"the adapter of {meta.base_model!r}")
-    return state, replace(meta, dtype=want)
-
-
-def check_publish(newest: CommitRecord | None, meta: AdapterMeta | None, url: str) -> None:
-    """Refuse to publish `meta`'s kind of version into a run whose newest commit is of another
-    kind, base or adapter configuration."""
-    if newest is None:
-        return
-    have = newest.adapter
-    if (have is None) != (meta is None):
-        raise RunKindError(
-            f"{url} is a {_kind(have)} run (version {newest.version}); this publisher writes a {_kind(meta)} run",
-            hint="publish to a new run URL",
-        )
-    if have is not None and meta is not None and _identity(have) != _identity(meta):
-        raise RunKindError(f"{url} carries an adapter of another {_what_differs(have, meta)} (version {newest.version})",
-                           hint="publish this adapter to a new run URL")
-
-
-def check_follow(rec: CommitRecord, expected: AdapterMeta | None, url: str) -> None:
-    """Refuse a version of another kind (adapter vs full weights), base or adapter configuration
-    than the engine following `url` was built for."""
-    have = rec.adapter
-    if (have is None) != (expected is None):
-        fix = ("start the replica on the run's base model with the adapter engine (it reads the run's adapter config)"
-               if have is not None else "follow it with a full-weight engine, not an adapter engine")
-        raise RunKindError(f"version {rec.version} of {url} is a {_kind(have)} version; this replica serves a {_kind(expected)} run",
-                           hint=fix)
-    if have is not None and expected is not None and _identity(have) != _identity(expected):
-        raise RunKindError(f"version {rec.version} of {url} carries an adapter of another {_what_differs(have, expected)}",
-                           hint="restart the replica: it builds its adapter from the run's newest version")
-
-
-def _identity(meta: AdapterMeta) -> tuple[str, dict[str, Any], str]:
-    return meta.base_digest, meta.config, meta.dtype
-
-
-def _kind(meta: AdapterMeta | None) -> str:
-    return "full-weight" if meta is None else f"LoRA adapter (r={meta.rank})"
-
-
-def _what_differs(a: AdapterMeta, b: AdapterMeta) -> str:
-    if a.base_digest != b.base_digest:
-        return "base model"
-    return "configuration (adapter_config.json)" if a.config != b.config else f"dtype ({a.dtype}, not {b.dtype})"
 
 
 # -- the reader side --------------------------------------------------------------------------
@@ -265,20 +129,6 @@ def check_base(base_state: Mapping[str, torch.Tensor], meta: AdapterMeta, where:
             f"{meta.base_model!r} with digest {meta.base_digest}",
             hint=f"start the replica with the run's base model ({meta.base_model})",
         )
-
-
-def run_adapter(commits: list[CommitRecord]) -> AdapterMeta | None:
-    """The adapter the newest of `commits` carries (None: a full-weight run, or no version yet)."""
-    return commits[-1].adapter if commits else None
-
-
-def read_run_adapter(url: str) -> AdapterMeta | None:
-    """The adapter of the run at `url` as its newest commit says; None for a full-weight run, and
-    when no version can be read yet (a follower then refuses adapter versions by name)."""
-    try:
-        return run_adapter(Run(url).commits())
-    except SparsesyncError:
-        return None
 
 
 def peft_config(meta: AdapterMeta) -> Any:
@@ -323,7 +173,7 @@ def read_adapter_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         config = json.loads(cfg_file.read_text())
     except (UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{cfg_file} is not JSON: {e}") from None
-    _check_supported(config, str(cfg_file))
+    check_supported(config, str(cfg_file))
     return load_checkpoint(weights), config
 
 
@@ -342,26 +192,6 @@ def write_adapter_folder(state: Mapping[str, torch.Tensor], meta: AdapterMeta, d
         "format": "pt", "sparsesync_version": str(version), "sparsesync_state_digest": digest})
     (dest / CONFIG_FILE).write_text(json.dumps(meta.config, indent=2, sort_keys=True) + "\n")
     return [dest / CONFIG_FILE, dest / WEIGHTS_FILE]
-
-
-def meta_for_folder(config: dict[str, Any], state: Mapping[str, torch.Tensor], base: Path | None,
-                    newest: CommitRecord | None, url: str) -> tuple[AdapterMeta, dict[str, torch.Tensor]]:
-    """The `AdapterMeta` for pushing a PEFT folder with `config`, and the adapter tensors of its
-    `state` (`saved_base_layers` checked against the base and left out): the base digest is
-    computed from `base` (a checkpoint folder), else from `base_model_name_or_path` when that is
-    a local folder, else taken from the run's newest adapter commit (same config only)."""
-    named = str(config.get("base_model_name_or_path") or "")
-    if base is None and named and Path(named).is_dir():
-        base = Path(named)
-    base_state = load_checkpoint(base) if base is not None else None
-    state = drop_saved_base_layers(state, base_state, named or str(base or ""))
-    if base_state is not None:
-        return _with_dtype(state, AdapterMeta(named or str(base), base_digest(base_state), config))[1], state
-    if newest is not None and newest.adapter is not None and newest.adapter.config == config:
-        return _with_dtype(state, newest.adapter)[1], state
-    raise ConfigError(f"cannot tell which base weights the adapter for {url} belongs to "
-                      f"(base_model_name_or_path {named!r} is not a local folder)",
-                      hint="pass --base DIR, the base model's checkpoint folder, so the run records its digest")
 
 
 def saved_base_layers(state: Mapping[str, torch.Tensor]) -> dict[str, str]:

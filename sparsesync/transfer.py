@@ -122,6 +122,7 @@ def push(
     """
     from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.protocol import adapter_runs
     from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
@@ -150,9 +151,9 @@ def push(
         step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
     meta = None
     if config is not None:
-        meta, state = lora.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
-                                           newest, store.url)
-    lora.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
+        meta, state = adapter_runs.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
+                                                   newest, store.url)
+    adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
     rewind = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
     plan = _plan_rewind(run, state, step, step_from, step_source, store.url) if rewind else None
     if plan == "held":

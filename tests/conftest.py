@@ -8,6 +8,9 @@
 - `hub_server`: the session's `tests.support.hub_server.HubServer` (behind a `TcpProxy`).
 - `s3_server`: the session's `tests.support.s3_server.S3Server` (moto behind a `TcpProxy`).
 Servers start lazily: `-k local` starts none.
+- `tiny`: the folder of `sparsesync.tiny_model`'s model (seed 0), built once per test module
+  (a module may change its files; the next module gets a fresh one). Needs transformers: a
+  module using it skips first when transformers is missing (`pytest.importorskip`).
 """
 
 from __future__ import annotations
@@ -100,3 +103,10 @@ def store_faults(store_backend: str, store_url: str, request: pytest.FixtureRequ
     faults = StoreFaults(store_backend, hub=hub, s3=s3)
     yield faults
     faults.heal()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sparsesync.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)

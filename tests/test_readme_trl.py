@@ -23,16 +23,13 @@ from sparsesync.integrations.trl import model_state  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.apps.inference.test_server import Server  # noqa: E402
+from tests.support.readme import README, readme_blocks  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = re.compile(r'^MODEL, BUCKET = .*\nREPLICAS = .*$', re.M)
 
 
 def readme_trl_block() -> str:
-    text = README.read_text()
-    section = text[text.index("\n## TRL\n"):]
-    section = section[: section.index("\n## ", 1)]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = readme_blocks("TRL", "python")
     assert len(blocks) == 1, "the README's TRL section has one python block"
     return blocks[0]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import meta_from_peft
+from sparsesync.protocol.adapter_runs import meta_from_peft
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import AdapterMeta
 from trainer.config import TrainerConfig

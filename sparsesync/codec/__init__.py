@@ -19,18 +19,8 @@ from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
 from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests
 from sparsesync.codec.diff import TensorChange, compose_changes, diff_state
 from sparsesync.codec.digest import state_digest, tensor_digest, tensor_digests
-from sparsesync.codec.patch import (
-    Effort,
-    Patch,
-    PatchHeader,
-    TensorEntry,
-    encode_changes,
-    fetch_header,
-    header_length,
-    header_span,
-    parse_header,
-    read_patch,
-)
+from sparsesync.codec.patch import Effort, Patch, PatchHeader, TensorEntry, encode_changes
+from sparsesync.codec.patch_reader import fetch_header, header_length, header_span, parse_header, read_patch
 from sparsesync.codec.snapshot import EncodedPatch, PatchStats, Snapshot
 
 __all__ = [

@@ -35,7 +35,7 @@ versions together with the other replicas (`sparsesync.protocol.fleet`).
 New versions are found by polling the commit listing with backoff (cheap: one listing of
 `commits/`); stores that can push change notifications (`Store.wait_for_change`) wake it early.
 With `prefetch` (default), a follower that is up to date also lists the part objects stored for
-the next version and fetches and decodes them before its commit lands (`parts.Prefetcher`:
+the next version and fetches and decodes them before its commit lands (`parts_reader.Prefetcher`:
 nothing prefetched is trusted until the commit's digests and every check pass). The backoff
 restarts from `poll_interval` when a version was applied, and stays there while a version is
 streaming in (new parts were seen in the last `STREAMING_WINDOW_S`; its commit normally follows
@@ -53,7 +53,6 @@ from pathlib import Path
 
 import torch
 
-from sparsesync.adapter import check_follow
 from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
@@ -64,10 +63,11 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreError,
 )
+from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
 from sparsesync.protocol.mirror import MirrorDir, release_freed_memory
-from sparsesync.protocol.parts import Prefetcher
+from sparsesync.protocol.parts_reader import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
@@ -108,7 +108,7 @@ class Follower:
         mirror_dir: str | Path | None = None,
     ) -> None:
         """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
-        the other kind, base or config raise RunKindError (sparsesync.adapter.check_follow).
+        the other kind, base or config raise RunKindError (sparsesync.protocol.adapter_runs.check_follow).
         `mirror_dir`: the folder on local disk the mirror's file map lives in (default
         `sparsesync.protocol.mirror.mirror_dir()`: `SPARSESYNC_MIRROR_DIR` or ~/.cache/sparsesync/mirror)."""
         self.adapter = adapter

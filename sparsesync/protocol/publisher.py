@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import adapter_state, check_publish
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
+from sparsesync.protocol.adapter_runs import adapter_state, check_publish
 from sparsesync.protocol.extras import collect_files
 from sparsesync.protocol.keys import check_version
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparsesync.adapter import check_publish
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import write_anchor
 from sparsesync.errors import (
@@ -36,6 +35,7 @@ from sparsesync.errors import (
     PatchMismatchError,
     SparsesyncError,
 )
+from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.keys import COMMITS, new_uid, parse_commit_key, valid_commits
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, AdapterMeta, CommitRecord, ObjectRef
 from sparsesync.protocol.run import read_at_most

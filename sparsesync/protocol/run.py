@@ -30,7 +30,7 @@ from sparsesync.errors import (
     VersionNotFoundError,
 )
 from sparsesync.protocol.keys import COMMITS, valid_commits
-from sparsesync.protocol.parts import apply_parts
+from sparsesync.protocol.parts_reader import apply_parts
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
 from sparsesync.store import Store, open_store
 
@@ -278,8 +278,8 @@ class Run:
 
     def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None) -> dict[str, SparseUpdate]:  # type: ignore[no-untyped-def]
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
-        updating `digests`. Parts are all or nothing (`parts.apply_parts`; `prefetched`: a
-        `parts.Prefetcher`); for one file a DigestMismatchError means `state` was written and
+        updating `digests`. Parts are all or nothing (`parts_reader.apply_parts`; `prefetched`: a
+        `parts_reader.Prefetcher`); for one file a DigestMismatchError means `state` was written and
         must be discarded (`apply_loaded`)."""
         if rec.parts:
             return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from sparsesync.cli import app
+from tests.support.readme import readme_blocks
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
 runner = CliRunner()
@@ -113,7 +113,6 @@ def test_help_is_fast_and_light():
 
 
 # -- a pulled folder loads as is; versions are the checkpoint's step; the README runs as printed --
-README = Path(__file__).resolve().parents[2] / "README.md"
 URL = "hf://buckets/me/rl-weights/run-1"
 
 
@@ -254,10 +253,7 @@ def test_hostile_checkpoint_files_are_refused_with_one_line(tmp_path, capsys, mo
 
 
 def readme_using_it_block() -> str:
-    text = README.read_text()
-    section = text[text.index("\n## Using it\n"):]
-    section = section[: section.index("\n## ", 1)]
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if b.startswith("sparsesync push")]
+    blocks = [b for b in readme_blocks("Using it", "bash") if b.startswith("sparsesync push")]
     assert len(blocks) == 1, "the README's 'Using it' section has one bash block of push/pull commands"
     return blocks[0]
 

@@ -18,8 +18,8 @@ from sparsesync.codec import (
     tensor_digests,
     write_anchor,
 )
-from sparsesync.codec import patch as patch_module
-from sparsesync.codec.patch import HEADER_PREFIX, fetch_header, header_span
+from sparsesync.codec import patch_reader as patch_module
+from sparsesync.codec.patch_reader import HEADER_PREFIX, fetch_header, header_span
 from sparsesync.errors import DigestMismatchError, PatchFormatError
 from tests.support.patches import _case, _encode, _golden_patch, assert_bit_equal, make_pair
 

@@ -23,7 +23,7 @@ from sparsesync.codec import (
     parse_header,
     read_patch,
 )
-from sparsesync.codec.patch import header_span
+from sparsesync.codec.patch_reader import header_span
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, SparsesyncError
 from tests.support.patches import (
     _case,

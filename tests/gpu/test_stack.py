@@ -26,29 +26,18 @@ import torch
 
 pytest.importorskip("transformers", reason="the engine and trainer paths need transformers")
 
-from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
-from inference_space.testing import PROMPTS, Trainer  # noqa: E402
+from inference_space.testing import Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
-from sparsesync.tiny_model import build_tiny_model  # noqa: E402
+from tests.support.generation import greedy  # noqa: E402
 from tests.support.weights import assert_bit_equal  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); run scripts/gpu_check.sh on a GPU machine"
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)])]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-def _greedy(engine):  # type: ignore[no-untyped-def]
-    return [(c.token_ids, c.logprobs) for p in PROMPTS for c in engine.generate(p, GREEDY)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -58,7 +47,7 @@ def test_embedded_engine_on_the_device_follows_five_versions(device, tiny, tmp_p
     engine = EmbeddedEngine(tiny, device=device)
     assert all(p.device.type == device for p in engine.model.parameters())
     follower = Follower(bucket, hook=engine, poll_interval=0.05)
-    seen = [_greedy(engine)]
+    seen = [greedy(engine)]
     with Publisher(bucket, anchor_every=3) as pub:
         for step in range(1, 6):
             state = trainer.step()
@@ -68,7 +57,7 @@ def test_embedded_engine_on_the_device_follows_five_versions(device, tiny, tmp_p
             assert engine.weight_version == version and engine.check_error is None
             assert tensor_digests(engine.state_dict()) == tensor_digests(state)
             fresh = EmbeddedEngine(trainer.save_version(tmp_path / f"v{version}"), device=device)
-            got, want = _greedy(engine), _greedy(fresh)
+            got, want = greedy(engine), greedy(fresh)
             for (ids, lps), (ids_f, lps_f) in zip(got, want):
                 assert ids == ids_f, f"version {version}: replica and fresh engine generate different tokens"
                 assert max((abs(a - b) for a, b in zip(lps, lps_f)), default=0.0) <= 1e-3, f"version {version}: logprobs"

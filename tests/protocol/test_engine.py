@@ -15,7 +15,6 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ pytest.importorskip("transformers")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.errors import EngineCheckError  # noqa: E402
-from sparsesync.protocol import parts as parts_mod  # noqa: E402
+from sparsesync.protocol import parts_reader as parts_mod  # noqa: E402
 from sparsesync.protocol import run as run_mod  # noqa: E402
 from sparsesync.protocol.fleet import read_fleet  # noqa: E402
 from sparsesync.protocol.fleet_member import FleetOptions  # noqa: E402
@@ -34,18 +33,12 @@ from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.keys import heartbeat_key, switch_key  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.store import open_store  # noqa: E402
-from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.weights import assert_bit_equal  # noqa: E402
 
 A = "model.layers.0.self_attn.q_proj.weight"
 B = "model.layers.1.mlp.down_proj.weight"
 C = "model.embed_tokens.weight"
 CHANGES = {1: [C], 2: [A], 3: [B], 4: [A, B]}  # version -> the tensors it changes
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 class Versions:

@@ -26,15 +26,17 @@ from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
 from inference_space.testing import PROMPTS  # noqa: E402
-from sparsesync.adapter import adapter_tensors, meta_from_peft  # noqa: E402
+from sparsesync.adapter import adapter_tensors  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
+from sparsesync.protocol.adapter_runs import meta_from_peft  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.protocol.records import AdapterMeta  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
+from tests.support.generation import greedy  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
@@ -73,10 +75,6 @@ class LoraTrainer:
         return {k: v.detach().clone() for k, v in adapter_tensors(self.model).items()}
 
 
-def _greedy(engine):  # type: ignore[no-untyped-def]
-    return [(c.token_ids, c.logprobs) for p in PROMPTS for c in engine.generate(p, GREEDY)]
-
-
 def _assert_same_generation(a, b) -> None:  # type: ignore[no-untyped-def]
     for (ta, la), (tb, lb) in zip(a, b, strict=True):
         assert ta == tb
@@ -106,11 +104,11 @@ def test_embedded_replica_follows_adapter_versions(bases, tmp_path, arch, dtype)
             assert tensor_digests(engine.state_dict()) == tensor_digests(trainer.adapter())
             assert [c.weight_version for c in engine.generate(PROMPTS[0], ONE)] == [step]
     assert "delta" in kinds and any("anchor" in k for k in kinds)
-    got = _greedy(engine)
+    got = greedy(engine, GREEDY)
     fresh = EmbeddedAdapterEngine(base, adapter=meta)  # same base, the final adapter loaded whole
     fresh.load_full(6, trainer.adapter())
-    _assert_same_generation(got, _greedy(fresh))
-    assert got != _greedy(EmbeddedEngine(base)), "the adapter must change what the base generates"
+    _assert_same_generation(got, greedy(fresh, GREEDY))
+    assert got != greedy(EmbeddedEngine(base), GREEDY), "the adapter must change what the base generates"
 
 
 def test_wrong_base_is_rejected(bases, tmp_path):  # type: ignore[no-untyped-def]
@@ -230,16 +228,16 @@ def test_vllm_replica_switches_adapter_slots(bases, tmp_path):  # type: ignore[n
                 assert tensor_digests(engine.state_dict()) == tensor_digests(trainer.adapter())
                 assert [c.weight_version for c in engine.generate(PROMPTS[0], ONE)] == [step]
                 assert engine.llm.llm_engine.list_loras() == {engine._lora_request.lora_int_id}  # old slot retired
-        got = _greedy(engine)
+        got = greedy(engine, GREEDY)
         embedded = EmbeddedAdapterEngine(base, adapter=meta)
         embedded.load_full(5, trainer.adapter())
-        for (tv, lv), (te, le) in zip(got, _greedy(embedded), strict=True):
+        for (tv, lv), (te, le) in zip(got, greedy(embedded, GREEDY), strict=True):
             # vLLM's CPU kernels and PEFT round bf16 differently: on this tiny model's near-flat
             # distributions greedy paths may split at a near-tie; up to there they agree closely
             same = next((i for i, (a, b) in enumerate(zip(tv, te)) if a != b), len(tv))
             assert same >= 1 and max(abs(a - b) for a, b in zip(lv[:same], le[:same])) < 0.05
         engine._swap(5, trainer.adapter())  # a fresh slot with the final adapter loaded whole
-        _assert_same_generation(got, _greedy(engine))
+        _assert_same_generation(got, greedy(engine, GREEDY))
     finally:
         if engine is not None:
             engine.close()

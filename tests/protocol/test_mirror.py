@@ -19,7 +19,7 @@ import torch
 from sparsesync.codec import tensor_digests, write_anchor
 from sparsesync.codec.anchor import load_anchor
 from sparsesync.errors import DigestMismatchError
-from sparsesync.protocol import parts as parts_mod
+from sparsesync.protocol import parts_reader as parts_mod
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.mirror import ENV_DIR, MirrorDir, is_file_backed
 from sparsesync.protocol.publisher import Publisher

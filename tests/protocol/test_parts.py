@@ -13,7 +13,8 @@ import torch
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, DigestMismatchError, MalformedCommitError, PatchMismatchError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.parts import apply_parts, group_by_bytes, set_unit_digests
+from sparsesync.protocol.parts import group_by_bytes
+from sparsesync.protocol.parts_reader import apply_parts, set_unit_digests
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.run import Run
@@ -391,7 +392,7 @@ def test_the_poll_loop_backs_off_while_quiet_and_polls_fast_again_once_parts_arr
 def test_a_prefetched_part_whose_predicted_digest_is_wrong_fails_whole_then_is_fetched_again(tmp_path, monkeypatch):
     """The digests hashed ahead stand in for hashing after the writes: one that does not match
     the commit undoes every write, and the retry fetches, decodes and hashes afresh."""
-    import sparsesync.protocol.parts as parts_module
+    import sparsesync.protocol.parts_reader as parts_module
 
     url = str(tmp_path / "run")
     store, gate = _held_store(url, lambda key: key.startswith("commits/") and "v0000000002" in key)

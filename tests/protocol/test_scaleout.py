@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from sparsesync.cli import app
 from sparsesync.errors import DigestMismatchError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.parts import apply_parts
+from sparsesync.protocol.parts_reader import apply_parts
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from tests.support.weights import assert_bit_equal

@@ -106,7 +106,7 @@ def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
 def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The inference weights of `model`, see `inference_state`; a PEFT model (GRPOTrainer with a
     `peft_config`): its adapter, making the run an adapter run (sparsesync.adapter)."""
-    from sparsesync.adapter import peft_publish_state
+    from sparsesync.protocol.adapter_runs import peft_publish_state
 
     if (adapter := peft_publish_state(model, dtype)) is not None:
         return adapter

@@ -23,13 +23,7 @@ pytest.importorskip("transformers", reason="the embedded engine needs transforme
 
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
-from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.apps.inference.test_server import free_port  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def test_specs_private_by_default_token_only_as_secret(tiny):

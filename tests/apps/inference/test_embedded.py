@@ -22,17 +22,7 @@ from sparsesync.errors import WeightUpdateError  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-def _greedy(engine):  # type: ignore[no-untyped-def]
-    return [(c.token_ids, c.logprobs) for p in PROMPTS for c in engine.generate(p, GREEDY)]
+from tests.support.generation import GREEDY, greedy  # noqa: E402
 
 
 def test_embedded_replica_follows_six_versions(tiny, tmp_path):
@@ -41,7 +31,7 @@ def test_embedded_replica_follows_six_versions(tiny, tmp_path):
     engine = EmbeddedEngine(tiny)
     follower = Follower(bucket, hook=engine, poll_interval=0.05)
     assert engine.weight_version is None
-    first = _greedy(engine)
+    first = greedy(engine)
     assert all(c.weight_version is None for c in engine.generate(PROMPTS[0], GREEDY))
     seen = [first]
     with Publisher(bucket, anchor_every=4) as pub:
@@ -53,8 +43,8 @@ def test_embedded_replica_follows_six_versions(tiny, tmp_path):
             assert engine.weight_version == version
             assert tensor_digests(engine.state_dict()) == tensor_digests(state)
             fresh = EmbeddedEngine(trainer.save_version(tmp_path / f"v{version}"))
-            got = _greedy(engine)
-            assert got == _greedy(fresh), f"version {version}: replica and fresh engine disagree"
+            got = greedy(engine)
+            assert got == greedy(fresh), f"version {version}: replica and fresh engine disagree"
             assert {c.weight_version for c in engine.generate(PROMPTS[1], GREEDY)} == {version}
             seen.append(got)
     st = follower.status()
@@ -233,7 +223,7 @@ def test_a_replaced_parameter_fails_the_check_until_a_full_load(tiny):
     state = trainer.step()
     engine.load_full(3, state)
     assert engine.weight_version == 3 and tensor_digests(engine.state_dict()) == tensor_digests(state)
-    assert _greedy(engine) == _greedy(EmbeddedEngine(trainer.save_version(tiny.parent / "v3")))
+    assert greedy(engine) == greedy(EmbeddedEngine(trainer.save_version(tiny.parent / "v3")))
 
 
 def test_a_replica_whose_parameter_was_replaced_never_serves_stale_weights(tiny, tmp_path, caplog):
@@ -250,7 +240,7 @@ def test_a_replica_whose_parameter_was_replaced_never_serves_stale_weights(tiny,
     trainer = Trainer(tiny, seed=4)  # the run follow_then_break published
     trainer.step(), trainer.step()
     fresh = EmbeddedEngine(trainer.save_version(tmp_path / "v2"))
-    assert _greedy(engine) == _greedy(fresh), "the replica labels v2 but computes with other weights"
+    assert greedy(engine) == greedy(fresh), "the replica labels v2 but computes with other weights"
     assert any("replaced since the engine mapped it" in r.getMessage() for r in caplog.records)
 
 

@@ -24,15 +24,9 @@ from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from inference_space.testing import PROMPTS  # noqa: E402
 from sparsesync.checkpoint import load_checkpoint  # noqa: E402
-from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.apps.inference.test_server import Server  # noqa: E402
 
 KEY = "sk-test-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

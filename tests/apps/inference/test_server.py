@@ -20,7 +20,6 @@ from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
-from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,11 +63,6 @@ def wait_sync(client: httpx.Client, pred, timeout: float = 30.0) -> dict:  # typ
             return st
         assert time.monotonic() < deadline, f"timed out; /sync says {st}"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 def _newest_delta(bucket: Path) -> Path:

@@ -32,8 +32,8 @@ from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
+from tests.support.generation import GREEDY, greedy  # noqa: E402
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 _KEEP: list[object] = []  # fresh reference engines (see test_vllm_replica_follows_six_versions)
 
 
@@ -44,21 +44,12 @@ def _cuda() -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
 def engine(tiny):  # type: ignore[no-untyped-def]
     from inference_space.engines.vllm_engine import VllmEngine
 
     e = VllmEngine(tiny, mode="auto")
     yield e
     e.close()
-
-
-def _greedy(engine):  # type: ignore[no-untyped-def]
-    return [(c.token_ids, c.logprobs) for p in PROMPTS for c in engine.generate(p, GREEDY)]
 
 
 def test_plugin_entry_point_registers_the_backend():
@@ -86,7 +77,7 @@ def test_vllm_replica_follows_six_versions(engine, tiny, tmp_path):
     bucket = str(tmp_path / "bucket")
     trainer = Trainer(tiny, seed=1)
     follower = Follower(bucket, hook=engine, poll_interval=0.05)
-    seen = [_greedy(engine)]
+    seen = [greedy(engine)]
     with Publisher(bucket, anchor_every=4) as pub:
         for step in range(1, 7):
             state = trainer.step()
@@ -95,12 +86,12 @@ def test_vllm_replica_follows_six_versions(engine, tiny, tmp_path):
             assert follower.sync_once() == version
             assert engine.weight_version == version and engine.vllm_weight_version() == str(version)
             assert tensor_digests(engine.state_dict()) == tensor_digests(state)
-            got = _greedy(engine)
+            got = greedy(engine)
             # kept alive until the module ends: dropping a single-process vLLM engine tears down
             # vLLM's process-global parallel state under the replica engine
             fresh = VllmEngine(trainer.save_version(tmp_path / f"v{version}"), kv_cache_memory_bytes=32 << 20)
             _KEEP.append(fresh)
-            assert got == _greedy(fresh), f"version {version}: replica and fresh vLLM engine disagree"
+            assert got == greedy(fresh), f"version {version}: replica and fresh vLLM engine disagree"
             assert {c.weight_version for c in engine.generate(PROMPTS[1], GREEDY)} == {version}
             seen.append(got)
     st = follower.status()
@@ -199,10 +190,10 @@ def test_vllm_sparse_in_place_path_on_gpu(tiny, tmp_path):
                 pub.flush()
                 assert follower.sync_once() == version
                 assert follower.status().state == "following"
-                got = _greedy(engine)
+                got = greedy(engine)
                 fresh = VllmEngine(trainer.save_version(tmp_path / f"v{version}"))
                 _KEEP.append(fresh)
-                assert [t for t, _ in got] == [t for t, _ in _greedy(fresh)]
+                assert [t for t, _ in got] == [t for t, _ in greedy(fresh)]
         assert engine.pauses.count == 5
     finally:
         engine.close()
@@ -281,7 +272,7 @@ def test_vllm_update_handed_over_as_a_file_under_dev_shm(engine, tiny, tmp_path,
     assert not any(os.path.exists(p) for p in written), "staged files must be removed after the update"
     fresh = VllmEngine(trainer.save_version(tmp_path / "v101"), kv_cache_memory_bytes=16 << 20)
     _KEEP.append(fresh)
-    assert _greedy(engine) == _greedy(fresh) and engine.weight_version == 101
+    assert greedy(engine) == greedy(fresh) and engine.weight_version == 101
 
 
 _TP_CELL = """
