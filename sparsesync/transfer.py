@@ -181,8 +181,7 @@ def push(
         pub.close()
     abandoned = None
     if rewind and pub.metrics[-1].get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
-        from sparsesync.protocol.keys import COMMITS
-        from sparsesync.protocol.rewind import abandoned_by_rewinds
+        from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
 
         abandoned = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
                      if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions]

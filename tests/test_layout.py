@@ -22,7 +22,6 @@ MARKER = "Length:"
 MIN_REASON_CHARS = 20  # "Length: long" is not a reason
 
 PENDING: dict[str, str] = {  # path -> the branch splitting it (delete the entry once it lands)
-    "trainer/train.py": "issue 41: the training loop's split (rewind36b)",
 }
 
 

@@ -5,8 +5,6 @@ below the apps never importing them, no import cycles). Each runs as a subproces
 repository root, exactly as a developer would, and fails with the tool's own output.
 
 What remains of issue 41 (the exceptions the config still grants; delete each once it is gone):
-- the acyclic contract's `ignore_imports` in pyproject.toml: the function-level rewind hooks
-  `protocol.run -> protocol.rewind`, `protocol.fleet -> protocol.rewind`;
 - after the last branches merge, `ruff check --fix .` for the import order they bring.
 """
 

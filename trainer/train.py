@@ -18,8 +18,8 @@ published (version 0) is the weights as loaded, so replicas started from the sam
 already hold it bit for bit (they report version None until they apply version 0). On a bucket
 that already holds a run, the weights at `[model] path` continue it: from its newest version,
 or, when they are an older version (a checkpoint from before a crash), from that one: the run
-is rewound to it (docs/protocol.md, "Rewinds"), the rollouts start once every replica serves it,
-and samples of versions above the learner's are dropped (`dropped_abandoned`).
+is rewound to it (trainer/resume.py), the rollouts start once every replica serves it,
+and samples of abandoned versions are dropped (`dropped_abandoned`).
 
 Under torchrun (`torchrun --nproc-per-node N -m trainer --config trainer.toml`) the same loop
 runs on every rank, data parallel on an FSDP2-sharded policy: rank 0 alone runs the rollout
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from sparsesync.checkpoint import checkpoint_digest
-from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError
+from sparsesync.errors import ConfigError, SparsesyncError
 from sparsesync.protocol.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer
 from trainer.config import TrainerConfig
@@ -69,6 +69,7 @@ from trainer.grpo import Batch, grpo_loss, token_logprobs
 from trainer.metrics import MetricsLogger
 from trainer.policy import load_policy, publish_state, resolve_precision
 from trainer.replicas import ReplicaPool
+from trainer.resume import first_version, wait_for_rewound_replicas
 from trainer.rollout import RolloutWorkers, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,6 @@ class AsyncGRPOTrainer:
         self.device, self.master_dtype, self.publish_dtype = resolve_precision(cfg)
         self.headers = auth_headers(cfg)
         self.version = -1  # newest published version (-1: none yet)
-        self._rewound = False  # the first version rewound the run (its [model] path holds an older version)
 
     def run(self) -> TrainResult:
         """Train for `optim.steps` steps; returns the result after the last version is committed."""
@@ -190,13 +190,12 @@ class AsyncGRPOTrainer:
                                   effort=cfg.sync.effort, adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s)
             state = publish_state(model, self.publish_dtype)
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
-            with self._collective(ctx, "publishing the first version"):
-                self.version = self._first_version(publisher, state, ctx)
+            self.version, rewound = first_version(publisher, state, cfg, ctx)  # trainer/resume.py
             if lead:
                 with self._lead_alone(ctx):
                     self._wait_for_fleet(publisher)
-                    if self._rewound:  # no rollout from weights the rewind abandoned
-                        self._wait_for_rewound_replicas(pool, publisher)
+                    if rewound:  # no rollout from weights the rewind abandoned
+                        wait_for_rewound_replicas(pool, publisher, self.version, cfg.sync.fleet_timeout_s)
                 workers.initial_version = self.version
                 workers.start()
                 poller.start()
@@ -321,56 +320,6 @@ class AsyncGRPOTrainer:
     def _collective(ctx: DistContext | None, what: str) -> contextlib.AbstractContextManager[None]:
         return collective(ctx, what) if ctx is not None else contextlib.nullcontext()
 
-    def _first_version(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext | None = None) -> int:
-        """Publish the starting weights as version 0, or continue a run that already holds them."""
-        if ctx is not None:
-            return self._first_version_sharded(publisher, state, ctx)
-        if publisher.committed_version is None:
-            return publisher.publish(state, 0)
-        try:
-            publisher.resume(state)
-        except PatchMismatchError as e:
-            # weights of an older version (a checkpoint from before a crash): rewind the run to it
-            from sparsesync.checkpoint import checkpoint_digest
-            from sparsesync.protocol.rewind import describe_versions, version_with_digest
-
-            commits = publisher.run.commits()
-            older = version_with_digest(commits, checkpoint_digest(state))
-            if older is None:
-                raise ConfigError(
-                    f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run, and the weights at [model] path are "
-                    f"none of its {describe_versions(commits)} (newest {publisher.committed_version})",
-                    hint="use a fresh bucket or prefix for a new run, or start from one of the run's versions "
-                         f"(`sparsesync pull {self.cfg.sync.bucket} DIR --version N`)",
-                ) from e
-            publisher.resume(state, version=older.version)  # docs/protocol.md, "Rewinds"
-            self._rewound = True
-            log.warning("[model] path holds version %d of %s: the run is rewound to it", older.version, self.cfg.sync.bucket)
-        return publisher.committed_version
-
-    def _first_version_sharded(self, publisher: Publisher, state: dict[str, torch.Tensor], ctx: DistContext) -> int:
-        """Sharded: version 0 on a new run. On a run that holds versions the publisher resumes, at
-        any world size: it checks the weights against the run's newest version with one tensor in
-        flight per rank (no rank gathers the whole model), and the next version is a delta;
-        weights that are not that version are a ConfigError on every rank."""
-        import torch.distributed as dist
-
-        box: list[Any] = [publisher.committed_version]
-        dist.broadcast_object_list(box, src=0, group=ctx.group)  # every rank goes by rank 0's view
-        newest = box[0]
-        if newest is None:
-            return publisher.publish(state, 0)
-        try:
-            with collective(ctx, "resuming the run"):
-                publisher.resume(state)
-        except PatchMismatchError as e:  # raised on every rank alike
-            raise ConfigError(
-                f"[sync] bucket {self.cfg.sync.bucket!r} already holds a run: its newest version ({newest}) "
-                "is not the weights at [model] path",
-                hint="use a fresh bucket or prefix for a new run, or start from the run's newest weights (`sparsesync pull`)",
-            ) from e
-        return newest
-
     def _step_groups(self, buffer: RolloutBuffer, workers: RolloutWorkers, n: int, step: int,
                      ctx: DistContext | None) -> list[Group]:
         """The step's groups: taken from the buffer (rank 0, which sends them to every rank), or
@@ -396,24 +345,6 @@ class AsyncGRPOTrainer:
                 with contextlib.suppress(SparsesyncError):  # tell the others why, if they can still hear it
                     send_batch(ctx, "stop", f"{type(e).__name__}: {e}")
             raise
-
-    def _wait_for_rewound_replicas(self, pool: ReplicaPool, publisher: Publisher) -> None:
-        """After a rewind, until every replica of `[rollout] replicas` serves the rewound version
-        (its `/sync` state digest; a replica that reports none: its version), so no rollout comes
-        from an abandoned version. TrainerError after `[sync] fleet_timeout_s`."""
-        deadline = time.monotonic() + self.cfg.sync.fleet_timeout_s
-        want = (self.version, publisher.state_digest)
-        while True:
-            seen = {u: None if st is None else (st.get("serving_version"), st.get("state_digest", want[1]))
-                    for u, st in pool.sync_status().items()}
-            behind = {u: v for u, v in seen.items() if v != want}
-            if not behind:
-                return
-            if time.monotonic() > deadline:
-                raise TrainerError(
-                    f"after the rewind to version {want[0]}, replicas {sorted(behind)} still serve {list(behind.values())} "
-                    f"after {self.cfg.sync.fleet_timeout_s} s", hint="check that they follow [sync] bucket (GET /sync)")
-            time.sleep(0.1)
 
     def _wait_for_fleet(self, publisher: Publisher) -> float:
         """With `[sync] fleet_min_replicas` = n: block until n replicas report (in their bucket

@@ -83,8 +83,7 @@ def log(
 
 def _show_rewinds(run: Any) -> None:
     """One line per rewind: the versions of the older epoch it abandoned (docs/protocol.md, "Rewinds")."""
-    from sparsesync.protocol.keys import COMMITS
-    from sparsesync.protocol.rewind import abandoned_by_rewinds
+    from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
 
     for a in abandoned_by_rewinds([o.key for o in run.store.list(COMMITS)]):
         vs = a.versions

@@ -69,7 +69,7 @@ def status(
 def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict[str, Any]:
     """The run's newest committed version, every heartbeat, and the thresholds crossed."""
     from sparsesync.protocol.fleet import read_fleet
-    from sparsesync.protocol.rewind import Lineage
+    from sparsesync.protocol.lineage import Lineage
 
     newest = _newest_commit(store)
     view = read_fleet(store)

@@ -5,6 +5,7 @@ small heartbeat record into the run, and anyone who can read the run sees the fl
 
     fleet/<replica-id>.json          a replica's heartbeat, overwritten in place every few seconds
     switches/v{version:010}.json     "switch to this version at apply_at", written once
+    switches/v{version:010}-e{epoch:06}.json   the same, for a version committed again after a rewind
 
 Guarantees:
 - Fleet records are advisory. Which bytes a replica serves is still decided only by commit
@@ -39,7 +40,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sparsesync.errors import ConfigError, FleetTimeoutError, ObjectNotFoundError, StoreError
-from sparsesync.protocol.keys import FLEET, epoch_switch_key, parse_heartbeat_key, switch_key
+from sparsesync.protocol.keys import COMMITS, FLEET, epoch_switch_key, parse_commit_key, parse_heartbeat_key, switch_key
+from sparsesync.protocol.lineage import Lineage
 from sparsesync.protocol.records import MAX_LEAD_S, MAX_RECORD_BYTES, MAX_TEXT, Heartbeat, SwitchRecord, clean_text
 from sparsesync.store import Store
 
@@ -122,15 +124,48 @@ def read_switch(store: Store, version: int, epoch: int | None = None) -> SwitchR
     return rec
 
 
+def switch_for(store: Store, version: int, epoch: int) -> SwitchRecord | None:
+    """The switch record in force for the commit of `version` by `epoch`, or None. The plain
+    `switches/v{N}.json` gates it when the record names that epoch; when it names another one
+    (a commit of `version` a rewind abandoned), `switches/v{N}-e{E}.json` does. A plain record
+    that names no epoch (written by a release before records named it) gates it only when no
+    other epoch ever committed `version` (the commit names are listed then, and only then), so a
+    record is tied to the commit it gates by what the records say, never by clocks."""
+    plain = read_switch(store, version)
+    if plain is None:
+        return None  # the epoch's record is written only beside another epoch's plain one
+    if plain.epoch == epoch or (plain.epoch is None and not _committed_by_another(store, version, epoch)):
+        return plain
+    return read_switch(store, version, epoch)
+
+
 def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0, epoch: int | None = None) -> SwitchRecord:
-    """Write the switch record of `version` (apply `apply_in_s` from now) unless one exists;
-    returns the record in force. Create-only where the store has it, so racing writers agree.
-    `epoch`: the record of `version` as committed again by that epoch after a rewind."""
+    """Write the switch record of the commit of `version` by `epoch` (apply `apply_in_s` from now)
+    unless one is in force (`switch_for`); returns the record in force. Create-only where the
+    store has it, so racing writers agree. The plain key when it is free, else (it belongs to a
+    commit of `version` a rewind abandoned) `switches/v{N}-e{E}.json`. `epoch` None: the plain
+    record, as written before records named their epoch."""
     now = time.time()
-    rec = SwitchRecord(version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT])
-    if store.put_new(switch_key(version) if epoch is None else epoch_switch_key(version, epoch), rec.to_json()):
+    rec = SwitchRecord(version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT], epoch=epoch)
+    if store.put_new(switch_key(version), rec.to_json()):
+        return rec
+    if epoch is None:
+        return read_switch(store, version) or rec
+    current = switch_for(store, version, epoch)
+    if current is not None:
+        return current
+    if store.put_new(epoch_switch_key(version, epoch), rec.to_json()):
         return rec
     return read_switch(store, version, epoch) or rec
+
+
+def _committed_by_another(store: Store, version: int, epoch: int) -> bool:
+    """Whether `commits/` names a commit of `version` by an epoch other than `epoch`."""
+    try:
+        return any(p[0] == version and p[1] != epoch for o in store.list(COMMITS) if (p := parse_commit_key(o.key)))
+    except StoreError as e:
+        log.warning("listing the commits of %s failed: %s", store.url, e)
+        return True  # cannot tell which commit an old record gates: it gates none
 
 
 def wait_for_fleet(
@@ -144,8 +179,6 @@ def wait_for_fleet(
 ) -> list[Seen]:
     """Block until `min_replicas` live replicas serve `version` or newer (with `staged`: have
     staged or serve it); returns them. FleetTimeoutError after `timeout` s names who is behind."""
-    from sparsesync.protocol.rewind import Lineage  # rewind hook: a replica on an abandoned version counts for nothing
-
     if min_replicas < 1:
         raise ConfigError(f"min_replicas={min_replicas}: must be >= 1")
     deadline = time.monotonic() + timeout

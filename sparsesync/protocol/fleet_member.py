@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sparsesync.errors import ConfigError, StoreAuthError, StoreError
-from sparsesync.protocol.fleet import reached, read_fleet, read_switch, switch_lead_s, write_switch
+from sparsesync.protocol.fleet import reached, read_fleet, read_switch, switch_for, switch_lead_s, write_switch
 from sparsesync.protocol.keys import REPLICA_ID_RE, heartbeat_key
+from sparsesync.protocol.lineage import Lineage
 from sparsesync.protocol.records import MAX_LEAD_S, MAX_TEXT, Heartbeat, SwitchRecord
-from sparsesync.protocol.rewind import Lineage, current_switch
 from sparsesync.store import Store
 
 log = logging.getLogger(__name__)
@@ -181,13 +181,10 @@ class FleetMember:
         deadline = min(committed_at, now) + opt.switch_deadline_s
         how = "deadline"
         while not self._follower_stop.is_set():
-            key_epoch = None
-            if epoch is None:
-                sw = read_switch(self.store, version)
-            else:  # a record of a version a rewind abandoned does not count (protocol/rewind.py)
-                sw, key_epoch = current_switch(self.store, version, epoch, committed_at)
+            # the record of this commit: one of a commit a rewind abandoned does not count (`fleet.switch_for`)
+            sw = read_switch(self.store, version) if epoch is None else switch_for(self.store, version, epoch)
             if sw is None and opt.switch_rule == "all-staged":
-                sw = self._switch_if_all_staged(version, key_epoch)
+                sw = self._switch_if_all_staged(version, epoch)
             if sw is not None:
                 self._follower_stop.wait(min(max(sw.apply_at - time.time(), 0.0), MAX_LEAD_S))
                 how = "switch"
@@ -204,7 +201,7 @@ class FleetMember:
     # -- internals ------------------------------------------------------------------------
     def _switch_if_all_staged(self, version: int, epoch: int | None = None) -> SwitchRecord | None:
         """The rule: when every live coordinated replica has staged (or serves) `version`, any
-        of them writes its switch record (`epoch`: under its key after a rewind). A replica that
+        of them writes its switch record (of the commit by `epoch`, `fleet.write_switch`). A replica that
         reaches it only through a version a rewind abandoned has not."""
         try:
             view = read_fleet(self.store)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 
 from sparsesync.errors import ConfigError
 
@@ -97,7 +98,7 @@ def switch_key(version: int) -> str:
 
 def epoch_switch_key(version: int, epoch: int) -> str:
     """The switch record of `version` as committed again by `epoch` after a rewind
-    (`protocol.rewind.current_switch`; docs/protocol.md, "Rewinds")."""
+    (`protocol.fleet.switch_for`; docs/protocol.md, "Rewinds")."""
     return f"{SWITCHES}v{version:010d}-e{epoch:06d}.json"
 
 
@@ -212,3 +213,27 @@ def valid_commits(keys: list[str]) -> list[tuple[int, int, str]]:
         if prefix_max_epoch[j] <= e:
             out.append((v, e, k))
     return out
+
+
+# ------------------------------------------------------------------------------ rewinds
+@dataclass(frozen=True)
+class Abandoned:
+    """Versions of `epoch` that the rewind commit `(version, by_epoch)` made untrusted."""
+
+    versions: tuple[int, ...]
+    epoch: int
+    version: int  # the rewind commit's version
+    by_epoch: int
+
+
+def abandoned_by_rewinds(keys: list[str]) -> list[Abandoned]:
+    """From the names of `commits/`: for each untrusted commit, the trusted commit of a newer epoch
+    at or below its version that overrules it (the first such), grouped per (epoch, rewind)."""
+    valid = valid_commits(keys)
+    trusted = {k for _v, _e, k in valid}
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for v, e in sorted(p for k in keys if (p := parse_commit_key(k)) and k not in trusted):
+        by = next(((tv, te) for tv, te, _k in valid if te > e and tv <= v), None)
+        if by is not None:
+            groups.setdefault((e, by[0], by[1]), []).append(v)
+    return [Abandoned(tuple(vs), e, bv, be) for (e, bv, be), vs in sorted(groups.items())]

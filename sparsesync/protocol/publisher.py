@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.adapter_runs import adapter_state, check_publish
@@ -48,6 +49,7 @@ from sparsesync.protocol.writer.anchors import AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig
 from sparsesync.protocol.writer.ranks import Ranks, holds_shards
+from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
 from sparsesync.protocol.writer.sharded import ShardedState
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
 from sparsesync.protocol.writer.whole import WholeState
@@ -179,16 +181,13 @@ class Publisher:
         DTensors: a collective, on every rank (see `sparsesync.protocol.writer.sharded`);
         replicated weights: rank 0 resumes as one process does.
 
-        `version` below the newest: a rewind (`sparsesync.protocol.rewind`): `state` (checked
-        against the run's version `version` when it has one) becomes that version at once and the
-        newer versions are abandoned; replicas follow without any change. Not yet distributed.
+        `version` below the newest: a rewind (`sparsesync.protocol.writer.rewind`): `state`
+        (checked against the run's version `version` when it has one) becomes that version at
+        once and the newer versions are abandoned; replicas follow without any change.
+        Distributed with DTensors: every rank rewinds its shard alike (a collective).
         """
         if self._ranks is not None:
-            newest = self.run.newest() if version is not None else None
-            if newest is not None and version != newest.version:
-                raise ConfigError(f"a distributed publisher cannot rewind {self.store.url} to version {version} yet",
-                                  hint="resume from the run's newest version, or publish to a new run URL")
-            if holds_shards(state) and self._decided:
+            if holds_shards(state) and self._decided and not isinstance(self._mode, ShardedState):
                 raise ConfigError("resume() must come before the first publish()")
             if not self._decided:
                 self._choose(state)
@@ -196,25 +195,42 @@ class Publisher:
         if isinstance(mode, WholeState) and version is not None:
             commits = mode.commits_to_resume()
             if version != commits[-1].version:  # a rewind (docs/protocol.md, "Rewinds")
-                from sparsesync.protocol.rewind import rewind
-
                 state, self.adapter = adapter_state(state, self.adapter)
                 rec = rewind(mode, state, version, commits, self.adapter)
                 self._newest, self.committed_version, self._last_version = rec, version, version
                 self.metrics.append(rec.metrics)
                 return
             mode.resume(state, commits)
+        elif isinstance(mode, ShardedState):
+            mode.resume(state, version)
+            if mode.published is not None and mode.published != self._last_version:  # a rewind, committed
+                self.committed_version = self._last_version = mode.published
         elif mode is not None:
             mode.resume(state)
+        elif version is not None:  # replicated weights, rank > 0: rank 0 resumes (or rewinds) for all
+            self._last_version = version
+
+    def version_of(self, state: Mapping[str, torch.Tensor] | Any) -> int | None:
+        """The newest version the run trusts whose weights `state` holds (by state digest), or None:
+        which version a checkpoint is, before `resume(state, version=...)`. Distributed with
+        DTensors: a collective, on every rank, before the first publish (the weights are hashed
+        over the units of the run's commits); replicated weights: rank 0's answer, None elsewhere."""
+        if self._ranks is not None and not self._decided:
+            self._choose(state)
+        if isinstance(self._mode, ShardedState):
+            return self._mode.held_version(state)
+        if self._mode is None:
+            return None
+        state, _adapter = adapter_state(state, self.adapter)
+        same = version_with_digest(self.run.commits(), checkpoint_digest(state))
+        return None if same is None else same.version
 
     def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
         """Stand (before the first `publish`) at the run's trusted `version`, below its newest,
         whose weights `state` holds (checked by state digest), without committing anything: the
         next `publish(state, N)` (N above `version`, at or below the run's newest) is a delta
         `version -> N` whose commit abandons the older epochs' versions from N on (`sparsesync
-        push --step N`; `sparsesync.protocol.rewind.stand_below`). One process only."""
-        from sparsesync.protocol.rewind import stand_below
-
+        push --step N`; `sparsesync.protocol.writer.rewind.stand_below`). One process only."""
         if not isinstance(self._mode, WholeState):
             raise ConfigError(f"a distributed publisher cannot continue {self.store.url} below its newest version",
                               hint="resume from the run's newest version, or publish to a new run URL")
@@ -258,13 +274,11 @@ class Publisher:
         """Tell coordinated replicas to apply `version` together: writes its switch record (once)
         and returns its apply_at (unix time). Default lead: the slowest live replica's poll."""
         from sparsesync.protocol.fleet import read_fleet, switch_lead_s, write_switch
-        from sparsesync.protocol.rewind import current_switch
 
         lead = switch_lead_s(read_fleet(self.store)) if apply_in_s is None else apply_in_s
-        # rewind hook: the plain record may belong to a version a rewind abandoned
-        ours = next((c for c in self.run.commits() if c.version == version and c.epoch == self.epoch), None)
-        sw, epoch = current_switch(self.store, version, self.epoch, ours.created_at) if ours else (None, None)
-        return (sw or write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead, epoch=epoch)).apply_at
+        # the record of the trusted commit of `version` (tied to it by its epoch, docs/protocol.md "Rewinds")
+        epoch = next((c.epoch for c in self.run.commits() if c.version == version), self.epoch)
+        return write_switch(self.store, version, by=f"trainer:{self.writer}", apply_in_s=lead, epoch=epoch).apply_at
 
     @property
     def state_digest(self) -> str | None:

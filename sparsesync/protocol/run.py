@@ -27,9 +27,10 @@ from sparsesync.errors import (
     PatchMismatchError,
     ProtocolError,
     RunNotFoundError,
+    SparsesyncError,
     VersionNotFoundError,
 )
-from sparsesync.protocol.keys import COMMITS, valid_commits
+from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds, valid_commits
 from sparsesync.protocol.parts_reader import apply_parts
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
 from sparsesync.store import Store, open_store
@@ -124,10 +125,8 @@ class Run:
             if rec.version == version:
                 return rec
         have = ", ".join(str(c.version) for c in commits[-5:])
-        from sparsesync.protocol.rewind import abandoned_note  # rewind hook: say which rewind abandoned it
-
         raise VersionNotFoundError(
-            f"version {version} is not committed under {self.url} (newest: {have}){abandoned_note(self.store, version)}",
+            f"version {version} is not committed under {self.url} (newest: {have}){_abandoned_note(self.store, version)}",
             hint="run `sparsesync log URL` to list committed versions",
         )
 
@@ -305,3 +304,14 @@ class Run:
                 self.apply_delta(step.commit, state, digests)
         return target, state, digests
 
+
+def _abandoned_note(store: Store, version: int) -> str:
+    """' (abandoned by the rewind to version N, epoch E)' when `version` was abandoned, else ''."""
+    try:
+        keys = [o.key for o in store.list(COMMITS)]
+    except SparsesyncError:
+        return ""
+    for a in abandoned_by_rewinds(keys):
+        if version in a.versions:
+            return f"; version {version} of epoch {a.epoch} was abandoned by the rewind to version {a.version} (epoch {a.by_epoch})"
+    return ""

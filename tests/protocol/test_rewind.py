@@ -331,3 +331,29 @@ def test_coordinated_replicas_switch_together_across_a_rewind(tmp_path: Path) ->
                 f.stop()
     for e in engines:
         assert digest(first[5]) not in e.digests()[e.digests().index(digest(first[5])) + 1:]
+
+
+def test_a_switch_record_gates_the_commit_its_epoch_names_whatever_the_clocks_say(tmp_path: Path) -> None:
+    """Version 5 of epoch 1 was abandoned by a rewind and committed again by epoch 2. The plain
+    `switches/v5.json` of epoch 1, dated 100 s ahead (its writer's clock runs fast), does not gate
+    the commit (5, 2): the epoch it names decides, not its time. The trainer's switch of (5, 2) is
+    then `switches/v5-e2.json`. A plain record without an epoch (an older release's) gates (5, 1)
+    while no other epoch committed 5, and nothing once one did."""
+    from sparsesync.protocol.fleet import switch_for, write_switch
+    from sparsesync.protocol.keys import commit_key, switch_key
+    from sparsesync.protocol.records import SwitchRecord
+
+    store = open_store(str(tmp_path / "run"), create=True)
+    store.put(commit_key(5, 1), b"{}")  # only the names matter to the rule
+    old = SwitchRecord(version=5, apply_at=time.time() + 100, written_at=time.time() + 100, by="trainer:a")
+    store.put(switch_key(5), old.to_json())  # no epoch: as written before records named it
+    assert switch_for(store, 5, 1) == old
+    store.put(commit_key(5, 2), b"{}")  # the rewind's epoch committed version 5 again
+    assert switch_for(store, 5, 2) is None and switch_for(store, 5, 1) is None  # ambiguous: gates nothing
+    store.put(switch_key(5), SwitchRecord(version=5, apply_at=time.time() + 100, written_at=time.time() + 100,
+                                          by="trainer:a", epoch=1).to_json())
+    assert switch_for(store, 5, 2) is None and switch_for(store, 5, 1).epoch == 1
+    ours = write_switch(store, 5, by="trainer:b", apply_in_s=0.5, epoch=2)
+    assert ours.epoch == 2 and store.exists("switches/v0000000005-e000002.json")
+    assert switch_for(store, 5, 2) == ours and write_switch(store, 5, by="replica:r", epoch=2) == ours
+    assert json.loads(store.get(switch_key(5)))["epoch"] == 1  # written once, never replaced

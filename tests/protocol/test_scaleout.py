@@ -566,3 +566,53 @@ def _replica_follows(url: str, tmp_path: Path, arch: str, versions: range, want)
         assert_bit_equal(engine.state_dict(), want(v))
         head, emb = engine.model.lm_head.weight, engine.model.model.embed_tokens.weight
         assert (head.data_ptr() == emb.data_ptr()) == (arch == "qwen3-tied")
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_from_an_older_version_rewinds_and_a_follower_ends_bit_exact(tmp_path):
+    """2 FSDP2 ranks publish versions 1..5 (an anchor, then deltas in row parts); the next job
+    starts from version 3's weights (a checkpoint from before a crash) and `resume(state,
+    version=3)`s on every rank: the weights are checked over version 3's units, the rewind commit
+    (3, new epoch) is a sharded anchor of them, versions 4..5 of the first job are abandoned and
+    the job continues with deltas 3 -> 4 -> 5 -> 6. A follower that held the abandoned version 5
+    ends bit-exact with the job's final weights. Weights one ulp off version 3 are refused on every
+    rank before anything is uploaded; a rewind to version 1 (an anchor of whole tensors) reuses it."""
+    url, out = str(tmp_path / "run"), tmp_path / "full"
+    out.mkdir()
+    res = _launch(2, url=url, out=str(out), first=1, last=5)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    run = Run(url)
+    f = Follower(url)
+    assert f.sync_once() == 5
+    abandoned = run.commit(5).state_digest
+    objects = sorted(p.relative_to(url) for p in Path(url).rglob("*") if p.is_file() and "writers" not in p.parts)
+
+    res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, resume_version=3, perturb=True)
+    assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert sorted(p.relative_to(url) for p in Path(url).rglob("*") if p.is_file() and "writers" not in p.parts) == objects
+
+    res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, resume_version=3)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    commits = run.commits()
+    assert [c.version for c in commits] == [1, 2, 3, 4, 5, 6]
+    rec = run.commit(3)
+    assert rec.metrics["kind"] == "rewind" and rec.metrics["rewind_from"] == 5 and rec.metrics["abandoned"] == [4, 5]
+    assert rec.epoch > commits[1].epoch and rec.has_anchor and not rec.parts  # a sharded anchor: 2 files and the index
+    assert len(rec.anchor) == 3 and not rec.metrics["reused_anchor"]
+    assert all(c.parts and c.base_version == c.version - 1 and c.epoch == rec.epoch for c in commits[3:])
+    assert run.commit(5).state_digest != abandoned
+    _check_versions(url, out, range(3, 7))  # v3 is the first job's file: the same weights
+    assert f.sync_once() == 6
+    assert_bit_equal(f.mirror, load_file(out / "v6.safetensors"))
+    assert verify_run(url).ok
+
+    # a rewind to version 1, an anchor of whole tensors: the rewind commit is that anchor, nothing uploaded
+    res = _launch(2, url=url, out=str(out), first=2, last=2, resume=True, resume_version=1)
+    assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
+    rec = run.commit(1)
+    assert rec.metrics["kind"] == "rewind" and rec.metrics["reused_anchor"] and rec.metrics["abandoned"] == [2, 3, 4, 5, 6]
+    assert [o.key for o in rec.anchor] == [o.key for o in commits[0].anchor]
+    assert [c.version for c in run.commits()] == [1, 2] and run.commit(2).base_version == 1
+    assert f.sync_once() == 2
+    assert_bit_equal(f.mirror, load_file(out / "v2.safetensors"))

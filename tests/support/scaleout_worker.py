@@ -8,7 +8,7 @@ the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) t
 state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
 `pub.resume(model.state_dict())` (with `perturb`, after changing one element of the last tensor, or of
-the tensor it names). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
+the tensor it names; with `resume_version`, that older version instead: a rewind). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
 starts storing its part of that version. With `slow_puts` (seconds), every rank's part uploads
 take that long and versions are published without waiting for them (flushed after the last one;
 `queue_size` as given). With `fence_version`, rank 0 starts another writer on the
@@ -55,7 +55,7 @@ def main() -> None:
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.05)
     model = model.to(torch.bfloat16)
     if args.get("resume"):
-        _rec, state, _d = Run(args["url"]).reconstruct()
+        _rec, state, _d = Run(args["url"]).reconstruct(args.get("resume_version"))
         if args.get("perturb"):  # weights one ulp away from the run's newest version (in tensor `perturb`, or the last)
             name = args["perturb"] if isinstance(args["perturb"], str) else sorted(state)[-1]
             state[name].view(-1)[:1].view(torch.int16).add_(1)
@@ -104,7 +104,7 @@ def main() -> None:
     assert type(pub) is Publisher and (pub.rank, pub.world) == (rank, world)  # one rank of a distributed publisher
     try:
         if args.get("resume"):
-            pub.resume(model.state_dict())
+            pub.resume(model.state_dict(), version=args.get("resume_version"))
         for v in range(args["first"], args["last"] + 1):
             tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1000 * v + rank))
             loss = model(input_ids=tokens, labels=tokens).loss

@@ -119,23 +119,28 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class SwitchRecord:
-    """`switches/v<N>.json`: replicas that staged `version` apply it at `apply_at`."""
+    """`switches/v<N>.json` (or `v<N>-e<E>.json`, `fleet.switch_for`): replicas that staged
+    `version` (committed by `epoch`) apply it at `apply_at`."""
 
     version: int
     apply_at: float  # writer's unix time
     written_at: float
     by: str  # "trainer:<writer>" or "replica:<id>" (the rule: every live replica staged)
+    epoch: int | None = None  # the epoch of the commit it gates (None: written before records named it)
     format: str = SWITCH_FORMAT
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        raw = asdict(self)
+        if raw["epoch"] is None:
+            del raw["epoch"]  # as records were before this field existed
+        return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str) -> SwitchRecord:
         f = Fields(load_object(data, MAX_RECORD_BYTES))
         f.choice("format", (SWITCH_FORMAT,))
         rec = cls(version=_int(f, "version", optional=False), apply_at=_time(f, "apply_at"),
-                  written_at=_time(f, "written_at"), by=_text(f, "by"))
+                  written_at=_time(f, "written_at"), by=_text(f, "by"), epoch=_int(f, "epoch"))
         if keys.parse_switch_key(key) != rec.version:
             raise ValueError(f"version {rec.version} does not match the record's name")
         return rec

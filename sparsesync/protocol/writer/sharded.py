@@ -63,11 +63,10 @@ import torch
 import torch.distributed as dist
 
 from sparsesync.checkpoint import check_key_set, shared_aliases
-from sparsesync.codec import state_digest
+from sparsesync.codec import state_digest, tensor_digest
 from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
 from sparsesync.errors import (
     ConfigError,
-    PatchMismatchError,
     RankFailedError,
     RunNotFoundError,
     SparsesyncError,
@@ -92,6 +91,7 @@ from sparsesync.protocol.writer.ranks import (
     local_units,
     shard_rows,
 )
+from sparsesync.protocol.writer.rewind import check_checkpoint, resume_info
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue, coalesce, wait_to_retry
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class ShardedState:
                                        seal=lambda item: self.anchors.add_delta(int(item.metrics["patch_bytes"])))
         self.published = version
 
-    def resume(self, state: Mapping[str, torch.Tensor]) -> None:
+    def resume(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds (a
         collective, on every rank): the next `publish` is a delta against it once the weights are
         checked to be that version; PatchMismatchError on every rank when they are not. When that
@@ -175,42 +175,89 @@ class ShardedState:
         digests make up its state digest; over other units (another world size's rows, or whole
         tensors: an anchor, or a single process's version) the weights are hashed over its units
         (`ranks.digests_over`: each tensor gathered to one rank, as for an anchor, but nothing written
-        or uploaded). The delta is over this world's units."""
+        or uploaded). The delta is over this world's units.
+
+        `version` below the newest: a rewind (`writer.rewind`, docs/protocol.md
+        "Rewinds"): the weights are checked against the run's trusted `version` (when it has one)
+        as above, then the rewind commit `(version, epoch)` is written (that version's own anchor
+        when it has one of whole tensors, else a new sharded anchor of `state`) before this returns."""
         if self.snapshot is not None:
             raise ConfigError("resume() must come before the first publish()")
         rank, world = self.r.rank, self.r.world
         tensors = checkpoint_shards(state, rank, world, self.aliases)
         self.key_set = [replace(t, local=None) for t in tensors]
         snap = self._shard_snapshot(*local_units(tensors, rank, world), 0)
-        info = self._newest_info() if rank == 0 else None
+        info = resume_info(self.run, version) if rank == 0 else None
         got: list[Any] = [None] * world
         with collective(f"resume() of {self.url}"):
             dist.all_gather_object(got, (snap.digests, info), group=self._ctl)
         info = got[0][1]
         if info is None:
             raise RunNotFoundError(f"nothing to resume under {self.url}", hint="publish() starts a run")
-        digests = {k: d for held, _ in got for k, d in held.items()}
-        if info["units"] is None or [u.key for u in info["units"]] != sorted(digests):
-            # another world size's rows, or whole tensors (an anchor, or a single process's version):
-            # hash the weights over the newest version's own units
-            t0 = time.perf_counter()
-            with collective(f"resume() of {self.url}"):
-                digests = digests_over(tensors, info["units"] or [Unit(t.name) for t in tensors], self.r, self._ctl)
-            log.info("resume(): version %d of %s covers other units (another world size, or whole tensors): "
-                     "checked the weights over its units in %.1f s; the first version is a delta over this "
-                     "world's units", info["version"], self.url, time.perf_counter() - t0)
-        if state_digest(digests) != info["state_digest"]:
-            raise PatchMismatchError(
-                f"the weights given to resume() on {world} ranks have state digest {state_digest(digests)}, "
-                f"but version {info['version']} of {self.url} has {info['state_digest']}",
-                hint="load the run's newest version into the model on every rank first (`Run(url).reconstruct()`)",
-            )
-        snap.version = info["version"]
+        if isinstance(info, SparsesyncError):
+            raise info  # refused alike on every rank, nothing written
+        own = {k: d for held, _ in got for k, d in held.items()}
+        target = info["target"]
+        if target is not None:
+            digest = state_digest(self._digests_over(tensors, own, target["units"], info["version"]))
+            # a match over this world's own units names the version too (no other unit set is hashed)
+            check_checkpoint(self.url, info["commits"], info["version"], digest, also=state_digest(own),
+                             what=f"the weights given to resume() on {world} ranks")
+        n = info["version"]
+        snap.version = n
         for sub in snap.snapshots:
-            sub.version = info["version"]
+            sub.version = n
+        if info["rewind"] is None:
+            self.snapshot = snap
+            self.anchors.resume_from(info["history"], with_bytes=rank == 0)  # summed over ranks by `_plan`
+            self.committed_digest = target["state_digest"]
+            return
+        # a rewind: the commit (n, epoch), through the uploader as any version, before training goes on
+        item = PendingVersion(version=n, base_version=None, state_digest="", base_state_digest=None,
+                              digests=snap.digests, base_digests=None, changes=None, delta=None, anchor_dir=None,
+                              metrics={"_rewind": info["rewind"]})
+        if info["rewind"]["anchor"] is None:  # nothing to reuse: a sharded anchor of the checkpoint
+            self.anchors.anchored(n, self._write_anchor_shard(item, tensors))
+        else:
+            self.anchors.resume_from(AnchorHistory(n, info["rewind"]["anchor_bytes"], 0), with_bytes=rank == 0)
         self.snapshot = snap
-        self.anchors.resume_from(info["history"], with_bytes=rank == 0)  # summed over ranks by `_plan`
-        self.committed_digest = info["state_digest"]
+        self.queue.append(item)
+        self.queue.flush()
+        self.queue.raise_error()
+        self.published = n
+
+    def held_version(self, state: Mapping[str, torch.Tensor]) -> int | None:
+        """The newest trusted version whose weights `state` holds, or None (a collective, before the
+        first publish): the weights are hashed over each set of units the run's commits use (this
+        world's rows: the ranks' own digests; others: `_digests_over`), nothing written."""
+        tensors = checkpoint_shards(state, self.r.rank, self.r.world, self.aliases)
+        local, _units = local_units(tensors, self.r.rank, self.r.world)
+        listing = [(c.version, c.state_digest, sorted((u for p in c.parts for u in p.units), key=lambda u: u.key)
+                    if c.parts else None) for c in self.run.commits()] if self.r.rank == 0 else None
+        got: list[Any] = [None] * self.r.world
+        with collective(f"resume() of {self.url}"):
+            dist.all_gather_object(got, ({k: tensor_digest(t) for k, t in local.items()}, listing), group=self._ctl)
+        own, listing = {k: d for held, _ in got for k, d in held.items()}, got[0][1]
+        found: list[int] = []
+        for units in {repr(u): u for _v, _d, u in listing}.values():  # alike on every rank: rank 0's listing
+            digest = state_digest(self._digests_over(tensors, own, units, listing[-1][0]))
+            found += [v for v, d, u in listing if u == units and d == digest]
+        return max(found, default=None)
+
+    def _digests_over(self, tensors: list[ShardedTensor], own: dict[str, str], units: list[Unit] | None,
+                      version: int) -> dict[str, str]:
+        """The weights' digests over `units` (None: whole tensors): the ranks' own digests when
+        those are this world's units, else hashed over them (a collective)."""
+        if units is not None and [u.key for u in units] == sorted(own):
+            return own
+        # another world size's rows, or whole tensors (an anchor, or a single process's version)
+        t0 = time.perf_counter()
+        with collective(f"resume() of {self.url}"):
+            digests = digests_over(tensors, units or [Unit(t.name) for t in tensors], self.r, self._ctl)
+        log.info("resume(): version %d of %s covers other units (another world size, or whole tensors): "
+                 "checked the weights over its units in %.1f s; the first version is a delta over this "
+                 "world's units", version, self.url, time.perf_counter() - t0)
+        return digests
 
     # -- upload (the uploader's thread) ------------------------------------------------------
     def upload(self, item: PendingVersion, adapter: Any = None) -> dict[str, Any]:
@@ -240,7 +287,10 @@ class ShardedState:
         if item.anchor_dir is not None:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         self.committed, self.committed_digest = item.version, digest
-        return {k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version}
+        out = {k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version}
+        if rewind := item.metrics.get("_rewind"):  # what rank 0's commit says of the rewind, on every rank
+            out |= {k: v for k, v in rewind.items() if k not in ("anchor", "state_digest")} | {"kind": "rewind"}
+        return out
 
     def _store_local(self, item: PendingVersion) -> tuple[list[PartRef], list[ObjectRef]]:
         """Upload this rank's parts (and its anchor file), retrying store outages a few times
@@ -279,9 +329,12 @@ class ShardedState:
             anchor = sorted((o for r in reports for o in r["anchor"]), key=lambda o: o.key)
             parts = [p for r in reports for p in r["parts"]]
             digests = {k: d for r in reports for k, d in r["digests"].items()}
+            rewind = item.metrics.get("_rewind")
             if parts:
                 sd = state_digest(digests)
                 base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
+            elif rewind is not None and rewind["anchor"] is not None:  # the rewound version's own anchor
+                anchor, sd, base_sd = list(rewind["anchor"]), rewind["state_digest"], None
             else:
                 (sd, index), base_sd = self._anchor_index(item, reports), None
                 anchor += index
@@ -293,6 +346,9 @@ class ShardedState:
             rec.metrics = {**combined_metrics([r["metrics"] for r in reports]), "version": item.version,
                            "base_version": rec.base_version, "ranks": self.r.world,
                            "upload_s": time.perf_counter() - t0, "kind": "delta" if parts else "anchor"}
+            if rewind is not None:  # docs/protocol.md, "Rewinds"
+                rec.metrics |= {k: v for k, v in rewind.items() if k not in ("anchor", "state_digest")} | {
+                    "kind": "rewind", "anchor_bytes": sum(o.size for o in anchor), "reused_anchor": rewind["anchor"] is not None}
             self.commits.commit(rec)
         except Exception as e:  # noqa: BLE001 - every rank raises it
             return f"rank 0 could not commit: {type(e).__name__}: {e}", ""
@@ -347,17 +403,6 @@ class ShardedState:
             else:
                 out.append(replace(t, local=held[t.name] if t.holder == self.r.rank else None))
         return out
-
-    def _newest_info(self) -> dict[str, Any] | None:
-        """Rank 0, for resume(): what the run's newest version covers, and its anchor history."""
-        commits = self.run.commits()
-        if not commits:
-            return None
-        newest = commits[-1]
-        return {
-            "version": newest.version, "state_digest": newest.state_digest, "history": AnchorHistory.of(commits),
-            "units": sorted((u for p in newest.parts for u in p.units), key=lambda u: u.key) if newest.parts else None,
-        }
 
     def _write_anchor_shard(self, item: PendingVersion, tensors: list[ShardedTensor]) -> int:
         """Every rank: gather the tensors the plan gives this rank, whole, and write them as its

@@ -136,24 +136,32 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
     assert verify_run(bucket).ok
 
 
-def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> None:
-    """A new torchrun job on the same bucket: refused from weights that are not the run's newest;
-    from the newest (`sparsesync pull`-style folder) it continues with version 4, a delta."""
+def _version_folder(model: str, bucket: str, version: int, dest: Path) -> Path:
+    """A model folder holding `version` of the run (what `sparsesync pull --version` writes)."""
     from safetensors.torch import save_file
+
+    shutil.copytree(model, dest)
+    for f in dest.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: t.contiguous() for k, t in Run(bucket).reconstruct(version)[1].items()}, str(dest / "model.safetensors"))
+    return dest
+
+
+def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> None:
+    """A new torchrun job on the same bucket: refused from weights that are no version of the run;
+    from the newest (`sparsesync pull`-style folder) it continues with version 4, a delta."""
+    from sparsesync.tiny_model import build_tiny_model
 
     cfg = TrainerConfig.load(config)
     cfg.optim.steps = 1
     again = tmp_path / "again.toml"
-    again.write_text(cfg.to_toml())  # [model] path: the starting weights, not version 3
+    start = cfg.model.path
+    cfg.model.path = str(build_tiny_model(tmp_path / "stranger", seed=1, arch="qwen3-tied"))  # no version of the run
+    again.write_text(cfg.to_toml())
     proc = _torchrun(again)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and out.count("is not the weights at [model] path") == 2, out[-3000:]
-    newest = tmp_path / "newest"
-    shutil.copytree(cfg.model.path, newest)
-    for f in newest.glob("*.safetensors"):
-        f.unlink()
-    save_file({k: t.contiguous() for k, t in Run(bucket).reconstruct(3)[1].items()}, str(newest / "model.safetensors"))
-    cfg.model.path = str(newest)
+    cfg.model.path = str(_version_folder(start, bucket, 3, tmp_path / "newest"))
     again.write_text(cfg.to_toml())
     proc = _torchrun(again)
     out, _ = proc.communicate(timeout=180)
@@ -164,6 +172,48 @@ def _continue(tmp_path: Path, config: Path, bucket: str, newest_digest: str) -> 
     assert v4.parts and v4.base_version == 3 and not v4.has_anchor
     digests = _replay(bucket)
     assert digests[3] == newest_digest and sorted(digests) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_torchrun_trainer_resumed_from_an_older_version_rewinds_the_run_and_replicas_follow(tmp_path: Path) -> None:
+    """2 FSDP2 ranks train 3 steps (versions 0..3); the next job starts from an older version's weights
+    (a checkpoint from before a crash): every rank checks them over the run's units, the run is rewound
+    to it (a new epoch) and goes on with deltas; the replica and a follower that held the abandoned
+    version 3 end with the second job's final weights, bit for bit."""
+    with _job(tmp_path, "qwen3", steps=3) as (config, bucket, replica):
+        proc = _torchrun(config)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+        f = Follower(bucket)
+        assert f.sync_once() == 3
+        # the checkpoint: the newest version whose weights are not version 3's (a step with no reward changes nothing)
+        full = _replay(bucket)
+        older = max(v for v in full if full[v] != full[3])
+        cfg = TrainerConfig.load(config)
+        cfg.optim.steps = 2
+        cfg.model.path = str(_version_folder(cfg.model.path, bucket, older, tmp_path / "ckpt"))
+        again = tmp_path / "again.toml"
+        again.write_text(cfg.to_toml())
+        proc = _torchrun(again)
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+        assert out.count(f"[model] path holds version {older} of") == 2, out[-3000:]  # on every rank
+        m = re.search(r"published version (\d+) \(state digest (\w+)\)", out)
+        assert m and int(m.group(1)) == older + 2, out[-3000:]
+        run = Run(bucket)
+        commits = run.commits()
+        assert [c.version for c in commits] == list(range(older + 3)) and len({c.epoch for c in commits[older:]}) == 1
+        rec = commits[older]
+        assert rec.metrics["kind"] == "rewind" and rec.metrics["abandoned"] == list(range(older + 1, 4))
+        assert rec.epoch > commits[0].epoch and rec.has_anchor
+        assert all(c.parts and c.base_version == c.version - 1 for c in commits[older + 1:])
+        assert f.sync_once() == older + 2 and state_digest(tensor_digests(f.mirror)) == m.group(2)  # bit-exact
+        deadline = time.monotonic() + 60  # the replica too
+        while httpx.get(replica + "/health", timeout=5).json().get("state_digest") != commits[-1].state_digest:
+            assert time.monotonic() < deadline, httpx.get(replica + "/sync", timeout=5).json()
+            time.sleep(0.3)
+        assert _replay(bucket)[older + 2] == m.group(2)
+    assert verify_run(bucket).ok
 
 
 def _rank_pid(launcher: subprocess.Popen[str], rank: int, timeout: float = 60) -> int:
