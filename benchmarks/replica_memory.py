@@ -138,9 +138,9 @@ class Sampler:
 class Worker:
     """A measured subprocess speaking line protocol on stdout (lines starting with '@')."""
 
-    def __init__(self, args: list[str], log: Path, tree: Path) -> None:
-        """`tree`: the source tree whose sparsesync and inference_space the worker imports."""
-        env = dict(os.environ, PYTHONPATH=str(tree), VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+    def __init__(self, args: list[str], log: Path, tree: Path, env: dict[str, str] | None = None) -> None:
+        """`tree`: the source tree whose sparsesync and inference_space the worker imports; `env`: more variables."""
+        env = dict(os.environ, PYTHONPATH=str(tree), VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", **(env or {}))
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", *args], cwd=tree, env=env,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
@@ -294,14 +294,20 @@ def run_publisher(model: Path, bucket: Path, versions: int, logs: Path, tree: Pa
     return {"caller_state": state, "after": {1: after[1], versions: after[versions]}, "peak": peak, "publish_s": times}
 
 
-def run_replica(engine: str, model: Path, src: Path, live: Path, versions: int, logs: Path, tree: Path) -> dict[str, Any]:
+# replica roles: role -> (engine, extra environment). `embedded_anon_mirror`: the embedded replica
+# with its mirror in anonymous memory (what the file map costs or saves, measured in the same run)
+REPLICAS = {"embedded": ("embedded", {}), "vllm": ("vllm", {}), "embedded_anon_mirror": ("embedded", {"SPARSESYNC_MIRROR_DIR": "memory"})}
+
+
+def run_replica(role: str, model: Path, src: Path, live: Path, versions: int, logs: Path, tree: Path) -> dict[str, Any]:
+    engine, env = REPLICAS[role]
     if live.exists():
         shutil.rmtree(live)
     (live / "writers").mkdir(parents=True)
     for p in (src / "writers").iterdir():
         os.link(p, live / "writers" / p.name)
     t_start = time.time()
-    w = Worker(["replica", engine, str(model), str(live), str(versions)], logs / f"replica-{engine}.log", tree)
+    w = Worker(["replica", engine, str(model), str(live), str(versions)], logs / f"replica-{role}.log", tree, env)
     w.expect("READY")
     t_ready = time.time()
     startup_s = t_ready - t_start
@@ -358,7 +364,7 @@ def summarize(size: str, nbytes: int, res: dict[str, Any], over: dict[str, Any],
                                                 o["peak"]["nonevictable"] - o["caller_state"]["nonevictable"]),
             "publish_s_mean": round(_mean(p["publish_s"][1:]), 3),
         }
-    for eng in ("embedded", "vllm"):
+    for eng in REPLICAS:
         if eng not in res or eng not in over:
             continue
         r, o = res[eng], over[eng]
@@ -442,7 +448,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024x5,2048x5,2560x8", help="hidden x layers of each model, smallest first")
     ap.add_argument("--vllm-sizes", default="1024x5,2048x5,2560x8", help="sizes the vLLM replica runs at")
-    ap.add_argument("--roles", default="publisher,embedded,vllm,pull")
+    ap.add_argument("--roles", default="publisher,embedded,vllm,pull", help=f"of publisher, pull, {', '.join(REPLICAS)}")
     ap.add_argument("--versions", type=int, default=10)
     ap.add_argument("--work", default="/var/tmp/sparsesync-replica-memory", help="on disk, not tmpfs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "replica_memory.json"))
@@ -476,10 +482,12 @@ def main() -> None:
             (sdir / tag).mkdir(parents=True)
             bucket = src if not src.exists() else sdir / f"source-{tag}"  # replicas follow the first one
             res[tag]["publisher"] = run_publisher(model, bucket, args.versions, sdir / tag, tree)
-        for role in ("embedded", "vllm", "pull"):
+        for role in (*REPLICAS, "pull"):
             if role not in roles or (role == "vllm" and size not in args.vllm_sizes.split(",") and size != OVERHEAD_SIZE):
                 continue
             for tag, tree in trees.items():
+                if role == "embedded_anon_mirror" and tag == "baseline":
+                    continue  # the baseline has no file-backed mirror to compare with
                 if role == "pull":
                     res[tag]["pull"] = run_pull(src, sdir, sdir / tag, tree)
                 else:

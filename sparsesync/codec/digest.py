@@ -131,10 +131,13 @@ def bytes_digest(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def file_digest(path: Path, chunk: int = 64 << 20) -> str:
-    """`bytes_digest` of a file's bytes, read `chunk` bytes at a time."""
+def file_digest(path: Path, chunk: int = 4 << 20) -> str:
+    """`bytes_digest` of a file's bytes, read into one reused buffer of `chunk` bytes (memory:
+    that buffer, whatever the file's size; a fresh block per read kept two alive at once)."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()

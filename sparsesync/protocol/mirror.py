@@ -23,10 +23,12 @@ Guarantees:
 - `release_freed_memory()` hands the memory the C allocator keeps after frees back to the OS
   (glibc `malloc_trim(0)`; a no-op elsewhere): the follower calls it after every sync, so
   reloads leave no freed model-sized memory behind (measured: it costs the next update no
-  measurable time). An update's temporaries (an engine's reload and read-back) still come and
-  go within it: with glibc, `MALLOC_MMAP_THRESHOLD_=1048576` in the environment returns them
-  as they are freed, at a price (vLLM CPU, 92 MB model: the update's peak 1.7 instead of ~4
-  copies of the model, but 2.3x the CPU time per update, from page faults), so it is not set.
+  measurable time). Within an update, the vLLM backend returns its temporaries the same way
+  after each decoder layer's reload and each parameter's read-back (`integrations.vllm.backend`,
+  `readback`), so they never pile up over the model: vLLM CPU's non-evictable peak during an
+  update 1.50-1.55 copies of the model (92 and 368 MB), 4.0 when returned only after the update
+  (benchmarks/results/replica_memory.json). A process-wide `MALLOC_MMAP_THRESHOLD_=1048576`
+  does the same at 2.3x the CPU time per update (page faults), so it is not set.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import stat
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from sparsesync.errors import ObjectNotFoundError, StoreAuthError, StoreError
 from sparsesync.store import retry
@@ -25,7 +26,16 @@ from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
 
 _TMP = ".sparsesync-tmp-"
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20
+
+
+def _copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
+    """Copy `src` to `dst` through one reused buffer of `_CHUNK` bytes (memory bounded by that,
+    not by the object: a model-sized anchor costs 1 MiB, not two blocks of 8)."""
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while n := src.readinto(buf):
+        dst.write(view[:n])
 
 
 class LocalStore(Store):
@@ -83,8 +93,7 @@ class LocalStore(Store):
                     out.write(data)
                 else:
                     with open(data, "rb") as src:
-                        while chunk := src.read(_CHUNK):
-                            out.write(chunk)
+                        _copy_stream(src, out)
                 out.flush()
                 os.fsync(out.fileno())
         except BaseException:
@@ -209,8 +218,7 @@ class LocalStore(Store):
             tmp = dest.with_name(dest.name + f".part-{uuid.uuid4().hex[:8]}")
             try:
                 with self._open(key) as i, open(tmp, "wb") as o:
-                    while chunk := i.read(_CHUNK):
-                        o.write(chunk)
+                    _copy_stream(i, o)
                 os.replace(tmp, dest)
             except BaseException:
                 tmp.unlink(missing_ok=True)

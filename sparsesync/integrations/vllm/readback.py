@@ -17,7 +17,9 @@ kernel layout, and a tied LM head is packed apart from the embedding it ties to.
 `check(model, layout, expected)` compares every element of every expected tensor with the
 engine's (as float: -0.0 equals 0.0 and subnormals compare as zero, since CPU kernels may
 flush them) and returns one message per mismatching tensor. Tensor parallelism: each rank
-compares its own shard.
+compares its own shard. Memory: one parameter's read at a time (a probed layer's W is written
+block by block into one tensor) and comparisons in blocks of `_COMPARE_ELEMS` elements, never a
+whole-model or whole-tensor float temporary.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any
 import torch
 
 from sparsesync.integrations.vllm.layout import Layout, Location
+from sparsesync.protocol.mirror import release_freed_memory
 
 _PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
+_COMPARE_ELEMS = 1 << 18  # elements compared at once (bounds the comparison's float temporaries)
 _PERMS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
 
@@ -46,14 +50,19 @@ def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
 
 
 def _probe(mod: torch.nn.Module, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """W [N, K] as the layer's CPU kernel computes with it."""
-    cols = []
+    """W [N, K] as the layer's CPU kernel computes with it, written block by block into one
+    tensor (memory: W once, plus one block of identity rows and its product)."""
+    w: torch.Tensor | None = None
     for start in range(0, k, _PROBE_ROWS):
         eye = torch.zeros(min(_PROBE_ROWS, k - start), k, dtype=dtype, device=device)
         eye[:, start : start + eye.shape[0]].fill_diagonal_(1)
         out = mod.cpu_linear(eye, mod.weight, None)
-        cols.append(out.t().to(dtype))
-    return torch.cat(cols, dim=1)
+        if w is None:
+            w = torch.empty(out.shape[1], k, dtype=dtype, device=device)
+        w[:, start : start + eye.shape[0]] = out.t()
+        del eye, out
+    assert w is not None
+    return w
 
 
 def cpu_experts(mod: torch.nn.Module) -> Any:
@@ -205,6 +214,16 @@ def flushed(t: torch.Tensor) -> torch.Tensor:
     return torch.where(f.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(f), f)
 
 
+def count_differing(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Elements of two same-shape CPU tensors that differ as `flushed` floats, compared a block of
+    dim-0 rows (about `_COMPARE_ELEMS` elements) at a time: the float temporaries of a whole
+    tensor at once were 8-10 times its bf16 bytes, for the largest tensor of the model."""
+    if got.dim() == 0 or got.numel() == 0:
+        return int((flushed(got) != flushed(want)).sum())
+    step = max(1, _COMPARE_ELEMS // max(1, got[0].numel()))
+    return sum(int((flushed(got[s : s + step]) != flushed(want[s : s + step])).sum()) for s in range(0, got.shape[0], step))
+
+
 def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
     """One message per tensor of `expected` (checkpoint names) the engine does not compute with."""
     problems = []
@@ -216,6 +235,7 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         want = expected[name]
         if cache and next(iter(cache))[1:] != (loc.module, loc.param):
             cache.clear()
+            release_freed_memory()  # the last parameter's read and probe blocks, back to the OS
         try:
             got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
         except (KeyError, RuntimeError, IndexError, ValueError) as e:  # a layout this read-back does not know: loud, named
@@ -225,9 +245,8 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         if tuple(got.shape) != tuple(exp.shape):
             problems.append(f"tensor '{name}': engine holds shape {list(got.shape)}, expected {list(exp.shape)}")
             continue
-        diff = flushed(got) != flushed(exp)
-        if bool(diff.any()):
-            problems.append(f"tensor '{name}': {int(diff.sum())} of {diff.numel()} elements differ from the version ({loc.module}.{loc.param})")
+        if n := count_differing(got, exp):
+            problems.append(f"tensor '{name}': {n} of {exp.numel()} elements differ from the version ({loc.module}.{loc.param})")
     return problems
 
 
@@ -238,7 +257,6 @@ def check_tied_head(model: torch.nn.Module, embed: torch.Tensor, *, rank: int = 
         return []
     loc = Location("lm_head", "weight", "vocab")
     got, exp = local_pair(model, loc, embed.to("cpu"), rank, size)
-    diff = flushed(got.to("cpu")) != flushed(exp)
-    if bool(diff.any()):
-        return [f"tied LM head: {int(diff.sum())} of {diff.numel()} elements differ from 'model.embed_tokens.weight'"]
+    if n := count_differing(got.to("cpu"), exp):
+        return [f"tied LM head: {n} of {exp.numel()} elements differ from 'model.embed_tokens.weight'"]
     return []

@@ -6,7 +6,8 @@ When it blocks: never on the network. `put` hands a version to the uploader and 
 one (B->N-1 and N-1->N become B->N; version N-1 is never committed). A delta in parts is
 streamed (`encode_streamed`): when no other version waits, the uploader takes each part as soon
 as it is encoded, while the next one is encoded; the commit still waits for the last part.
-Memory: at most `queue_size` encoded versions wait (plus the one uploading).
+Memory: at most `queue_size` encoded versions wait (plus the one uploading); a committed version
+is let go at once.
 
 Retries: a store outage (the store's own retries ran out) is retried with backoff
 (`retry_backoff_s`, doubling, at most 30 s); meanwhile newer pure deltas that queued behind are
@@ -313,6 +314,7 @@ class UploadQueue:
                     self._busy = False
                     self._cv.notify_all()
                 return
+            item = None  # type: ignore[assignment]  # its changes and patch go now, not when the next version arrives
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
