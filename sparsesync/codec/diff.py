@@ -15,6 +15,7 @@ the words).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -171,13 +172,47 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+CAST_SLICE = 1 << 22  # elements of a target in another dtype cast at once (8 MB of bf16)
+
+
+_SCRATCH = threading.local()
+
+
+def _cast_scratch(dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer of `CAST_SLICE` elements of `dtype`, reused for every slice it casts:
+    a fresh tensor per slice left glibc's heap fragmented by the small change arrays kept in
+    between (RSS grew by a whole model copy over two versions)."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    if dtype not in bufs:
+        bufs[dtype] = torch.empty(CAST_SLICE, dtype=dtype)
+    return bufs[dtype]
+
+
 def diff_cpu_tensor(base: torch.Tensor, target: torch.Tensor, *, chunk_bytes: int = 256 << 20) -> TensorChange | None:
-    """The changed elements of one pair of contiguous CPU tensors of the same dtype and shape
-    (None if none changed); slices of `chunk_bytes` are compared on the codec's chunk pool."""
-    a, b = to_np_bits(bits_view(base)), to_np_bits(bits_view(target))
+    """The changed elements of one pair of contiguous CPU tensors of the same shape (None if none
+    changed); slices of `chunk_bytes` are compared on the codec's chunk pool. A floating `target`
+    in another dtype than a floating `base` is compared as `target.to(base.dtype)`, cast one slice
+    of at most `CAST_SLICE` elements at a time (no cast copy of the whole tensor)."""
+    a = to_np_bits(bits_view(base))
     step = max(8, (chunk_bytes // a.itemsize) // 8 * 8)
+    if target.dtype == base.dtype:
+        b = to_np_bits(bits_view(target))
+
+        def one(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return _changed_slice_np(a[s : s + step], b[s : s + step], s)
+    else:
+        if not (base.is_floating_point() and target.is_floating_point()) or target.numel() != base.numel():
+            raise PatchMismatchError(f"cannot compare a {target.dtype} tensor of shape {tuple(target.shape)} "
+                                     f"with a {base.dtype} one of shape {tuple(base.shape)}")
+        step, src = min(step, CAST_SLICE), target.detach().reshape(-1)
+
+        def one(s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            part = src[s : s + step]
+            buf = _cast_scratch(base.dtype)[: part.numel()]
+            buf.copy_(part)  # the same rounding as `.to(base.dtype)`
+            return _changed_slice_np(a[s : s + step], to_np_bits(bits_view(buf)), s)  # its outputs are copies
     starts = list(range(0, a.size, step))
-    found = _parallel.map_ordered(lambda s: _changed_slice_np(a[s : s + step], b[s : s + step], s), starts, "chunks")
+    found = _parallel.map_ordered(one, starts, "chunks")
     return _change_of(base, found)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _parallel
+from sparsesync.codec.cast import layout, owned_copy, uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
 from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensor, encode_tensors
@@ -64,7 +65,7 @@ class Snapshot:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.effort = check_effort(effort)
         self.version = version
-        self.state: dict[str, torch.Tensor] = {n: t.detach().to(dev, copy=True).contiguous() for n, t in state.items()}
+        self.state: dict[str, torch.Tensor] = {n: owned_copy(state, n, dev) for n in state}  # one tensor cast at a time
         self.digests: dict[str, str] = {n: tensor_digest(t) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
 
@@ -76,7 +77,8 @@ class Snapshot:
     def diff_encode(self, current: Mapping[str, torch.Tensor], target_version: int, *, chunk_bytes: int = 256 << 20) -> EncodedPatch:
         """The patch from the snapshot's version to `current` (as `target_version`); then the
         snapshot becomes `current` (only the changed elements are written). If anything fails,
-        the snapshot is left as it was."""
+        the snapshot is left as it was. `current` may be a `codec.cast.CastState` (an fp32 master
+        published as bf16): each tensor is cast when it is diffed, never the whole state at once."""
         t0 = time.perf_counter()
         base_digests = dict(self.digests)
         base_sd = self.state_digest
@@ -118,8 +120,8 @@ class Snapshot:
         if current.keys() != self.state.keys():
             return False
         for name, b in self.state.items():
-            t = current[name]
-            if b.device.type != "cpu" or t.device.type != "cpu" or not t.is_contiguous() or t.dtype != b.dtype or t.shape != b.shape:
+            device, dtype, shape, contiguous = layout(current, name)  # a `CastState` is not cast here
+            if b.device.type != "cpu" or device.type != "cpu" or not contiguous or dtype != b.dtype or shape != b.shape:
                 return False
         return True
 
@@ -130,7 +132,7 @@ class Snapshot:
 
         def one(name: str) -> tuple[TensorChange | None, object, str | None, float, float]:
             ta = time.perf_counter()
-            ch = diff_cpu_tensor(self.state[name], current[name], chunk_bytes=chunk_bytes)
+            ch = diff_cpu_tensor(self.state[name], uncast(current, name), chunk_bytes=chunk_bytes)  # casts in slices
             tb = time.perf_counter()
             if ch is None:
                 return None, None, None, tb - ta, 0.0

@@ -32,6 +32,7 @@ from sparsesync.codec import (
     encode_changes,
     state_digest,
 )
+from sparsesync.codec.cast import nbytes_of, select
 from sparsesync.protocol.records import Unit
 
 DEFAULT_PART_BYTES = 256 << 20  # tensor bytes per part of a single-process publisher
@@ -44,7 +45,7 @@ def group_by_bytes(state: Mapping[str, torch.Tensor], part_bytes: int) -> list[l
     that small part left to fetch and decode. Deterministic: the same key set and shapes give the
     same groups, version after version."""
     names = sorted(state)
-    size = {n: state[n].numel() * state[n].element_size() for n in names}
+    size = {n: nbytes_of(state, n) for n in names}
     tail: list[str] = []
     tail_bytes = 0
     while len(names) > 1 and tail_bytes + size[names[-1]] <= part_bytes // 8:
@@ -81,7 +82,7 @@ class PartedSnapshot:
     def __init__(self, parts: Sequence[Sequence[Unit]], state: Mapping[str, torch.Tensor], version: int, *,
                  effort: Effort = "size") -> None:
         self.units = [tuple(p) for p in parts]
-        self.snapshots = [Snapshot({u.key: state[u.key] for u in units}, version, effort=effort) for units in self.units]
+        self.snapshots = [Snapshot(select(state, [u.key for u in units]), version, effort=effort) for units in self.units]
         self.version = version
         self._digests: dict[str, str] | None = None  # `digests`, once per version (`diff_encode` clears it)
         self._state_digest: str | None = None
@@ -121,7 +122,7 @@ class PartedSnapshot:
         try:
             for i, (units, snap) in enumerate(zip(self.units, self.snapshots, strict=True)):
                 self._digests = self._state_digest = None  # the parts change one by one (and may stop half-way)
-                part = EncodedPart(i, units, snap.diff_encode({u.key: current[u.key] for u in units}, target_version))
+                part = EncodedPart(i, units, snap.diff_encode(select(current, [u.key for u in units]), target_version))
                 if on_part is not None:
                     on_part(part)
                 out.append(part)

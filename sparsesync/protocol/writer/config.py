@@ -12,6 +12,8 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+import torch
+
 from sparsesync.codec import Effort
 from sparsesync.codec.patch import check_effort
 from sparsesync.errors import ConfigError
@@ -29,6 +31,7 @@ class PublisherConfig:
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
     part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
     dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
+    dtype: torch.dtype | None = None  # the published dtype of floating tensors, cast one tensor at a time (None: as given)
     effort: Effort = "size"  # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster (`sparsesync.codec.Effort`)
 
     def validate(self) -> None:
@@ -41,6 +44,9 @@ class PublisherConfig:
             raise ConfigError(f"queue_size={self.queue_size}: must be >= 1")
         if self.part_bytes < 0:
             raise ConfigError(f"part_bytes={self.part_bytes}: must be >= 0 (0: one delta file per version)")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ConfigError(f"dtype={self.dtype!r}: must be a floating torch.dtype or None",
+                              hint="e.g. dtype=torch.bfloat16 to publish an fp32 master as bf16")
         try:
             check_effort(self.effort)
         except ValueError as e:

@@ -131,7 +131,7 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
         raise ConfigError(f"rewind to version {version} of {url}, whose newest version is {newest.version}",
                           hint="a rewind goes back; resume() without version continues from the newest")
     check_publish(newest, adapter, url)
-    snap = whole.new_snapshot(checkpoint_state(state), version)
+    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version)
     target = check_checkpoint(url, commits, version, snap.state_digest)
     w = whole.commits
     rec = CommitRecord(version=version, epoch=w.epoch, writer=w.writer, state_digest=snap.state_digest,
@@ -174,7 +174,7 @@ def stand_below(whole: WholeState, state: Mapping[str, torch.Tensor], version: i
     target = next((c for c in commits if c.version == version), None)
     if target is None:
         raise ConfigError(f"version {version} is not committed under {whole.url}")
-    snap = whole.new_snapshot(checkpoint_state(state), version)
+    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version)
     if snap.state_digest != target.state_digest:
         raise PatchMismatchError(f"the weights given have state digest {snap.state_digest}, but version {version} of "
                                  f"{whole.url} has {target.state_digest}", hint="load that version first (`sparsesync pull`)")

@@ -4,7 +4,8 @@
 the last *published* version, encodes the patch and hands it to the upload queue. On anchor
 versions (`AnchorPolicy`) it also serializes the anchor to a local staging folder (about 1 s per
 GB), on the caller's thread. Memory: the diff snapshot (2 B/param for bf16) plus what the queue
-holds.
+holds; with the publisher's `dtype` (an fp32 master published as bf16) each tensor is cast as it
+is diffed, so no cast copy of the whole state exists.
 
 Parts (`part_bytes`, default 256 MiB of tensor bytes; 0, or a model no larger than one part: one
 file per version): the version's delta is diffed and encoded in groups of whole tensors
@@ -29,6 +30,7 @@ import torch
 
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, write_anchor
+from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
 from sparsesync.protocol.parts import PartedSnapshot
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
@@ -59,9 +61,15 @@ class WholeState:
         """State digest of the newest version published or resumed from."""
         return self.snapshot.state_digest if self.snapshot is not None else None
 
-    def checkpoint(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` in the run's key set (`checkpoint.checkpoint_state`, frozen tensors from the last version)."""
-        return checkpoint_state(state, self.snapshot.state if self.snapshot is not None else None)
+    def checkpoint(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """`state` in the run's key set (`checkpoint.checkpoint_state`, frozen tensors from the last
+        version), seen in the publisher's `dtype` (`cast`)."""
+        return self.cast(checkpoint_state(state, self.snapshot.state if self.snapshot is not None else None))
+
+    def cast(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """`state` read in the publisher's `dtype`, one tensor at a time as it is diffed (`codec.cast`:
+        no whole-state cast); `state` itself when `dtype` is None."""
+        return state if self.config.dtype is None else CastState(state, self.config.dtype)
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Diff and encode `state` (from `checkpoint`) as `version` and queue it for upload."""
@@ -113,7 +121,7 @@ class WholeState:
                 "resume() cannot check whole weights against it",
                 hint="publish without resume(): the first version is then a new anchor",
             )
-        snap = self.new_snapshot(checkpoint_state(state), newest.version)  # the key set its first publish() had
+        snap = self.new_snapshot(self.cast(checkpoint_state(state)), newest.version)  # the key set its first publish() had
         if snap.state_digest != newest.state_digest:
             raise PatchMismatchError(
                 f"the weights given to resume() have state digest {snap.state_digest}, but version "
@@ -174,7 +182,7 @@ class WholeState:
         """The snapshot of `state` as `version` (in parts when the state is larger than one part)."""
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
-        if self.config.part_bytes and sum(t.numel() * t.element_size() for t in state.values()) > self.config.part_bytes:
+        if self.config.part_bytes and state_nbytes(state) > self.config.part_bytes:
             return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)
         return Snapshot(state, version, effort=self.config.effort)
 
