@@ -45,11 +45,28 @@ def load_policy(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype) ->
     return model
 
 
-def publish_state(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def publish_state(model: torch.nn.Module, dtype: torch.dtype, *, cast: bool = True) -> dict[str, torch.Tensor]:
     """The weights replicas receive: every state-dict tensor (a PEFT model: every adapter tensor)
     cast to `dtype`, contiguous, on CPU; names tied to one tensor (a tied LM head) stay one
-    tensor, which the publisher sends once."""
+    tensor, which the publisher sends once. `cast=False` (only where `publisher_casts`): the
+    model's own tensors, for a `Publisher(dtype=dtype)` that casts them one at a time (no cast
+    copy of the whole model; the same bytes)."""
     from sparsesync.adapter import adapter_tensors, is_peft_model
 
+    if not cast:
+        return model.state_dict()  # tied names share one tensor: the publisher keeps it once
     state = adapter_tensors(model) if is_peft_model(model) else model.state_dict()
     return map_tied(state, lambda t: t.detach().to(dtype=dtype).contiguous().cpu())
+
+
+def publisher_casts(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the publisher can cast `model`'s weights to `dtype` itself (`Publisher(dtype=...)`,
+    `publish_state(cast=False)`): full weights (not a PEFT adapter) of floating tensors only, on
+    the CPU, in another dtype than `dtype` (an fp32 master published as bf16)."""
+    from sparsesync.adapter import is_peft_model
+
+    if is_peft_model(model):
+        return False
+    tensors = list(model.state_dict().values())
+    return (all(t.is_floating_point() and t.device.type == "cpu" for t in tensors)
+            and any(t.dtype != dtype for t in tensors))

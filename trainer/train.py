@@ -68,7 +68,7 @@ from trainer.distributed import (
 from trainer.errors import TrainerError
 from trainer.grpo import Batch, grpo_loss, token_logprobs
 from trainer.metrics import MetricsLogger
-from trainer.policy import load_policy, publish_state, resolve_precision
+from trainer.policy import load_policy, publish_state, publisher_casts, resolve_precision
 from trainer.replicas import ReplicaPool
 from trainer.resume import first_version, wait_for_rewound_replicas
 from trainer.rollout import RolloutWorkers, SamplingParams
@@ -187,12 +187,17 @@ class AsyncGRPOTrainer:
         records: list[dict[str, Any]] = []
         n_commits_seen = 0
         try:
+            # one process, fp32 master on CPU: the publisher casts one tensor at a time (no bf16 copy of the model)
+            lazy = ctx is None and publisher_casts(model, self.publish_dtype)
             publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
                                   anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size,
-                                  effort=cfg.sync.effort, adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s)
-            state = publish_state(model, self.publish_dtype)
+                                  effort=cfg.sync.effort, adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s,
+                                  dtype=self.publish_dtype if lazy else None)
+            state = publish_state(model, self.publish_dtype)  # cast: the resume checks digest it whole
             full_bytes = sum(t.numel() * t.element_size() for t in state.values())
             self.version, rewound = first_version(publisher, state, cfg, ctx)  # trainer/resume.py
+            if lazy:
+                state = {}  # no cast copy of the model is kept while training
             self._trusted = TrustedCommits(publisher.store)  # samples of versions a rewind abandoned are dropped
             if lead:
                 with self._lead_alone(ctx):
@@ -222,7 +227,7 @@ class AsyncGRPOTrainer:
                 t_train = time.time() - t1
                 t2 = time.time()
                 if step % cfg.sync.publish_every == 0 or step == o.steps:
-                    state = publish_state(model, self.publish_dtype)
+                    state = publish_state(model, self.publish_dtype, cast=not lazy)
                     with self._collective(ctx, f"publishing version {self.version + 1}"):
                         self.version = publisher.publish(state, self.version + 1)
                 t_publish = time.time() - t2
@@ -276,7 +281,10 @@ class AsyncGRPOTrainer:
             if ctx is not None:  # the digest of the gathered full weights (a collective)
                 with self._collective(ctx, "gathering the final weights"):
                     state = full_state(state, ctx.rank) or {}
-            final_digest = checkpoint_digest(state) if lead else ""  # in the run's key set
+            if lazy:  # the publisher's snapshot holds the last version, the model's final weights, cast
+                final_digest = publisher.state_digest or ""
+            else:
+                final_digest = checkpoint_digest(state) if lead else ""  # in the run's key set
             commit_digest = final_digest
             if ctx is not None and lead:
                 commit_digest = publisher.run.commit(self.version).state_digest

@@ -298,3 +298,35 @@ def test_publish_state_keeps_a_tied_head_one_tensor_when_it_casts():
     assert state["lm_head.weight"].dtype == torch.bfloat16
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     assert "lm_head.weight" not in checkpoint_state(state)
+
+
+def test_an_fp32_master_is_published_by_a_casting_publisher_as_its_cast(tmp_path: Path) -> None:
+    """An fp32 master on CPU: the trainer hands the publisher the model's own tensors and
+    `Publisher(dtype=bf16)` casts them one at a time; the run gets the same bytes and state
+    digests as publishing `publish_state`'s cast (the tied head still sent once)."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3ForCausalLM
+
+    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.tiny_model import tiny_config
+    from trainer.policy import publish_state, publisher_casts
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=64, tie_word_embeddings=True)).float()
+    assert publisher_casts(model, torch.bfloat16) and not publisher_casts(model, torch.float32)
+    runs = {}
+    for lazy in (False, True):
+        m = Qwen3ForCausalLM(tiny_config(vocab_size=64, tie_word_embeddings=True)).float()
+        m.load_state_dict(model.state_dict())
+        root = tmp_path / f"lazy{lazy}"
+        with Publisher(str(root), dtype=torch.bfloat16 if lazy else None, writer="w") as pub:
+            for v in range(3):
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.add_(1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
+                pub.publish(publish_state(m, torch.bfloat16, cast=not lazy), v)
+            pub.flush()
+            digest = pub.state_digest
+        store = open_store(str(root))
+        runs[lazy] = digest, sorted(store.get(o.key) for o in store.list("deltas/"))
+    assert runs[True] == runs[False] and len(runs[True][1]) == 2
