@@ -51,7 +51,10 @@ Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer befor
 `send_weights` (frozen parameters, which it does not stream, are read from the model on the
 main process: a sharded model with frozen parameters is refused at the first `send_weights`); the callback reads `model.state_dict()` on the main process and therefore
 needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
-`on_train_begin` (`sharding`).
+`on_train_begin` (`sharding`). An fp32 master on CPU reaches the publisher uncast (its
+`dtype=` casts one tensor at a time: no bf16 copy of the model); on GPU it is cast here.
+
+Length: both TRL entry points share the publishing helpers above; a split would duplicate them.
 """
 
 from __future__ import annotations
@@ -103,11 +106,15 @@ def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
     return checkpoint_state(raw)
 
 
-def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast: bool = True) -> dict[str, torch.Tensor]:
     """The inference weights of `model`, see `inference_state`; a PEFT model (GRPOTrainer with a
-    `peft_config`): its adapter, making the run an adapter run (sparsesync.adapter)."""
+    `peft_config`): its adapter, making the run an adapter run (sparsesync.adapter). `cast=False`:
+    full weights all floating on CPU come uncast, for `Publisher(dtype=dtype)` to cast one at a time."""
     from sparsesync.protocol.adapter_runs import peft_publish_state
 
+    sd = model.state_dict() if not cast and not hasattr(model, "peft_config") else {}
+    if sd and all(t.is_floating_point() and t.device.type == "cpu" for t in sd.values()):
+        return _checkpoint_tensors(sd.items())
     if (adapter := peft_publish_state(model, dtype)) is not None:
         return adapter
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
@@ -177,7 +184,7 @@ class VersionedPublisher:
 
     def open(self) -> None:
         if self.publisher is None:
-            self.publisher = Publisher(self.bucket, **self.publisher_options)
+            self.publisher = Publisher(self.bucket, **{"dtype": self.dtype, **self.publisher_options})  # casts uncast states
 
     def carry_files(self, model: Any = None, tokenizer: Any = None) -> None:
         """Carry `model`'s config and generation config and `tokenizer`'s files in every commit
@@ -446,5 +453,5 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         if self._v.version is not None and step <= self._v.version:
             return  # already published at this step (e.g. resumed at the same global step)
         unwrapped = getattr(model, "module", model)
-        self._v.publish(model_state(unwrapped, self._v.dtype), step)
+        self._v.publish(model_state(unwrapped, self._v.dtype, cast=False), step)
         log.info("sparsesync: published version %d to %s", step, self._v.bucket)
