@@ -172,7 +172,7 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-CAST_SLICE = 1 << 22  # elements of a target in another dtype cast at once (8 MB of bf16)
+CAST_SLICE = 1 << 20  # elements of a target in another dtype cast at once (2 MB of bf16, per thread)
 
 
 _SCRATCH = threading.local()
