@@ -30,6 +30,7 @@ from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
+from tests.support.served import ServedDigests  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.processes import ProcessSet, free_port  # noqa: E402
 from trainer.train import AsyncGRPOTrainer  # noqa: E402
@@ -37,22 +38,6 @@ from trainer.train import AsyncGRPOTrainer  # noqa: E402
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-class _ServedDigests:
-    """An EmbeddedEngine as a follower's hook, noting the state digest of every version it served."""
-
-    def __init__(self, engine) -> None:  # noqa: ANN001
-        self.engine = engine
-        self.served: list[str] = []
-
-    def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
-        self.engine.load_full(version, tensors)
-        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
-
-    def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
-        self.engine.apply_sparse(version, updates, full)
-        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
 
 
 def _config(model: Path, bucket: str, replica: str, env: str, steps: int) -> TrainerConfig:
@@ -80,7 +65,7 @@ def test_the_trainer_resumed_from_an_older_version_rewinds_the_run(tmp_path: Pat
     model = build_tiny_model(tmp_path / "model", seed=0)
     bucket = str(tmp_path / "bucket")
     py = sys.executable
-    mine = _ServedDigests(EmbeddedEngine(model))
+    mine = ServedDigests(EmbeddedEngine(model))
     follower = Follower(bucket, mine, poll_interval=0.05, max_poll_interval=0.05)
     with ProcessSet(tmp_path / "logs", env=ENV) as procs:
         port = free_port()

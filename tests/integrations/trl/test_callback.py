@@ -32,6 +32,7 @@ from sparsesync.integrations.trl import (  # noqa: E402
 )
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
+from tests.support.served import ServedDigests  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -148,23 +149,6 @@ def test_grpo_resume_continues_the_run_and_pull_is_bit_exact(tiny_model: Path, t
     assert _bits_equal(load_file(str(tmp_path / "pulled.safetensors")), final)
 
 
-class _ServedDigests:
-    """The replica's engine (an EmbeddedEngine) as the follower's hook, noting the state digest of
-    every version it served, in order."""
-
-    def __init__(self, engine) -> None:  # noqa: ANN001
-        self.engine = engine
-        self.served: list[str] = []
-
-    def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
-        self.engine.load_full(version, tensors)
-        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
-
-    def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
-        self.engine.apply_sparse(version, updates, full)
-        self.served.append(state_digest(tensor_digests(self.engine.state_dict())))
-
-
 def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_follows(tiny_model: Path,
                                                                                        tmp_path: Path) -> None:
     """Publish every step, checkpoint every 2, crash after step 5, resume from checkpoint-4 to step 8:
@@ -186,7 +170,7 @@ def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_
                 cb._v.publisher.flush()
                 raise KeyboardInterrupt("crash after step 5")
 
-    replica = _ServedDigests(EmbeddedEngine(tiny_model))
+    replica = ServedDigests(EmbeddedEngine(tiny_model))
     follower = Follower(str(bucket), replica, poll_interval=0.05, max_poll_interval=0.05)
     follower.start()
     try:
