@@ -4,8 +4,6 @@ line that starts with `Length:` followed by the reason (e.g. "Length: one state 
 states share every field; split, each half would reach into the other's"). docs/architecture.md
 states the rule; this test holds it in CI.
 
-`PENDING` lists the modules another branch is splitting now: each entry fails the test once the
-module is within the limit or states its reason, so that the entry is deleted then.
 """
 
 from __future__ import annotations
@@ -13,17 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sparsesync", "trainer", "inference_space", "env_space")
 MAX_LINES = 450
 MARKER = "Length:"
 MIN_REASON_CHARS = 20  # "Length: long" is not a reason
-
-PENDING: dict[str, str] = {  # path -> the branch splitting it (delete the entry once it lands)
-}
-
 
 def _modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts)
@@ -55,20 +47,12 @@ def test_modules_are_short_or_say_why() -> None:
     bad = {}
     for path in _modules():
         rel = path.relative_to(ROOT).as_posix()
-        if rel not in PENDING and (why := _too_long(path)) is not None:
+        if (why := _too_long(path)) is not None:
             bad[rel] = why
     assert not bad, (
         f"modules over {MAX_LINES} lines (split them along a concept seam, or state the reason in the module "
         f"docstring on a line starting `{MARKER}`; docs/architecture.md):\n"
         + "\n".join(f"  {k}: {v}" for k, v in sorted(bad.items()))
-    )
-
-
-@pytest.mark.parametrize("rel", sorted(PENDING))
-def test_pending_entries_are_still_needed(rel: str) -> None:
-    path = ROOT / rel
-    assert path.is_file() and _too_long(path) is not None, (
-        f"{rel} is gone, within {MAX_LINES} lines or states its reason: delete its PENDING entry in tests/test_layout.py"
     )
 
 

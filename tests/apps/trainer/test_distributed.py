@@ -31,6 +31,7 @@ from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.verify import verify_run  # noqa: E402
+from tests.support.stack import start_env_and_replica
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.processes import ProcessSet, free_port  # noqa: E402
 
@@ -47,17 +48,8 @@ def _job(tmp_path: Path, arch: str, steps: int, effort: str = "size") -> Iterato
 
     model = build_tiny_model(tmp_path / "model", seed=0, arch=arch)
     bucket = str(tmp_path / "bucket")
-    py = sys.executable
     with ProcessSet(tmp_path / "logs", env=ENV) as procs:
-        port = free_port()
-        env = procs.start("env", [py, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port), "--task", "repeat"],
-                          url=f"http://127.0.0.1:{port}")
-        port = free_port()
-        replica = procs.start("replica", [py, "-m", "inference_space", "--model", str(model), "--bucket", bucket,
-                                          "--engine", "embedded", "--host", "127.0.0.1", "--port", str(port),
-                                          "--poll-interval", "0.2", "--log-level", "WARNING"],
-                              url=f"http://127.0.0.1:{port}")
-        procs.wait_healthy([env, replica], 120)
+        env, replica = start_env_and_replica(procs, model, bucket)
         cfg = TrainerConfig.from_dict({
             "model": {"path": str(model), "device": "cpu", "master_dtype": "float32"},
             "rollout": {"replicas": [replica.url], "env_url": env.url, "group_size": 4, "max_tokens": 4, "workers": 2},

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -31,8 +30,9 @@ from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
 from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from tests.support.served import ServedDigests  # noqa: E402
+from tests.support.stack import start_env_and_replica
 from trainer.config import TrainerConfig  # noqa: E402
-from trainer.processes import ProcessSet, free_port  # noqa: E402
+from trainer.processes import ProcessSet  # noqa: E402
 from trainer.train import AsyncGRPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,19 +64,10 @@ def test_the_trainer_resumed_from_an_older_version_rewinds_the_run(tmp_path: Pat
 
     model = build_tiny_model(tmp_path / "model", seed=0)
     bucket = str(tmp_path / "bucket")
-    py = sys.executable
     mine = ServedDigests(EmbeddedEngine(model))
     follower = Follower(bucket, mine, poll_interval=0.05, max_poll_interval=0.05)
     with ProcessSet(tmp_path / "logs", env=ENV) as procs:
-        port = free_port()
-        env = procs.start("env", [py, "-m", "env_space", "--host", "127.0.0.1", "--port", str(port), "--task", "repeat"],
-                          url=f"http://127.0.0.1:{port}")
-        port = free_port()
-        replica = procs.start("replica", [py, "-m", "inference_space", "--model", str(model), "--bucket", bucket,
-                                          "--engine", "embedded", "--host", "127.0.0.1", "--port", str(port),
-                                          "--poll-interval", "0.2", "--log-level", "WARNING"],
-                              url=f"http://127.0.0.1:{port}")
-        procs.wait_healthy([env, replica], 120)
+        env, replica = start_env_and_replica(procs, model, bucket)
         follower.start()
         try:
             first = AsyncGRPOTrainer(_config(model, bucket, replica.url, env.url, steps=5)).run()
