@@ -52,8 +52,8 @@ def _job(tmp_path: Path, arch: str, steps: int, effort: str = "size") -> Iterato
         env, replica = start_env_and_replica(procs, model, bucket)
         cfg = TrainerConfig.from_dict({
             "model": {"path": str(model), "device": "cpu", "master_dtype": "float32"},
-            "rollout": {"replicas": [replica.url], "env_url": env.url, "group_size": 4, "max_tokens": 4, "workers": 2},
-            "optim": {"steps": steps, "groups_per_step": 2, "buffer_groups": 4, "lr": 2e-3, "max_staleness": 4},
+            "rollout": {"replicas": [replica.url], "env_url": env.url, "group_size": 4, "max_tokens": 16, "workers": 2},
+            "optim": {"steps": steps, "groups_per_step": 4, "buffer_groups": 8, "lr": 2e-3, "max_staleness": 4},
             "sync": {"bucket": bucket, "anchor_every": 0, "anchor_fraction": 4.0, "effort": effort},
             "log": {"progress": False},
             "distributed": {"timeout_s": 60.0},

@@ -43,7 +43,7 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLIN
 def _config(model: Path, bucket: str, replica: str, env: str, steps: int) -> TrainerConfig:
     return TrainerConfig.from_dict({
         "model": {"path": str(model), "device": "cpu", "master_dtype": "float32"},
-        "rollout": {"replicas": [replica], "env_url": env, "group_size": 4, "max_tokens": 4, "workers": 2},
+        "rollout": {"replicas": [replica], "env_url": env, "group_size": 4, "max_tokens": 16, "workers": 2},
         "optim": {"steps": steps, "groups_per_step": 2, "buffer_groups": 4, "lr": 2e-3, "max_staleness": 4},
         "sync": {"bucket": bucket, "anchor_every": 0, "anchor_fraction": 4.0, "fleet_timeout_s": 60.0},
         "log": {"progress": False},
