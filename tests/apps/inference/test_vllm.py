@@ -4,7 +4,9 @@ One replica engine per module (single-process vLLM starts in seconds); after eac
 versions its greedy generations and their logprobs equal those of a fresh vLLM engine loaded
 from that version's weights, and the weights it was handed match the trainer's digests. The
 sparsesync backend is reached through vLLM's own weight-transfer API and its plugin entry
-point. Skipped, saying why, only where vLLM cannot be imported.
+point. Across a rewind (issue 36) the replica moves to the rewound version in one poll and on,
+read back from vLLM's own layers bit for bit against the run's reconstruction. Skipped, saying
+why, only where vLLM cannot be imported.
 """
 
 from __future__ import annotations
@@ -98,6 +100,105 @@ def test_vllm_replica_follows_six_versions(engine, tiny, tmp_path):
     assert st.state == "following" and st.versions_applied == 6 and st.anchor_loads == 1
     assert len({str(s) for s in seen}) > 1, "the updates never changed a generation: the test proves nothing"
     print(f"vLLM pause per sync: last {engine.pauses.last_ms:.1f} ms, mean {engine.pauses.mean_ms:.1f} ms, max {engine.pauses.max_ms:.1f} ms")
+
+
+def _read_back(engine):  # type: ignore[no-untyped-def]
+    """Every checkpoint tensor as the engine's forward pass reads it (vLLM's layers, through the
+    backend's own read-back, in checkpoint coordinates), copied out of the worker: never the
+    tensors the engine was handed (`state_dict()` is the follower's mirror)."""
+    import torch
+
+    from sparsesync.integrations.vllm import readback
+
+    layout = engine.sync.layout
+
+    def read(worker):  # type: ignore[no-untyped-def]
+        model, cache, out = worker.model_runner.get_model(), {}, {}
+        for name, shape in layout.shapes.items():
+            got, _ = readback.local_pair(model, layout.locate(name), torch.empty(shape), 0, 1, cache)
+            out[name] = got.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    return engine.llm.collective_rpc(read)[0]
+
+
+def test_vllm_replica_follows_a_rewind_bit_exact(engine, tiny, tmp_path):
+    """Issue 36: a run rewinds (a writer resumes from an older version's weights) while a vLLM
+    replica serves a version the rewind abandons. One poll after `resume()` returns, vLLM
+    computes with the rewound version's weights, bit for bit (read back from its layers), and
+    then with each version after it, including a version number the abandoned attempt had
+    reached (a second rewind: same number, other weights); the engine never reports an
+    abandoned commit's state digest once the rewind is committed."""
+    import time
+
+    from inference_space.engines.vllm_engine import VllmEngine
+    from sparsesync.protocol.run import Run
+    from tests.support.weights import assert_bit_equal
+
+    bucket = str(tmp_path / "bucket")
+    run = Run(bucket)
+    follower = Follower(bucket, hook=engine, poll_interval=0.05)
+    first = Trainer(tiny, seed=31)
+    states, seen = {0: dict(first.state)}, {}
+    with Publisher(bucket, anchor_every=0) as pub:  # the first attempt: versions 0..5, then a crash
+        for v in range(6):
+            pub.publish(states[v], v)
+            pub.flush()
+            assert follower.sync_once() == v
+            seen[v] = greedy(engine)
+            if v < 5:
+                states[v + 1] = first.step(density=0.01)
+
+    def served(version: int) -> str:
+        """The engine serves `version` of the run's trusted commits: labels, read-back, digest."""
+        rec, want, _ = run.reconstruct(version)
+        assert follower.status().state == "following", follower.status()
+        assert engine.weight_version == version and engine.vllm_weight_version() == str(version)
+        assert engine.state_digest == rec.state_digest == follower.status().state_digest
+        assert_bit_equal(_read_back(engine), want)  # what vLLM computes with, not what it was handed
+        outs = engine.generate(PROMPTS[1], GREEDY)
+        assert {(c.weight_version, c.state_digest) for c in outs} == {(version, rec.state_digest)}
+        return rec.state_digest
+
+    served(5)
+    abandoned = {c.state_digest for c in run.commits() if c.version > 3}  # 4 and 5 of the first attempt
+    digests = []
+
+    # the resumed trainer: checkpoint-3's weights, then another trajectory
+    second = Trainer(tiny, seed=32)
+    second.state = dict(states[3])
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.resume(second.state, version=3)
+        t0 = time.monotonic()
+        assert follower.sync_once() == 3  # one poll after the rewind is committed
+        moved_s = time.monotonic() - t0
+        digests.append(served(3))
+        assert greedy(engine) == seen[3] != seen[5], "the rewound engine answers like version 3 did"
+        for v in (4, 5, 6):
+            pub.publish(second.step(density=0.01), v)
+            pub.flush()
+            assert follower.sync_once() == v
+            digests.append(served(v))
+    assert not abandoned & set(digests), "the engine served an abandoned version after the rewind"
+
+    # a second rewind to 5; the new 6 lands before the replica (at the old 6) polls again
+    dropped = digests[-1]
+    _rec, five, _ = run.reconstruct(5)
+    third = Trainer(tiny, seed=33)
+    third.state = dict(five)
+    with Publisher(bucket, anchor_every=0) as pub:
+        pub.resume(third.state, version=5)
+        pub.publish(third.step(density=0.01), 6)
+        pub.flush()
+    assert follower.sync_once() == 6
+    final = served(6)
+    assert final != dropped and engine.state_digest != dropped
+    fresh = VllmEngine(third.save_version(tmp_path / "final"), kv_cache_memory_bytes=32 << 20)
+    _KEEP.append(fresh)
+    assert greedy(engine) == greedy(fresh), "replica and a fresh vLLM engine of the final version disagree"
+    commits = [(c.version, c.epoch, c.metrics.get("kind")) for c in run.commits()]
+    assert commits[3][2] == "rewind" and commits[5][2] == "rewind" and [c[:2] for c in commits][-1] == (6, 3), commits
+    print(f"vLLM replica moved to the rewound version in {moved_s * 1e3:.0f} ms (one sync)")
 
 
 def _tensors_held(obj, depth: int = 3, seen=None):  # type: ignore[no-untyped-def]
