@@ -13,7 +13,7 @@ DigestMismatchError) is raised. Works for CPU and CUDA tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,8 @@ from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digests
 from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
+
+Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
 
 
 @dataclass
@@ -163,13 +165,22 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
 
 
 def write_updates(
-    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None
+    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None,
+    written: Written | None = None,
 ) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
     returns the overwritten old values (for undo). With `digests`, the digest of every written
-    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`)."""
+    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`).
+    `written` is called with each tensor once its writes (and hashing) are done."""
     names = list(updates)
-    done = dict(zip(names, _parallel.map_ordered(lambda n: _write_one(tensors[n], updates[n], digest=digests is not None, before=False), names)))
+
+    def one(n: str) -> tuple[SparseUpdate, str | None, str | None]:
+        r = _write_one(tensors[n], updates[n], digest=digests is not None, before=False)
+        if written is not None:
+            written(tensors[n])
+        return r
+
+    done = dict(zip(names, _parallel.map_ordered(one, names)))
     if digests is not None:
         digests.update((n, d) for n, (_, d, _) in done.items() if d is not None)
     return {n: old for n, (old, _, _) in done.items()}
@@ -186,7 +197,8 @@ def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, st
 
 
 def apply_patch(
-    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True, check_base_digest: bool = True
+    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True, check_base_digest: bool = True,
+    written: Written | None = None,
 ) -> dict[str, SparseUpdate]:
     """Validate, write the target bits in place, then (if `verify`) check the target digests;
     on a mismatch the old bits are restored and DigestMismatchError raised.
@@ -207,26 +219,30 @@ def apply_patch(
     and a wrong base only changes which error is raised (DigestMismatchError, after undoing).
 
     A Ctrl-C in the main thread is raised once the writes are done or undone
-    (`_parallel.interrupts_deferred`): the tensors are then at the base or at the target, never between."""
+    (`_parallel.interrupts_deferred`): the tensors are then at the base or at the target, never between.
+
+    `written` is called with each tensor once its new bits are written and hashed (a holder may
+    then page it out: the follower's mirror does); an undo may write it again afterwards."""
     if not (verify or check_base_digest):
         raise ValueError("apply_patch needs verify=True or check_base_digest=True: one of the digests must be checked")
     with _parallel.interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
-        return _apply(patch, tensors, verify=verify, check_base_digest=check_base_digest)
+        return _apply(patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
 
 
-def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool) -> dict[str, SparseUpdate]:
+def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
+           written: Written | None) -> dict[str, SparseUpdate]:
     """`apply_patch` once its arguments are checked."""
     _check_layout(patch, tensors)
     h = patch.header
     targets = {n: e.target_digest for n, e in h.tensors.items()}
     if all(tensors[n].device.type == "cpu" for n in h.tensors):
-        return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest)
+        return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
-    written: dict[str, str] = {}
-    old = write_updates(tensors, updates, digests=written if verify else None)
+    hashed: dict[str, str] = {}
+    old = write_updates(tensors, updates, digests=hashed if verify else None, written=written)
     if verify:
         try:
-            verify_digests(tensors, targets, known=written)
+            verify_digests(tensors, targets, known=hashed)
         except DigestMismatchError as err:
             write_updates(tensors, old)
             raise _not_produced(patch, err) from None
@@ -234,7 +250,7 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
 
 
 def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets: Mapping[str, str], *, verify: bool,
-               check_base_digest: bool) -> dict[str, SparseUpdate]:
+               check_base_digest: bool, written: Written | None) -> dict[str, SparseUpdate]:
     """`apply_patch` for CPU tensors: decode and write tensor by tensor (biggest first, on the
     codec's pool), then check the digests hashed in the writes; undo everything on any failure."""
     h = patch.header
@@ -243,7 +259,10 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
 
     def one(name: str) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
         u = _decode_one(patch, h.tensors[name], tensors[name])
-        return (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
+        r = (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
+        if written is not None:
+            written(tensors[name])
+        return r
 
     with _parallel.gc_paused():
         results = dict(zip(order, _parallel.map_settled(one, order, weights=[h.tensors[n].numel for n in order])))

@@ -66,7 +66,7 @@ from sparsesync.errors import (
 from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
-from sparsesync.protocol.mirror import MirrorDir, release_freed_memory
+from sparsesync.protocol.mirror import MirrorDir, drop_resident, pager, release_freed_memory
 from sparsesync.protocol.parts_reader import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
@@ -192,6 +192,7 @@ class Follower:
                     try:
                         if self._prefetch.poll(newest.version, self.mirror):
                             self._parts_seen_at = time.monotonic()
+                            drop_resident(self.mirror.values())  # it read the mirror to decode ahead
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
@@ -204,6 +205,7 @@ class Follower:
                 raise
             finally:
                 release_freed_memory()  # decode buffers and the engine's reload temporaries, back to the OS
+                drop_resident(self.mirror.values())  # the mirror's pages stay in the page cache, out of RSS
             if self._status.state == "degraded":
                 self._failed(newest)
             return self.current_version
@@ -301,6 +303,7 @@ class Follower:
                     e.key = rec.anchor[0].key
                     raise
                 fetch_s = time.perf_counter() - t0
+                drop_resident(state.values())  # read in whole; the engine reads it back as it loads
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
                 self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
@@ -345,7 +348,7 @@ class Follower:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
         if rec.parts:  # fetched concurrently, decoded as they land, applied all or nothing
             try:
-                return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch)
+                return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch, written=pager(self.mirror.values()))
             except DigestMismatchError as e:
                 if e.written:
                     self._mirror_version = None  # undone, but the base bits were not what we thought: reload
@@ -355,7 +358,7 @@ class Follower:
             patch = self.run.load_delta(rec, self.digests)  # writes nothing
             digests = dict(self.digests)
             try:
-                updates = self.run.apply_loaded(rec, patch, self.mirror, digests)
+                updates = self.run.apply_loaded(rec, patch, self.mirror, digests, written=pager(self.mirror.values()))
             except PatchError as e:  # the codec restored the mirror, unless the state digest failed after
                 if isinstance(e, DigestMismatchError):
                     self._mirror_version = None  # the mirror was written and is wrong: reload an anchor

@@ -20,6 +20,14 @@ Guarantees:
   else `~/.cache/sparsesync/mirror`; never `TMPDIR`, which may be tmpfs (memory). A directory on
   tmpfs or ramfs is used, with a warning (it is memory then). When the directory cannot be
   created or written, `allocate` falls back to anonymous memory, with a warning naming it.
+- `drop_resident(tensors)` unmaps from this process the pages of the tensors that lie in a
+  mirror's file map, once the follower or an engine is done with them: the bits stay in the
+  file's page cache (the next read faults them back in, from memory while the OS keeps them), so
+  the mirror costs the process's RSS only the tensors in use, not the model (the follower drops
+  each tensor once a patch is written into it, the whole mirror after every sync; the vLLM
+  backend each layer once it is reloaded and read back). Only a shared map of a mirror file is
+  touched, checked against /proc/self/maps at the call: dropping anonymous or private pages would
+  zero them, so any other tensor (the `memory` mirror, an engine's own weights) is left alone.
 - `release_freed_memory()` hands the memory the C allocator keeps after frees back to the OS
   (glibc `malloc_trim(0)`; a no-op elsewhere): the follower calls it after every sync, so
   reloads leave no freed model-sized memory behind (measured: it costs the next update no
@@ -37,9 +45,11 @@ import ctypes
 import ctypes.util
 import itertools
 import logging
+import mmap
 import os
+import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -49,6 +59,9 @@ log = logging.getLogger(__name__)
 ENV_DIR = "SPARSESYNC_MIRROR_DIR"
 IN_MEMORY = "memory"  # the directory value that keeps the mirror in anonymous memory
 ALIGN = 64
+_FILE_NAME = "mirror-{pid}-{n}.bin"
+_MAPPED = re.compile(r"/mirror-\d+-\d+\.bin(?: \(deleted\))?$")  # a mirror file's line in /proc/self/maps
+_MADV_DONTNEED = 4  # Linux; on a shared file map: unmap, the bits stay in the page cache and file
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 _COUNTER = itertools.count()
 
@@ -122,7 +135,7 @@ class MirrorDir:
             size += -(-numel * torch.empty((), dtype=dtype).element_size() // ALIGN) * ALIGN
         if not self._check() or size == 0:
             return {n: torch.empty(shape, dtype=dtype) for n, (dtype, shape) in layout.items()}
-        path = self.directory / f"mirror-{os.getpid()}-{next(_COUNTER)}.bin"
+        path = self.directory / _FILE_NAME.format(pid=os.getpid(), n=next(_COUNTER))
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -161,6 +174,55 @@ def is_file_backed(t: torch.Tensor) -> bool:
     except OSError:
         return False
     return False
+
+
+def _mirror_maps() -> list[tuple[int, int]]:
+    """(start, end) of every shared map of a mirror file in this process (/proc/self/maps)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[1][3] == "s" and _MAPPED.search(parts[5].rstrip("\n")):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:
+        return []
+    return out
+
+
+def pager(tensors: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], int]:
+    """A function that unmaps from this process the whole pages of a tensor (or a view of one)
+    lying within one of `tensors` that are in a mirror's shared file map, checked now, once, in
+    /proc/self/maps; it returns the bytes unmapped (see module docstring). Their bits are
+    unchanged: the next access maps them again. Memory outside those tensors is never touched.
+    Use it while `tensors` are alive (a mirror's tensors keep their map mapped)."""
+    lib = _libc()
+    maps = _mirror_maps() if lib is not None else []
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.device.type == "cpu"]
+    mapped = sorted((lo, hi) for lo, hi in spans if hi > lo and any(a <= lo and hi <= b for a, b in maps))
+    page = mmap.PAGESIZE
+
+    def drop(t: torch.Tensor) -> int:
+        if not mapped or t.device.type != "cpu":
+            return 0
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        if not any(a <= lo and hi <= b for a, b in mapped):
+            return 0  # anonymous, private or foreign memory: MADV_DONTNEED would zero it
+        start, end = -(-lo // page) * page, hi // page * page  # whole pages inside the tensor only
+        if end > start and lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
+            return end - start
+        return 0
+
+    return drop
+
+
+def drop_resident(tensors: Iterable[torch.Tensor]) -> int:
+    """`pager(tensors)` applied to each of `tensors`: the bytes unmapped from this process."""
+    ts = list(tensors)
+    drop = pager(ts)
+    return sum(drop(t) for t in ts)
 
 
 _LIBC: ctypes.CDLL | None | bool = False

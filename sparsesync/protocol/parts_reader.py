@@ -37,7 +37,7 @@ from sparsesync.codec import (
     state_digest,
     tensor_digest,
 )
-from sparsesync.codec.apply import SparseUpdate, decode_patch, verify_digests, write_updates
+from sparsesync.codec.apply import SparseUpdate, Written, decode_patch, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
 from sparsesync.codec.digest import bytes_digest, digest_after_put
 from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
@@ -207,7 +207,7 @@ def _unit_of(key: str) -> Unit:
 
 def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
                 digests: MutableMapping[str, str], *, names: Sequence[str] | None = None,
-                prefetched: Prefetcher | None = None) -> dict[str, SparseUpdate]:
+                prefetched: Prefetcher | None = None, written: Written | None = None) -> dict[str, SparseUpdate]:
     """Apply the version `rec` (in parts) to `state` in place, all or nothing; update `digests`.
 
     `fetch` returns a part's bytes checked against its size and digest (`Run.fetch`). Parts are
@@ -217,11 +217,12 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     takes). Raises DigestMismatchError/PatchMismatchError/ProtocolError/PatchFormatError with the
     failing part's key in `e.key` (and `e.written` when the writes had begun: undone, but the held
     bits were not what their digests said), leaving `state` and `digests` as they were.
+    `written`: told of each tensor (a part's view of it) once its writes are done (`codec.write_updates`).
     """
     if not rec.parts:
         raise ProtocolError(f"version {rec.version} has no parts")
     try:
-        return _apply_all(fetch, rec, state, digests, names, prefetched)
+        return _apply_all(fetch, rec, state, digests, names, prefetched, written)
     except BaseException:
         if prefetched is not None:
             prefetched.forget()  # a retry fetches, decodes and hashes every part afresh
@@ -229,7 +230,8 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
 
 
 def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: MutableMapping[str, torch.Tensor],
-               digests: MutableMapping[str, str], names: Sequence[str] | None, prefetched: Prefetcher | None) -> dict[str, SparseUpdate]:
+               digests: MutableMapping[str, str], names: Sequence[str] | None, prefetched: Prefetcher | None,
+               written: Written | None = None) -> dict[str, SparseUpdate]:
     """`apply_parts` once its arguments are checked."""
     refs = parts_for(rec, names)
     staged: list[_Staged] = []
@@ -248,11 +250,11 @@ def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Muta
             e.key = ref.key
             raise
     with interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
-        return _write_all(rec, staged, digests, names)
+        return _write_all(rec, staged, digests, names, written)
 
 
 def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping[str, str],
-               names: Sequence[str] | None) -> dict[str, SparseUpdate]:
+               names: Sequence[str] | None, written_hook: Written | None = None) -> dict[str, SparseUpdate]:
     """`_apply_all` once every part is staged: write them all, check every digest, undo all on any failure."""
     # per part: the overwritten bits (for undo) and the digests of its units, hashed as they were
     # written (or, for a prefetched part, before: what its writes give, from the same held bytes)
@@ -260,10 +262,10 @@ def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping
     try:
         for s in staged:
             if s.predicted is not None:
-                written.append((s, write_updates(s.views, s.updates), dict(s.predicted)))
+                written.append((s, write_updates(s.views, s.updates, written=written_hook), dict(s.predicted)))
                 continue
             known: dict[str, str] = {}
-            written.append((s, write_updates(s.views, s.updates, digests=known), known))
+            written.append((s, write_updates(s.views, s.updates, digests=known, written=written_hook), known))
         for s, _, known in written:
             try:
                 verify_digests(s.views, s.targets, known=known)

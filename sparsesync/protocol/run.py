@@ -17,7 +17,7 @@ import torch
 
 from sparsesync.codec import Patch, apply_patch, load_anchor, read_patch, state_digest
 from sparsesync.codec.anchor import Alloc
-from sparsesync.codec.apply import SparseUpdate
+from sparsesync.codec.apply import SparseUpdate, Written
 from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.errors import (
     BrokenChainError,
@@ -256,8 +256,9 @@ class Run:
         return patch
 
     @staticmethod
-    def apply_loaded(rec: CommitRecord, patch: Patch, state: State, digests: dict[str, str]) -> dict[str, SparseUpdate]:
-        """Apply a checked delta to `state` in place and update `digests`.
+    def apply_loaded(rec: CommitRecord, patch: Patch, state: State, digests: dict[str, str], *,
+                     written: Written | None = None) -> dict[str, SparseUpdate]:
+        """Apply a checked delta to `state` in place and update `digests` (`written`: see `codec.apply_patch`).
 
         The codec restores every old bit on any failure of its own (`apply_patch`); a
         DigestMismatchError for the state digest, raised after it, means `state` was written and
@@ -265,7 +266,7 @@ class Run:
         """
         # `state` matches `digests` (verified when it was loaded or last patched), and the
         # target digests are verified after writing: hashing the base again would add nothing
-        updates = apply_patch(patch, state, verify=True, check_base_digest=False)
+        updates = apply_patch(patch, state, verify=True, check_base_digest=False, written=written)
         digests.update({name: e.target_digest for name, e in patch.header.tensors.items()})
         if state_digest(digests) != rec.state_digest:
             raise DigestMismatchError(
@@ -275,14 +276,15 @@ class Run:
             )
         return updates
 
-    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None) -> dict[str, SparseUpdate]:  # type: ignore[no-untyped-def]
+    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None, *,  # type: ignore[no-untyped-def]
+                    written: Written | None = None) -> dict[str, SparseUpdate]:
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
         updating `digests`. Parts are all or nothing (`parts_reader.apply_parts`; `prefetched`: a
         `parts_reader.Prefetcher`); for one file a DigestMismatchError means `state` was written and
-        must be discarded (`apply_loaded`)."""
+        must be discarded (`apply_loaded`). `written`: see `codec.apply_patch`."""
         if rec.parts:
-            return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched)
-        return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests)
+            return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched, written=written)
+        return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests, written=written)
 
     def reconstruct(
         self,

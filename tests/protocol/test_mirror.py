@@ -23,6 +23,7 @@ from sparsesync.protocol import parts_reader as parts_mod
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.mirror import ENV_DIR, MirrorDir, is_file_backed
 from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.run import Run
 from tests.support.weights import assert_bit_equal
 
 
@@ -174,3 +175,72 @@ def test_mirror_dir_memory_keeps_the_mirror_in_anonymous_memory(tmp_path: Path) 
     """The opt-out (no disk writeback): SPARSESYNC_MIRROR_DIR=memory / --mirror-dir memory."""
     got = MirrorDir("memory").allocate({"w": (torch.bfloat16, (64, 64))})
     assert not is_file_backed(got["w"]) and not (Path.cwd() / "memory").exists()
+
+
+@pytest.mark.parametrize("part_bytes", [None, 8 << 20], ids=["one-file", "parts"])
+def test_the_mirror_leaves_the_process_rss_tensor_by_tensor_and_keeps_its_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_bytes: int | None) -> None:
+    """48 MB followed through an anchor and 3 deltas (each writing every page of every tensor):
+    while the engine takes a version, at most a third of the mirror is mapped in the process
+    (each tensor is unmapped once a patch is written into it); after each version, almost none
+    of it. What the engine gets and what the mirror holds stay bit-exact (the bits live on in
+    the file's page cache and come back when read)."""
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(4)
+    states = [_state(6, 4 << 20)]  # 6 x 4M bf16 = 48 MB
+    for _ in range(3):
+        states.append(_step(states[-1], g))
+    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
+    with Publisher(url, anchor_every=0, **({"part_bytes": part_bytes} if part_bytes else {})) as pub:
+        for v, s in enumerate(states):
+            pub.publish(s, v)
+        pub.flush()
+    assert all(bool(c.parts) == bool(part_bytes) for c in Run(url).commits()[1:])
+    expected = [tensor_digests(s) for s in states]
+    del states, s
+    mapped_in_hook: list[int] = []
+
+    class Engine:  # what an engine sees of the mirror when it is called, and its own copy of it
+        def __init__(self) -> None:
+            self.weights: dict[str, torch.Tensor] = {}
+
+        def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
+            mapped_in_hook.append(_status("RssFile") - base)
+            self.weights = {k: t.clone() for k, t in tensors.items()}
+
+        def apply_sparse(self, version, updates, full):  # type: ignore[no-untyped-def]
+            mapped_in_hook.append(_status("RssFile") - base)
+            for name, u in updates.items():
+                self.weights[name].view(-1)[u.indices] = u.values
+
+    base = _status("RssFile")
+    engine = Engine()
+    f = Follower(url, engine, prefetch=False)  # type: ignore[arg-type]
+    assert f.sync_once() == 3  # the anchor, then the 3 deltas, each into the mirror and then the engine
+    after = _status("RssFile") - base
+    assert tensor_digests(engine.weights) == expected[3] and tensor_digests(f.mirror) == expected[3]
+    assert all(is_file_backed(t) for t in f.mirror.values())
+    assert after < model_bytes // 8, f"{after >> 20} MiB of the {model_bytes >> 20} MiB mirror stayed mapped after the sync"
+    assert mapped_in_hook and max(mapped_in_hook) < model_bytes // 3, [m >> 20 for m in mapped_in_hook]
+
+
+def test_dropping_pages_keeps_every_bit_and_never_touches_anonymous_memory(tmp_path: Path) -> None:
+    """Unmapping a mirror's pages keeps its bits (they come back from the page cache); the same
+    call on anonymous memory (an engine's weights, the `memory` mirror), where unmapping would
+    zero it, does nothing."""
+    from sparsesync.protocol.mirror import drop_resident, pager
+
+    state = _state(3, 3 << 20, seed=5)
+    mapped = MirrorDir(tmp_path / "m").allocate({k: (t.dtype, tuple(t.shape)) for k, t in state.items()})
+    anon = MirrorDir("memory").allocate({k: (t.dtype, tuple(t.shape)) for k, t in state.items()})
+    for k, t in state.items():
+        mapped[k].copy_(t)
+        anon[k].copy_(t)
+    before = _status("RssFile")
+    assert pager(mapped.values())(mapped["layer1.weight"][1000:]) > 0  # a view of one tensor
+    assert drop_resident(mapped.values()) >= 2 * (6 << 20) and _status("RssFile") < before - (12 << 20)
+    assert drop_resident(anon.values()) == 0 and pager(mapped.values())(anon["layer0.weight"]) == 0
+    assert drop_resident(state.values()) == 0
+    assert_bit_equal(mapped, state)
+    assert_bit_equal(anon, state)

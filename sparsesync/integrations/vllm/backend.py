@@ -56,7 +56,7 @@ from vllm.distributed.weight_transfer.base import (
 from sparsesync.errors import EngineCheckError
 from sparsesync.integrations.vllm import readback
 from sparsesync.integrations.vllm.layout import Layout, Location
-from sparsesync.protocol.mirror import release_freed_memory
+from sparsesync.protocol.mirror import pager, release_freed_memory
 
 BACKEND = "sparsesync"
 
@@ -164,17 +164,24 @@ def _layer_by_layer(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, tor
     processes a module once all of its weights arrived), handing the memory glibc keeps from the
     last layer's reload temporaries (materialized module, CPU repacking) back to the OS before the
     next layer starts: without it they piled up over the whole model (0.9 copies of a 96 MB model
-    during a full reload, all of it returned by the trim afterwards)."""
+    during a full reload, all of it returned by the trim afterwards). A layer's tensors that lie
+    in the follower's mirror leave this process's RSS once the next layer starts (`mirror.pager`)."""
     def key(name: str) -> str:
         m = _LAYER.match(name)
         return m.group(1) if m else ""
 
+    drop = pager(tensors.values())
     last: str | None = None
+    sent: list[torch.Tensor] = []
     for name in sorted(tensors, key=lambda n: (key(n), n)):
         layer = key(name)
         if last is not None and layer != last:
             release_freed_memory()
+            for t in sent:
+                drop(t)
+            sent.clear()
         last = layer
+        sent.append(tensors[name])
         yield name, tensors[name]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from sparsesync.integrations.vllm.layout import Layout, Location
-from sparsesync.protocol.mirror import release_freed_memory
+from sparsesync.protocol.mirror import pager, release_freed_memory
 
 _PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
 _COMPARE_ELEMS = 1 << 18  # elements compared at once (bounds the comparison's float temporaries)
@@ -231,11 +231,17 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
     # grouped by the parameter they are read from, so the cache holds one parameter's read at a
     # time (a read of every parameter at once is another copy of the model)
     located = sorted(((name, layout.locate(name)) for name in expected), key=lambda nl: (nl[1].module, nl[1].param))
+    drop = pager(expected.values())  # what was read of the follower's mirror leaves RSS once compared
+    done: list[torch.Tensor] = []
     for name, loc in located:
         want = expected[name]
         if cache and next(iter(cache))[1:] != (loc.module, loc.param):
             cache.clear()
             release_freed_memory()  # the last parameter's read and probe blocks, back to the OS
+            for t in done:
+                drop(t)
+            done.clear()
+        done.append(want)
         try:
             got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
         except (KeyError, RuntimeError, IndexError, ValueError) as e:  # a layout this read-back does not know: loud, named
