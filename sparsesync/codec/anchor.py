@@ -141,13 +141,16 @@ def _read_into(f: BinaryIO, t: torch.Tensor, start: int, nbytes: int, path: Path
         got += n
 
 
-def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
+def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None,
+                written: Callable[[torch.Tensor], object] | None = None) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
     """Load an anchor from its files (shards, with or without the index) on CPU, verifying every
     tensor's digest and that all files agree on the version.
 
     Each tensor's bytes are read from its file straight into its destination tensor: by default
     new CPU tensors; with `alloc`, the tensors `alloc({name: (dtype, shape)})` returns (e.g. views
-    of a file-backed map, `sparsesync.protocol.mirror`). Memory: the tensors, nothing else."""
+    of a file-backed map, `sparsesync.protocol.mirror`). Memory: the tensors, nothing else.
+    `written` is called with each tensor once it is read and its digest checked (a holder may
+    then page it out)."""
     paths = [Path(f) for f in files]
     index_paths = [p for p in paths if p.name.endswith(".index.json")]
     shards = sorted(p for p in paths if p.suffix == ".safetensors")
@@ -187,6 +190,8 @@ def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None) -> tuple[d
                         f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}", hint="the anchor is corrupt; fetch it again"
                     )
                 digests[name] = got
+                if written is not None:
+                    written(t)
     if len(versions) != 1 or not next(iter(versions)).isdigit():
         raise PatchFormatError(f"anchor files disagree on or lack 'sparsesync.version': {sorted(versions)}", hint="pass the files of one anchor")
     version = int(next(iter(versions)))

@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -298,12 +298,11 @@ class Follower:
             last = step is steps[-1]
             if step.kind == "anchor":
                 try:
-                    state, digests = self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=self._mirror_dir.allocate)
+                    state, digests = self._fetch_anchor(rec)
                 except _BAD_OBJECT as e:
                     e.key = rec.anchor[0].key
                     raise
                 fetch_s = time.perf_counter() - t0
-                drop_resident(state.values())  # read in whole; the engine reads it back as it loads
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
                 self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
@@ -328,6 +327,18 @@ class Follower:
                 else:  # the engine missed earlier changes of the mirror: send all of it
                     self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
+
+    def _fetch_anchor(self, rec: CommitRecord) -> tuple[State, dict[str, str]]:
+        """The anchor of `rec`, read into a new mirror map, each tensor unmapped from the process
+        once read and checked (the engine maps it again as it loads it)."""
+        drop: list[Callable[[torch.Tensor], int]] = []
+
+        def alloc(layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> State:
+            state = self._mirror_dir.allocate(layout)
+            drop.append(pager(state.values()))
+            return state
+
+        return self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=lambda t: drop[0](t))
 
     def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
         return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}

@@ -208,9 +208,11 @@ class Run:
             )
         return data
 
-    def fetch_anchor(self, rec: CommitRecord, workdir: Path | None = None, *, alloc: Alloc | None = None) -> tuple[State, dict[str, str]]:
+    def fetch_anchor(self, rec: CommitRecord, workdir: Path | None = None, *, alloc: Alloc | None = None,
+                     written: Written | None = None) -> tuple[State, dict[str, str]]:
         """Download (into a temporary folder in `workdir`), verify and load the anchor of `rec`:
-        (state, per-tensor digests). `alloc`: where the tensors go (`codec.anchor.load_anchor`)."""
+        (state, per-tensor digests). `alloc`: where the tensors go, `written`: told of each once
+        loaded (`codec.anchor.load_anchor`)."""
         with tempfile.TemporaryDirectory(dir=workdir, prefix="sparsesync-anchor-") as tmp:
             items = [(ref.key, Path(tmp) / Path(ref.key).name) for ref in rec.anchor]
             self.store.get_many(items)
@@ -222,7 +224,7 @@ class Run:
                         f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
                         hint="the stored anchor is damaged; publish a new anchor",
                     )
-            state, info = load_anchor([p for _k, p in items], alloc=alloc)  # shards and, when sharded, the index
+            state, info = load_anchor([p for _k, p in items], alloc=alloc, written=written)  # shards and, when sharded, the index
         if info.version != rec.version or info.state_digest != rec.state_digest:
             raise DigestMismatchError(
                 f"anchor of version {rec.version} under {self.url} holds version {info.version} "
