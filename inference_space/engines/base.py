@@ -59,7 +59,6 @@ import torch
 
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError
-from sparsesync.protocol.mirror import pager
 
 FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
@@ -345,15 +344,12 @@ class Engine(ABC):
 
     @staticmethod
     def _mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:
-        """Tensors of `want` whose bits `got` (the engine's read-back) does not hold. What is read
-        of the follower's mirror leaves the process's RSS once compared (`mirror.pager`)."""
+        """Tensors of `want` whose bits `got` (the engine's read-back) does not hold."""
         bad = []
-        drop = pager(want.values())
         for name, w in want.items():
             g = got[name]
             if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)):
                 bad.append(name)
-            drop(w)
         return bad
 
     @abstractmethod

@@ -29,7 +29,6 @@ from inference_space.engines.base import Completion, Engine, FinishReason, Sampl
 from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
-from sparsesync.protocol.mirror import pager
 
 
 class EmbeddedEngine(Engine):
@@ -171,10 +170,8 @@ class EmbeddedEngine(Engine):
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self._live.adopt(self.model)  # a full load writes whatever parameters the model now holds
         views = self._live.views(self.model)
-        drop = pager(tensors.values())  # the mirror's pages leave RSS as they are copied (the check maps them again)
         for name, t in tensors.items():
             views[name].copy_(t)
-            drop(t)
         self._check(tensors)
 
     @torch.no_grad()

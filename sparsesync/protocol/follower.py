@@ -9,7 +9,9 @@ Guarantees:
   is not anonymous memory: anchors are read straight into one shared file map in `mirror_dir`
   (`sparsesync.protocol.mirror`: on local disk, default `~/.cache/sparsesync/mirror`), which
   patches then write in place, so the OS can page it. After each attempt the memory the
-  allocator kept from freed buffers is handed back to the OS (`release_freed_memory`).
+  allocator kept from freed buffers is handed back to the OS (`release_freed_memory`). For a
+  hook that sets `pages_out_mirror` (vLLM), the mirror also leaves the process's RSS: each tensor
+  is unmapped once read or written, and the whole mirror after each attempt (`mirror.pager`).
 - A version number is reported only while the engine holds exactly that version. The
   follower tracks whether the engine holds what the mirror holds: once the mirror has taken a
   version the engine has not (an exception anywhere between the mirror's advance and the
@@ -192,7 +194,7 @@ class Follower:
                     try:
                         if self._prefetch.poll(newest.version, self.mirror):
                             self._parts_seen_at = time.monotonic()
-                            drop_resident(self.mirror.values())  # it read the mirror to decode ahead
+                            self._page_out()  # it read the mirror to decode ahead
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
@@ -205,7 +207,7 @@ class Follower:
                 raise
             finally:
                 release_freed_memory()  # decode buffers and the engine's reload temporaries, back to the OS
-                drop_resident(self.mirror.values())  # the mirror's pages stay in the page cache, out of RSS
+                self._page_out()
             if self._status.state == "degraded":
                 self._failed(newest)
             return self.current_version
@@ -338,7 +340,20 @@ class Follower:
             drop.append(pager(state.values()))
             return state
 
-        return self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=lambda t: drop[0](t))
+        return self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=(lambda t: drop[0](t)) if self._pages_out else None)
+
+    @property
+    def _pages_out(self) -> bool:
+        """Whether the hook wants the mirror kept out of the process's RSS (`hooks` module docstring)."""
+        return bool(getattr(self.hook, "pages_out_mirror", False))
+
+    def _page_out(self) -> None:
+        if self._pages_out:
+            drop_resident(self.mirror.values())  # the pages stay in the page cache, out of RSS
+
+    def _pager(self) -> Callable[[torch.Tensor], int] | None:
+        """The `written` callback of an apply into the mirror (None: it stays mapped)."""
+        return pager(self.mirror.values()) if self._pages_out else None
 
     def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
         return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
@@ -359,7 +374,7 @@ class Follower:
         """Fetch, verify and apply one delta to the mirror (the engine is untouched)."""
         if rec.parts:  # fetched concurrently, decoded as they land, applied all or nothing
             try:
-                return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch, written=pager(self.mirror.values()))
+                return self.run.apply_delta(rec, self.mirror, self.digests, self._prefetch, written=self._pager())
             except DigestMismatchError as e:
                 if e.written:
                     self._mirror_version = None  # undone, but the base bits were not what we thought: reload
@@ -369,7 +384,7 @@ class Follower:
             patch = self.run.load_delta(rec, self.digests)  # writes nothing
             digests = dict(self.digests)
             try:
-                updates = self.run.apply_loaded(rec, patch, self.mirror, digests, written=pager(self.mirror.values()))
+                updates = self.run.apply_loaded(rec, patch, self.mirror, digests, written=self._pager())
             except PatchError as e:  # the codec restored the mirror, unless the state digest failed after
                 if isinstance(e, DigestMismatchError):
                     self._mirror_version = None  # the mirror was written and is wrong: reload an anchor

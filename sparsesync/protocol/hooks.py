@@ -8,6 +8,12 @@ engine. If the hook raises, the follower reloads the engine from the mirror with
 A hook whose class sets `takes_state_digest = True` also gets `state_digest=` (the commit's state
 digest of `version`) on both calls, so it can report which commit its weights are, not only which
 version number (a rewind commits a number again with other weights).
+A hook whose class sets `pages_out_mirror = True` gets a follower that keeps the mirror out of the
+process's RSS (`mirror.pager`: each tensor unmapped once read or written, the bits kept in the
+page cache): for engines whose update reads what it touches of the mirror once and costs far more
+than mapping it back (vLLM: +1-10% lag, total RSS peak 2.39 -> 1.69 copies of a 96 MB model). An
+engine with cheap in-place updates keeps it mapped (the embedded engine: +23-34% lag otherwise;
+its total RSS is engine + mirror, 2.05-2.09 copies). The page cache holds the mirror either way.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ Guarantees:
 - `drop_resident(tensors)` unmaps from this process the pages of the tensors that lie in a
   mirror's file map, once the follower or an engine is done with them: the bits stay in the
   file's page cache (the next read faults them back in, from memory while the OS keeps them), so
-  the mirror costs the process's RSS only the tensors in use, not the model (the follower drops
-  each tensor once a patch is written into it, the whole mirror after every sync; the vLLM
-  backend each layer once it is reloaded and read back). Only a shared map of a mirror file is
+  the mirror costs the process's RSS only the tensors in use, not the model. The follower does it
+  for hooks that ask (`pages_out_mirror`, see `hooks`: each tensor once read or written, the whole
+  mirror after every sync), the vLLM backend for each layer once reloaded and read back. Mapping
+  the pages back costs the next update a fault per page. Only a shared map of a mirror file is
   touched, checked against /proc/self/maps at the call: dropping anonymous or private pages would
   zero them, so any other tensor (the `memory` mirror, an engine's own weights) is left alone.
 - `release_freed_memory()` hands the memory the C allocator keeps after frees back to the OS

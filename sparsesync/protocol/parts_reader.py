@@ -217,7 +217,8 @@ def apply_parts(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Mut
     takes). Raises DigestMismatchError/PatchMismatchError/ProtocolError/PatchFormatError with the
     failing part's key in `e.key` (and `e.written` when the writes had begun: undone, but the held
     bits were not what their digests said), leaving `state` and `digests` as they were.
-    `written`: told of each tensor (a part's view of it) once its writes are done (`codec.write_updates`).
+    `written`: told of each tensor (a part's view of it) once its part is decoded against it,
+    and again once its writes are done (`codec.write_updates`).
     """
     if not rec.parts:
         raise ProtocolError(f"version {rec.version} has no parts")
@@ -240,17 +241,27 @@ def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Muta
         if ref.key in ready:
             try:
                 staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates, ready[ref.key].predicted))
+                _done_with(staged[-1], written)
             except SparsesyncError as e:
                 e.key = ref.key
                 raise
     for ref, fut in _as_fetched(fetch, [r for r in refs if r.key not in ready]):
         try:
             staged.append(_stage(rec, ref, read_patch(fut.result()), state, digests))
+            _done_with(staged[-1], written)
         except SparsesyncError as e:
             e.key = ref.key
             raise
     with interrupts_deferred():  # a Ctrl-C waits for the writes or their undo
         return _write_all(rec, staged, digests, names, written)
+
+
+def _done_with(s: _Staged, written: Written | None) -> None:
+    """Tell `written` of a part's views once the part is decoded against them (the reads of
+    their held bytes are done; the writes come once every part is staged)."""
+    if written is not None:
+        for view in s.views.values():
+            written(view)
 
 
 def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping[str, str],

@@ -131,6 +131,7 @@ class ServerHook:
     """The follower's `ApplyHook` for a vLLM server reached through `control` (see module docstring)."""
 
     name = "vllm"
+    pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.hooks)
 
     def __init__(self, control: EngineControl, state: dict[str, torch.Tensor], *, run_url: str = "",
                  pause_mode: str = "wait", check: bool = True) -> None:
