@@ -9,9 +9,8 @@ Guarantees:
   is not anonymous memory: anchors are read straight into one shared file map in `mirror_dir`
   (`sparsesync.protocol.mirror`: on local disk, default `~/.cache/sparsesync/mirror`), which
   patches then write in place, so the OS can page it. After each attempt the memory the
-  allocator kept from freed buffers is handed back to the OS (`release_freed_memory`). For a
-  hook that sets `pages_out_mirror` (vLLM), the mirror also leaves the process's RSS: each tensor
-  is unmapped once read or written, and the whole mirror after each attempt (`mirror.pager`).
+  allocator kept from freed buffers is handed back to the OS (`release_freed_memory`); for a hook
+  that sets `pages_out_mirror` (vLLM), so does the mirror from the process's RSS (`mirror.pager`).
 - A version number is reported only while the engine holds exactly that version. The
   follower tracks whether the engine holds what the mirror holds: once the mirror has taken a
   version the engine has not (an exception anywhere between the mirror's advance and the
@@ -50,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,31 +65,21 @@ from sparsesync.errors import (
     StoreError,
 )
 from sparsesync.protocol.adapter_runs import check_follow
+from sparsesync.protocol.backoff import Backoff
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
-from sparsesync.protocol.hooks import ApplyHook, FollowerStatus
+from sparsesync.protocol.hooks import ApplyHook, FollowerStatus, NoHook
 from sparsesync.protocol.mirror import MirrorDir, drop_resident, pager, release_freed_memory
 from sparsesync.protocol.parts_reader import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
-RETRY_BASE_S = 1.0  # the first retry after a failed attempt comes at least this late
 STREAMING_WINDOW_S = 60.0  # after new parts were seen, poll at poll_interval this long (or until their version is applied)
 
 log = logging.getLogger(__name__)
 
 # errors that mean "this object/path is bad": avoid it and re-plan (anchor fallback)
 _BAD_OBJECT = (DigestMismatchError, ObjectNotFoundError, PatchError, ProtocolError)
-
-
-class _NoHook:
-    """A follower with no engine: the mirror is the replica (CLI pull --follow, tests)."""
-
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        pass
-
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
-        pass
 
 
 class Follower:
@@ -117,7 +106,7 @@ class Follower:
         self.store = open_store(url) if isinstance(url, str) else url
         self._owns_store = isinstance(url, str)
         self.run = Run(self.store)
-        self.hook: ApplyHook = hook or _NoHook()
+        self.hook: ApplyHook = hook or NoHook()
         self.poll_interval = poll_interval
         self.max_poll_interval = max_poll_interval
         self.max_retry_interval = max_retry_interval
@@ -128,10 +117,7 @@ class Follower:
         # True while the mirror holds changes the engine has not received (or the engine's bits are
         # unknown): the engine then gets the whole mirror before any version is reported
         self._engine_behind = False
-        self._failures = 0  # failed attempts in a row (backoff)
-        self._retry_at: float | None = None  # unix time before which the loop does not try again
-        self._failed_on: tuple[int, str] | None = None  # newest (version, state) when the last attempt failed
-        self._engine_failed = False  # the last failure was the engine's (no new version lifts the backoff)
+        self._backoff = Backoff()
         self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
         self._bad: set[str] = set()  # object keys that failed twice (planned around)
         self._lock = threading.Lock()  # one sync at a time
@@ -198,7 +184,7 @@ class Follower:
                     except StoreError as e:
                         log.debug("prefetch of %s failed: %s", self.store.url, e)
                 return self.current_version
-            if backoff and self._backing_off(newest):
+            if backoff and self._backoff.waiting((newest.version, newest.state_digest)):
                 return self.current_version
             try:
                 self._attempt(newest, commits)
@@ -214,7 +200,7 @@ class Follower:
 
     def _attempt(self, newest: CommitRecord, commits: list[CommitRecord]) -> None:
         """Plan and execute up to three times (a bad object is refetched once, then planned around)."""
-        self._engine_failed = False
+        self._backoff.engine_failed = False
         for _attempt in range(3):
             try:
                 steps = self.run.plan(newest, commits, current=self._mirror_version, avoid=self._bad)
@@ -286,7 +272,7 @@ class Follower:
             streaming = seen is not None and time.monotonic() - seen < STREAMING_WINDOW_S
             moved = self.current_version != before or streaming
             interval = self.poll_interval if moved else min(interval * 1.5, self.max_poll_interval)
-            retry_at = self._retry_at
+            retry_at = self._backoff.retry_at
             wait = interval if retry_at is None else min(interval, max(retry_at - time.time(), 0.0) + 0.01)
             self.store.wait_for_change(wait, self._stop)
 
@@ -300,7 +286,8 @@ class Follower:
             last = step is steps[-1]
             if step.kind == "anchor":
                 try:
-                    state, digests = self._fetch_anchor(rec)
+                    alloc, written = self._mirror_dir.allocator(page_out=self._pages_out)
+                    state, digests = self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=written)
                 except _BAD_OBJECT as e:
                     e.key = rec.anchor[0].key
                     raise
@@ -330,30 +317,16 @@ class Follower:
                     self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
 
-    def _fetch_anchor(self, rec: CommitRecord) -> tuple[State, dict[str, str]]:
-        """The anchor of `rec`, read into a new mirror map, each tensor unmapped from the process
-        once read and checked (the engine maps it again as it loads it)."""
-        drop: list[Callable[[torch.Tensor], int]] = []
-
-        def alloc(layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> State:
-            state = self._mirror_dir.allocate(layout)
-            drop.append(pager(state.values()))
-            return state
-
-        return self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=(lambda t: drop[0](t)) if self._pages_out else None)
-
     @property
-    def _pages_out(self) -> bool:
-        """Whether the hook wants the mirror kept out of the process's RSS (`hooks` module docstring)."""
+    def _pages_out(self) -> bool:  # the hook wants the mirror out of the process's RSS (hooks docstring)
         return bool(getattr(self.hook, "pages_out_mirror", False))
+
+    def _pager(self) -> Callable[[torch.Tensor], int] | None:  # unmaps mirror tensors, for hooks that ask
+        return pager(self.mirror.values()) if self._pages_out else None
 
     def _page_out(self) -> None:
         if self._pages_out:
             drop_resident(self.mirror.values())  # the pages stay in the page cache, out of RSS
-
-    def _pager(self) -> Callable[[torch.Tensor], int] | None:
-        """The `written` callback of an apply into the mirror (None: it stays mapped)."""
-        return pager(self.mirror.values()) if self._pages_out else None
 
     def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
         return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
@@ -411,7 +384,7 @@ class Follower:
             try:
                 self.hook.load_full(rec.version, state, **self._label(rec))
             except BaseException as e2:
-                self._engine_failed = True
+                self._backoff.engine_failed = True
                 self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception):
                     raise
@@ -450,27 +423,17 @@ class Follower:
         self._set(state="degraded", last_error=str(e) or type(e).__name__)
 
     def _succeeded(self) -> None:
-        self._failures, self._retry_at, self._failed_on = 0, None, None
+        self._backoff.succeeded()
         self._set(state="following", last_error=None, retry_at=None, failures=0)
 
     def _failed(self, newest: CommitRecord) -> None:
-        """Count a failed attempt and set the time of the next one (exponential, capped)."""
-        self._failures += 1
-        delay = min(max(self.poll_interval, RETRY_BASE_S) * 2 ** min(self._failures - 1, 30), self.max_retry_interval)
-        self._retry_at = time.time() + delay
-        self._failed_on = (newest.version, newest.state_digest)
+        """Count a failed attempt and set the time of the next one (`backoff`)."""
+        delay = self._backoff.failed((newest.version, newest.state_digest), self.poll_interval, self.max_retry_interval)
         if self._status.state != "degraded":
             self._set(state="degraded")
-        self._set(retry_at=self._retry_at, failures=self._failures)
+        self._set(retry_at=self._backoff.retry_at, failures=self._backoff.failures)
         log.warning("sync of %s failed %d time(s) in a row; next attempt in %.1f s",
-                    self.store.url, self._failures, delay)
-
-    def _backing_off(self, newest: CommitRecord) -> bool:
-        """Whether the loop must not try yet: before the retry time, unless a newer version came
-        since (and the failure was not the engine's: a broken engine gets no faster retries)."""
-        if self._retry_at is None or time.time() >= self._retry_at:
-            return False
-        return self._engine_failed or self._failed_on == (newest.version, newest.state_digest)
+                    self.store.url, self._backoff.failures, delay)
 
     def _set(self, **kw: object) -> None:
         with self._changed:

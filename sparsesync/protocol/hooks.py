@@ -45,6 +45,16 @@ class ApplyHook(Protocol):
         pauses only for the in-place write and reports `version` from then on."""
 
 
+class NoHook:
+    """The hook of a follower with no engine: the mirror is the replica (CLI pull --follow, tests)."""
+
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+
 @dataclass
 class FollowerStatus:
     """A follower's view of itself; served by replicas as their sync status."""

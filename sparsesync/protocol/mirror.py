@@ -124,6 +124,18 @@ class MirrorDir:
         """Where downloads on their way into a mirror may go (None: the system's temp dir)."""
         return self.directory if self._check() else None
 
+    def allocator(self, *, page_out: bool) -> tuple[Callable[[Layout], dict[str, torch.Tensor]], Callable[[torch.Tensor], int] | None]:
+        """(`allocate`, and with `page_out` a callback that unmaps each tensor it allocated once
+        called with it: for `codec.load_anchor`'s `alloc` and `written`)."""
+        drop: list[Callable[[torch.Tensor], int]] = []
+
+        def alloc(layout: Layout) -> dict[str, torch.Tensor]:
+            state = self.allocate(layout)
+            drop.append(pager(state.values()))
+            return state
+
+        return alloc, ((lambda t: drop[-1](t)) if page_out else None)
+
     def allocate(self, layout: Layout) -> dict[str, torch.Tensor]:
         """Uninitialised tensors for `layout`, views into one shared file map (see module docstring)."""
         offsets: dict[str, int] = {}

@@ -1,0 +1,42 @@
+"""When a follower tries again after a failed sync.
+
+Guarantees:
+- After the n-th failed attempt in a row, the next one comes `max(poll, RETRY_BASE_S) * 2**(n-1)`
+  seconds later, capped at the follower's `max_retry_interval`; one success resets the count.
+- A newer committed version (another number or another state digest than the one that failed)
+  lifts the wait at once, unless the engine failed: a broken engine gets no faster retries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+RETRY_BASE_S = 1.0  # the first retry after a failed attempt comes at least this late
+
+
+@dataclass
+class Backoff:
+    """The retry state of one follower (see module docstring)."""
+
+    failures: int = 0  # failed attempts in a row
+    retry_at: float | None = None  # unix time before which the loop does not try again
+    failed_on: tuple[int, str] | None = None  # newest (version, state digest) when the last attempt failed
+    engine_failed: bool = False  # the last failure was the engine's (no new version lifts the wait)
+
+    def succeeded(self) -> None:
+        self.failures, self.retry_at, self.failed_on = 0, None, None
+
+    def failed(self, newest: tuple[int, str], poll_interval: float, max_interval: float) -> float:
+        """Count a failed attempt while `newest` was the newest commit; the seconds until the next."""
+        self.failures += 1
+        delay = min(max(poll_interval, RETRY_BASE_S) * 2 ** min(self.failures - 1, 30), max_interval)
+        self.retry_at = time.time() + delay
+        self.failed_on = newest
+        return delay
+
+    def waiting(self, newest: tuple[int, str]) -> bool:
+        """Whether the loop must not try yet, `newest` being the newest commit now."""
+        if self.retry_at is None or time.time() >= self.retry_at:
+            return False
+        return self.engine_failed or self.failed_on == newest
