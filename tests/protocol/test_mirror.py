@@ -62,6 +62,24 @@ def _step(state: dict[str, torch.Tensor], g: torch.Generator, density: float = 0
     return out
 
 
+def _published(url: str, n_tensors: int, numel: int, seed: int, **publisher: object) -> tuple[list[dict[str, str]], int]:
+    """Versions 0..3 of an `n_tensors` x `numel` bf16 model (each delta touching every page of
+    every tensor) published to `url`; (each version's tensor digests, model bytes). The states
+    are freed, with what the publisher freed, before this returns."""
+    g = torch.Generator().manual_seed(seed)
+    states = [_state(n_tensors, numel)]
+    for _ in range(3):
+        states.append(_step(states[-1], g))
+    with Publisher(url, anchor_every=0, **publisher) as pub:  # type: ignore[arg-type]
+        for v, s in enumerate(states):
+            pub.publish(s, v)
+        pub.flush()
+    out = ([tensor_digests(s) for s in states], n_tensors * numel * 2)
+    del states, s
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return out
+
+
 def test_mirror_is_a_shared_file_map_in_the_mirror_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mdir = tmp_path / "mirror"
     monkeypatch.setenv(ENV_DIR, str(mdir))  # the replica's setting (SPARSESYNC_MIRROR_DIR / --mirror-dir)
@@ -88,18 +106,8 @@ def test_following_a_large_model_keeps_anonymous_memory_bounded(tmp_path: Path, 
     every tensor): the anonymous memory grows by less than a quarter of the model."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
     url = str(tmp_path / "run")
-    g = torch.Generator().manual_seed(2)
-    states = [_state(6, 4 << 20)]  # 6 x 4M bf16 = 48 MB
-    for _ in range(3):
-        states.append(_step(states[-1], g))
-    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    with Publisher(url, anchor_every=0) as pub:
-        for v, s in enumerate(states):
-            pub.publish(s, v)
-        pub.flush()
-    final = tensor_digests(states[-1])
-    del states, s
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the publisher and the states freed
+    digests, model_bytes = _published(url, 6, 4 << 20, seed=2)  # 6 x 4M bf16 = 48 MB
+    final = digests[-1]
     before = _status("RssAnon")
     f = Follower(url, prefetch=False)
     assert f.sync_once() == 3
@@ -212,18 +220,8 @@ def test_the_mirror_leaves_the_process_rss_tensor_by_tensor_and_keeps_its_bits(
     and what the mirror holds stay bit-exact (the bits live on in the file's page cache)."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
     url = str(tmp_path / "run")
-    g = torch.Generator().manual_seed(4)
-    states = [_state(6, 4 << 20)]  # 6 x 4M bf16 = 48 MB
-    for _ in range(3):
-        states.append(_step(states[-1], g))
-    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    with Publisher(url, anchor_every=0, **({"part_bytes": part_bytes} if part_bytes else {})) as pub:
-        for v, s in enumerate(states):
-            pub.publish(s, v)
-        pub.flush()
+    expected, model_bytes = _published(url, 6, 4 << 20, seed=4, **({"part_bytes": part_bytes} if part_bytes else {}))
     assert all(bool(c.parts) == bool(part_bytes) for c in Run(url).commits()[1:])
-    expected = [tensor_digests(s) for s in states]
-    del states, s
     mapped_in_hook: list[int] = []
 
     class Engine:  # what an engine sees of the mirror when it is called, and its own copy of it
@@ -256,22 +254,13 @@ def test_the_mirror_leaves_the_process_rss_tensor_by_tensor_and_keeps_its_bits(
 
 def test_reading_an_anchor_and_its_deltas_never_maps_the_whole_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The process's peak RSS while a follower (for a hook that sets `pages_out_mirror`) reads a
-    48 MB anchor and 3 deltas into its mirror grows by less than half the model (measured: 14-16 MiB; 53 MiB when the anchor's tensors stay
-    mapped): each tensor leaves RSS once read (or written) and checked."""
+    48 MB anchor and 3 deltas into its mirror grows by less than half the model (measured:
+    14-16 MiB; 53 MiB when the anchor's tensors stay mapped): each tensor leaves RSS once read
+    (or written) and checked."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
     url = str(tmp_path / "run")
-    g = torch.Generator().manual_seed(6)
-    states = [_state(24, 1 << 20)]  # 24 x 1M bf16 = 48 MB
-    for _ in range(3):
-        states.append(_step(states[-1], g))
-    model_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
-    with Publisher(url, anchor_every=0) as pub:
-        for v, s in enumerate(states):
-            pub.publish(s, v)
-        pub.flush()
-    final = tensor_digests(states[-1])
-    del states, s
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    digests, model_bytes = _published(url, 24, 1 << 20, seed=6)  # 24 x 1M bf16 = 48 MB
+    final = digests[-1]
     f = Follower(url, _PagingEngine(), prefetch=False)  # type: ignore[arg-type]
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status("VmHWM")
