@@ -30,6 +30,7 @@ from sparsesync.protocol.keys import heartbeat_key, switch_key
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import MAX_RECORD_BYTES, Heartbeat
 from sparsesync.store import open_store
+from tests.support.waiting import until  # noqa: E402
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,13 +65,6 @@ def _spawn_replica(url: str, replica_id: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc
 
-
-def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _status(url: str, *args: str) -> tuple[int, dict]:
@@ -132,7 +126,7 @@ def test_status_shows_three_replicas_and_a_killed_one_ages_out(store_url):
         proc.send_signal(signal.SIGKILL)  # no last heartbeat: its record must age out on its own
         proc.wait(timeout=10)
         killed_at = time.monotonic()
-        _until(lambda: {s.record.replica for s in read_fleet(pub.store).live} == {"thread-0", "thread-1"},
+        until(lambda: {s.record.replica for s in read_fleet(pub.store).live} == {"thread-0", "thread-1"},
                timeout=10, what="the killed replica to age out")
         assert time.monotonic() - killed_at < 3  # 3 x 0.1 s period + 1 s grace, plus one listing
         code, report = _status(store_url, "--min-replicas", "3")
@@ -215,7 +209,7 @@ def _follows_without_write_access(reader_url: str, pub: Publisher, state: dict[s
             pub.flush()
             follower.wait_for_version(v, timeout=20)
             assert_bit_equal(hook.weights, state)
-        _until(lambda: follower.status().fleet["heartbeat"] == "read-only", 10, "the read-only report")
+        until(lambda: follower.status().fleet["heartbeat"] == "read-only", 10, "the read-only report")
         st = follower.status()
         assert st.state == "following" and st.current_version == first + 2 and st.fleet["error"]
     finally:

@@ -32,6 +32,7 @@ from sparsesync.protocol.records import Heartbeat
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.store import open_store
+from tests.support.waiting import until  # noqa: E402
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
 
@@ -78,13 +79,6 @@ def _publish(url: str, states: dict[int, dict[str, torch.Tensor]], **kw: object)
             pub.flush()  # every version committed (none coalesced)
 
 
-def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
 
 def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandoned_version(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
@@ -94,7 +88,7 @@ def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandone
     follower = Follower(url, engine, poll_interval=0.05, max_poll_interval=0.05)
     follower.start()
     try:
-        _until(lambda: follower.current_version == 5, 30, "the replica to serve version 5")
+        until(lambda: follower.current_version == 5, 30, "the replica to serve version 5", every=0.01)
         abandoned = digest(first[5])
         # the resumed trainer: checkpoint-4's weights, then steps 5..7 of another trajectory
         second = _states(2, 4, start=first[4])
@@ -103,13 +97,13 @@ def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandone
             pub.resume(second[0], version=4)
             assert pub.committed_version == 4 and pub.state_digest == digest(first[4])
             # committed before resume() returns: the replica moves within its poll interval
-            _until(lambda: engine.digests()[-1] == digest(first[4]), 5, "the replica to serve the rewound version 4")
+            until(lambda: engine.digests()[-1] == digest(first[4]), 5, "the replica to serve the rewound version 4", every=0.01)
             moved = len(engine.served)
             assert time.monotonic() - t0 < 2.0
             for v, s in enumerate(second[1:], start=5):
                 pub.publish(s, v)
             pub.flush()
-        _until(lambda: engine.digests()[-1] == digest(second[3]), 30, "the replica to serve the new version 7")
+        until(lambda: engine.digests()[-1] == digest(second[3]), 30, "the replica to serve the new version 7", every=0.01)
     finally:
         follower.stop()
     assert abandoned not in engine.digests()[moved - 1:]  # never served an abandoned version after the rewind

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +30,7 @@ from sparsesync.protocol.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from tests.support.served import ServedDigests  # noqa: E402
 from tests.support.stack import start_env_and_replica
+from tests.support.waiting import until  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.processes import ProcessSet  # noqa: E402
 from trainer.train import AsyncGRPOTrainer  # noqa: E402
@@ -50,13 +50,6 @@ def _config(model: Path, bucket: str, replica: str, env: str, steps: int) -> Tra
     })
 
 
-def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
 
 def test_the_trainer_resumed_from_an_older_version_rewinds_the_run(tmp_path: Path) -> None:
     from inference_space.engines.embedded import EmbeddedEngine
@@ -73,16 +66,16 @@ def test_the_trainer_resumed_from_an_older_version_rewinds_the_run(tmp_path: Pat
             first = AsyncGRPOTrainer(_config(model, bucket, replica.url, env.url, steps=5)).run()
             assert first.final_version == 5
             abandoned = Run(bucket).commit(5).state_digest
-            _until(lambda: mine.served[-1:] == [abandoned], 60, "the replica to serve the first attempt's version 5")
+            until(lambda: mine.served[-1:] == [abandoned], 60, "the replica to serve the first attempt's version 5")
             n_before = len(mine.served)
             # the checkpoint from before the crash: the model folder with version 4's weights (`sparsesync pull`)
             shutil.copytree(model, tmp_path / "ckpt4")
             res = CliRunner().invoke(app, ["pull", bucket, str(tmp_path / "ckpt4"), "--version", "4"])
             assert res.exit_code == 0, res.output
             second = AsyncGRPOTrainer(_config(tmp_path / "ckpt4", bucket, replica.url, env.url, steps=3)).run()
-            _until(lambda: mine.served[-1:] == [second.state_digest], 60, "the replica to serve the final weights")
+            until(lambda: mine.served[-1:] == [second.state_digest], 60, "the replica to serve the final weights")
             health = httpx.get(f"{replica.url}/health").json()
-            _until(lambda: httpx.get(f"{replica.url}/health").json()["state_digest"] == second.state_digest, 60,
+            until(lambda: httpx.get(f"{replica.url}/health").json()["state_digest"] == second.state_digest, 60,
                    "the replica process to serve the final weights")
         finally:
             follower.stop()
