@@ -181,9 +181,7 @@ def push(
         pub.close()
     abandoned = None
     if rewind and pub.metrics[-1].get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
-        from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
-
-        abandoned = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
+        abandoned = [v for a in Run(store).abandoned()
                      if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions]
     files = [f.name for f in Run(store).commit(version).files]
     return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,

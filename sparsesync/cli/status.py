@@ -105,15 +105,14 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
 def _newest_commit(store: Any) -> Any:
     """The newest trusted commit record, reading records from the newest name down (not all of
     them); names whose object is gone or not a commit record are passed over, as every reader does."""
-    from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
+    from sparsesync.errors import RunNotFoundError
     from sparsesync.protocol.keys import COMMITS, valid_commits
-    from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
+    from sparsesync.protocol.run import Run
 
-    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
-        try:
-            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key)
-        except (ObjectNotFoundError, ProtocolError):
-            continue
+    run = Run(store)  # reads only the records fencing and the newest names need
+    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)], run.is_commit)):
+        if (rec := run.record(key)) is not None:
+            return rec
     raise RunNotFoundError(f"no committed version under {store.url}",
                            hint="check the URL, or publish a first version with `sparsesync push`")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sparsesync.errors import MalformedCommitError, SparsesyncError
+from sparsesync.errors import MalformedCommitError, ObjectNotFoundError, SparsesyncError
 from sparsesync.protocol.keys import COMMITS, parse_commit_key, valid_commits
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
 from sparsesync.protocol.run import read_at_most
@@ -32,22 +32,31 @@ class Lineage:
 
     def __init__(self, store: Store, cache: dict[str, CommitRecord | None] | None = None) -> None:
         self.store = store
+        self._cache = {} if cache is None else cache
         keys = [o.key for o in store.list(COMMITS)]
-        self.trusted: dict[int, str] = {v: k for v, _e, k in valid_commits(keys)}
+        # only commit records fence (a store error reading one raises, as the listing's does)
+        self.trusted: dict[int, str] = {v: k for v, _e, k in valid_commits(keys, lambda k: self._read(k) is not None)}
         self.newest = max(self.trusted, default=None)
         self.untrusted: dict[int, list[str]] = {}
         for k in keys:
             if (p := parse_commit_key(k)) and self.trusted.get(p[0]) != k:
                 self.untrusted.setdefault(p[0], []).append(k)
-        self._cache = {} if cache is None else cache
 
-    def record(self, key: str) -> CommitRecord | None:
+    def _read(self, key: str) -> CommitRecord | None:
+        """The record at `key`, None when it is gone or not a commit (cached); other errors raise."""
         if key not in self._cache:
             try:
                 self._cache[key] = CommitRecord.from_json(read_at_most(self.store, key, MAX_COMMIT_BYTES), key)
-            except (SparsesyncError, MalformedCommitError):
+            except (ObjectNotFoundError, MalformedCommitError):
                 self._cache[key] = None
         return self._cache[key]
+
+    def record(self, key: str) -> CommitRecord | None:
+        """The record at `key`, or None (gone, not a commit, or unreadable just now)."""
+        try:
+            return self._read(key)
+        except SparsesyncError:
+            return None
 
     def judge(self, version: int | None, digest: str | None) -> str:
         """"trusted": the trusted commit of `version` has `digest`; "abandoned": `version` was
@@ -124,3 +133,21 @@ class TrustedCommits:
             return True
         self._lineage, self._listed_at = Lineage(self.store, self._cache), time.monotonic()
         return self._judge(self._lineage, version, digest)
+
+
+def lag(commits: list[CommitRecord], version: int | None, digest: str | None, epoch: int | None) -> int | None:
+    """How many versions a replica serving `(version, digest)` of commit epoch `epoch` is behind
+    the newest of `commits` (the trusted ones, oldest first); None when it serves nothing or
+    nothing is committed. Serving the trusted commit of its version: `newest - version`. Serving
+    weights no trusted commit has (a version a rewind abandoned, or one committed again with
+    other weights) it is not current, whatever the numbers say: it is behind by every version
+    from the one it diverged at (the first trusted commit of a newer epoch at or below its
+    version, or its own version) to the newest, that one included, so at least 1."""
+    if version is None or not commits:
+        return None
+    newest = commits[-1].version
+    held = next((c for c in reversed(commits) if c.version <= version), None)
+    if held is not None and held.version == version and held.state_digest == digest:
+        return max(newest - version, 0)
+    fork = next((c.version for c in commits if epoch is not None and c.epoch > epoch and c.version <= version), version)
+    return max(newest - min(fork, newest), 0) + 1
