@@ -207,7 +207,7 @@ def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: s
     return below[-1]
 
 
-_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+_STEP_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")
 _MAX_TRAINER_STATE_BYTES = 64 << 20
 
 

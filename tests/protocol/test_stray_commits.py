@@ -16,15 +16,19 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from sparsesync.checkpoint import EXPERT_KEY
 from sparsesync.cli import app
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.protocol import keys
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.gc import plan_gc
 from sparsesync.protocol.lineage import Lineage, TrustedCommits
+from sparsesync.protocol.parts import Unit
+from sparsesync.protocol.parts_reader import _unit_of
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.store import open_store
+from sparsesync.transfer import checkpoint_step
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
 
@@ -99,6 +103,13 @@ def test_commit_names_with_digits_other_than_ascii_are_not_commit_names(tmp_path
         assert not any(parse(key) for parse in (keys.parse_epoch_lock_key, keys.parse_writer_key, keys.parse_heartbeat_key,
                                                  keys.parse_switch_key, keys.object_version, keys.parse_anchor_file_key,
                                                  keys.parse_file_key)), key
+
+    # the other names parsed for numbers: a checkpoint folder's step, an expert's index, a unit's rows
+    (tmp_path / "checkpoint-\u0663").mkdir()
+    (tmp_path / "checkpoint-3").mkdir()
+    assert checkpoint_step(tmp_path / "checkpoint-\u0663") is None and checkpoint_step(tmp_path / "checkpoint-3") == (3, "the folder name checkpoint-3")
+    assert EXPERT_KEY.match("m.experts.\u0663.gate_proj.weight") is None and EXPERT_KEY.match("m.experts.3.gate_proj.weight")
+    assert _unit_of("w[\u0660:\u0663]") == Unit("w[\u0660:\u0663]") and _unit_of("w[0:3]") == Unit("w", (0, 3))
 
     url = str(tmp_path / "run")
     states = _states(7)
