@@ -193,4 +193,4 @@ def test_samples_of_a_version_a_rewind_abandoned_are_told_from_the_new_one(tmp_p
     assert not trusted.trusts(3, None)
     loop = SparsesyncRolloutLoop.__new__(SparsesyncRolloutLoop)  # its check alone, on the replica's answers
     loop.trusted = trusted
-    assert loop.untrusted({new, kept}) == [] and loop.untrusted({new, abandoned, (None, None)}) == [(None, None), abandoned]
+    assert loop.untrusted({new, kept}) == [] and set(loop.untrusted({new, abandoned, (None, None)})) == {(None, None), abandoned}
