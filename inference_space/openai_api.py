@@ -294,7 +294,7 @@ class Shaper:
                 "weight_version": version, "state_digest": digest_of(outs)}
         for i, c in enumerate(outs):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                     "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
+                     "stop_reason": None, "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
             yield _sse({**head, "choices": [first]})
             segments = self.segments(c)
             for k, (text, lo, hi) in enumerate(segments):
