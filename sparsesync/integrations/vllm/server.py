@@ -142,11 +142,15 @@ class SparsesyncEndpoint:
                 log.info("sparsesync: SPARSESYNC_BUCKET is not set; serving the startup weights only")
             return
         keys = api_keys(args)
-        check_access(keys[0] if keys else None, getattr(args, "host", None), allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")),
-                     setting="--api-key (or VLLM_API_KEY)", open_setting="SPARSESYNC_ALLOW_NO_KEY",
-                     bind_setting="--host 127.0.0.1", what="vLLM server following a run")
-        for k in keys[1:]:
-            check_key(k, "--api-key (or VLLM_API_KEY)")
+        try:
+            check_access(keys[0] if keys else None, getattr(args, "host", None),
+                         allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")), setting="--api-key (or VLLM_API_KEY)",
+                         open_setting="SPARSESYNC_ALLOW_NO_KEY", bind_setting="--host 127.0.0.1", what="vLLM server following a run")
+            for k in keys[1:]:
+                check_key(k, "--api-key (or VLLM_API_KEY)")
+        except ConfigError as e:
+            log.error("error: %s", e)  # one line to read, whatever vLLM prints of the traceback after it
+            raise
         wt = getattr(engine_client.vllm_config, "weight_transfer_config", None)
         if wt is None or wt.backend != NAME:
             raise ConfigError(
