@@ -144,10 +144,10 @@ class SparsesyncEndpoint:
         keys = api_keys(args)
         try:
             check_access(keys[0] if keys else None, getattr(args, "host", None),
-                         allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")), setting="--api-key (or VLLM_API_KEY)",
+                         allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")), setting="--api-key / VLLM_API_KEY",
                          open_setting="SPARSESYNC_ALLOW_NO_KEY", bind_setting="--host 127.0.0.1", what="vLLM server following a run")
             for k in keys[1:]:
-                check_key(k, "--api-key (or VLLM_API_KEY)")
+                check_key(k, "--api-key / VLLM_API_KEY")
         except ConfigError as e:
             log.error("error: %s", e)  # one line to read, whatever vLLM prints of the traceback after it
             raise
