@@ -36,7 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from sparsesync.cli import app
 from sparsesync.cli._errors import run_guarded
-from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.codec import diff_state, encode_changes, state_digest, tensor_digests
+from sparsesync.codec.digest import bytes_digest
 from sparsesync.errors import SparsesyncError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.keys import commit_key
@@ -843,3 +844,60 @@ def test_any_fleet_record_is_read_as_data(fleet_run, records):
         assert not _CONTROL.search(out + err.replace("\n", "")), (args, out)  # no escape sequence reaches a terminal
         if "--json" in args:
             json.loads(out)
+
+
+# -- buggy but self-consistent writers: every object matches its record, the weights do not ----------
+def _forge_delta_4(run: Path, lie: str) -> dict[str, torch.Tensor]:
+    """Replace version 4's delta (3 -> 4) with a patch a buggy writer could have made: its streams
+    decode cleanly against version 3 but give other weights (one element off in each tensor the
+    real delta touches), and the commit record is rewritten so the object's size and xxh3 match it.
+    `lie` says which digest the writer got wrong: "tensor-digests" keeps the true version 4's
+    per-tensor and state digests in the patch (the decoded bits match neither); "state-digest"
+    records the wrong weights' own per-tensor digests in the patch, so only the state digest
+    (the commit's and the patch's) still names version 4. Returns the wrong weights."""
+    url = str(run)
+    _, v3, _ = Run(url).reconstruct(3)
+    rec4, v4, _ = Run(url).reconstruct(4)
+    wrong = {k: t.clone() for k, t in v4.items()}
+    touched = [n for n, ch in diff_state(v3, v4).items() if ch.indices.size]
+    for n in touched:
+        flat = wrong[n].view(-1)
+        flat[0] = flat[0] + 1 if flat[0] != 0 else 1.0  # another bf16 value, still finite
+    changes = diff_state(v3, wrong)
+    d3, d4, dw = tensor_digests(v3), tensor_digests(v4), tensor_digests(wrong)
+    target = d4 if lie == "tensor-digests" else dw
+    body = encode_changes(changes, base_version=3, target_version=4, base_digests=d3, target_digests=target,
+                          base_state_digest=state_digest(d3), target_state_digest=rec4.state_digest, base=v3)
+    rec = _record(run, 4)
+    (run / rec["delta"]["key"]).write_bytes(body)
+    rec["delta"].update(size=len(body), xxh3=bytes_digest(body))
+    _commit_of(run, 4).write_text(json.dumps(rec))
+    assert state_digest(dw) != rec4.state_digest
+    return wrong
+
+
+@pytest.mark.parametrize("lie", ["tensor-digests", "state-digest"])
+def test_a_buggy_writer_whose_objects_match_their_records_is_caught_by_the_target_digests(template, tmp_path, lie):
+    """Size and xxh3 of every object match the commit, every stream decodes: only the target
+    digests (per tensor, or the state digest) tell the weights are not version 4's. Every reader
+    refuses version 4 in one line, and no reader ever holds the wrong weights as a version."""
+    run, states = _copy(template, tmp_path)
+    wrong = _forge_delta_4(run, lie)
+    url = str(run)
+    with pytest.raises(SparsesyncError, match=r"3->4|version 4"):
+        Run(url).reconstruct(4)
+    code, out, err = _cli("pull", url, str(tmp_path / "v4"), "--version", "4")
+    _assert_one_line_error(code, out, err, f"{lie}: pull 4")
+    assert not (tmp_path / "v4").exists()
+    follower = Follower(url)
+    try:
+        served = follower.sync_once()
+        st = follower.status()
+        assert served == 3 and st.state == "degraded" and "\n" not in (st.last_error or "x\n"), st
+        assert_bit_equal(follower.mirror, states[state_digest(follower.digests)])
+        assert state_digest(tensor_digests(follower.mirror)) != state_digest(tensor_digests(wrong))
+    finally:
+        follower.stop()
+    code, out, _ = _cli("verify", url)
+    assert code == 1 and "4" in out
+    _exercise(run, states, tmp_path / "scratch", f"buggy writer ({lie})")
