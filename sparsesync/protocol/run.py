@@ -173,8 +173,9 @@ class Run:
     def chain(start: int, target: int, commits: list[CommitRecord], bad: set[str]) -> list[Step] | None:
         """The delta steps from version `start` to `target`, or None when the chain is broken.
 
-        Cannot loop: every step goes to a strictly higher version (records whose delta does not
-        go forward are ignored, and a visited set guards the walk as well).
+        Cannot loop: only deltas that go forward are followed (records whose base is not below
+        their version are ignored here too, not only by the record's parser), so every step goes
+        to a strictly higher version.
         """
         by_base: dict[int, list[CommitRecord]] = {}
         for rec in commits:
@@ -182,15 +183,12 @@ class Run:
                     and rec.base_version < rec.version <= target):
                 by_base.setdefault(rec.base_version, []).append(rec)
         steps: list[Step] = []
-        cur, seen = start, {start}
+        cur = start
         while cur != target:
             nxt = by_base.get(cur)
             if not nxt:
                 return None
             rec = max(nxt, key=lambda r: r.version)  # a coalesced delta skips ahead
-            if rec.version in seen:
-                return None
-            seen.add(rec.version)
             steps.append(Step("delta", rec))
             cur = rec.version
         return steps

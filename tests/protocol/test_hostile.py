@@ -37,7 +37,9 @@ from safetensors.torch import load_file, save_file
 from sparsesync.cli import app
 from sparsesync.cli._errors import run_guarded
 from sparsesync.codec import diff_state, encode_changes, state_digest, tensor_digests
-from sparsesync.codec.digest import bytes_digest
+from sparsesync.codec.anchor import write_anchor_shard
+from sparsesync.codec.digest import bytes_digest, file_digest
+from sparsesync.codec.patch_reader import read_patch
 from sparsesync.errors import SparsesyncError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.keys import commit_key
@@ -510,7 +512,7 @@ def test_gc_refuses_when_the_newest_version_would_not_rebuild(template, tmp_path
 
 
 @pytest.mark.parametrize("what,how", [("commit", "zero-link"), ("commit", "fifo"), ("commit", "huge"),
-                                      ("delta", "zero-link"), ("delta", "fifo"), ("anchor", "zero-link")])
+                                      ("delta", "zero-link"), ("delta", "fifo"), ("delta", "huge"), ("anchor", "zero-link")])
 def test_special_and_huge_files_are_bounded(template, tmp_path, what, how):
     run, states = _copy(template, tmp_path)
     target = {"commit": lambda: run / commit_key(4, 1),
@@ -901,3 +903,51 @@ def test_a_buggy_writer_whose_objects_match_their_records_is_caught_by_the_targe
     code, out, _ = _cli("verify", url)
     assert code == 1 and "4" in out
     _exercise(run, states, tmp_path / "scratch", f"buggy writer ({lie})")
+
+
+def test_a_record_under_another_versions_name_is_not_a_commit(template, tmp_path):
+    """Version 3's record copied to version 5's name: the name and the body disagree, so it is not
+    a commit (readers would otherwise plan from a record whose name they trusted for ordering)."""
+    run, states = _copy(template, tmp_path)
+    (run / commit_key(5, 1)).write_text(json.dumps(_record(run, 3)))
+    code, out, err = _cli("log", str(run))
+    assert code == 0 and "4 committed" in out and "does not match its name" in err, (out, err)
+    assert max(_trusted(str(run))) == 4
+    _check_follower(str(run), states, "renamed record")
+
+
+def test_an_object_other_than_the_one_its_commit_names_is_refused_before_it_is_parsed(template, tmp_path):
+    """Version 4's delta replaced by the same patch with its safetensors header padded by 8 more
+    spaces (a valid file that gives the very same weights, other bytes): readers refuse it on its
+    size and xxh3, before parsing it, and say so."""
+    run, states = _copy(template, tmp_path)
+    url = str(run)
+    delta = run / _record(run, 4)["delta"]["key"]
+    data = delta.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    delta.write_bytes((n + 8).to_bytes(8, "little") + data[8:8 + n] + b" " * 8 + data[8 + n:])
+    patch = read_patch(delta.read_bytes())  # still a valid patch
+    assert patch.header.target_version == 4
+    code, out, err = _cli("pull", url, str(tmp_path / "v4"), "--version", "4")
+    _assert_one_line_error(code, out, err, "pull 4")
+    assert "expected" in err and "bytes with digest" in err, err
+    _exercise(run, states, tmp_path / "scratch", "an object other than the recorded one")
+
+
+def test_an_anchor_that_holds_another_versions_weights_is_refused(template, tmp_path):
+    """A buggy writer stores version 2's weights as version 3's anchor, self-consistent (the file's
+    own digests match its tensors; the commit's size and xxh3 match the file): only the anchor's
+    state digest against the commit tells, and readers never take those weights as version 3."""
+    run, states = _copy(template, tmp_path)
+    url = str(run)
+    _, v2, _ = Run(url).reconstruct(2)
+    rec = _record(run, 3)
+    (ref,) = rec["anchor"]
+    path = run / ref["key"]
+    write_anchor_shard(v2, path, version=3, alone=True)
+    ref.update(size=path.stat().st_size, xxh3=file_digest(path))
+    _commit_of(run, 3).write_text(json.dumps(rec))
+    commit3 = Run(url).commit(3)
+    with pytest.raises(SparsesyncError, match="expected " + commit3.state_digest):
+        Run(url).fetch_anchor(commit3)
+    _exercise(run, states, tmp_path / "scratch", "an anchor of other weights")
