@@ -97,6 +97,7 @@ def test_a_wrong_key_in_every_accepted_header_is_refused(tiny):  # type: ignore[
 
 
 # -- under load ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_health_and_sync_answer_while_generations_block_the_pool(tiny):  # type: ignore[no-untyped-def]
     """60 long generations occupy every worker thread of the pool (40) and queue behind the
     engine's gate; /health, /sync and /v1/models still answer within a second."""
@@ -121,6 +122,7 @@ def test_health_and_sync_answer_while_generations_block_the_pool(tiny):  # type:
             t.join(timeout=60)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_server_within_30_s_with_requests_in_flight(tiny, tmp_path):  # type: ignore[no-untyped-def]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSESYNC_")}
