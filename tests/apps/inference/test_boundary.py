@@ -175,7 +175,7 @@ def test_sigterm_stops_the_server_within_30_s_with_requests_in_flight(tiny, tmp_
 # -- streaming -------------------------------------------------------------------------------------
 def test_streaming_is_linear_in_tokens_that_add_no_text(tiny):  # type: ignore[no-untyped-def]
     """3000 special tokens (which the text skips) between two words: the pieces still concatenate
-    to the text, and the tokens decoded in all stay linear (quadratic was ~4.5 million)."""
+    to the text, and the tokens decoded in all stay linear (quadratic: about 9 million here)."""
     engine = EmbeddedEngine(tiny)
     tok = engine.tokenizer
     special = sorted(tok.all_special_ids)
