@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from typing import Any
 
     from sparsesync.errors import (
+        AdapterTargetError,
         BaseModelMismatchError,
         BrokenChainError,
         ConfigError,
@@ -65,8 +66,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from sparsesync.transfer import pull, push
 
 _ERRORS = (
-    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "OutputError",
-    "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
+    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
+    "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
     "FencedWriterError", "RankFailedError", "FleetTimeoutError",
@@ -92,6 +93,7 @@ __all__ = [
     "ConfigError",
     "RunKindError",
     "BaseModelMismatchError",
+    "AdapterTargetError",
     "OutputError",
     "PatchError",
     "PatchFormatError",

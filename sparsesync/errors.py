@@ -51,6 +51,11 @@ class BaseModelMismatchError(ConfigError):
     """The base weights an adapter replica starts from are not the adapter run's base."""
 
 
+class AdapterTargetError(ConfigError):
+    """An adapter's `target_modules` (with `exclude_modules`, `layers_to_transform`) selects no
+    module of the base model the adapter is put on (what PEFT raises as NoMatchingPeftModuleError)."""
+
+
 class OutputError(SparsesyncError):
     """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
     What was there before is left as it was."""
