@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         PatchMismatchError,
         ProtocolError,
         RankFailedError,
+        RewindRefusedError,
         RunKindError,
         RunNotFoundError,
         SparsesyncError,
@@ -67,7 +68,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
 
 _ERRORS = (
     "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
-    "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
+    "RewindRefusedError", "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
     "FencedWriterError", "RankFailedError", "FleetTimeoutError",
@@ -94,6 +95,7 @@ __all__ = [
     "RunKindError",
     "BaseModelMismatchError",
     "AdapterTargetError",
+    "RewindRefusedError",
     "OutputError",
     "PatchError",
     "PatchFormatError",
