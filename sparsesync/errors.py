@@ -51,6 +51,11 @@ class BaseModelMismatchError(ConfigError):
     """The base weights an adapter replica starts from are not the adapter run's base."""
 
 
+class AdapterTargetError(ConfigError):
+    """An adapter's `target_modules` (with `exclude_modules`, `layers_to_transform`) selects no
+    module of the base model the adapter is put on (what PEFT raises as NoMatchingPeftModuleError)."""
+
+
 class RewindRefusedError(ConfigError):
     """A push at or below the run's newest version would rewind the run (abandon its newer
     versions) and was not allowed to (`push(..., rewind=True)`, the CLI's `--rewind`). Nothing

@@ -26,6 +26,7 @@ Guarantees:
 - What is held is judged by state digest, not by version number: when the trusted commit of
   the version held names another state (a newer writer committed the same version number with
   other weights), the follower reloads, even at the same version number.
+- A commit it refuses is logged once and reported in `status()` (`refused`, `last_error`): `refusals.py`.
 - Faults (missing or corrupt objects, broken chains, an unreachable store) never stop the
   replica: the follower refetches, then falls back to the newest anchor that reaches the
   newest version, and meanwhile keeps the last good version with state "degraded".
@@ -61,16 +62,17 @@ from sparsesync.errors import (
     ObjectNotFoundError,
     PatchError,
     ProtocolError,
+    RunKindError,
     SparsesyncError,
     StoreError,
 )
-from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.backoff import Backoff
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus, NoHook
 from sparsesync.protocol.mirror import MirrorDir, drop_resident, pager, release_freed_memory
 from sparsesync.protocol.parts_reader import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
+from sparsesync.protocol.refusals import Refusals
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -118,6 +120,7 @@ class Follower:
         # unknown): the engine then gets the whole mirror before any version is reported
         self._engine_behind = False
         self._backoff = Backoff()
+        self._refusals = Refusals(self.store.url)  # commits it will not take: logged once, reported in status()
         self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
         self._bad: set[str] = set()  # object keys that failed twice (planned around)
         self._lock = threading.Lock()  # one sync at a time
@@ -145,6 +148,7 @@ class Follower:
             st = FollowerStatus(**self._status.to_dict())
         if st.retry_at is not None:
             st.retry_in_s = max(st.retry_at - time.time(), 0.0)
+        self._refusals.report(st)
         if self.fleet is not None:
             st.fleet = self.fleet.describe()
         return st
@@ -163,12 +167,13 @@ class Follower:
             except StoreError as e:
                 self._degrade(e)
                 return self.current_version
+            self._refusals.listed(self.run.rejected, commits)
             if not commits:
                 self._set(newest_version=None, lag=None)
                 return self.current_version
             newest = commits[-1]
-            check_follow(newest, self.adapter, self.store.url)  # a config error: raised, not degraded
             self._set(newest_version=newest.version, lag=self._lag(newest.version))
+            self._refusals.check(newest, self.adapter)  # a config error: raised, not degraded
             held = next((c for c in commits if c.version == self._mirror_version), None)
             if held is not None and held.state_digest != state_digest(self.digests):
                 log.warning("version %s of %s was overruled by epoch %d (state %s): reloading",
@@ -265,6 +270,8 @@ class Follower:
             before = self.current_version
             try:
                 self.sync_once(backoff=True)
+            except RunKindError as e:  # a refused commit (check_follow): logged once, by the refusals
+                self._degrade(e)
             except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
                 log.exception("follower of %s hit an unexpected error", self.store.url)
                 self._degrade(e)
@@ -281,7 +288,7 @@ class Follower:
         held the mirror's previous version; otherwise (`_engine_behind`) the whole mirror."""
         for step in steps:
             rec = step.commit
-            check_follow(rec, self.adapter, self.store.url)
+            self._refusals.check(rec, self.adapter)
             t0 = time.perf_counter()
             last = step is steps[-1]
             if step.kind == "anchor":
