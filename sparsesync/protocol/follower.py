@@ -16,8 +16,8 @@ Guarantees:
   the engine's: the gate, the hook, a bug), the engine gets the whole mirror (`load_full`) before
   any later version is reported, never a patch on top of stale weights; if the hook fails, it is
   reloaded from the mirror; if that fails too, no version is reported until a load succeeds.
-  Every full load from the mirror is checked first against the version's digests (`check_held`):
-  a mismatch (something else wrote into the mirror's file) reloads it from an anchor instead.
+  Any full load but an anchor's first (checked as read) hashes the mirror against the version's
+  digests first (`check_held`): a mismatch (another writer) reloads it from an anchor instead.
 - A failed attempt is retried with exponential backoff (from max(poll_interval, 1 s), doubling,
   capped at `max_retry_interval`, default 60 s), so a broken engine or object never becomes a
   reload storm; meanwhile the last good version stays in place, state "degraded", and

@@ -6,11 +6,25 @@ Guarantees:
   Writes go to that file's page cache: the OS writes them back and drops the pages under memory
   pressure, so the mirror never pins the model's bytes in anonymous memory (a replica's
   anonymous memory stays bounded by what its engine needs plus the decode buffers of one
-  version). The file is unlinked as soon as it is mapped: nothing is left on disk when the
-  process ends, however it ends, and the space returns when the last tensor of the map is gone.
-  A mirror file is never read back after a restart: the follower rebuilds it from an anchor.
-  Its disk blocks are reserved before it is mapped (`posix_fallocate`): a full disk is an error
-  at allocation (then anonymous memory, with a warning), never a fault while writing.
+  version). Nothing is left on disk when the process ends, however it ends, and the space
+  returns when the last tensor of the map is gone. A mirror file is never read back after a
+  restart: the follower rebuilds it from an anchor. Its disk blocks are reserved before it is
+  mapped (`posix_fallocate`): a full disk is an error at allocation (then anonymous memory, with
+  a warning), never a fault while writing.
+- The directory is shared ground (others may write it): the mirror file never has a name in it
+  (`create_unlinked`: `O_TMPFILE | O_EXCL`, which can never be linked into a folder; on a file
+  system without it, a random name created `O_CREAT | O_EXCL | O_NOFOLLOW`, unlinked by the next
+  call and refused if it then still has a link) and is mapped from that descriptor, never
+  reopened by path. So no process can open it through the folder, to write it or truncate it
+  (which would kill this one with SIGBUS). Nothing else in the folder is opened, written or
+  removed: the writability probe is such a file too. Not covered: a process that can open this
+  one's `/proc/<pid>/fd/` (same user and PID namespace, ptrace read access) reaches the open file;
+  a disk file cannot be sealed against truncation (`F_ADD_SEALS` is for memfd only), so it could
+  still make this process's next access past the new end a SIGBUS. What it writes is caught by
+  the follower's digests (`follower`: checked before every whole-mirror load).
+- `MirrorDir.staged(fetch)` stages an anchor's download in the directory; when its file system is
+  full (`is_full`: ENOSPC, EDQUOT, EFBIG), in the system's temp dir instead, the mirror then in
+  anonymous memory, with one warning: a full disk never keeps an anchor from loading.
 - Tensors start at 64-byte boundaries of the file (aligned for every dtype).
 - The cost: the kernel writes dirty mirror pages back to disk (each version dirties most of
   them; the kernel writes each dirty page at most about every 30 s, more often when dirty
@@ -26,9 +40,10 @@ Guarantees:
   the mirror costs the process's RSS only the tensors in use, not the model. The follower does it
   for hooks that ask (`pages_out_mirror`, see `hooks`: each tensor once read or written, the whole
   mirror after every sync), the vLLM backend for each layer once reloaded and read back. Mapping
-  the pages back costs the next update a fault per page. Only a shared map of a mirror file is
-  touched, checked against /proc/self/maps at the call: dropping anonymous or private pages would
-  zero them, so any other tensor (the `memory` mirror, an engine's own weights) is left alone.
+  the pages back costs the next update a fault per page. Only a map `allocate` made and that is
+  still alive is touched, each confirmed a shared file map in /proc/self/maps at the call:
+  dropping anonymous or private pages would zero them, so any other tensor (the `memory` mirror,
+  an engine's own weights) is left alone.
 - `release_freed_memory()` hands the memory the C allocator keeps after frees back to the OS
   (glibc `malloc_trim(0)`; a no-op elsewhere): the follower calls it after every sync, so
   reloads leave no freed model-sized memory behind (measured: it costs the next update no

@@ -18,6 +18,8 @@ Guarantees:
   assume too.
 - `set_unit_digests` keeps a holder's digest record a partition of its state: recording a unit
   drops the digests of whatever it overlaps.
+- `check_held` tells whether a holder's state still is the version its digest record says (every
+  unit hashed, MirrorMismatchError naming each that is not): for state others may have written.
 """
 
 from __future__ import annotations
