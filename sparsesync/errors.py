@@ -92,6 +92,11 @@ class DigestMismatchError(PatchError):
     """Bytes do not match their recorded digest (after apply, or a stored object's bytes)."""
 
 
+class MirrorMismatchError(DigestMismatchError):
+    """A follower's mirror no longer holds the bytes its version's digests record (something other
+    than the follower wrote into the mirror's file): it is reloaded from the run, never served."""
+
+
 # ---------------------------------------------------------------------------- stores
 class StoreError(SparsesyncError):
     """Base for object-store failures. `url` names the store or object (never a token)."""
