@@ -74,7 +74,7 @@ class Run:
     def __init__(self, store: Store | str) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
         self._records: dict[str, CommitRecord] = {}
-        #: commit-named objects that are not commit records, with the reason (`log`/`verify` show them)
+        #: commit-named objects of the last listing that are not commit records, with the reason (`log`/`verify` show them)
         self.rejected: dict[str, str] = {}
 
     @property
@@ -87,9 +87,11 @@ class Run:
 
         Fencing is decided on the names (`valid_commits`), counting only objects that are commit
         records: a name whose object is not one (see `CommitRecord.from_json`) fences nothing, is
-        skipped, and its reason is kept in `rejected`.
+        skipped, and its reason is kept in `rejected` (as long as a listing names it).
         """
         keys = [o.key for o in self.store.list(COMMITS)]
+        listed = set(keys)  # a rejected name deleted since is no longer reported
+        self.rejected = {k: r for k, r in self.rejected.items() if k in listed}
         return [rec for _v, _e, key in valid_commits(keys, self.is_commit) if (rec := self.record(key)) is not None]
 
     def record(self, key: str) -> CommitRecord | None:
