@@ -119,16 +119,18 @@ def _changed_slice_np(a: np.ndarray, b: np.ndarray, offset: int = 0) -> tuple[np
     n, k, start = a.size, 0, 0
     cap = min(n, max(4096, n >> 5))
     oi, oa, ob = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
-    while True:
-        got, start = _native.diff_into(a, b, a.itemsize, start, offset, oi[k:], oa[k:], ob[k:])
-        k += got
-        if start >= n:
-            break
+    got, start = _native.diff_into(a, b, a.itemsize, 0, offset, oi, oa, ob)
+    if not got and start >= n:  # unchanged (most tensors of a small step): no copies
+        return oi[:0], oa[:0], ob[:0]
+    k = got
+    while start < n:  # the outputs filled up: grow them, then go on
         cap = min(n, k + int((n - start) * k / max(1, start) * 1.25) + 4096)
         grown = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
         for new, old in zip(grown, (oi, oa, ob)):
             new[:k] = old[:k]
         oi, oa, ob = grown
+        got, start = _native.diff_into(a, b, a.itemsize, start, offset, oi[k:], oa[k:], ob[k:])
+        k += got
     return (oi[:k], oa[:k], ob[:k]) if 2 * k >= cap else (oi[:k].copy(), oa[:k].copy(), ob[:k].copy())
 
 
@@ -211,6 +213,8 @@ def diff_cpu_tensor(base: torch.Tensor, target: torch.Tensor, *, chunk_bytes: in
             buf = _cast_scratch(base.dtype)[: part.numel()]
             buf.copy_(part)  # the same rounding as `.to(base.dtype)`
             return _changed_slice_np(a[s : s + step], to_np_bits(bits_view(buf)), s)  # its outputs are copies
+    if a.size <= step:  # one slice (every small tensor): no pool round trip
+        return _change_of(base, [one(0)])
     starts = list(range(0, a.size, step))
     found = _parallel.map_ordered(one, starts, "chunks")
     return _change_of(base, found)

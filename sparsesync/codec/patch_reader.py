@@ -163,8 +163,11 @@ def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, Tens
             raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
         probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest, r.position_params, r.value_params)
         ctx = ctx_for(probe)
-        layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
-        roles = {}
+        try:
+            layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # as `_entry` words it
+            raise _fmt(f"{where}: bad encoding parameters {r.position_params!r:.80} / {r.value_params!r:.80} ({e})") from None
+        roles, sizes = {}, {}
         for role in (x for x in _table.ROLE_ORDER if x in layout):
             sdt, sshape = layout[role]
             if sshape is not None:
@@ -175,13 +178,15 @@ def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, Tens
                 size = r.sizes[role]
             key = stream_key(r.name, role)
             located[key] = Stream(key, sdt, sshape if sshape is not None else (size,), off, off + size)
-            roles[role] = key
+            roles[role], sizes[role] = key, size
             off += size
             if off > d.end:
                 raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
-        raw = {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
-               "values": r.values, "value_params": r.value_params, "base_digest": r.base_digest, "target_digest": r.target_digest, "streams": roles}
-        tensors[r.name] = _entry(r.name, raw, located)
+        # every check `_entry` makes of a JSON entry holds here by construction: dtype, encodings
+        # and digests come from codes and bytes, shape and n_changed are checked above and in
+        # `parse_table`, and the streams were laid out from the encodings' own layout just now
+        tensors[r.name] = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest,
+                                      r.position_params, r.value_params, roles, sizes)
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
     return tensors, located
