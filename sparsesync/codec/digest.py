@@ -89,6 +89,15 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
     idx, values = np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype)
     w, flat = dst.itemsize, dst.reshape(-1)
     per = max(1, _PUT_BLOCK // w)
+    if flat.size <= per:  # one block (every small tensor): the same steps without the block walk
+        h_before = xxhash.xxh3_64_hexdigest(memoryview(flat.view(np.uint8))) if before else None
+        block = flat
+        if idx.size and aside:
+            block = flat.copy()
+            _native.put(block, w, idx, values, np.empty(0, dtype=dst.dtype))
+        elif idx.size:
+            _native.put(dst, w, idx, values, np.empty(0, dtype=dst.dtype) if old is None else old[: idx.size])
+        return h_before, xxhash.xxh3_64_hexdigest(memoryview(block.view(np.uint8)))
     # where each block's indices end; made non-decreasing so that every index is written once
     # even if `idx` is not sorted
     cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, flat.size, per, dtype=np.int64)), idx.size)).tolist()
