@@ -14,7 +14,7 @@ Publisher treat the state as a PEFT adapter run). Every repetition is recorded; 
 medians with min/max. The machine may be shared: the load average is recorded at start and end.
 
     python benchmarks/small_tensors.py                      # this tree, 7 reps
-    python benchmarks/small_tensors.py --against /tmp/base  # alternate processes: PYTHONPATH=/tmp/base vs this tree
+    python benchmarks/small_tensors.py --against /tmp/base --rounds 2  # PYTHONPATH=/tmp/base vs this tree, case by case
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def cases(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def child(args: argparse.Namespace) -> None:
-    out = [run_case(c, d, args.reps) for c, d in cases(args)]
-    print(json.dumps(out))
+    case, density = args.child.split(":")
+    print(json.dumps(run_case(case, float(density), args.reps)))
 
 
 def git_head(path: Path) -> str:
@@ -129,34 +129,38 @@ def git_head(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7, help="timed versions per case and round")
-    ap.add_argument("--rounds", type=int, default=1, help="with --against: alternating rounds (base, this tree)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the cases (with --against: each case in both trees, one after the other)")
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.1, 0.5])
     ap.add_argument("--no-fixed", action="store_true", help="leave out case (b)")
     ap.add_argument("--against", type=Path, help="a checkout of the baseline tree (its extension built)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # "case:density": run one case in this process
     args = ap.parse_args()
-    if args.child:
+    if args.child is not None:
         child(args)
         return
     trees = {"this": ROOT} if args.against is None else {"base": args.against.resolve(), "this": ROOT}
     record: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commits": {k: git_head(p) for k, p in trees.items()},
                     "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "runs": {k: [] for k in trees},
                     "note": "shared machine (other jobs running): see loadavg; figures are medians over reps with min/max"}
-    flags = ["--reps", str(args.reps), "--densities", *map(str, args.densities)] + (["--no-fixed"] if args.no_fixed else [])
-    for _ in range(args.rounds):
-        for label, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            p = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True, text=True, cwd=tree)
-            if p.returncode:
-                sys.exit(f"{label} failed:\n{p.stderr[-3000:]}")
-            record["runs"][label].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    # one process per (round, case, tree), the trees alternating case by case (their order
+    # flipped every round), so that both see the same load
+    for rnd in range(args.rounds):
+        for c, d in cases(args):
+            for label in (list(trees) if rnd % 2 == 0 else list(trees)[::-1]):
+                env = {**os.environ, "PYTHONPATH": str(trees[label])}
+                p = subprocess.run([sys.executable, __file__, "--child", f"{c}:{d}", "--reps", str(args.reps)], env=env,
+                                   capture_output=True, text=True, cwd=trees[label])
+                if p.returncode:
+                    sys.exit(f"{label} failed:\n{p.stderr[-3000:]}")
+                record["runs"][label].append({**json.loads(p.stdout.strip().splitlines()[-1]), "round": rnd, "loadavg": os.getloadavg()})
     record["loadavg_end"] = os.getloadavg()
     table = {}
     for label, runs in record["runs"].items():
-        for i, (c, d) in enumerate(cases(args)):
-            t = [x for r in runs for x in r[i]["publish_to_applied_s"]]
-            b = [x for r in runs for x in r[i]["save_load_s"]]
+        for c, d in cases(args):
+            mine = [r for r in runs if r["case"] == c and r["density"] == d]
+            t = [x for r in mine for x in r["publish_to_applied_s"]]
+            b = [x for r in mine for x in r["save_load_s"]]
             key = f"{c} {d:g}" if c == "adapter" else "fixed 1 element"
             row = table.setdefault(key, {})
             row[label] = {"publish_to_applied_s": summary(t), "save_load_s": summary(b),
