@@ -20,7 +20,7 @@ import torch
 
 from sparsesync.codec import _parallel
 from sparsesync.codec.cast import layout, owned_copy, uncast
-from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
+from sparsesync.codec.diff import TensorChange, bits_view, cpu_bits, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
 from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensor, encode_tensors
 
@@ -68,6 +68,7 @@ class Snapshot:
         self.state: dict[str, torch.Tensor] = {n: owned_copy(state, n, dev) for n in state}  # one tensor cast at a time
         self.digests: dict[str, str] = {n: tensor_digest(t) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
+        self._bits: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # name -> (tensor, its bits view), for the fused diff
 
     @property
     def nbytes(self) -> int:
@@ -132,13 +133,17 @@ class Snapshot:
 
         def one(name: str) -> tuple[TensorChange | None, object, str | None, float, float]:
             ta = time.perf_counter()
-            ch = diff_cpu_tensor(self.state[name], uncast(current, name), chunk_bytes=chunk_bytes)  # casts in slices
+            base = self.state[name]
+            held = self._bits.get(name)
+            if held is None or held[0] is not base:
+                held = self._bits[name] = (base, cpu_bits(base))
+            ch = diff_cpu_tensor(base, uncast(current, name), chunk_bytes=chunk_bytes, base_bits=held[1])  # casts in slices
             tb = time.perf_counter()
             if ch is None:
                 return None, None, None, tb - ta, 0.0
             enc = encode_tensor(name, ch, self.state[name], effort=self.effort)  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
-                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits)
+                digest = put_and_digest(held[1], ch.indices, ch.target_bits)
             except BaseException:
                 self._put(name, ch.indices, ch.base_bits)
                 raise

@@ -64,3 +64,19 @@ def test_shared_prefix_matches_a_bytewise_scan() -> None:
         while scan < min(len(a), len(b)) and a[scan] == b[scan]:
             scan += 1
         assert _table._shared_prefix(a, b) == scan, (a, b)
+
+
+def test_snapshot_diffs_against_the_tensor_it_holds_now() -> None:
+    """The snapshot keeps each tensor's bits view between versions: a tensor replaced in it
+    (not written in place) is diffed as it is now, not through the stale view."""
+    from sparsesync.codec.snapshot import Snapshot
+
+    state = {f"t{i}": torch.arange(64, dtype=torch.float32).reshape(8, 8) + i for i in range(3)}
+    snap = Snapshot(state, 0)
+    snap.diff_encode({n: t.clone() for n, t in state.items()}, 1)  # the views are taken here
+    snap.state["t1"] = state["t1"] * 2  # replaced
+    target = {n: t.clone() for n, t in snap.state.items()}
+    target["t1"].view(-1)[5] = -1.0
+    enc = snap.diff_encode(target, 2)
+    assert list(enc.changes) == ["t1"] and enc.changes["t1"].indices.tolist() == [5]
+    assert torch.equal(snap.state["t1"], target["t1"]) and torch.equal(state["t1"], torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1)
