@@ -99,7 +99,9 @@ def _check_counts(ctx: Ctx, counts: object, what: str) -> list[int]:
     if (
         not isinstance(counts, list)
         or not 2 <= len(counts) <= MAX_ALPHABET + 1
-        or not all(type(c) is int and 0 <= c < 1 << 40 for c in counts)
+        or not set(map(type, counts)) == {int}  # ints, not bools: then one C pass each for the range
+        or min(counts) < 0
+        or max(counts) >= 1 << 40
     ):
         raise _bad(ctx, f"{what} symbol counts {counts!r:.80}, expected 2..{MAX_ALPHABET + 1} non-negative integers")
     return counts

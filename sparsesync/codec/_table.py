@@ -264,13 +264,12 @@ def parse_table(data: bytes) -> list[Row]:
         nd = rd.byte(f"tensor '{names[i]}': ndim")
         if nd > 16:
             raise _bad(f"tensor '{names[i]}': {nd} dims, expected at most 16")
-        shape, numel = [], 1
-        for _ in range(nd):
-            d = rd.varint(f"tensor '{names[i]}': dim", 1 << 48)
-            shape.append(d)
+        shape = rd.varints(f"tensor '{names[i]}': dim", nd, 1 << 48) if nd else []
+        numel = 1
+        for j, d in enumerate(shape):
             numel *= d
             if numel > 1 << 48:
-                raise _bad(f"tensor '{names[i]}': shape {shape}... has more than 2^48 elements")
+                raise _bad(f"tensor '{names[i]}': shape {shape[: j + 1]}... has more than 2^48 elements")
         shapes.append(tuple(shape))
     encs = []
     for i, c in enumerate(rd.take(t, "encodings")):
