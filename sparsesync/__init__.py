@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         PatchMismatchError,
         ProtocolError,
         RankFailedError,
+        ReplicaUnreachableError,
         RunKindError,
         RunNotFoundError,
         SparsesyncError,
@@ -69,7 +70,7 @@ _ERRORS = (
     "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
-    "FencedWriterError", "RankFailedError", "FleetTimeoutError",
+    "FencedWriterError", "RankFailedError", "FleetTimeoutError", "ReplicaUnreachableError",
     "EngineError", "WeightUpdateError", "EngineCheckError",
 )  # fmt: skip
 _HOMES: dict[str, str] = {
@@ -109,6 +110,7 @@ __all__ = [
     "FencedWriterError",
     "RankFailedError",
     "FleetTimeoutError",
+    "ReplicaUnreachableError",
     "EngineError",
     "WeightUpdateError",
     "EngineCheckError",
