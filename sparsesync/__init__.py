@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from typing import Any
 
     from sparsesync.errors import (
+        AdapterTargetError,
         BaseModelMismatchError,
         BrokenChainError,
         ConfigError,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         ProtocolError,
         RankFailedError,
         ReplicaUnreachableError,
+        RewindRefusedError,
         RunKindError,
         RunNotFoundError,
         SparsesyncError,
@@ -66,8 +68,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from sparsesync.transfer import pull, push
 
 _ERRORS = (
-    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "OutputError",
-    "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
+    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
+    "RewindRefusedError", "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
     "FencedWriterError", "RankFailedError", "FleetTimeoutError", "ReplicaUnreachableError",
@@ -93,6 +95,8 @@ __all__ = [
     "ConfigError",
     "RunKindError",
     "BaseModelMismatchError",
+    "AdapterTargetError",
+    "RewindRefusedError",
     "OutputError",
     "PatchError",
     "PatchFormatError",

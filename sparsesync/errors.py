@@ -51,6 +51,24 @@ class BaseModelMismatchError(ConfigError):
     """The base weights an adapter replica starts from are not the adapter run's base."""
 
 
+class AdapterTargetError(ConfigError):
+    """An adapter's `target_modules` (with `exclude_modules`, `layers_to_transform`) selects no
+    module of the base model the adapter is put on (what PEFT raises as NoMatchingPeftModuleError)."""
+
+
+class RewindRefusedError(ConfigError):
+    """A push at or below the run's newest version would rewind the run (abandon its newer
+    versions) and was not allowed to (`push(..., rewind=True)`, the CLI's `--rewind`). Nothing
+    was written. `newest`: the run's newest version; `version`: the one asked for; `abandoned`:
+    the versions the rewind would abandon."""
+
+    def __init__(self, message: str, *, newest: int, version: int, abandoned: list[int], hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.newest = newest
+        self.version = version
+        self.abandoned = list(abandoned)
+
+
 class OutputError(SparsesyncError):
     """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
     What was there before is left as it was."""
@@ -72,6 +90,11 @@ class PatchMismatchError(PatchError):
 
 class DigestMismatchError(PatchError):
     """Bytes do not match their recorded digest (after apply, or a stored object's bytes)."""
+
+
+class MirrorMismatchError(DigestMismatchError):
+    """A follower's mirror no longer holds the bytes its version's digests record (something other
+    than the follower wrote into the mirror's file): it is reloaded from the run, never served."""
 
 
 # ---------------------------------------------------------------------------- stores
