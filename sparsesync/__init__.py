@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         PatchMismatchError,
         ProtocolError,
         RankFailedError,
+        ReplicaUnreachableError,
         RewindRefusedError,
         RunKindError,
         RunNotFoundError,
@@ -71,7 +72,7 @@ _ERRORS = (
     "RewindRefusedError", "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
-    "FencedWriterError", "RankFailedError", "FleetTimeoutError",
+    "FencedWriterError", "RankFailedError", "FleetTimeoutError", "ReplicaUnreachableError",
     "EngineError", "WeightUpdateError", "EngineCheckError",
 )  # fmt: skip
 _HOMES: dict[str, str] = {
@@ -113,6 +114,7 @@ __all__ = [
     "FencedWriterError",
     "RankFailedError",
     "FleetTimeoutError",
+    "ReplicaUnreachableError",
     "EngineError",
     "WeightUpdateError",
     "EngineCheckError",

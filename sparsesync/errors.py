@@ -164,6 +164,11 @@ class FleetTimeoutError(ProtocolError, TimeoutError):
         self.ready = list(ready or [])
 
 
+class ReplicaUnreachableError(ProtocolError, ConnectionError):
+    """No replica answered at a URL a trainer was given, within the wait it allows (a
+    `ConnectionError`, as TRL's own vLLM client raises for a server that is not up)."""
+
+
 # ---------------------------------------------------------------------------- inference engines
 class EngineError(SparsesyncError):
     """An inference engine (embedded transformers or vLLM) failed to load, generate or apply.
