@@ -294,8 +294,8 @@ class Follower:
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
-                                adopt=lambda: self._adopt(state, digests, rec.version))
+                self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec, digests)), rec, state,
+                                adopt=lambda: self._adopt(state, digests, rec.version), digests=digests)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
             elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
                 self._gate(rec, last=last)
@@ -328,8 +328,11 @@ class Follower:
         if self._pages_out:
             drop_resident(self.mirror.values())  # the pages stay in the page cache, out of RSS
 
-    def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
-        return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
+    def _label(self, rec: CommitRecord, digests: dict[str, str] | None = None) -> dict[str, object]:  # hooks.py
+        kw: dict[str, object] = {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
+        if getattr(self.hook, "takes_digests", False):  # the version's per-tensor digests: the whole-state check
+            kw["digests"] = self.digests if digests is None else digests
+        return kw
 
     def _in_sync(self) -> bool:
         """Whether the engine holds exactly the mirror's version (so a patch may go on top)."""
@@ -371,7 +374,7 @@ class Follower:
         self.digests = digests
         return updates
 
-    def _call_hook(self, fn, rec: CommitRecord, state: State, adopt=None) -> None:  # type: ignore[no-untyped-def]
+    def _call_hook(self, fn, rec: CommitRecord, state: State, adopt=None, digests=None) -> None:  # type: ignore[no-untyped-def]
         """Run the engine step `fn` that brings the engine to `state` (version `rec`); on failure
         reload it with all of `state`. When this returns the engine holds exactly `state`
         (`adopt` then makes it the mirror); when it raises the engine's bits are unknown: no
@@ -382,7 +385,7 @@ class Follower:
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
             log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
-                self.hook.load_full(rec.version, state, **self._label(rec))
+                self.hook.load_full(rec.version, state, **self._label(rec, digests))
             except BaseException as e2:
                 self._backoff.engine_failed = True
                 self._set(current_version=None, lag=None, state_digest=None)
