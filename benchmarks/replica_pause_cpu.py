@@ -10,7 +10,7 @@ engine-side check under the gate). Each tree (`--trees`: source roots, e.g. /wor
 worktree) runs in its own process, one after the other per repetition, so every tree is measured
 in the same run on the same machine state:
 
-    .venv/bin/python benchmarks/replica_pause_cpu.py --trees /work/main,. --reps 2
+    .venv/bin/python benchmarks/replica_pause_cpu.py --trees ../main,. --reps 2
 
 Writes benchmarks/results/replica_pause_cpu.json and prints a table with each tree's mean pause
 and its ratio to the first tree's.
@@ -78,7 +78,7 @@ print("ROWS" + json.dumps({"params": sum(t.numel() for t in mirror.values()), "t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", default=f"/work/main,{Path(__file__).resolve().parents[1]}")
+    ap.add_argument("--trees", default=str(Path(__file__).resolve().parents[1]), help="source roots, comma-separated (default: this one)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--fractions", default="1.0,0.25,0.05")
