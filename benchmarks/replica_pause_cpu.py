@@ -12,8 +12,9 @@ in the same run on the same machine state:
 
     .venv/bin/python benchmarks/replica_pause_cpu.py --trees ../main,. --reps 2
 
-Writes benchmarks/results/replica_pause_cpu.json and prints a table with each tree's mean pause
-and its ratio to the first tree's.
+Writes benchmarks/results/replica_pause_cpu.json (every pause, each tree's commit, "-dirty" when
+it had uncommitted changes) and prints each tree's min and median pause and their ratios to the
+first tree's (on a shared machine the min is the least disturbed figure).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def main() -> None:
     trees = [str(Path(t).resolve()) for t in a.trees.split(",")]
     fractions = [float(f) for f in a.fractions.split(",")]
     results: dict[str, list] = {t: [] for t in trees}
-    commits = {t: subprocess.run(["git", "-C", t, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() for t in trees}
+    commits = {t: subprocess.run(["git", "-C", t, "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True, text=True).stdout.strip()
+               for t in trees}  # "-dirty": the tree had uncommitted changes when measured
     with tempfile.TemporaryDirectory() as tmp:
         arg = json.dumps([a.hidden, a.layers, fractions, a.versions, str(Path(tmp) / "model")])
         for rep in range(a.reps):
@@ -105,13 +107,13 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     first = trees[0]
-    print(f"{'tree':40} {'digests':>7} {'fraction':>8} {'pause ms mean (all reps)':>24} {'vs first':>8}")
+    print(f"{'tree':40} {'digests':>7} {'fraction':>8} {'pause ms min / median (all reps)':>32} {'vs first (min, median)':>22}")
     for t in trees:
         for i, frac in enumerate(fractions):
             xs = [p for r in results[t] for p in r["rows"][i]["pause_ms"]]
             base = [p for r in results[first] for p in r["rows"][i]["pause_ms"]]
-            print(f"{t[-40:]:40} {str(results[t][0]['digests_given']):>7} {frac:8.2f} {statistics.fmean(xs):24.1f} "
-                  f"{statistics.fmean(xs) / statistics.fmean(base):8.2f}")
+            print(f"{t[-40:]:40} {str(results[t][0]['digests_given']):>7} {frac:8.2f} {min(xs):15.1f} / {statistics.median(xs):14.1f} "
+                  f"{min(xs) / min(base):10.2f}, {statistics.median(xs) / statistics.median(base):9.2f}")
 
 
 if __name__ == "__main__":
