@@ -299,14 +299,15 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             _repack(head)
         if self.check_enabled:
             rank, size = self._tp()
-            problems = readback.check(self.model, self._layout(tensors), tensors, rank=rank, size=size)
+            layout = self._layout(tensors)
+            problems = readback.check(self.model, layout, tensors, rank=rank, size=size)
             for _, emb in heads:
                 problems += readback.check_tied_head(self.model, tensors[emb], rank=rank, size=size)
             if size == 1:
-                problems += unchanged.check(self.model, self._layout(tensors), verify, self.kernels)
+                problems += unchanged.check(self.model, layout, verify, self.kernels)
             self._raise(problems, len(tensors) + len(verify))
             for name in tensors:  # each packed kernel just read back and passed: its identity from now on
-                unchanged.remember(self.model, self._layout(tensors).locate(name), self.kernels)
+                unchanged.remember(self.model, layout.locate(name), self.kernels)
             for head, _ in heads:
                 unchanged.remember_module(head, "lm_head", self.kernels)
 
