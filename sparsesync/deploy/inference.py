@@ -13,7 +13,10 @@ Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names t
 `python -m inference_space` reads), credentials only as Space secrets, never in a file: the HF
 token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
 (`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
-key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Spaces are private unless
+key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Both engines enforce that key: the
+replica app reads it, vLLM's server gets it as `VLLM_API_KEY` from the secret at start (`/v1/*`)
+and sparsesync's endpoint guards `/sync` with it. Only a private Space without a key sets
+`SPARSESYNC_ALLOW_NO_KEY=1` (the Hub guards it); every other server refuses 0.0.0.0 without one. Spaces are private unless
 `public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
@@ -80,7 +83,10 @@ def _has(dist: str) -> bool:
         return False
 
 
+# vLLM's --api-key from the Space secret, through the environment (never on a command line, in
+# a file or a log): vLLM guards /v1/* with VLLM_API_KEY, sparsesync's endpoint guards /sync with it
 VLLM_CMD = (
+    'export VLLM_API_KEY="${VLLM_API_KEY:-$SPARSESYNC_API_KEY}"; '
     'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" --served-model-name "$SPARSESYNC_SERVED_MODEL_NAME" '
     '--host "$HOST" --port "$PORT" --tensor-parallel-size "$SPARSESYNC_TENSOR_PARALLEL_SIZE" '
     """--weight-transfer-config '{"backend": "sparsesync"}'"""
@@ -163,6 +169,8 @@ def inference_space_specs(
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
                **({"SPARSESYNC_API_KEY": api_key} if api_key else {})}
     variables = {
+        # a private Space with no key of its own is guarded by the Hub (the replica refuses 0.0.0.0 without a key otherwise)
+        **({"SPARSESYNC_ALLOW_NO_KEY": "1"} if private and not api_key else {}),
         "SPARSESYNC_MODEL": model_var,
         **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),
         "SPARSESYNC_ENGINE": engine,
