@@ -132,6 +132,7 @@ class ServerHook:
 
     name = "vllm"
     pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.hooks)
+    takes_digests = True  # the version's per-tensor digests: the worker checks the tensors not sent against them
 
     def __init__(self, control: EngineControl, state: dict[str, torch.Tensor], *, run_url: str = "",
                  pause_mode: str = "wait", check: bool = True) -> None:
@@ -153,17 +154,18 @@ class ServerHook:
         self._lock = threading.Lock()
 
     # -- ApplyHook ----------------------------------------------------------------------
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, digests: Mapping[str, str] | None = None) -> None:
         tensors = self._drop_aliases(tensors)
         missing = sorted(set(self.state) - set(tensors))
         self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing[:5]])
-        self._apply(version, lambda: self.sync.load(version, tensors))
+        self._apply(version, lambda: self.sync.load(version, tensors, digests))
 
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *,
+                     digests: Mapping[str, str] | None = None) -> None:
         full = self._drop_aliases(full)
         updates = {k: v for k, v in updates.items() if k in full}
         self._check_layout(full, [])
-        self._apply(version, lambda: self.sync.patch(version, updates, full=full))
+        self._apply(version, lambda: self.sync.patch(version, updates, digests, full=full))
 
     # -- internals ----------------------------------------------------------------------
     def _drop_aliases(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
