@@ -13,7 +13,9 @@ Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names t
 `python -m inference_space` reads), credentials only as Space secrets, never in a file: the HF
 token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
 (`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
-key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Spaces are private unless
+key as `SPARSESYNC_API_KEY`, an s3:// run's AWS_* settings when asked (`s3_credentials`);
+errors show the bucket redacted. `boot_line` boots a rendered folder locally, secrets as
+references to shell variables. Spaces are private unless
 `public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from sparsesync.deploy.errors import DeployError
-from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact
+from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact, shell_env
 
 APP_PORT = 7860
 ENGINES = ("embedded", "vllm")
@@ -108,6 +111,40 @@ def vllm_dockerfile(template: str) -> str:
     ])
 
 
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                  "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def s3_credentials(bucket: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The AWS_* settings of `environ` an s3:// run's replicas read (`S3_CREDENTIALS`, those set),
+    to be sent as Space secrets only. DeployError when the bucket is not s3:// or the key pair is missing."""
+    if not bucket.startswith("s3://"):
+        raise DeployError(f"--s3-credentials is for an s3:// bucket, not {redact(bucket)!r}",
+                          hint="drop --s3-credentials (hf:// buckets use the HF token)")
+    found = {k: environ[k] for k in S3_CREDENTIALS if environ.get(k)}
+    if not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(found):
+        raise DeployError("--s3-credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not both set here",
+                          hint="export them (and AWS_ENDPOINT_URL for R2/GCS/MinIO) in this shell, then deploy again")
+    return found
+
+
+def boot_line(spec: SpaceSpec, folder: Path, engine: str) -> str:
+    """The shell command that boots the rendered Space `folder` locally as the Space runs it:
+    configuration as its variables' values, secrets as references to variables of the same
+    name that the user sets in the shell (their values are never printed)."""
+    import shlex
+
+    env, words = spec.variables, shell_env(spec)
+    if engine == "vllm":
+        cmd = ["python", "-m", "sparsesync.integrations.vllm", "serve", shlex.quote(env["SPARSESYNC_MODEL"]),
+               "--served-model-name", shlex.quote(env["SPARSESYNC_SERVED_MODEL_NAME"]), "--port", env["PORT"],
+               "--weight-transfer-config", shlex.quote('{"backend": "sparsesync"}')]
+        words = ['PYTHONPATH="$PWD"', "VLLM_PLUGINS=sparsesync", *words]
+    else:
+        cmd = ["python", "-m", "inference_space"]
+    return f"cd {shlex.quote(str(folder))} && python sparsesync/codec/_build.py && {' '.join([*words, *cmd])}"
+
+
 def replica_space_ids(space_id: str, replicas: int) -> list[str]:
     """NS/NAME for one replica, NS/NAME-1 ... NS/NAME-K for K."""
     if replicas < 1:
@@ -129,6 +166,7 @@ def inference_space_specs(
     poll_interval: float = 1.0,
     allow_local_bucket: bool = False,
     api_key: str | None = None,
+    extra_secrets: Mapping[str, str] | None = None,
 ) -> list[SpaceSpec]:
     """One `SpaceSpec` per replica, following the run at `bucket` with `model`'s weights first."""
     if engine not in ENGINES:
@@ -161,7 +199,7 @@ def inference_space_specs(
     regions = regions or [None]  # type: ignore[list-item]
     secret_bucket = has_credentials(bucket)
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
-               **({"SPARSESYNC_API_KEY": api_key} if api_key else {})}
+               **({"SPARSESYNC_API_KEY": api_key} if api_key else {}), **dict(extra_secrets or {})}
     variables = {
         "SPARSESYNC_MODEL": model_var,
         **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),

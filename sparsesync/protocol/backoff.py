@@ -5,6 +5,8 @@ Guarantees:
   seconds later, capped at the follower's `max_retry_interval`; one success resets the count.
 - A newer committed version (another number or another state digest than the one that failed)
   lifts the wait at once, unless the engine failed: a broken engine gets no faster retries.
+- An engine failure is logged in full once; the same failure again, at debug level. An engine
+  that refuses a version's layout (`refused`) makes `Follower.wait_for_version` fail at once.
 """
 
 from __future__ import annotations
@@ -23,9 +25,16 @@ class Backoff:
     retry_at: float | None = None  # unix time before which the loop does not try again
     failed_on: tuple[int, str] | None = None  # newest (version, state digest) when the last attempt failed
     engine_failed: bool = False  # the last failure was the engine's (no new version lifts the wait)
+    refused: Exception | None = None  # the engine refuses the weights' layout (WeightUpdateError): no retry can help
+    logged: str = ""  # the engine failure last logged in full (a repeat is logged at debug level)
 
     def succeeded(self) -> None:
-        self.failures, self.retry_at, self.failed_on = 0, None, None
+        self.failures, self.retry_at, self.failed_on, self.refused, self.logged = 0, None, None, None, ""
+
+    def first_time(self, message: str) -> bool:
+        """Whether the engine failure `message` differs from the one last logged (and remember it)."""
+        new, self.logged = message != self.logged, message
+        return new
 
     def failed(self, newest: tuple[int, str], poll_interval: float, max_interval: float) -> float:
         """Count a failed attempt while `newest` was the newest commit; the seconds until the next."""

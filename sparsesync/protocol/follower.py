@@ -63,6 +63,7 @@ from sparsesync.errors import (
     ProtocolError,
     SparsesyncError,
     StoreError,
+    WeightUpdateError,
 )
 from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.backoff import Backoff
@@ -250,6 +251,9 @@ class Follower:
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._status.current_version is None or self._status.current_version < version:
+                if (refused := self._backoff.refused) is not None:  # the engine refuses the run's layout
+                    raise WeightUpdateError(f"replica following {self.store.url}: {getattr(refused, 'message', refused)}",
+                                            hint=getattr(refused, "hint", ""))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -380,11 +384,13 @@ class Follower:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
-            log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            log.log(logging.ERROR if self._backoff.first_time(str(e)) else logging.DEBUG,
+                    "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
                 self.hook.load_full(rec.version, state, **self._label(rec))
             except BaseException as e2:
                 self._backoff.engine_failed = True
+                self._backoff.refused = e2 if isinstance(e2, WeightUpdateError) else None
                 self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception):
                     raise

@@ -15,7 +15,8 @@ named inside `--weight-transfer-config`: vLLM's `WeightTransferConfig` forbids k
 `backend`. The general plugin (`plugin.register`) registers the backend in the engine's
 processes. Guarantees: those of `follow.ServerHook`; `/weight_info` reports the version served
 (`weight_version`, a string); a server configured to follow but missing the weight-transfer
-backend refuses to start (`ConfigError`).
+backend refuses to start (`ConfigError`); a server stopped (Ctrl-C, SIGTERM) stops following
+before its engine stops, so no apply is in flight when the engine goes (`stop_first`).
 """
 
 from __future__ import annotations
@@ -146,4 +147,18 @@ class SparsesyncEndpoint:
         )
         state.sparsesync = self.runner
         self.runner.start()
+        stop_first(engine_client, self.runner)
         atexit.register(self.runner.stop)  # the last heartbeat says "stopped"
+
+
+def stop_first(engine_client: Any, runner: FollowRunner) -> None:
+    """Make the server's shutdown stop following before it stops the engine: an apply still in
+    flight when the engine goes makes vLLM log an `EngineDeadError` traceback (Ctrl-C while
+    versions arrive). Wraps this one engine client's `shutdown`; vLLM itself is unchanged."""
+    shutdown = engine_client.shutdown
+
+    def stop_following_then_shut_down(*args: Any, **kwargs: Any) -> Any:
+        runner.stop()  # waits for an apply in flight (the event loop still runs: vLLM calls this in an executor)
+        return shutdown(*args, **kwargs)
+
+    engine_client.shutdown = stop_following_then_shut_down
