@@ -14,6 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from sparsesync.cli._help import Command, Group, exit_codes
+
 ApiKey = Annotated[Optional[str], typer.Option(
     help="Key clients must send as `Authorization: Bearer KEY` (a Space secret). Default: generated for a --public Space, none for a private one.",
     envvar="SPARSESYNC_DEPLOY_API_KEY", show_envvar=True)]
@@ -33,7 +35,7 @@ def _api_key(space: str, given: str | None, public: bool, dry_run: bool, secret_
     return key
 
 
-app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True)
+app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True, cls=Group)
 
 
 def _placeholder() -> str:
@@ -48,12 +50,12 @@ def _rendered(folder: Path, out: Path | None) -> str:
         f"rendered into {folder} (a new temporary folder, kept; --out DIR renders into a folder of your choice)"
 
 
-@app.command("env")
+@app.command("env", cls=Command, epilog=exit_codes(ok="0 deployed (or, with --dry-run, rendered and planned)"))
 def env(
     space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME.")],
     hardware: Annotated[str, typer.Option(help="Space hardware flavor (cpu-basic, cpu-upgrade, ...).")] = "cpu-basic",
-    public: Annotated[bool, typer.Option("--public", help="Make the Space public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folder and print the plan; no network.")] = False,
+    public: Annotated[bool, typer.Option("--public/--private", help="Make the Space public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folder and print the plan; no network.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder.")] = None,
     task: Annotated[str, typer.Option(help="Default task of the server: wordle or repeat.")] = "wordle",
     max_sessions: Annotated[int, typer.Option(help="Concurrent live sessions at most.")] = 256,
@@ -84,7 +86,7 @@ def env(
     typer.echo(f"deployed {url}")
 
 
-@app.command("inference")
+@app.command("inference", cls=Command, epilog=exit_codes(ok="0 deployed (or, with --dry-run, rendered and planned)"))
 def inference(
     space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME (NAME-1..K with --replicas K).")],
     bucket: Annotated[str, typer.Option(help="Run URL the replicas follow: hf://buckets/NS/NAME/PREFIX or s3://...")],
@@ -94,8 +96,8 @@ def inference(
     region: Annotated[Optional[list[str]], typer.Option(help="Hub region (us or eu); repeat to spread replicas round-robin.")] = None,
     replicas: Annotated[int, typer.Option(help="Number of replica Spaces.")] = 1,
     poll_interval: Annotated[float, typer.Option(help="Seconds between checks for new versions.")] = 1.0,
-    public: Annotated[bool, typer.Option("--public", help="Make the Spaces public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folders and print the plans; no network.")] = False,
+    public: Annotated[bool, typer.Option("--public/--private", help="Make the Spaces public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folders and print the plans; no network.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder (one sub-folder per replica when K > 1).")] = None,
     api_key: ApiKey = None,
     s3_credentials: Annotated[bool, typer.Option(
