@@ -6,8 +6,9 @@ store, on S3 over loopback (moto's server), and on S3 behind a link limited to
 `--link-mbit` in each direction, shared by all connections ("s3-wan": what a replica in another
 region sees; a loopback TCP proxy paces the bytes with one token bucket per direction; before
 2026-11-26 the pace was per connection, see benchmarks/results/measured_history.md). On S3 the
-full checkpoint goes up through the product's own multipart upload (S3Store.put of a file:
-parts of 64 MiB, 8 at a time), as the publisher's large objects do. Followers run in their own processes, as replicas do, and so does
+full checkpoint goes up through the product's own multipart upload (S3Store.put of a file
+over 64 MiB: boto3's multipart upload in its default 8 MiB parts, 8 at a time), as the
+publisher's large objects do. Followers run in their own processes, as replicas do, and so does
 the S3 service (with its proxy). All of them share this machine's cores, which real replicas
 on their own machines do not: with several followers the lag here includes waiting for CPU. Also
 reports how long the trainer was blocked per step and the bytes it uploaded. The first

@@ -5,10 +5,12 @@
 #   bash scripts/gpu_check.sh --dry-run    # on any CPU machine: the same steps, no CUDA (tests/test_gpu_check.py runs it)
 #   bash scripts/gpu_check.sh --download   # on a machine with the package index: fetch the wheels into .whl/
 #
-# Made for a bare machine with one CUDA GPU and NO network: x86-64, Python 3.12 with torch
-# (2.11 or later, CUDA), numpy, safetensors, xxhash, transformers, peft, pytest, typer, rich
-# already installed, but not zstandard or constriction. Those travel as wheels in the ignored
-# folder .whl/ (carry it along with the working tree), fetched beforehand with --download, i.e.:
+# Made for a CUDA machine image with NO network that already has: x86-64, Python 3.12 with pip
+# and setuptools, torch (2.11 or later, CUDA), numpy, safetensors, xxhash, transformers, peft,
+# pytest, typer, rich, and, to compile the codec's C passes, a C compiler (cc/gcc) and the Python
+# headers (Python.h). Step 0 (prereqs) checks each of these and names what is missing and how
+# to add it. zstandard and constriction travel as wheels in the ignored folder .whl/ (carry it
+# along with the working tree), fetched beforehand with --download, i.e.:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -18,14 +20,21 @@
 # sparsesync imports it only to open hf:// stores, and the check uses local folders.
 #
 # Steps, each under its own `timeout` so one hang cannot eat the machine's time (seconds,
-# overridable: GPU_CHECK_T_INSTALL, _BUILD, _ENV, _TESTS, _BENCH):
+# overridable: GPU_CHECK_T_PREREQS, _INSTALL, _BUILD, _ENV, _TESTS, _BENCH):
+#   0. prereqs  python, pip, setuptools, torch, a C compiler, the Python headers (a missing one stops here)
 #   1. install  the carried wheels into /tmp/sparsesync-site (pip --no-index --no-deps), on PYTHONPATH
 #   2. build    the codec's C passes in place (python sparsesync/codec/_build.py); the repo on PYTHONPATH
 #   3. env      versions, the GPU, nvidia-smi                              -> $OUT/env.json
 #   4. tests    pytest -m gpu over tests/gpu/test_*.py (bit-exact CUDA vs CPU) -> $OUT/pytest.xml
 #   5. bench    benchmarks/gpu_bench.py (0.6B- and 7B-shaped bf16 models)      -> $OUT/gpu_bench.json
 # Everything printed goes to $OUT/log too; $OUT/summary.json holds each step's exit code and
-# seconds. Expected on one H100 with 16 cores: about 5 minutes in all (tests ~1.5, bench ~3.5).
+# seconds. The run's record is ONE raw file, $OUT/results.json, assembled by the script (never
+# by hand): the commit it ran on (`git rev-parse HEAD`, or GPU_CHECK_COMMIT where the copy has no
+# .git) and the uncommitted changes to tracked files if any, the exact command, the start time,
+# env.json, summary.json, gpu_bench.json whole (every repetition of every figure), the pytest
+# junit XML and console output, and per shape the ratios read off the bench
+# (`publish_stall_over_trl`, `apply_over_index_put`; null where a figure was not measured).
+# Commit that file as benchmarks/results/gpu_check_<gpu>_<date>.json. Expected on one H100 with 16 cores: about 5 minutes in all (tests ~1.5, bench ~3.5).
 # Exit code: 0 when every step passed, else 1.
 #
 # torch versions: pyproject declares torch>=2.11, the oldest torch this project runs on: the GPU
@@ -84,6 +93,20 @@ step() {  # step NAME TIMEOUT_S CMD...: run under timeout, record rc and seconds
   return $rc
 }
 
+prereqs() {  # what the steps need that the carried wheels do not bring; one line per missing piece
+  local missing=0 cc inc
+  "$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null || { echo "MISSING: Python 3.10+ as \$PYTHON ($PY)"; missing=1; }
+  "$PY" -m pip --version >/dev/null 2>&1 || { echo "MISSING: pip for $PY (python -m ensurepip)"; missing=1; }
+  "$PY" -c 'import setuptools' 2>/dev/null || { echo "MISSING: setuptools for $PY (it builds the codec's C passes; pip install setuptools)"; missing=1; }
+  "$PY" -c 'import torch' 2>/dev/null || { echo "MISSING: torch for $PY (a CUDA build, 2.11 or later)"; missing=1; }
+  cc=${CC:-$(command -v cc || command -v gcc || true)}
+  { [ -n "$cc" ] && command -v "$cc" >/dev/null; } || { echo "MISSING: a C compiler (${cc:-cc or gcc}; apt-get install gcc, or set CC)"; missing=1; }
+  inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)
+  [ -f "$inc/Python.h" ] || { echo "MISSING: the Python headers ($inc/Python.h; apt-get install python3-dev)"; missing=1; }
+  [ $missing -eq 0 ] && echo "prerequisites present: $("$PY" -V 2>&1), torch $("$PY" -c 'import torch; print(torch.__version__)'), cc $cc"
+  return $missing
+}
+
 install_wheels() {
   shopt -s nullglob
   local whl=(.whl/*.whl)
@@ -134,16 +157,10 @@ open(sys.argv[1], "w").write(json.dumps(out, indent=1))
 EOF
 }
 
-run_tests() {
+run_tests() {  # on CPU (--dry-run) every gpu test must be collected and skip (rc 0; 5 = none collected)
   local args=(-m gpu -q -p no:cacheprovider -o timeout=150 --junitxml "$OUT/pytest.xml" -rs)
-  local files=(tests/gpu/test_*.py)
-  if [ "$MODE" = dry ]; then
-    "$PY" -m pytest "${args[@]}" "${files[@]}"
-    local rc=$?
-    # no CUDA: every gpu test must be collected and skipped (rc 0); 5 would mean none was collected
-    return $rc
-  fi
-  "$PY" -m pytest "${args[@]}" "${files[@]}"
+  "$PY" -m pytest "${args[@]}" tests/gpu/test_*.py 2>&1 | tee "$OUT/pytest.out"
+  return "${PIPESTATUS[0]}"
 }
 
 run_bench() {
@@ -155,9 +172,14 @@ run_bench() {
 }
 
 export MODE ROOT PY OUT SITE PLATFORMS
-export -f install_wheels build_codec print_env run_tests run_bench
+export -f prereqs install_wheels build_codec print_env run_tests run_bench
 
+COMMAND="bash scripts/gpu_check.sh${1:+ $1}"
+STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 echo "sparsesync GPU check ($MODE) in $ROOT, results in $OUT, python: $(command -v "$PY")"
+if ! step prereqs "${GPU_CHECK_T_PREREQS:-60}" prereqs; then
+  echo "the machine lacks what the check needs (MISSING lines above): add it and run again"; exit 1
+fi
 step install "${GPU_CHECK_T_INSTALL:-60}" install_wheels
 [ "$MODE" = run ] && [ -d "$SITE" ] && export PYTHONPATH="$SITE:$PYTHONPATH"
 if step build "${GPU_CHECK_T_BUILD:-60}" build_codec; then
@@ -176,5 +198,8 @@ fi
   echo "]}"
 } > "$OUT/summary.json"
 cat "$OUT/summary.json"
+COMMIT=${GPU_CHECK_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}
+DIRTY=$(git -C "$ROOT" diff --stat HEAD 2>/dev/null | tail -n 1 || true)
+"$PY" scripts/gpu_record.py "$OUT" --commit "$COMMIT" --command "$COMMAND" --started "$STARTED" --dirty "$DIRTY" || FAILED=1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $FAILED

@@ -29,9 +29,16 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
                        capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and [s["step"] for s in summary["steps"]] == ["install", "build", "env", "tests", "bench"]
+    assert summary["ok"] and [s["step"] for s in summary["steps"]] == ["prereqs", "install", "build", "env", "tests", "bench"]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary
-    assert {"log", "env.json", "pytest.xml", "gpu_bench.json", "summary.json"} <= {p.name for p in out.iterdir()}
+    assert {"log", "env.json", "pytest.xml", "gpu_bench.json", "summary.json", "results.json"} <= {p.name for p in out.iterdir()}
+    # the one raw record: the commit, the command, the bench whole and the raw pytest output
+    rec = json.loads((out / "results.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert rec["commit"] == head and rec["command"] == "bash scripts/gpu_check.sh --dry-run"
+    assert rec["gpu_bench"] == json.loads((out / "gpu_bench.json").read_text())
+    assert rec["pytest_junit_xml"] == (out / "pytest.xml").read_text() and "skipped" in rec["pytest_output"]
+    assert rec["per_shape"] and all(v["publish_stall_over_trl"] > 0 for v in rec["per_shape"].values())
     suite = ET.parse(out / "pytest.xml").getroot().find("testsuite")
     assert suite is not None and int(suite.get("tests", 0)) >= 20 and int(suite.get("failures", 0)) == int(suite.get("errors", 0)) == 0
     skipped = [c for c in suite.iter("testcase") if c.find("skipped") is not None]
@@ -43,3 +50,12 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert bench["pause"]["replica_bit_exact"] and bench["pause"]["replica_pause_ms"] > 0
     assert "python" in json.loads((out / "env.json").read_text())
     assert (out / "log").read_text().count("=== [") >= 10  # every step's start and end, logged
+
+
+def test_gpu_check_names_a_missing_prerequisite_and_stops(tmp_path):
+    """A machine without a C compiler (here: CC names none) stops at step 0 with one MISSING line."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "CC": "/nonexistent/cc"}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert "MISSING: a C compiler (/nonexistent/cc" in r.stdout and "=== [install]" not in r.stdout

@@ -173,8 +173,9 @@ class Run:
     def chain(start: int, target: int, commits: list[CommitRecord], bad: set[str]) -> list[Step] | None:
         """The delta steps from version `start` to `target`, or None when the chain is broken.
 
-        Cannot loop: every step goes to a strictly higher version (records whose delta does not
-        go forward are ignored, and a visited set guards the walk as well).
+        Cannot loop: only deltas that go forward are followed (records whose base is not below
+        their version are ignored here too, not only by the record's parser), so every step goes
+        to a strictly higher version.
         """
         by_base: dict[int, list[CommitRecord]] = {}
         for rec in commits:
@@ -182,15 +183,12 @@ class Run:
                     and rec.base_version < rec.version <= target):
                 by_base.setdefault(rec.base_version, []).append(rec)
         steps: list[Step] = []
-        cur, seen = start, {start}
+        cur = start
         while cur != target:
             nxt = by_base.get(cur)
             if not nxt:
                 return None
             rec = max(nxt, key=lambda r: r.version)  # a coalesced delta skips ahead
-            if rec.version in seen:
-                return None
-            seen.add(rec.version)
             steps.append(Step("delta", rec))
             cur = rec.version
         return steps
@@ -262,28 +260,30 @@ class Run:
                      written: Written | None = None) -> dict[str, SparseUpdate]:
         """Apply a checked delta to `state` in place and update `digests` (`written`: see `codec.apply_patch`).
 
-        The codec restores every old bit on any failure of its own (`apply_patch`); a
-        DigestMismatchError for the state digest, raised after it, means `state` was written and
-        is not the target: the caller must discard it.
+        All or nothing: the state digest the patch's target digests give is checked against the
+        commit before anything is written, and the codec checks every written tensor against its
+        target digest, restoring every old bit on any failure (`apply_patch`). So on any error
+        `state` and `digests` are as they were.
         """
+        after = {**digests, **{name: e.target_digest for name, e in patch.header.tensors.items()}}
+        if state_digest(after) != rec.state_digest:
+            raise DigestMismatchError(
+                f"delta {rec.delta.key if rec.delta else rec.version} would give state digest {state_digest(after)}, "
+                f"but version {rec.version}'s commit says {rec.state_digest} (nothing written)",
+                hint="the patch does not produce the committed version; reload from an anchor",
+            )
         # `state` matches `digests` (verified when it was loaded or last patched), and the
         # target digests are verified after writing: hashing the base again would add nothing
         updates = apply_patch(patch, state, verify=True, check_base_digest=False, written=written)
-        digests.update({name: e.target_digest for name, e in patch.header.tensors.items()})
-        if state_digest(digests) != rec.state_digest:
-            raise DigestMismatchError(
-                f"after applying version {rec.version} the state digest is {state_digest(digests)}, "
-                f"expected {rec.state_digest}",
-                hint="the patch does not produce the committed version; reload from an anchor",
-            )
+        digests.update(after)
         return updates
 
     def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None, *,  # type: ignore[no-untyped-def]
                     written: Written | None = None) -> dict[str, SparseUpdate]:
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
-        updating `digests`. Parts are all or nothing (`parts_reader.apply_parts`; `prefetched`: a
-        `parts_reader.Prefetcher`); for one file a DigestMismatchError means `state` was written and
-        must be discarded (`apply_loaded`). `written`: see `codec.apply_patch`."""
+        updating `digests`. All or nothing, one file (`apply_loaded`) or parts
+        (`parts_reader.apply_parts`; `prefetched`: a `parts_reader.Prefetcher`). `written`: see
+        `codec.apply_patch`."""
         if rec.parts:
             return apply_parts(self.fetch, rec, state, digests, prefetched=prefetched, written=written)
         return self.apply_loaded(rec, self.load_delta(rec, digests), state, digests, written=written)

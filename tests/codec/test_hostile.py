@@ -23,7 +23,7 @@ from sparsesync.codec import (
     parse_header,
     read_patch,
 )
-from sparsesync.codec.patch_reader import header_span
+from sparsesync.codec.patch_reader import HEADER_PREFIX, fetch_header, header_span
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, SparsesyncError
 from tests.support.patches import (
     _case,
@@ -272,6 +272,21 @@ def test_reject_header_length_beyond_file():
         bad = struct.pack("<Q", declared) + data[8:]
         with pytest.raises(PatchFormatError, match="declared header length"):
             read_patch(bad)
+
+
+def test_a_hostile_header_length_is_refused_before_it_sizes_a_read():
+    """A follower reads a patch's header by range (`fetch_header`): a declared header length of
+    2^62 bytes is refused from the first request's bytes, never asked for."""
+    bad = struct.pack("<Q", 2**62) + _golden_patch()[8:]
+    asked: list[int] = []
+
+    def read_range(start: int, length: int) -> bytes:
+        asked.append(length)
+        return bad[start : start + length]
+
+    with pytest.raises(PatchFormatError, match="declared header length"):
+        fetch_header(read_range)
+    assert asked == [HEADER_PREFIX]
 
 
 def test_reject_data_offsets_outside_file():

@@ -36,7 +36,10 @@ from safetensors.torch import load_file, save_file
 
 from sparsesync.cli import app
 from sparsesync.cli._errors import run_guarded
-from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.codec import diff_state, encode_changes, state_digest, tensor_digests
+from sparsesync.codec.anchor import write_anchor_shard
+from sparsesync.codec.digest import bytes_digest, file_digest
+from sparsesync.codec.patch_reader import read_patch
 from sparsesync.errors import SparsesyncError
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.keys import commit_key
@@ -509,7 +512,7 @@ def test_gc_refuses_when_the_newest_version_would_not_rebuild(template, tmp_path
 
 
 @pytest.mark.parametrize("what,how", [("commit", "zero-link"), ("commit", "fifo"), ("commit", "huge"),
-                                      ("delta", "zero-link"), ("delta", "fifo"), ("anchor", "zero-link")])
+                                      ("delta", "zero-link"), ("delta", "fifo"), ("delta", "huge"), ("anchor", "zero-link")])
 def test_special_and_huge_files_are_bounded(template, tmp_path, what, how):
     run, states = _copy(template, tmp_path)
     target = {"commit": lambda: run / commit_key(4, 1),
@@ -843,3 +846,108 @@ def test_any_fleet_record_is_read_as_data(fleet_run, records):
         assert not _CONTROL.search(out + err.replace("\n", "")), (args, out)  # no escape sequence reaches a terminal
         if "--json" in args:
             json.loads(out)
+
+
+# -- buggy but self-consistent writers: every object matches its record, the weights do not ----------
+def _forge_delta_4(run: Path, lie: str) -> dict[str, torch.Tensor]:
+    """Replace version 4's delta (3 -> 4) with a patch a buggy writer could have made: its streams
+    decode cleanly against version 3 but give other weights (one element off in each tensor the
+    real delta touches), and the commit record is rewritten so the object's size and xxh3 match it.
+    `lie` says which digest the writer got wrong: "tensor-digests" keeps the true version 4's
+    per-tensor and state digests in the patch (the decoded bits match neither); "state-digest"
+    records the wrong weights' own per-tensor digests in the patch, so only the state digest
+    (the commit's and the patch's) still names version 4. Returns the wrong weights."""
+    url = str(run)
+    _, v3, _ = Run(url).reconstruct(3)
+    rec4, v4, _ = Run(url).reconstruct(4)
+    wrong = {k: t.clone() for k, t in v4.items()}
+    touched = [n for n, ch in diff_state(v3, v4).items() if ch.indices.size]
+    for n in touched:
+        flat = wrong[n].view(-1)
+        flat[0] = flat[0] + 1 if flat[0] != 0 else 1.0  # another bf16 value, still finite
+    changes = diff_state(v3, wrong)
+    d3, d4, dw = tensor_digests(v3), tensor_digests(v4), tensor_digests(wrong)
+    target = d4 if lie == "tensor-digests" else dw
+    body = encode_changes(changes, base_version=3, target_version=4, base_digests=d3, target_digests=target,
+                          base_state_digest=state_digest(d3), target_state_digest=rec4.state_digest, base=v3)
+    rec = _record(run, 4)
+    (run / rec["delta"]["key"]).write_bytes(body)
+    rec["delta"].update(size=len(body), xxh3=bytes_digest(body))
+    _commit_of(run, 4).write_text(json.dumps(rec))
+    assert state_digest(dw) != rec4.state_digest
+    return wrong
+
+
+@pytest.mark.parametrize("lie", ["tensor-digests", "state-digest"])
+def test_a_buggy_writer_whose_objects_match_their_records_is_caught_by_the_target_digests(template, tmp_path, lie):
+    """Size and xxh3 of every object match the commit, every stream decodes: only the target
+    digests (per tensor, or the state digest) tell the weights are not version 4's. Every reader
+    refuses version 4 in one line, and no reader ever holds the wrong weights as a version."""
+    run, states = _copy(template, tmp_path)
+    wrong = _forge_delta_4(run, lie)
+    url = str(run)
+    with pytest.raises(SparsesyncError, match=r"3->4|version 4"):
+        Run(url).reconstruct(4)
+    code, out, err = _cli("pull", url, str(tmp_path / "v4"), "--version", "4")
+    _assert_one_line_error(code, out, err, f"{lie}: pull 4")
+    assert not (tmp_path / "v4").exists()
+    follower = Follower(url)
+    try:
+        served = follower.sync_once()
+        st = follower.status()
+        assert served == 3 and st.state == "degraded" and "\n" not in (st.last_error or "x\n"), st
+        assert_bit_equal(follower.mirror, states[state_digest(follower.digests)])
+        assert state_digest(tensor_digests(follower.mirror)) != state_digest(tensor_digests(wrong))
+    finally:
+        follower.stop()
+    code, out, _ = _cli("verify", url)
+    assert code == 1 and "4" in out
+    _exercise(run, states, tmp_path / "scratch", f"buggy writer ({lie})")
+
+
+def test_a_record_under_another_versions_name_is_not_a_commit(template, tmp_path):
+    """Version 3's record copied to version 5's name: the name and the body disagree, so it is not
+    a commit (readers would otherwise plan from a record whose name they trusted for ordering)."""
+    run, states = _copy(template, tmp_path)
+    (run / commit_key(5, 1)).write_text(json.dumps(_record(run, 3)))
+    code, out, err = _cli("log", str(run))
+    assert code == 0 and "4 committed" in out and "does not match its name" in err, (out, err)
+    assert max(_trusted(str(run))) == 4
+    _check_follower(str(run), states, "renamed record")
+
+
+def test_an_object_other_than_the_one_its_commit_names_is_refused_before_it_is_parsed(template, tmp_path):
+    """Version 4's delta replaced by the same patch with its safetensors header padded by 8 more
+    spaces (a valid file that gives the very same weights, other bytes): readers refuse it on its
+    size and xxh3, before parsing it, and say so."""
+    run, states = _copy(template, tmp_path)
+    url = str(run)
+    delta = run / _record(run, 4)["delta"]["key"]
+    data = delta.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    delta.write_bytes((n + 8).to_bytes(8, "little") + data[8:8 + n] + b" " * 8 + data[8 + n:])
+    patch = read_patch(delta.read_bytes())  # still a valid patch
+    assert patch.header.target_version == 4
+    code, out, err = _cli("pull", url, str(tmp_path / "v4"), "--version", "4")
+    _assert_one_line_error(code, out, err, "pull 4")
+    assert "expected" in err and "bytes with digest" in err, err
+    _exercise(run, states, tmp_path / "scratch", "an object other than the recorded one")
+
+
+def test_an_anchor_that_holds_another_versions_weights_is_refused(template, tmp_path):
+    """A buggy writer stores version 2's weights as version 3's anchor, self-consistent (the file's
+    own digests match its tensors; the commit's size and xxh3 match the file): only the anchor's
+    state digest against the commit tells, and readers never take those weights as version 3."""
+    run, states = _copy(template, tmp_path)
+    url = str(run)
+    _, v2, _ = Run(url).reconstruct(2)
+    rec = _record(run, 3)
+    (ref,) = rec["anchor"]
+    path = run / ref["key"]
+    write_anchor_shard(v2, path, version=3, alone=True)
+    ref.update(size=path.stat().st_size, xxh3=file_digest(path))
+    _commit_of(run, 3).write_text(json.dumps(rec))
+    commit3 = Run(url).commit(3)
+    with pytest.raises(SparsesyncError, match="expected " + commit3.state_digest):
+        Run(url).fetch_anchor(commit3)
+    _exercise(run, states, tmp_path / "scratch", "an anchor of other weights")
