@@ -348,7 +348,8 @@ class Publisher:
     def _pick_dtype(self, state: Any) -> None:
         """Whole state, no `dtype=` given: at the first publish/resume, publish an fp32 master in
         the 16-bit dtype its config.json declares (`served_dtype`), for the rest of the run."""
-        if self._dtype_picked or self.adapter is not None or not isinstance(state, Mapping):
+        adapter_run = self.adapter is not None or getattr(self._newest, "adapter", None) is not None
+        if self._dtype_picked or adapter_run or not isinstance(state, Mapping):
             return
         self._dtype_picked = True
         if self.config.dtype is None and (dtype := served_dtype(self._files.get("config.json"), state)) is not None:
