@@ -11,9 +11,14 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 from inference_space.replica import ReplicaConfig
+from sparsesync.access import check_access, is_set
 from sparsesync.errors import SparsesyncError
+
+if TYPE_CHECKING:
+    from inference_space.replica import Replica
 
 ENV = {  # flag -> environment variable
     "model": "SPARSESYNC_MODEL",
@@ -32,6 +37,7 @@ ENV = {  # flag -> environment variable
     "mirror_dir": "SPARSESYNC_MIRROR_DIR",
     "log_level": "SPARSESYNC_LOG_LEVEL",
     "api_key": "SPARSESYNC_API_KEY",
+    "allow_no_key": "SPARSESYNC_ALLOW_NO_KEY",
     "max_body_bytes": "SPARSESYNC_MAX_BODY_BYTES",
     "request_timeout": "SPARSESYNC_REQUEST_TIMEOUT_S",
     "max_hold": "SPARSESYNC_MAX_HOLD_S",
@@ -60,7 +66,10 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     p.add_argument("--mirror-dir", help="folder on local disk (not tmpfs) for the follower's file-backed copy of the weights "
                    "(default ~/.cache/sparsesync/mirror) [SPARSESYNC_MIRROR_DIR]")
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health [SPARSESYNC_API_KEY]")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health; at least 8 characters "
+                   "[SPARSESYNC_API_KEY]")
+    p.add_argument("--allow-no-key", action="store_const", const="1", help="serve with no API key on an address other than "
+                   "loopback (refused otherwise): anyone who reaches it can use it [SPARSESYNC_ALLOW_NO_KEY=1]")
     p.add_argument("--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]")
     p.add_argument("--request-timeout", type=float, help="seconds a batch may run, then cut; 0: never (default 600) [SPARSESYNC_REQUEST_TIMEOUT_S]")
     p.add_argument("--max-hold", type=float, help="seconds a batch may keep a committed version waiting, then cut; 0: never (default 60) [SPARSESYNC_MAX_HOLD_S]")
@@ -77,6 +86,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     if vllm_apply not in ("auto", "reload", "sparse"):
         raise SparsesyncError(f"vllm apply mode '{vllm_apply}': expected auto, reload or sparse", hint="--vllm-apply auto|reload|sparse")
     device = _device(args.get("device") or None)
+    host = str(args.get("host") or "127.0.0.1")
     bucket = args.get("bucket") or None
     if bucket and args.get("run"):
         bucket = bucket.rstrip("/") + "/" + str(args["run"]).strip("/")
@@ -85,14 +95,16 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             model=str(args["model"]),
             bucket=bucket,
             engine=engine,
-            host=args.get("host") or "127.0.0.1",
+            host=host,
             port=int(args.get("port") or 8000),
             poll_interval=float(args.get("poll_interval") or 1.0),
             served_model_name=args.get("served_model_name") or None,
             kv_cache_mib=int(args.get("kv_cache_mib") or 192),
             gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
             tensor_parallel_size=int(args.get("tensor_parallel_size") or 1),
-            api_key=args.get("api_key") or None,
+            api_key=check_access(args.get("api_key") or None, host, allow_open=is_set(args.get("allow_no_key")),
+                                 setting="--api-key / SPARSESYNC_API_KEY", open_setting="SPARSESYNC_ALLOW_NO_KEY",
+                                 what="replica"),
             max_body_bytes=int(args.get("max_body_bytes") or 8 << 20),
             request_timeout_s=_seconds(args.get("request_timeout"), 600.0),
             max_hold_s=_seconds(args.get("max_hold"), 60.0),
@@ -153,10 +165,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         app = create_app(replica, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level.lower())
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=level.lower(),
+                                timeout_graceful_shutdown=GRACE_S)
+        _serve(config, replica)
     finally:
         replica.close()
     return 0
+
+
+GRACE_S = 10  # SIGTERM: in-flight responses get this long to finish (their batches are cut at once)
+STOP_DEADLINE_S = 25  # SIGTERM: the process is gone by then, whatever still runs (a container gets 30 s)
+
+
+def _serve(config: Any, replica: Replica) -> None:
+    """uvicorn's server, whose SIGTERM / SIGINT also cuts the engine's batches (`Engine.stop_serving`)
+    and arms a last-resort exit: the process ends within `STOP_DEADLINE_S` of the signal even
+    when an engine cannot stop a batch part-way (vLLM's blocking generate)."""
+    import threading
+
+    import uvicorn
+
+    def last_resort() -> None:
+        logging.getLogger(__name__).error("still running %d s after the stop signal: exiting now", STOP_DEADLINE_S)
+        logging.shutdown()
+        os._exit(1)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if not replica.engine.stopping:
+                replica.engine.stop_serving()
+                timer = threading.Timer(STOP_DEADLINE_S, last_resort)
+                timer.daemon = True  # never what keeps the process alive
+                timer.start()
+
+    Server(config).run()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 `Guard` is pure ASGI middleware. Guarantees:
 - With an API key set, every route but `GET /health` needs `Authorization: Bearer <key>` (as
   vLLM's `--api-key`; `X-API-Key: <key>` is accepted too, for a private Space whose proxy takes
-  the Authorization header); the comparison is constant-time (`hmac.compare_digest`); a refusal
-  is a 401 in OpenAI's error shape, sent before the body is read.
+  the Authorization header); both headers are compared, in constant time; a refusal is a 401 in
+  the server's error shape, sent before the body is read. The key follows the shared rule
+  (`sparsesync.access.check_key`: at least 8 printable characters); `""` is not "no key".
 - A body over `max_body_bytes` is a 413: at once when Content-Length says so (nothing of the body
   is read), otherwise as soon as the bytes received pass the cap (chunked uploads). The body is
   buffered only up to the cap, so one request cannot make the replica hold more than that.
@@ -17,6 +18,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sparsesync.access import bearer_matches, check_key
+
 OPEN_PATHS = frozenset({"/health"})
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # prompt batches of TRL-sized token ids fit many times over
 
@@ -26,7 +29,9 @@ class Guard:
 
     def __init__(self, app: ASGIApp, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
-        self._key = api_key.encode() if api_key else None
+        key = check_key(api_key, "the replica's API key")
+        self._key = key.encode() if key is not None else None
+        self._keys = (key,) if key is not None else ()
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -81,11 +86,9 @@ class Guard:
     def _authorized(self, scope: Scope) -> bool:
         assert self._key is not None
         headers = dict(scope["headers"])
-        auth = headers.get(b"authorization", b"")
-        bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         # both compared, always: the time taken does not say which header was tried
-        ok_bearer = hmac.compare_digest(bearer, self._key)
-        ok_header = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+        ok_bearer = bearer_matches(scope["headers"], self._keys)
+        ok_header = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
         return ok_bearer or ok_header
 
     async def _too_large(self, send: Send, size: str) -> None:
@@ -94,9 +97,14 @@ class Guard:
                      "invalid_request_error")
 
 
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, object]:
+    """The one error shape of every refusal (vLLM's: message, type, param, code)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 async def _error(send: Send, status: int, message: str, kind: str,
                  extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    body = json.dumps(error_body(message, kind, status)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *(extra_headers or [])]})

@@ -2,7 +2,11 @@
 
 Requests (`CompletionRequest`, `ChatRequest`) are strict pydantic models: a field this replica
 does not know is a 422, a known OpenAI field it does not implement is accepted only at its
-neutral value (400 otherwise, naming it). Chat takes string or text content-part messages and
+neutral value (400 otherwise, naming it as the error's `param`, in vLLM's error shape):
+`response_format` {"type": "text"}, `store` false, `service_tier` "auto" or "default",
+`presence_penalty` / `frequency_penalty` 0, `echo` false, `logit_bias` {}, `suffix` "", `best_of`
+n; `metadata` and `parallel_tool_calls` (no tools are ever called) take any value. Top logprobs:
+0 to 20 per token (`logprobs` on completions, `top_logprobs` on chat), as vLLM's default. Chat takes string or text content-part messages and
 the `developer` role (sent to the chat template as `system`, as OpenAI treats it), and
 `max_completion_tokens` (the SDK's current name for `max_tokens`).
 
@@ -31,17 +35,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from inference_space.engines import Completion, SamplingParams
-from sparsesync.errors import ConfigError
+from inference_space.errors import RequestFieldError
 
 MAX_BATCH = 256  # prompts x n in one request
 MAX_STOP = 64  # stop strings in one request (OpenAI allows 4; each costs a search per decoded token)
 MAX_STOP_CHARS = 4096  # their total length
+MAX_PENDING = 16  # streaming: tokens without new text before the natural pieces end (a character is at most 4 bytes)
 LOGPROB_FLOOR = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
 
-# OpenAI fields this replica does not implement: accepted only at their neutral value
-_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "best_of": None,
-    "echo": False, "suffix": None,
+MAX_LOGPROBS = 20  # top logprobs per token at most (vLLM's default `max_logprobs`)
+
+# OpenAI fields this replica does not implement: accepted only at their neutral values (None: left out)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},), "echo": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},), "store": (False,), "service_tier": ("auto", "default"),
 }
 
 
@@ -69,7 +76,7 @@ class _Sampling(BaseModel):
     user: str | None = None  # informational
     return_token_ids: bool | None = None  # vLLM's flag (TRL sends it): token ids are always returned
     return_tokens_as_token_ids: bool = False  # logprob tokens as vLLM's "token_id:N" strings (TRL's VLLMClient)
-    top_logprobs: int | None = Field(None, ge=0)  # chat: 0 or 1 most likely tokens per position
+    top_logprobs: int | None = Field(None, ge=0)  # chat: the most likely tokens per position, 0 to 20
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -78,6 +85,12 @@ class _Sampling(BaseModel):
     stream: bool | None = False
     suffix: str | None = None
     stream_options: StreamOptions | None = None
+    # OpenAI fields with no effect on a completion at their neutral values (as vLLM accepts them)
+    response_format: dict[str, Any] | None = None  # {"type": "text"}: plain text (structured output is refused)
+    store: bool | None = None  # False: nothing is stored (this replica stores nothing)
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # informational, like `user`
+    service_tier: str | None = None  # "auto" / "default": the one tier there is
+    parallel_tool_calls: bool | None = None  # no tools are called, so any value is neutral
 
     def _top_n(self) -> int:
         raise NotImplementedError
@@ -85,11 +98,13 @@ class _Sampling(BaseModel):
     def params(self, max_tokens: int) -> SamplingParams:
         for name, neutral in _NEUTRAL.items():
             value = getattr(self, name)
-            if value is not None and value != neutral and not (name == "logit_bias" and value == {}) and not (name == "best_of" and value == self.n):
-                raise ConfigError(f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out")
+            if value is not None and value not in neutral:
+                raise RequestFieldError(name, f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestFieldError("best_of", f"best_of={self.best_of!r}: not supported by this replica", hint="leave best_of out")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP or sum(len(s) for s in stop) > MAX_STOP_CHARS:
-            raise ConfigError(f"stop: {len(stop)} strings of {sum(len(s) for s in stop)} characters, more than "
+            raise RequestFieldError("stop", f"stop: {len(stop)} strings of {sum(len(s) for s in stop)} characters, more than "
                               f"{MAX_STOP} strings or {MAX_STOP_CHARS} characters", hint="send fewer, shorter stop strings")
         for s in stop:
             check_text("stop", s)
@@ -105,24 +120,25 @@ def check_text(field: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ConfigError(f"{field}: lone surrogate {text[e.start]!r} at position {e.start}", hint="send valid UTF-16 surrogate pairs") from e
+        raise RequestFieldError(field.split("[")[0], f"{field}: lone surrogate {text[e.start]!r} at position {e.start}", hint="send valid UTF-16 surrogate pairs") from e
 
 
 def _top_n_checked(field: str, n: int) -> int:
-    if n > 1:
-        raise ConfigError(f"{field}={n}: only the sampled token's logprob and the most likely token's are returned",
-                          hint=f"send {field} 0 or 1")
+    if n > MAX_LOGPROBS:
+        raise RequestFieldError(field, f"{field}={n}: more than the {MAX_LOGPROBS} top logprobs per token this replica returns",
+                                hint=f"send {field} 0 to {MAX_LOGPROBS}")
     return n
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, prompt token ids, or a batch of either (choices prompt-major)")
-    logprobs: int | bool | None = None  # top logprobs per token: 0 or 1 (the sampled token's are always returned)
+    logprobs: int | bool | None = Field(None, ge=0)  # top logprobs per token, 0 to 20 (the sampled token's are always returned)
 
     def _top_n(self) -> int:
         if self.top_logprobs:
-            raise ConfigError(f"top_logprobs={self.top_logprobs}: a chat field", hint="send logprobs 0 or 1 for completions")
+            raise RequestFieldError("top_logprobs", f"top_logprobs={self.top_logprobs}: a chat field",
+                                    hint=f"send logprobs 0 to {MAX_LOGPROBS} for completions")
         return _top_n_checked("logprobs", int(self.logprobs or 0))
 
     def prompts(self) -> list[str | list[int]]:
@@ -130,7 +146,7 @@ class CompletionRequest(_Sampling):
         batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
         prompts: list[str | list[int]] = list(p) if batch else [p]  # type: ignore[arg-type]
         if len(prompts) * self.n > MAX_BATCH:
-            raise ConfigError(f"{len(prompts)} prompts x n={self.n}: more than {MAX_BATCH} completions in one request",
+            raise RequestFieldError("prompt", f"{len(prompts)} prompts x n={self.n}: more than {MAX_BATCH} completions in one request",
                               hint="split the batch")
         return prompts
 
@@ -180,12 +196,12 @@ class ChatRequest(_Sampling):
     def check_template(self) -> None:
         """Fields of vLLM's chat API this replica does not implement: refused unless neutral."""
         if self.chat_template is not None:
-            raise ConfigError("chat_template: the replica applies the model's own chat template", hint="leave chat_template out")
+            raise RequestFieldError("chat_template", "chat_template: the replica applies the model's own chat template", hint="leave chat_template out")
         if self.chat_template_kwargs:
-            raise ConfigError(f"chat_template_kwargs={self.chat_template_kwargs!r}: not supported by this replica",
+            raise RequestFieldError("chat_template_kwargs", f"chat_template_kwargs={self.chat_template_kwargs!r}: not supported by this replica",
                               hint="leave chat_template_kwargs out")
         if self.tools or self.tool_choice not in (None, "none"):
-            raise ConfigError("tools / tool_choice: not supported by this replica", hint="send tools null and tool_choice 'none'")
+            raise RequestFieldError("tools", "tools / tool_choice: not supported by this replica", hint="send tools null and tool_choice 'none'")
         for i, m in enumerate(self.messages):
             check_text(f"messages[{i}].content", m.template_dict()["content"])
 
@@ -194,8 +210,10 @@ class ChatRequest(_Sampling):
 class Shaper:
     """Turns engine completions into OpenAI objects for one request (token strings decoded once)."""
 
-    def __init__(self, decode: Callable[[list[int], bool], str], model: str, as_ids: bool, top_n: int) -> None:
+    def __init__(self, decode: Callable[[list[int], bool], str], model: str, as_ids: bool, top_n: int,
+                 no_text: frozenset[int] = frozenset()) -> None:
         self._raw = decode  # (ids, skip_special_tokens) -> text
+        self.no_text = no_text  # token ids the completion text skips (the tokenizer's special tokens)
         self._decode = lambda ids: decode(ids, True)  # the completion text skips special tokens
         self.model = model
         self.as_ids = as_ids
@@ -276,7 +294,7 @@ class Shaper:
                 "weight_version": version, "state_digest": digest_of(outs)}
         for i, c in enumerate(outs):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                     "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
+                     "stop_reason": None, "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
             yield _sse({**head, "choices": [first]})
             segments = self.segments(c)
             for k, (text, lo, hi) in enumerate(segments):
@@ -292,25 +310,38 @@ class Shaper:
     def segments(self, c: Completion) -> list[tuple[str, int, int]]:
         """(text delta, first token, end token) pieces of `c`, as incremental detokenization
         emits them (no half characters); the deltas concatenate to exactly `c.text`, the token
-        ranges to exactly `c.token_ids`."""
+        ranges to exactly `c.token_ids`. Linear in the tokens: tokens that add no text (special
+        tokens, which the text skips) never enter the decode window, and a window that yields no
+        new text for `MAX_PENDING` tokens ends the natural pieces (the rest is one last piece)."""
         ids, final = c.token_ids, c.text
         out: list[tuple[str, int, int]] = []
-        prefix = read = start = emitted = match = 0
-        diverged = False
-        for i in range(len(ids)):
-            prefix_text = self._decode(ids[prefix:read])
-            new_text = self._decode(ids[prefix:i + 1])
-            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        window: list[int] = []  # text-bearing ids since the previous boundary: the decode context
+        read = 0  # window[:read] is the context, already emitted
+        prefix_text = ""
+        start = emitted = match = 0
+        for i, t in enumerate(ids):
+            if t in self.no_text:
                 continue
-            prefix, read = read, i + 1
+            window.append(t)
+            new_text = self._decode(window)
+            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+                if len(window) - read > MAX_PENDING:
+                    break  # no natural boundary ahead: the rest goes out as one piece
+                continue
+            agreed = True
             for ch in new_text[len(prefix_text):]:  # how far the natural text still agrees with the final one
-                if diverged or match >= len(final) or final[match] != ch:
-                    diverged = True
+                if match >= len(final) or final[match] != ch:
+                    agreed = False
                     break
                 match += 1
             if match > emitted:
                 out.append((final[emitted:match], start, i + 1))
                 emitted, start = match, i + 1
+            if not agreed:
+                break  # diverged (a stop string cut the text): the rest is one last piece
+            window = window[read:]
+            read = len(window)
+            prefix_text = self._decode(window)
         if start < len(ids) or emitted < len(final) or not out:
             out.append((final[emitted:], start, len(ids)))
         return out

@@ -11,16 +11,18 @@ understood: a batch of prompts (choices prompt-major), `return_token_ids`,
 version). A `model` other than the served name (or the `--model` folder or Hub id, the name
 vLLM would serve it under) is a 404, as on vLLM.
 
-Refusals, in one shape {"error": {"message", "type", "code"}}: 401 without the API key (when one
-is set; /health stays open), 413 for a body over the cap (`guard.py`, before parsing), 422
-(schema: types, unknown fields), 400 (values the engine refuses: seeds beyond 63 bits,
-temperatures or top_p too small to compute with, lone surrogates, OpenAI fields this replica does
-not implement set to a non-neutral value, more than 1 top logprob, `max_tokens` beyond the
-model's context, more than 64 stop strings or 4096 stop characters, more than 256 completions).
-A request's batch is cut (finish reason "abort") past the engine's `request_timeout_s`, or when a
-committed version has waited `max_hold_s` for it (see `engines.base`). Generation runs in
-FastAPI's thread pool, so /health and /sync answer while a batch runs; nothing a client sends can
-stop the follower.
+Refusals, in one shape, vLLM's {"error": {"message", "type", "param", "code"}} (`param`: the
+request field at fault, or null): 401 without the API key (when one is set; /health stays open),
+413 for a body over the cap (`guard.py`, before parsing), 404 / 405 for a route or method that
+does not exist, 422 (schema: types, unknown fields), 400 (values the engine refuses: seeds beyond
+63 bits, temperatures or top_p too small to compute with, lone surrogates, OpenAI fields this
+replica does not implement set to a non-neutral value, more than 20 top logprobs, `max_tokens`
+beyond the model's context, more than 64 stop strings or 4096 stop characters, more than 256
+completions), 503 once the server is stopping. A request's batch is cut (finish reason "abort")
+past the engine's `request_timeout_s`, or when a committed version has waited `max_hold_s` for it
+(see `engines.base`). Generation runs in FastAPI's thread pool; /health, /sync and /v1/models are
+async routes on the event loop that never wait for the engine's gate, so they answer at once
+however many generations are blocked; nothing a client sends can stop the follower.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference_space.engines import Completion
-from inference_space.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from inference_space.guard import DEFAULT_MAX_BODY_BYTES, Guard, error_body
 from inference_space.openai_api import ChatRequest, CompletionRequest, Shaper, _Sampling, check_text
 from inference_space.replica import Replica
 from sparsesync.errors import ConfigError, EngineError
@@ -61,24 +64,30 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}" for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"error": {"message": "; ".join(problems), "type": "invalid_request_error", "code": 422}})
+        where = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in exc.errors()]
+        problems = [f"{w}: {e.get('msg')}" for w, e in zip(where, exc.errors(), strict=True)]
+        return JSONResponse(status_code=422, content=error_body("; ".join(problems), "invalid_request_error", 422,
+                                                                where[0] if where else None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # a bug: same error shape, logged
         import logging
 
         logging.getLogger(__name__).exception("unexpected error serving %s", request.url.path)
-        return JSONResponse(status_code=500, content={"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error", "code": 500}})
+        return JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}", "server_error", 500))
 
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(status_code=exc.status_code,
-                            content={"error": {"message": exc.detail, "type": kind, "code": exc.status_code}})
+    @app.exception_handler(StarletteHTTPException)  # ours, and the router's 404 / 405 for routes that do not exist
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(status_code=exc.status_code, headers=exc.headers,
+                            content=error_body(str(exc.detail), kind, exc.status_code, getattr(exc, "param", None)))
 
     def _bad(e: Exception) -> HTTPException:
-        return HTTPException(status_code=400, detail=str(e))
+        if replica.engine.stopping:
+            return HTTPException(status_code=503, detail="the replica is shutting down")
+        err = HTTPException(status_code=400, detail=str(e))
+        err.param = getattr(e, "param", None)  # type: ignore[attr-defined]
+        return err
 
     # the served name, and what vLLM would call this model: the --model folder (or Hub id) as given
     names = {replica.model_name, str(replica.engine.model_dir), *replica.model_aliases}
@@ -102,10 +111,12 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
         except (ConfigError, EngineError) as e:
             raise _bad(e) from e
 
+    tok = replica.engine.tokenizer  # type: ignore[attr-defined]
+    no_text = frozenset(getattr(tok, "all_special_ids", ()))  # what the completion text skips
+
     def _shaper(req: _Sampling, top_n: int) -> Shaper:
-        tok = replica.engine.tokenizer  # type: ignore[attr-defined]
         return Shaper(lambda ids, skip: tok.decode(ids, skip_special_tokens=skip), replica.model_name,
-                      req.return_tokens_as_token_ids, top_n)
+                      req.return_tokens_as_token_ids, top_n, no_text=no_text)
 
     def _stream(lines: Any) -> StreamingResponse:
         return StreamingResponse(lines, media_type="text/event-stream")
@@ -151,25 +162,26 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
                 "root": replica.model_name, "parent": None, "weight_version": replica.weight_version,
                 "max_model_len": replica.engine.max_model_len}
 
+    # async: these run on the event loop, never queued behind generations in the thread pool
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
-    def model(model_id: str) -> dict[str, Any]:
+    async def model(model_id: str) -> dict[str, Any]:
         if model_id not in names:
             raise HTTPException(status_code=404, detail=f"The model `{model_id}` does not exist.")
         return _model_card()
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         st = replica.status()
         digest = st.get("state_digest") if st.get("current_version") == st["serving_version"] else None
         return {"status": "ok", "engine": st["engine"], "weight_version": st["serving_version"], "state": st["state"],
                 "state_digest": digest}  # the version's identity: a number may be re-committed after a rewind
 
     @app.get("/sync")
-    def sync() -> dict[str, Any]:
+    async def sync() -> dict[str, Any]:
         return replica.status()
 
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)

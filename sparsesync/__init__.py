@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         PatchMismatchError,
         ProtocolError,
         RankFailedError,
+        RewindRefusedError,
         RunKindError,
         RunNotFoundError,
         SparsesyncError,
@@ -65,7 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from sparsesync.transfer import pull, push
 
 _ERRORS = (
-    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "OutputError",
+    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "RewindRefusedError", "OutputError",
     "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
@@ -92,6 +93,7 @@ __all__ = [
     "ConfigError",
     "RunKindError",
     "BaseModelMismatchError",
+    "RewindRefusedError",
     "OutputError",
     "PatchError",
     "PatchFormatError",

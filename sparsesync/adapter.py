@@ -39,7 +39,7 @@ import torch
 
 from sparsesync.adapter_config import check_config as _check_config
 from sparsesync.adapter_config import check_state_ranks
-from sparsesync.checkpoint import checkpoint_digest, load_checkpoint
+from sparsesync.checkpoint import checkpoint_digest, load_checkpoint, read_in_folder
 from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import BaseModelMismatchError, ConfigError
 
@@ -167,14 +167,15 @@ def read_adapter_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     if not cfg_file.is_file() or not weights.is_file():
         raise ConfigError(f"{path} is not a PEFT adapter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE})",
                           hint="save the adapter with model.save_pretrained(DIR)")
-    if cfg_file.stat().st_size > _MAX_CONFIG_BYTES:
+    raw = read_in_folder(cfg_file, path, _MAX_CONFIG_BYTES + 1) or b""  # nothing outside the folder, no FIFO
+    if len(raw) > _MAX_CONFIG_BYTES:
         raise ConfigError(f"{cfg_file} is over {_MAX_CONFIG_BYTES} bytes: not an adapter config")
     try:
-        config = json.loads(cfg_file.read_text())
-    except (UnicodeDecodeError, ValueError) as e:
+        config = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"{cfg_file} is not JSON: {e}") from None
     check_supported(config, str(cfg_file))
-    return load_checkpoint(weights), config
+    return load_checkpoint(weights, folder=path), config
 
 
 def is_adapter_folder(path: Path) -> bool:

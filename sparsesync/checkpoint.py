@@ -6,42 +6,145 @@ never silently overwritten. `checkpoint_state` brings a trainer's `state_dict()`
 checkpoint's own key set (the one every run and every engine uses); `shared_aliases`,
 `check_tied`, `check_key_set` and `split_fused_experts` are its steps for a distributed publisher, which maps
 each rank's shards the same way. Nothing here unpickles anything.
+
+Only regular files are read: a FIFO, a device or a socket is a ConfigError naming it, never
+opened (so nothing hangs). What `push` reads of a checkpoint folder (weights, carried files,
+trainer_state.json; `open_in_folder`, `read_in_folder`, `load_checkpoint(folder=...)`) stays
+inside it: a file that is a link resolving outside the folder (say `tokenizer.json ->
+~/.aws/credentials`) is refused with a ConfigError naming it; the one exception is a Hugging Face
+cache snapshot, whose files link into the cache's own `blobs/`. What is read is the file the
+checks passed: it is opened once, without following a last link, and checked again on the open
+descriptor, so swapping a file (or a folder on its path) for a link between the check and the
+read cannot escape the folder.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from sparsesync.errors import ConfigError, PatchFormatError
+
+_KINDS = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+def _not_regular(path: Path, mode: int) -> ConfigError:
+    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    return ConfigError(f"{path} is a {kind}, not a regular file: sparsesync reads only plain files",
+                       hint="replace it with the file itself (a copy), or leave it out of the folder")
+
+
+_SWAP_HINT = "make sure nothing else writes into the checkpoint folder while it is read"
+
+
+def _roots(folder: Path) -> list[Path]:
+    """Where the files of `folder` (resolved) may live: the folder, and for a Hugging Face cache
+    snapshot (`<repo>/snapshots/<rev>/`, or a folder in one) the cache's `<repo>/blobs/` its
+    files link into."""
+    snapshot = next((p for p in (folder, *folder.parents) if p.parent.name == "snapshots"), None)
+    return [folder] if snapshot is None else [folder, snapshot.parent.parent / "blobs"]
+
+
+def _inside(path: str | Path, roots: list[Path]) -> bool:
+    return any(Path(path).is_relative_to(r) for r in roots)
+
+
+def open_in_folder(path: str | Path, folder: str | Path | None) -> int:
+    """A read-only file descriptor of the regular file `path`, which must stay inside the
+    checkpoint folder `folder` (see the module docstring; None: `path` is one the user named, and
+    may be a link anywhere). FileNotFoundError when there is none; ConfigError for a link out of
+    the folder or a file that is not regular. The caller closes it."""
+    path = Path(path)
+    try:
+        real = Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a link loop, a path through a file
+        raise ConfigError(f"{path} cannot be resolved: {e.strerror}", hint="replace it with the file itself") from None
+    roots = None if folder is None else _roots(Path(os.path.realpath(folder)))
+    if roots is not None and not _inside(real, roots):
+        raise ConfigError(f"{path} is a link to {real}, outside the checkpoint folder {folder}: sparsesync reads "
+                          "nothing outside it", hint="copy the file into the folder instead of linking it")
+    mode = os.stat(real, follow_symlinks=False).st_mode
+    if not stat.S_ISREG(mode):  # before opening: a FIFO would block, a device would act
+        raise _not_regular(path, mode)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{path} changed into a link while it was read", hint=_SWAP_HINT) from None
+    try:  # what was opened, not what was checked: a swap in between is caught here
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        if roots is not None and os.path.isdir("/proc/self/fd") and not _inside(os.readlink(f"/proc/self/fd/{fd}"), roots):
+            raise ConfigError(f"{path} changed into a link out of the checkpoint folder {folder} while it was read",
+                              hint=_SWAP_HINT)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_in_folder(path: str | Path, folder: str | Path | None, limit: int) -> bytes | None:
+    """At most `limit` bytes of the regular file `path` of `folder` (`open_in_folder`'s checks);
+    None when there is no such file."""
+    try:
+        fd = open_in_folder(path, folder)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit)
 
 
 def checkpoint_files(source: Path) -> list[Path]:
     """The safetensors files that make up `source` (a file or a folder), sorted."""
     source = Path(source)
-    if source.is_file():
-        return [source]
     if source.is_dir():
         files = sorted(source.glob("*.safetensors"))
         if files:
             return files
         raise ConfigError(f"no *.safetensors files in folder {source}", hint="point at a saved checkpoint folder")
+    if source.exists():
+        return [source]  # a file: `load_checkpoint` refuses it unless it is a regular one
     raise ConfigError(f"{source} does not exist", hint="give a .safetensors file or a folder of shards")
 
 
-def load_checkpoint(source: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at `source`, on CPU."""
+def _load_fd(fd: int) -> dict[str, torch.Tensor]:
+    if os.path.isdir("/proc/self/fd"):  # the opened file itself, mapped by safetensors
+        return load_file(f"/proc/self/fd/{fd}")
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return load(f.read())
+
+
+def load_checkpoint(source: Path, *, folder: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `source`, on CPU, from regular files only (a FIFO or a
+    device is a ConfigError, never opened). `folder`: the checkpoint folder no file may leave
+    (`push` passes SOURCE; see the module docstring); None: links are followed wherever they point
+    (an engine's own model folder may link its shards from shared storage)."""
+    source = Path(source)
     state: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(source):
         try:
-            part = load_file(f)
+            fd = open_in_folder(f, folder)
+        except FileNotFoundError:
+            raise ConfigError(f"{f} does not exist (a dangling link?)", hint="give a .safetensors file or a folder of shards") from None
+        try:
+            part = _load_fd(fd)
         except (SafetensorError, OSError) as e:
             raise PatchFormatError(f"{f} is not a readable safetensors file: {e}") from e
+        finally:
+            os.close(fd)
         dup = state.keys() & part.keys()
         if dup:
             raise ConfigError(f"tensor {sorted(dup)[0]!r} appears in more than one shard of {source}")

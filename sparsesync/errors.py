@@ -54,6 +54,19 @@ class BaseModelMismatchError(ConfigError):
     """The base weights an adapter replica starts from are not the adapter run's base."""
 
 
+class RewindRefusedError(ConfigError):
+    """A push at or below the run's newest version would rewind the run (abandon its newer
+    versions) and was not allowed to (`push(..., rewind=True)`, the CLI's `--rewind`). Nothing
+    was written. `newest`: the run's newest version; `version`: the one asked for; `abandoned`:
+    the versions the rewind would abandon."""
+
+    def __init__(self, message: str, *, newest: int, version: int, abandoned: list[int], hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.newest = newest
+        self.version = version
+        self.abandoned = list(abandoned)
+
+
 class OutputError(SparsesyncError):
     """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
     What was there before is left as it was."""

@@ -6,11 +6,12 @@
     push("checkpoints/checkpoint-100", "hf://buckets/me/rl-weights/run-1")   # version 100
     pull("hf://buckets/me/rl-weights/run-1", "policy/")                       # the newest version
 
-`pull` writes DEST atomically: the version is written into a staging folder beside DEST (same
-file system), then renamed into place, so a failure (read-only folder, full disk, a bad run)
-leaves DEST as it was. Into an existing folder it moves the new model files in (the index
-last) and removes every other `*.safetensors` and `*.safetensors.index.json` there, which
-loaders would otherwise read as part of the model. The checkpoint files the run carries
+`pull` writes DEST all or nothing (`sparsesync.dest`): the version is written into a staging
+folder on DEST's own file system (a DEST that is a link: where it points), then swapped in, so
+a failure (read-only folder, full disk, a bad run, a folder in the way) leaves DEST as it was.
+Into an existing folder it moves the new model files in (the index last) and moves every other
+`*.safetensors` and `*.safetensors.index.json` there out, which loaders would otherwise read as
+part of the model. The checkpoint files the run carries
 (config.json, generation_config.json, tokenizer files; `sparsesync.protocol.extras`), each
 checked against its recorded digest, are written beside the weights (replacing DEST's own);
 other files stay. What is written is the committed version bit for bit (every tensor checked
@@ -19,12 +20,20 @@ A run mixing adapter and full-weight versions (or two adapters) is refused befor
 fetched, and an adapter version's config is checked against its tensors before the folder PEFT
 would load is written (`sparsesync.adapter_config`).
 
+`push` reads the checkpoint folder without leaving it: a file that links out of the folder, or
+is not a regular file (a FIFO, a device), is refused with a ConfigError naming it
+(`sparsesync.checkpoint.open_in_folder`).
+
 `push` numbers a checkpoint by its optimizer step (trainer_state.json's global_step, else a
-`checkpoint-N` folder name) unless `step` says otherwise, and says which it used. A step at or
-below the run's newest version rewinds the run (docs/protocol.md, "Rewinds"): to that version
-when the checkpoint is the run's version of it, else the checkpoint becomes that version as a
-delta from the newest version below it; the newer versions are abandoned either way. A step the
-newest version already holds with these weights pushes nothing (`PushResult.held`).
+`checkpoint-N` folder name) unless `step` says otherwise, and says which it used (and why a
+trainer_state.json it could not read was ignored). A step at or below the run's newest version
+rewinds the run (docs/protocol.md, "Rewinds"): to that version when the checkpoint is the run's
+version of it, else the checkpoint becomes that version as a delta from the newest version below
+it; the newer versions are abandoned either way. So a stray re-push of an old checkpoint cannot
+roll a fleet back, a rewind happens only when asked for (`rewind=True`, or a `rewind` callable
+that approves the `RewindPlan`, naming the versions it abandons, before anything is written);
+else RewindRefusedError, and nothing is written. A step the newest version already holds with
+these weights pushes nothing (`PushResult.held`).
 
 Both import torch only when called. Errors are `sparsesync.errors` classes (`ConfigError`,
 `OutputError`, store and protocol errors), each naming the object and carrying a `hint`.
@@ -35,16 +44,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparsesync.errors import ConfigError, OutputError
+from sparsesync.errors import ConfigError, RewindRefusedError
 
-__all__ = ["PullResult", "PushResult", "checkpoint_step", "pull", "push"]
+__all__ = ["PullResult", "PushResult", "RewindPlan", "checkpoint_step", "pull", "push"]
 
 Progress = Callable[[str], None]
 """Called with a short description of each phase ("diff + encode", "writing DEST", ...)."""
@@ -67,8 +74,40 @@ class PushResult:
     held: bool = False
     """The run's newest version already was `version` with these weights: nothing was pushed."""
     abandoned: list[int] | None = None
-    """A push below the newest version that continued from an older one: the versions of the older
-    attempt it abandoned (None for any other push)."""
+    """A push at or below the newest version (a rewind): the versions of the older attempt it
+    abandoned, each once, ascending (None for any other push)."""
+
+
+@dataclass(frozen=True)
+class RewindPlan:
+    """A rewind `push` is about to do, before anything is written (what `rewind` approves)."""
+
+    url: str
+    """The run's URL."""
+    newest: int
+    """The run's newest version."""
+    version: int
+    """The version the checkpoint becomes."""
+    step_from: str
+    """Where `version` came from."""
+    abandoned: list[int]
+    """The versions the rewind abandons, each once, ascending."""
+
+    def describe(self) -> str:
+        """One line: what the rewind does."""
+        return (f"version {self.version} (from {self.step_from}) is not above version {self.newest}, the newest of "
+                f"{self.url}: pushing it rewinds the run and abandons {_versions_text(self.abandoned)}")
+
+
+def _versions_text(versions: list[int]) -> str:
+    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or 'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
+    if len(versions) == 1:
+        return f"version {versions[0]}"
+    if len(versions) <= 8:
+        return "versions " + ", ".join(map(str, versions))
+    if versions == list(range(versions[0], versions[-1] + 1)):
+        return f"versions {versions[0]}..{versions[-1]} ({len(versions)} versions)"
+    return f"versions {', '.join(map(str, versions[:3]))} ... {', '.join(map(str, versions[-2:]))} ({len(versions)} versions)"
 
 
 @dataclass(frozen=True)
@@ -96,6 +135,8 @@ def push(
     base_model: str | os.PathLike[str] | None = None,
     effort: str = "size",
     progress: Progress | None = None,
+    rewind: bool | Callable[[RewindPlan], bool] = False,
+    rewind_source: str = "rewind=True",
 ) -> PushResult:
     """Publish the checkpoint at `source` as the next version of the run at `url` (a delta, or an
     anchor when due); the run and its bucket are created when missing.
@@ -115,6 +156,11 @@ def push(
         base_model: For a PEFT adapter `source`: the base model's folder (its digest is recorded).
         effort: "size" (the smallest patch) or "speed" (about 27% larger, encoded and decoded faster).
         progress: Called with a description of each phase, from the first network call on.
+        rewind: Whether a push at or below the run's newest version may rewind the run
+            (abandoning its newer versions): True, or a callable given the `RewindPlan` before
+            anything is written that returns whether to go ahead (the CLI asks on a terminal).
+            Refused: RewindRefusedError, nothing written.
+        rewind_source: How messages name `rewind=True` (the CLI: "--rewind").
 
     Returns:
         The version committed, where its number came from, its metrics, the files carried, and
@@ -132,16 +178,18 @@ def push(
     source = Path(source)
     say = progress or (lambda _description: None)
     PublisherConfig(effort=effort).validate()  # before anything is read or written
-    step_from = step_source
-    if step is None and (found := checkpoint_step(source)) is not None:
-        step, step_from = found
+    step_from, ignored = step_source, None
+    if step is None:
+        found, ignored = _step_of(source)
+        if found is not None:
+            step, step_from = found
     if step is not None:
         check_version(step, url)  # before anything is written to the run
     config = None
     if lora.is_adapter_folder(source):
         state, config = lora.read_adapter_folder(source)
     else:
-        state = load_checkpoint(source)
+        state = load_checkpoint(source, folder=source if source.is_dir() else None)  # nothing outside SOURCE
     extra = source if source.is_dir() else None
     store = open_store(url, create=True, private=not public)
     say(f"reading the newest version of {store.url}")
@@ -149,15 +197,24 @@ def push(
     newest = run.newest()
     if step is None:
         step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
+    if ignored is not None:
+        step_from = f"{step_from}; {ignored}"
     meta = None
     if config is not None:
         meta, state = adapter_runs.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
                                                    newest, store.url)
     adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
-    rewind = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
-    plan = _plan_rewind(run, state, step, step_from, step_source, store.url) if rewind else None
+    below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
+    plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
     if plan == "held":
         return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
+    if below_newest and newest is not None:  # a rewind: only when asked for, named before anything is written
+        planned = RewindPlan(url=store.url, newest=newest.version, version=step, step_from=step_from, abandoned=abandoning)
+        if not (rewind(planned) if callable(rewind) else rewind is True):
+            raise RewindRefusedError(
+                f"refusing to rewind: {planned.describe()}", newest=newest.version, version=step, abandoned=abandoning,
+                hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
+                     "to publish the checkpoint as a new version")
     pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
     try:
         if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
@@ -168,7 +225,7 @@ def push(
             base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
             if base_version is not None:
                 _rec, base, _digests = run.reconstruct(base_version)
-                if rewind:  # continue below the newest: the commit of `step` abandons the newer versions
+                if below_newest:  # continue below the newest: the commit of `step` abandons the newer versions
                     pub.continue_below(base, base_version)
                 else:
                     pub.resume(base)
@@ -180,33 +237,38 @@ def push(
     finally:
         pub.close()
     abandoned = None
-    if rewind and pub.metrics[-1].get("kind") != "rewind":  # a delta below the newest: every older commit from `step` on is abandoned
+    if below_newest and pub.metrics[-1].get("kind") == "rewind":
+        abandoned = sorted(set(pub.metrics[-1]["abandoned"]))
+    elif below_newest:  # a delta below the newest: every older commit from `step` on is abandoned
         from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
 
-        abandoned = [v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
-                     if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions]
+        abandoned = sorted({v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
+                            if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions})
     files = [f.name for f in Run(store).commit(version).files]
     return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,
                       abandoned=abandoned)
 
 
-def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: str, url: str) -> str | int:
+def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: str, url: str) -> tuple[str | int, list[int]]:
     """How `push` publishes version `step` at or below the run's newest (docs/protocol.md,
     "Rewinds"): "held" (the newest already is these weights), "rewind" (these weights are the
     run's version `step`: the run is rewound to it), or the newest version below `step` to
-    continue from (the checkpoint then becomes version `step`, abandoning the newer versions)."""
+    continue from (the checkpoint then becomes version `step`, abandoning the newer versions);
+    with the versions it abandons (each once, ascending)."""
     from sparsesync.checkpoint import checkpoint_digest
 
     commits = run.commits()
     same = next((c for c in commits if c.version == step), None)
     if same is not None and same.state_digest == checkpoint_digest(state):
-        return "held" if same is commits[-1] else "rewind"
+        if same is commits[-1]:
+            return "held", []
+        return "rewind", sorted({c.version for c in commits if c.version > step})
     below = [c.version for c in commits if c.version < step]
     if not below:
         raise ConfigError(f"version {step} (from {step_from}) is not newer than version {commits[-1].version}, the newest "
                           f"of {url}, and the run has no version below it to continue from",
                           hint=f"pass {step_source} N with a larger N, or push to a new run URL")
-    return below[-1]
+    return below[-1], sorted({c.version for c in commits if c.version >= step})
 
 
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -216,20 +278,36 @@ _MAX_TRAINER_STATE_BYTES = 64 << 20
 def checkpoint_step(source: str | os.PathLike[str]) -> tuple[int, str] | None:
     """The optimizer step of the checkpoint at `source` (a folder, or a file in one) and where it
     was read: `trainer_state.json`'s `global_step` (what transformers' Trainer saves), else the
-    folder name `checkpoint-N`; None when neither says."""
+    folder name `checkpoint-N`; None when neither says. A trainer_state.json that is not a
+    readable JSON object of at most 64 MiB (not JSON, nested too deep, too large) is ignored;
+    one that links out of the folder, or is not a regular file, is a ConfigError."""
+    return _step_of(source)[0]
+
+
+def _step_of(source: str | os.PathLike[str]) -> tuple[tuple[int, str] | None, str | None]:
+    """`checkpoint_step`, and why the folder's trainer_state.json was ignored (None: it was not)."""
+    from sparsesync.checkpoint import read_in_folder
+
     source = Path(source)
     folder = source if source.is_dir() else source.parent
     state_file = folder / "trainer_state.json"
-    if state_file.is_file() and state_file.stat().st_size <= _MAX_TRAINER_STATE_BYTES:
+    raw, ignored = read_in_folder(state_file, folder, _MAX_TRAINER_STATE_BYTES + 1), None
+    if raw is not None:
+        global_step = None
         try:
-            global_step = json.loads(state_file.read_bytes()).get("global_step")
+            if len(raw) > _MAX_TRAINER_STATE_BYTES:
+                ignored = f"{state_file.name} ignored: over {_MAX_TRAINER_STATE_BYTES >> 20} MiB"
+            else:
+                global_step = json.loads(raw).get("global_step")
+        except RecursionError:  # the parse is bounded by Python's recursion limit
+            ignored = f"{state_file.name} ignored: nested too deep to read"
         except (ValueError, AttributeError):  # not JSON, or not an object
-            global_step = None
+            ignored = f"{state_file.name} ignored: not a JSON object"
         if type(global_step) is int and global_step >= 0:
-            return global_step, f"{state_file.name}'s global_step"
+            return (global_step, f"{state_file.name}'s global_step"), None
     if m := _STEP_DIR.match(folder.name):
-        return int(m[1]), f"the folder name {folder.name}"
-    return None
+        return (int(m[1]), f"the folder name {folder.name}"), ignored
+    return None, ignored
 
 
 def pull(
@@ -257,6 +335,7 @@ def pull(
         The version written, its state digest, the paths written and the checkpoint files carried.
     """
     from sparsesync.adapter_config import check_one_kind
+    from sparsesync.dest import write_dest
     from sparsesync.protocol.run import Run
 
     dest = Path(dest)
@@ -277,79 +356,5 @@ def pull(
     say("fetching config and tokenizer files")
     extra = {f.name: run.fetch(f) for f in rec.files}  # each checked against its size and digest
     say(f"writing {dest}")
-    files = _write_dest(state, dest, rec.version, rec.state_digest, rec.adapter, extra)
+    files = write_dest(state, dest, rec.version, rec.state_digest, rec.adapter, extra)
     return PullResult(version=rec.version, state_digest=rec.state_digest, files=files, extra_files=sorted(extra))
-
-
-def _is_model_file(name: str) -> bool:
-    return name.endswith((".safetensors", ".safetensors.index.json"))
-
-
-def _write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, adapter: Any = None,
-                extra: dict[str, bytes] | None = None) -> list[Path]:
-    """Write `state` to DEST through a staging folder beside it (see the module docstring);
-    `adapter` (an AdapterMeta): as a PEFT adapter folder; `extra`: verified checkpoint files
-    (config, tokenizer) written beside the weights in a folder DEST."""
-    from safetensors.torch import save_file
-
-    from sparsesync.codec import write_anchor
-
-    dest = dest.absolute()
-    one_file = dest.suffix == ".safetensors"
-    stage: Path | None = None
-    try:
-        if dest.exists() and not (dest.is_file() if one_file else dest.is_dir()):
-            raise OutputError(f"{dest} exists and is not a {'file' if one_file else 'folder'}",
-                              hint="name a folder, or a path ending in .safetensors for one file")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if one_file and adapter is not None:
-            raise OutputError(f"{dest}: an adapter run is pulled into a folder (adapter_config.json + adapter_model.safetensors)",
-                              hint="name a folder for DEST")
-        stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.sparsesync-", dir=dest.parent))
-        if one_file:
-            save_file(state, str(stage / dest.name), metadata={"sparsesync_version": str(version),
-                                                               "sparsesync_state_digest": digest})
-            os.replace(stage / dest.name, dest)
-            return [dest]
-        if adapter is not None:
-            from sparsesync.adapter import write_adapter_folder
-
-            files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
-        else:
-            files = write_anchor(state, stage / "model", version=version)
-        from sparsesync.protocol.extras import write_files
-
-        files = write_files(stage / "model", extra or {}) + list(files)  # the model files last (index last)
-        if not dest.exists():
-            os.replace(stage / "model", dest)  # DEST appears complete, or not at all
-            return [dest / f.name for f in files]
-        new = [f.name for f in files]  # the run's config and tokenizer files replace DEST's
-        stale = [p for p in dest.iterdir() if _is_model_file(p.name) and p.name not in new]
-        for p in stale:  # indexes first, so no loader follows a stale index to a new shard set
-            if p.name.endswith(".json"):
-                p.unlink()
-        for f in files:  # shards, then the index
-            os.replace(f, dest / f.name)
-        for p in stale:
-            p.unlink(missing_ok=True)
-        return [dest / n for n in new]
-    except (OutputError, ConfigError):  # ConfigError: an adapter config its tensors do not fit (nothing written)
-        raise
-    except Exception as e:  # OSError, or safetensors' own error for the same causes
-        raise OutputError(f"cannot write version {version} to {dest}: {' '.join(str(e).split())[:300]}",
-                          hint=_output_hint(e)) from e
-    finally:
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
-
-
-def _output_hint(e: Exception) -> str:
-    import errno
-
-    text = str(e)
-    code = getattr(e, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left" in text or "too large" in text:
-        return "free disk space (or raise the file size limit) where DEST lives, or pull elsewhere"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "ermission denied" in text or "Read-only" in text:
-        return "DEST and its folder must be writable by this user; choose another DEST"
-    return "check DEST (a writable folder, or a path ending in .safetensors)"

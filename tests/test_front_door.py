@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sparsesync
+from sparsesync.protocol.run import Run
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -99,7 +100,12 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
     with pytest.raises(sparsesync.VersionNotFoundError):
         sparsesync.pull(url, tmp_path / "v8", version=8)
     assert not (tmp_path / "v8").exists()
-    # a push below the newest continues from the version below it and abandons the newer ones
-    pushed = sparsesync.push(tmp_path / "checkpoint-7", url, step=8)
+    # a push below the newest continues from the version below it and abandons the newer ones: only when asked
+    with pytest.raises(sparsesync.RewindRefusedError, match=r"version 8 \(from step\) is not above version 9, .* abandons "
+                                                             r"version 9") as refused:
+        sparsesync.push(tmp_path / "checkpoint-7", url, step=8)
+    assert (refused.value.newest, refused.value.version, refused.value.abandoned) == (9, 8, [9])
+    assert "rewind=True" in refused.value.hint and [c.version for c in Run(url).commits()] == [7, 9]  # nothing written
+    pushed = sparsesync.push(tmp_path / "checkpoint-7", url, step=8, rewind=True)
     assert (pushed.version, pushed.abandoned, pushed.held) == (8, [9], False)
     _assert_bit_equal(load_file(str(sparsesync.pull(url, tmp_path / "v8.safetensors").files[0])), first)

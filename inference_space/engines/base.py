@@ -26,7 +26,9 @@ later load succeeds: it never labels output with a version it does not hold.
 Bounded hold: a batch that runs while a committed version waits longer than `max_hold_s`, or
 that runs past `request_timeout_s`, is cut at its next decoding step: its unfinished completions
 end with finish reason "abort" and `stop_reason` "weight_update" or "request_timeout" (engines
-that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore both).
+that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore both). After
+`stop_serving()` (the server got SIGTERM) the running batch is cut the same way (`stop_reason`
+"shutdown") and batches not yet started are refused, so no request keeps the process alive.
 
 What the read-back covers (every tensor whose engine bits could differ from the version): a
 full load checks every tensor. A sparse update checks the tensors it touched, and is refused
@@ -39,8 +41,8 @@ update that no parameter or buffer the forward pass reads was replaced or rewrit
 its back).
 
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
-vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` 1 also
-the most likely token's (OpenAI's top-1).
+vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` k (up to
+20) also the k most likely tokens' (OpenAI's top logprobs).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,11 +60,12 @@ from typing import Any, Literal
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, EngineCheckError, WeightUpdateError, dtype_hint, some_of
+from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 
 FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
 MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20  # top logprobs per position at most (vLLM's default max_logprobs)
 
 
 @dataclass
@@ -79,7 +82,7 @@ class SamplingParams:
     top_k: int = 0  # sample among the k most likely tokens (0: all)
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
     repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (1: off)
-    logprobs: int = 0  # top logprobs per token besides the sampled one's: 0 or 1 (the most likely token)
+    logprobs: int = 0  # the most likely tokens' logprobs per position besides the sampled one's: 0 to MAX_LOGPROBS
 
     def validate(self) -> None:
         if not 1 <= self.max_tokens <= 1 << 20:
@@ -98,8 +101,8 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be in [0.01, 100] (1: off)")
         if not 1 <= self.n <= 256:
             raise ConfigError(f"n={self.n}: must be in [1, 256]")
-        if self.logprobs not in (0, 1):
-            raise ConfigError(f"logprobs={self.logprobs}: only 0 or 1 top logprobs per token")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs={self.logprobs}: must be in [0, {MAX_LOGPROBS}] top logprobs per token")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r}: stop strings must be non-empty strings")
 
@@ -115,8 +118,8 @@ class Completion:
     logprobs: list[float]  # log p(token_ids[i]) under the weights of `weight_version`
     finish_reason: FinishReason
     weight_version: int | None  # None: the weights from --model, before any bucket version
-    stop_reason: str | None = None  # why an "abort" ended it: "weight_update" | "request_timeout"
-    top_logprobs: list[dict[int, float]] | None = None  # per token, the most likely token's logprob (logprobs=1)
+    stop_reason: int | str | None = None  # as vLLM: the stop string (or token id) that ended it; for an "abort", why: "weight_update" | "request_timeout" | "shutdown"
+    top_logprobs: list[dict[int, float]] | None = None  # per token, the `logprobs` most likely tokens' logprobs, most likely first
     state_digest: str | None = None  # the commit's state digest of `weight_version` (read with it, under the gate)
 
 
@@ -152,11 +155,17 @@ class _Gate:
         self._updates_waiting = 0
         self.update_waiting_since: float | None = None  # monotonic time the oldest waiting update arrived
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
+    def wake(self) -> None:
         with self._cond:
-            while self._busy or self._updates_waiting:
+            self._cond.notify_all()
+
+    @contextmanager
+    def batch(self, stopping: Callable[[], bool] = lambda: False) -> Iterator[None]:
+        with self._cond:
+            while (self._busy or self._updates_waiting) and not stopping():
                 self._cond.wait()
+            if stopping():
+                raise EngineError("the replica is shutting down", hint="send the request to another replica")
             self._busy = True
         try:
             yield
@@ -219,6 +228,13 @@ class Engine(ABC):
         self.max_hold_s: float | None = None  # a batch holding a waiting update this long is cut (None: never)
         self.request_timeout_s: float | None = None  # a batch running this long is cut (None: never)
         self._batch_started = 0.0
+        self.stopping = False  # set by `stop_serving`: the running batch is cut, no new one starts
+
+    def stop_serving(self) -> None:
+        """The server is stopping: cut the running batch at its next decoding step (finish "abort",
+        `stop_reason` "shutdown") and refuse every batch not yet started (`EngineError`)."""
+        self.stopping = True
+        self._gate.wake()
 
     # -- generation ---------------------------------------------------------------------
     @property
@@ -259,7 +275,7 @@ class Engine(ABC):
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        with self._gate.batch():
+        with self._gate.batch(lambda: self.stopping):
             version, digest = self._version, self._digest
             self._batch_started = time.monotonic()
             outs = self._generate(ids, params)
@@ -274,6 +290,8 @@ class Engine(ABC):
 
     def _cut_reason(self) -> str | None:
         """Why the running batch must stop now ("weight_update", "request_timeout"), or None."""
+        if self.stopping:
+            return "shutdown"
         now = time.monotonic()
         waiting = self._gate.update_waiting_since
         if self.max_hold_s is not None and waiting is not None and now - waiting > self.max_hold_s:

@@ -99,6 +99,7 @@ class EmbeddedEngine(Engine):
         tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
         stop_texts: list[str | None] = [None] * n  # text cut before a stop string
+        stop_hit: list[str | None] = [None] * n  # the stop string that ended it (vLLM's stop_reason)
         cut: str | None = None
         past = None
         step_ids = input_ids
@@ -123,16 +124,17 @@ class EmbeddedEngine(Engine):
                 tok = int(next_ids[i])
                 tokens[i].append(tok)
                 logps[i].append(float(raw_logp[i, tok]))
-                if params.logprobs:
-                    best = int(raw_logp[i].argmax())
-                    tops[i].append({best: float(raw_logp[i, best])})
+                if params.logprobs:  # the k most likely, most likely first
+                    vals, idx = raw_logp[i].topk(params.logprobs)
+                    tops[i].append(dict(zip(idx.tolist(), vals.tolist(), strict=True)))
                 if tok in self._eos and not params.ignore_eos:
                     finish[i] = "stop"
                 elif params.stop:
                     text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-                    cut = min((p for p in (text.find(s) for s in params.stop) if p >= 0), default=-1)
-                    if cut >= 0:
-                        finish[i], stop_texts[i] = "stop", text[:cut]
+                    hits = [(p, s) for s in params.stop if (p := text.find(s)) >= 0]
+                    if hits:
+                        at, stop_hit[i] = min(hits, key=lambda h: h[0])
+                        finish[i], stop_texts[i] = "stop", text[:at]
             if all(f is not None for f in finish):
                 break
             step_ids = next_ids.view(n, 1).to(self.device)
@@ -144,7 +146,7 @@ class EmbeddedEngine(Engine):
                 body = tokens[i][:-1] if reason == "stop" and tokens[i] and tokens[i][-1] in self._eos else tokens[i]
                 text = self.tokenizer.decode(body, skip_special_tokens=True)
             result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None,
-                                     stop_reason=cut if reason == "abort" else None,
+                                     stop_reason=cut if reason == "abort" else stop_hit[i],
                                      top_logprobs=tops[i] if params.logprobs else None))
         return result
 

@@ -159,7 +159,7 @@ class VllmEngine(Engine):
             top_k=params.top_k,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            logprobs=params.logprobs,  # the sampled token's logprob, plus the most likely one's at 1
+            logprobs=params.logprobs,  # the sampled token's logprob, plus the k most likely ones' (ranks 1..k)
         )
         try:
             (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False,
@@ -175,9 +175,11 @@ class VllmEngine(Engine):
                 log.error("completion spans weight versions %s", sorted(spans))
             reason: FinishReason = "length" if c.finish_reason == "length" else "stop"
             tops = None
-            if params.logprobs:  # vLLM's dict holds the sampled token and the top-1 (rank 1)
-                tops = [{t: float(x.logprob) for t, x in lp.items() if x.rank == 1} for lp in c.logprobs or []]
-            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None, top_logprobs=tops))
+            if params.logprobs:  # vLLM's dict holds the sampled token and the top k (ranks 1..k)
+                tops = [dict(sorted(((t, float(x.logprob)) for t, x in lp.items() if x.rank is not None and x.rank <= params.logprobs),
+                                    key=lambda kv: -kv[1])) for lp in c.logprobs or []]
+            result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None, top_logprobs=tops,
+                                     stop_reason=c.stop_reason))
         return result
 
     # -- weights ------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 Each command is `sparsesync.transfer.push` / `pull` (the library functions: what they guarantee,
 the atomic write of DEST, the version numbering and rewinds, is documented there) plus a spinner
-on stderr and the one line (or JSON) it prints.
+on stderr and the one line (or JSON) it prints. A push that would rewind the run goes ahead only
+with `--rewind` (or when confirmed at a prompt, on a terminal), after a line on stderr naming the
+versions it abandons.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,8 +47,29 @@ class _Spinner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Take the line away (before a prompt or a printed line); the next phase brings it back."""
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None
+
+
+def _rewind_gate(allowed: bool, spinner: _Spinner) -> Any:
+    """`transfer.push`'s `rewind`: says on stderr what the rewind abandons before it is done; with
+    `--rewind` goes ahead, on a terminal asks, else refuses (the library then fails naming the fix)."""
+
+    def gate(plan: Any) -> bool:
+        spinner.stop()
+        if allowed:
+            CliConsole(stderr=True).print(f"rewinding: {plan.describe()}", markup=False, soft_wrap=True)
+            return True
+        if sys.stdin.isatty():
+            return typer.confirm(f"{plan.describe()}. Rewind?", default=False, err=True)
+        return False
+
+    return gate
 
 
 def push(
@@ -59,17 +83,24 @@ def push(
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
     base_model: Annotated[Path | None, typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
     effort: Annotated[str, typer.Option(help="size: the smallest patch; speed: about 27% larger, encoded and decoded faster.")] = "size",
+    rewind: Annotated[bool, typer.Option("--rewind", help="Allow a version at or below the run's newest: the run rewinds and "
+                                         "its newer versions are abandoned (named first). Without it a terminal asks; else refused.")] = False,
 ) -> None:
     """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due).
 
     The version is the checkpoint's optimizer step (see --step). The folder's config, generation
     config and tokenizer files travel with it, so `pull` writes a folder that loads as is. A PEFT
-    adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run."""
+    adapter folder (adapter_config.json + adapter_model.safetensors) makes an adapter run.
+    Nothing outside SOURCE is read: a file linking out of it, or a FIFO, is refused.
+
+    A version at or below the run's newest rewinds the run, abandoning the newer versions: only
+    with --rewind (or confirmed at the prompt, on a terminal)."""
     from sparsesync import transfer
 
     with _Spinner() as spinner:
         result = transfer.push(source, url, step=step, step_source="--step", anchor_every=anchor_every, public=public,
-                               base_model=base_model, effort=effort, progress=spinner)
+                               base_model=base_model, effort=effort, progress=spinner,
+                               rewind=_rewind_gate(rewind, spinner), rewind_source="--rewind")
     if result.held:
         console.print(f"version {result.version} of {result.url} already holds these weights (the newest); nothing pushed",
                       soft_wrap=True)
@@ -89,7 +120,7 @@ def push(
     if result.files:
         msg += f"; with {', '.join(result.files)}"
     if m.get("abandoned"):
-        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"
+        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"  # each once (PushResult.abandoned)
     console.print(msg, soft_wrap=True)
 
 

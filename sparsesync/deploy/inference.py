@@ -14,8 +14,11 @@ Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names t
 token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
 (`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
 key as `SPARSESYNC_API_KEY`, an s3:// run's AWS_* settings when asked (`s3_credentials`);
-errors show the bucket redacted. `boot_line` boots a rendered folder locally, secrets as
-references to shell variables. Spaces are private unless
+errors show the bucket redacted. Both engines enforce that key: the
+replica app reads it, vLLM's server gets it as `VLLM_API_KEY` from the secret at start (`/v1/*`)
+and sparsesync's endpoint guards `/sync` with it. Only a private Space without a key sets
+`SPARSESYNC_ALLOW_NO_KEY=1` (the Hub guards it); every other server refuses 0.0.0.0 without one.
+`boot_line` boots a rendered folder locally, secrets as references to shell variables. Spaces are private unless
 `public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
@@ -83,7 +86,10 @@ def _has(dist: str) -> bool:
         return False
 
 
+# vLLM's --api-key from the Space secret, through the environment (never on a command line, in
+# a file or a log): vLLM guards /v1/* with VLLM_API_KEY, sparsesync's endpoint guards /sync with it
 VLLM_CMD = (
+    'export VLLM_API_KEY="${VLLM_API_KEY:-$SPARSESYNC_API_KEY}"; '
     'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" --served-model-name "$SPARSESYNC_SERVED_MODEL_NAME" '
     '--host "$HOST" --port "$PORT" --tensor-parallel-size "$SPARSESYNC_TENSOR_PARALLEL_SIZE" '
     """--weight-transfer-config '{"backend": "sparsesync"}'"""
@@ -137,9 +143,10 @@ def boot_line(spec: SpaceSpec, folder: Path, engine: str) -> str:
     env, words = spec.variables, shell_env(spec)
     if engine == "vllm":
         cmd = ["python", "-m", "sparsesync.integrations.vllm", "serve", shlex.quote(env["SPARSESYNC_MODEL"]),
-               "--served-model-name", shlex.quote(env["SPARSESYNC_SERVED_MODEL_NAME"]), "--port", env["PORT"],
-               "--weight-transfer-config", shlex.quote('{"backend": "sparsesync"}')]
-        words = ['PYTHONPATH="$PWD"', "VLLM_PLUGINS=sparsesync", *words]
+               "--served-model-name", shlex.quote(env["SPARSESYNC_SERVED_MODEL_NAME"]), "--host", "127.0.0.1",
+               "--port", env["PORT"], "--weight-transfer-config", shlex.quote('{"backend": "sparsesync"}')]
+        key = ['VLLM_API_KEY="$SPARSESYNC_API_KEY"'] if "SPARSESYNC_API_KEY" in spec.secrets else []  # as VLLM_CMD does
+        words = ['PYTHONPATH="$PWD"', "VLLM_PLUGINS=sparsesync", *words, *key]
     else:
         cmd = ["python", "-m", "inference_space"]
     return f"cd {shlex.quote(str(folder))} && python sparsesync/codec/_build.py && {' '.join([*words, *cmd])}"
@@ -201,6 +208,8 @@ def inference_space_specs(
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
                **({"SPARSESYNC_API_KEY": api_key} if api_key else {}), **dict(extra_secrets or {})}
     variables = {
+        # a private Space with no key of its own is guarded by the Hub (the replica refuses 0.0.0.0 without a key otherwise)
+        **({"SPARSESYNC_ALLOW_NO_KEY": "1"} if private and not api_key else {}),
         "SPARSESYNC_MODEL": model_var,
         **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),
         "SPARSESYNC_ENGINE": engine,

@@ -12,6 +12,8 @@ Guarantees:
 - Only the names in `FILE_NAMES` travel (config, generation config, tokenizer files, chat
   template): no `.py` file, no pickle (`*.bin`, `*.pt`, `*.pth`), no dotfile, no sub-folder.
   Files are bytes: nothing here parses, imports or executes them.
+- Nothing outside the folder is read: a file that links out of it, or is not a regular file
+  (a FIFO, a device), is refused with a ConfigError naming it (`checkpoint.open_in_folder`).
 - Bounded: at most `MAX_FILES` files of at most `MAX_FILE_BYTES` each and `MAX_TOTAL_BYTES` in
   all, on write (`collect_files` refuses a larger allowed file with a one-line ConfigError) and
   on read (a record listing more, larger, or other names is not a commit).
@@ -20,13 +22,12 @@ Guarantees:
 
 from __future__ import annotations
 
-import os
-import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sparsesync.checkpoint import read_in_folder
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.records import FILE_NAMES, MAX_FILE_BYTES, MAX_TOTAL_BYTES
 
@@ -70,16 +71,11 @@ def collect_files(source: str | Path | Mapping[str, bytes] | None, *, adapter: b
 
 
 def _read_bounded(path: Path) -> bytes | None:
-    """The bytes of a regular file (a link to one is followed: Hub caches link into blobs), at
-    most MAX_FILE_BYTES + 1 of them; None when there is none."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{path} is not a regular file", hint="checkpoint files must be plain files")
-    with open(path, "rb") as f:
-        return f.read(MAX_FILE_BYTES + 1)
+    """At most MAX_FILE_BYTES + 1 bytes of the regular file `path` of its folder, never a file
+    outside that folder (a link out of it, or a FIFO or device, is a ConfigError:
+    `checkpoint.open_in_folder`; a Hugging Face cache snapshot's links into its blobs are
+    followed); None when there is none."""
+    return read_in_folder(path, path.parent, MAX_FILE_BYTES + 1)
 
 
 def files_from_model(model: Any = None, tokenizer: Any = None, *, adapter: bool = False) -> dict[str, bytes]:

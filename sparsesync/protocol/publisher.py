@@ -42,7 +42,7 @@ from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.adapter_runs import adapter_state, check_publish
 from sparsesync.protocol.extras import collect_files
-from sparsesync.protocol.keys import check_version
+from sparsesync.protocol.keys import MAX_VERSION, check_version
 from sparsesync.protocol.parts import DEFAULT_PART_BYTES
 from sparsesync.protocol.records import AdapterMeta
 from sparsesync.protocol.run import Run
@@ -200,7 +200,12 @@ class Publisher:
         (checked against the run's version `version` when it has one) becomes that version at
         once and the newer versions are abandoned; replicas follow without any change.
         Distributed with DTensors: every rank rewinds its shard alike (a collective).
+        A `version` that is not an int in [0, MAX_VERSION] is a ConfigError before anything is written.
         """
+        if version is not None and (type(version) is not int or not 0 <= version <= MAX_VERSION):
+            raise ConfigError(f"resume(version={version!r}) for {self.store.url}: a version is an int in [0, {MAX_VERSION}]",
+                              hint="pass the version the weights hold (e.g. the optimizer step) as an int, or leave "
+                                   "version out to continue from the newest")
         if self._ranks is not None:
             if holds_shards(state) and self._decided and not isinstance(self._mode, ShardedState):
                 raise ConfigError("resume() must come before the first publish()")

@@ -195,8 +195,8 @@ def test_pulled_folder_loads_with_from_pretrained_and_versions_are_steps(tmp_pat
     assert (tmp_path / "pulled-100" / "notes.txt").read_text() == "mine"
     assert "3/3 versions verified" in _invoke("verify", run)
     # a checkpoint of a step at or below the newest version that the run holds rewinds the run to it
-    # (docs/protocol.md, "Rewinds"): version 205 is abandoned
-    out = " ".join(_invoke("push", str(second), run).split())
+    # (docs/protocol.md, "Rewinds"), with --rewind: version 205 is abandoned
+    out = " ".join(_invoke("push", str(second), run, "--rewind").split())
     assert "pushed version 101 (rewind; version from trainer_state.json's global_step)" in out, out
     assert "versions [205] of the older attempt abandoned" in out, out
     from sparsesync.protocol.run import Run

@@ -239,7 +239,7 @@ def test_push_of_an_older_checkpoint_rewinds_the_run_and_the_replica_follows(tmp
     assert follower.sync_once() == 5
     abandoned = digest(first[5])
     # the trainer resumes from checkpoint-4: pushing it rewinds the run to 4 (nothing new uploaded but the record)
-    out = _push(str(tmp_path / "a" / "checkpoint-4"), url)
+    out = _push(str(tmp_path / "a" / "checkpoint-4"), url, "--rewind")
     assert "pushed version 4 (rewind" in out and "versions [5] of the older attempt abandoned" in out, out
     assert follower.sync_once() == 4 and engine.digests()[-1] == digest(first[4])
     second = _states(12, 4, start=first[4])
@@ -248,7 +248,7 @@ def test_push_of_an_older_checkpoint_rewinds_the_run_and_the_replica_follows(tmp
         assert follower.sync_once() == step
     # --step N below the newest with weights the run does not hold: version N, a delta from N - 1
     third = train_step(second[1], torch.Generator().manual_seed(13))
-    out = _push(str(_save(tmp_path / "c" / "weights", third)), url, "--step", "6")
+    out = _push(str(_save(tmp_path / "c" / "weights", third)), url, "--step", "6", "--rewind")
     assert "pushed version 6 (delta" in out and "versions [6, 7] of the older attempt abandoned" in out, out
     assert follower.sync_once() == 6
     assert_bit_equal(engine.weights, third)
@@ -351,3 +351,100 @@ def test_a_switch_record_gates_the_commit_its_epoch_names_whatever_the_clocks_sa
     assert ours.epoch == 2 and store.exists("switches/v0000000005-e000002.json")
     assert switch_for(store, 5, 2) == ours and write_switch(store, 5, by="replica:r", epoch=2) == ours
     assert json.loads(store.get(switch_key(5)))["epoch"] == 1  # written once, never replaced
+
+
+def _run_objects(url: str) -> list[str]:
+    """Every object of the run but the writers' claims (each Publisher and push claims an epoch)."""
+    return sorted(o.key for o in open_store(url).list("") if not o.key.startswith("writers/"))
+
+
+def test_a_stray_push_of_an_older_or_foreign_checkpoint_does_not_rewind_without_rewind(tmp_path: Path) -> None:
+    """Issue 47, item 4: re-running `push ./checkpoint-3` on a run at version 5 rewound every replica
+    to 3 with no flag or prompt, and a foreign checkpoint-2 became version 2. A rewind now needs
+    --rewind (not a terminal here: no prompt), and names the versions it abandons before it is done."""
+    from sparsesync.errors import RewindRefusedError
+
+    url = str(tmp_path / "run")
+    first = _states(21, 6)
+    for step, state in enumerate(first):
+        _push(str(_save(tmp_path / "a" / f"checkpoint-{step}", state)), url)
+    engine = ServingEngine()
+    follower = Follower(url, engine)
+    assert follower.sync_once() == 5
+    before = _run_objects(url)
+    foreign = _save(tmp_path / "b" / "checkpoint-2", make_state(99))
+    for folder, version, abandoned in ((tmp_path / "a" / "checkpoint-3", 3, "versions 4, 5"), (foreign, 2, "versions 2, 3, 4, 5")):
+        res = CliRunner().invoke(app, ["push", str(folder), url])
+        assert res.exit_code == 1 and isinstance(res.exception, RewindRefusedError), (res.output, res.exception)
+        msg = " ".join(str(res.exception).split())
+        assert f"version {version} (from the folder name checkpoint-{version}) is not above version 5" in msg, msg
+        assert f"abandons {abandoned}" in msg and "--rewind" in res.exception.hint, msg
+        assert (res.exception.newest, res.exception.version) == (5, version)
+        assert _run_objects(url) == before  # nothing written
+        assert follower.sync_once() == 5 and engine.digests()[-1] == digest(first[5])
+    # with --rewind: a line naming what it abandons comes first, then the push
+    res = CliRunner().invoke(app, ["push", str(tmp_path / "a" / "checkpoint-3"), url, "--rewind"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, (out, res.exception)
+    assert "rewinding: version 3 (from the folder name checkpoint-3) is not above version 5" in out, out
+    assert "abandons versions 4, 5" in out and out.index("rewinding:") < out.index("pushed version 3 (rewind"), out
+    assert follower.sync_once() == 3 and engine.digests()[-1] == digest(first[3])
+    # pushed again past the rewind, then twice a push below the newest at the same step: the second
+    # abandons the commits of 4 and 5 of several epochs: each version is named once
+    second = _states(22, 3, start=first[3])
+    for step, state in enumerate(second[1:], start=4):
+        _push(str(_save(tmp_path / "c" / f"checkpoint-{step}", state)), url)
+    for seed in (98, 97):
+        out = _push(str(_save(tmp_path / f"d{seed}" / "weights", make_state(seed))), url, "--step", "4", "--rewind")
+        assert "abandons versions 4, 5" in out and "versions [4, 5] of the older attempt abandoned" in out, out
+        _push(str(_save(tmp_path / f"e{seed}" / "weights", make_state(seed + 1000))), url)  # version 5
+
+
+def test_a_rewind_on_a_terminal_is_asked_for(tmp_path: Path) -> None:
+    """On a terminal (stdin a TTY), a push that would rewind asks, naming what it abandons: 'n'
+    pushes nothing, 'y' rewinds. Real processes on a pseudo-terminal."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "run")
+    states = _states(23, 3)
+    for step, state in enumerate(states):
+        _push(str(_save(tmp_path / f"checkpoint-{step}", state)), url)
+    before = _run_objects(url)
+    for answer, code in (("n", 1), ("y", 0)):
+        main, tty = pty.openpty()
+        try:
+            os.write(main, f"{answer}\n".encode())
+            res = subprocess.run([sys.executable, "-c", "from sparsesync.cli import main; main()", "push",
+                                  str(tmp_path / "checkpoint-1"), url], stdin=tty, capture_output=True, text=True, timeout=300)
+        finally:
+            os.close(tty)
+            os.close(main)
+        err = " ".join(res.stderr.split())
+        assert res.returncode == code, (res.stdout, err)
+        assert "version 1 (from the folder name checkpoint-1) is not above version 2" in err and "abandons version 2. Rewind?" in err, err
+        if answer == "n":
+            assert "--rewind" in err and _run_objects(url) == before
+        else:
+            assert "pushed version 1 (rewind" in res.stdout
+    assert [c.version for c in Run(url).commits()] == [0, 1]
+
+
+@pytest.mark.parametrize("version", [-1, "3", 2.0, True, 10**10])
+def test_resume_with_a_version_that_is_not_one_writes_nothing(tmp_path: Path, version: object) -> None:
+    """Issue 47, item 9: resume(version=-1) uploaded an anchor and a commit named v-000000001, and
+    version="3" raised TypeError. Now: one ConfigError naming the value, before anything is written."""
+    from sparsesync.errors import ConfigError
+
+    url = str(tmp_path / "run")
+    states = _states(24, 3)
+    _publish(url, dict(enumerate(states)))
+    before = _run_objects(url)
+    with Publisher(url, anchor_every=0) as pub:
+        with pytest.raises(ConfigError, match=r"resume\(version=.*\) for .*: a version is an int in \[0, 9999999999\]") as e:
+            pub.resume(states[1], version=version)  # type: ignore[arg-type]
+        assert "int" in e.value.hint
+    assert _run_objects(url) == before
+    assert [c.version for c in Run(url).commits()] == [0, 1, 2]

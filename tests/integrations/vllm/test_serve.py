@@ -140,7 +140,7 @@ def test_deploy_vllm_renders_vllms_own_server(tmp_path):
     docker = (out / "Dockerfile").read_text()
     cmd = json.loads(next(line for line in docker.splitlines() if line.startswith("CMD "))[4:])
     assert cmd[:2] == ["sh", "-c"]
-    assert cmd[2].startswith('exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" ')
+    assert 'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" ' in cmd[2]
     assert """--weight-transfer-config '{"backend": "sparsesync"}'""" in cmd[2] and '--port "$PORT"' in cmd[2]
     assert "inference_space" not in cmd[2]
     assert "VLLM_PLUGINS=sparsesync" in docker and "PYTHONPATH=/home/user/app" in docker

@@ -1,8 +1,9 @@
 """The README's vLLM server command, as printed, on this CPU machine: it starts, follows, stops cleanly.
 
-`VLLM_PLUGINS=sparsesync SPARSESYNC_BUCKET=RUN python -m sparsesync.integrations.vllm serve
-./base-model --weight-transfer-config '{"backend": "sparsesync"}'` with no KV-cache flag (vLLM's
-own default reserves 90% of the machine's memory and refuses to start on a busy machine): our
+The README's command, read from README.md (`VLLM_PLUGINS=sparsesync SPARSESYNC_BUCKET=RUN vllm
+serve ./base-model --host 127.0.0.1 --weight-transfer-config ...`, run through `python -m
+sparsesync.integrations.vllm`), with no KV-cache flag (vLLM's own default reserves 90% of the
+machine's memory and refuses to start on a busy machine): our
 entry point sizes the KV cache, says so in one line, and the server follows a run that a
 publisher keeps writing to; SIGINT while versions keep arriving stops it with exit 0 and no
 traceback (no `EngineDeadError` from an apply started on an engine being shut down). Only
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,10 +29,22 @@ from sparsesync.integrations.vllm.__main__ import CPU_KV_CACHE_BYTES, cpu_serve_
 from tests.integrations.vllm.test_serve import ROOT, _free_port, _wait_up
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-README_ARGS = ["serve", "./base-model", "--weight-transfer-config", '{"backend": "sparsesync"}']
+
+
+def _readme_serve_args() -> list[str]:
+    """vLLM's arguments in the README's command (`... vllm serve ./base-model ...`), as printed."""
+    text = (ROOT / "README.md").read_text()
+    line = next(line for line in text.replace("\\\n", " ").splitlines()
+                if line.startswith("VLLM_PLUGINS=sparsesync SPARSESYNC_BUCKET=") and " vllm serve " in line)
+    words = shlex.split(line)
+    return words[words.index("vllm") + 1:]
+
+
+README_ARGS = _readme_serve_args()
 
 
 def test_cpu_serve_gets_a_kv_cache_size_only_when_none_was_given(capsys):
+    assert README_ARGS[:2] == ["serve", "./base-model"] and "--weight-transfer-config" in README_ARGS
     cpu = cpu_serve_args(README_ARGS, is_cpu=lambda: True, environ={})
     assert cpu == [*README_ARGS, "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES), "--max-model-len", "auto"]
     err = capsys.readouterr().err
