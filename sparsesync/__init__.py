@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from typing import Any
 
     from sparsesync.errors import (
+        AdapterTargetError,
         BaseModelMismatchError,
         BrokenChainError,
         ConfigError,
@@ -66,8 +67,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from sparsesync.transfer import pull, push
 
 _ERRORS = (
-    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "RewindRefusedError", "OutputError",
-    "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
+    "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
+    "RewindRefusedError", "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
     "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
     "FencedWriterError", "RankFailedError", "FleetTimeoutError",
@@ -93,6 +94,7 @@ __all__ = [
     "ConfigError",
     "RunKindError",
     "BaseModelMismatchError",
+    "AdapterTargetError",
     "RewindRefusedError",
     "OutputError",
     "PatchError",

@@ -41,7 +41,7 @@ from sparsesync.adapter_config import check_config as _check_config
 from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint, read_in_folder
 from sparsesync.codec.digest import state_digest, tensor_digests
-from sparsesync.errors import BaseModelMismatchError, ConfigError
+from sparsesync.errors import AdapterTargetError, BaseModelMismatchError, ConfigError
 
 if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
     from sparsesync.protocol.records import AdapterMeta
@@ -144,9 +144,9 @@ def peft_config(meta: AdapterMeta) -> Any:
 def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tensor] | None = None) -> Any:
     """`base` (a transformers model) wrapped as a PEFT model with `meta`'s adapter, its LoRA
     parameters in the run's dtype, loaded with `state` when given (bit for bit)."""
-    from peft import get_peft_model, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
 
-    model = get_peft_model(base, peft_config(meta), autocast_adapter_dtype=False)
+    model = _peft_model(base, meta, "the model")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if is_adapter_key(name):
@@ -158,6 +158,33 @@ def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tenso
             raise ConfigError(f"the adapter state does not fit {meta.base_model!r}: missing {missing[:3]}, "
                               f"unexpected {list(result.unexpected_keys)[:3]}")
     return model
+
+
+def _peft_model(base: Any, meta: AdapterMeta, where: str) -> Any:
+    """`get_peft_model` with `meta`'s adapter; AdapterTargetError (one line: the modules asked for, the
+    model, the modules it has, the fix) instead of PEFT's error when they select no module of `base`."""
+    from peft import get_peft_model
+
+    try:
+        from peft.utils.error import NoMatchingPeftModuleError
+    except ImportError:  # older PEFT: a ValueError "Target modules ... not found in the base model"
+        NoMatchingPeftModuleError = ValueError  # noqa: N806
+    try:
+        return get_peft_model(base, peft_config(meta), autocast_adapter_dtype=False)
+    except NoMatchingPeftModuleError as e:
+        if type(e) is ValueError and "not found in the base model" not in str(e):
+            raise
+        asked = ", ".join(f"{k}={json.dumps(meta.config[k])[:120]}" for k in _SELECTORS if meta.config.get(k) is not None)
+        have = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Embedding)})
+        raise AdapterTargetError(
+            f"the adapter of {meta.base_model!r} ({asked}) targets no module of {where} "
+            f"(its layers: {', '.join(have[:12])}{', ...' if len(have) > 12 else ''})",
+            hint=f"start the replica with the base model the adapter was trained on ({meta.base_model}), or publish the "
+                 "adapter to a new run with target_modules naming this model's layers",
+        ) from None
+
+
+_SELECTORS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")  # what picks PEFT's modules
 
 
 def read_adapter_folder(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -238,7 +265,6 @@ def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[
     `model_dir` (built on the meta device: no weights are loaded, nothing is allocated).
     ConfigError when `meta`'s config is out of bounds, or when the adapter would hold more
     elements than the base model itself: an engine calls this before it allocates the adapter."""
-    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -247,7 +273,7 @@ def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[
         raise ConfigError(str(e), hint="the run's adapter config is out of bounds: publish the adapter to a new run") from None
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(config), peft_config(meta), autocast_adapter_dtype=False)
+        model = _peft_model(AutoModelForCausalLM.from_config(config), meta, f"the model in {model_dir}")
     layout = {k: (tuple(v.shape), meta.torch_dtype) for k, v in adapter_tensors(model).items()}
     base_n = sum(v.numel() for v in peft_base_state(model).values())
     adapter_n = sum(math.prod(shape) for shape, _ in layout.values())

@@ -54,6 +54,11 @@ class BaseModelMismatchError(ConfigError):
     """The base weights an adapter replica starts from are not the adapter run's base."""
 
 
+class AdapterTargetError(ConfigError):
+    """An adapter's `target_modules` (with `exclude_modules`, `layers_to_transform`) selects no
+    module of the base model the adapter is put on (what PEFT raises as NoMatchingPeftModuleError)."""
+
+
 class RewindRefusedError(ConfigError):
     """A push at or below the run's newest version would rewind the run (abandon its newer
     versions) and was not allowed to (`push(..., rewind=True)`, the CLI's `--rewind`). Nothing
@@ -88,6 +93,11 @@ class PatchMismatchError(PatchError):
 
 class DigestMismatchError(PatchError):
     """Bytes do not match their recorded digest (after apply, or a stored object's bytes)."""
+
+
+class MirrorMismatchError(DigestMismatchError):
+    """A follower's mirror no longer holds the bytes its version's digests record (something other
+    than the follower wrote into the mirror's file): it is reloaded from the run, never served."""
 
 
 # ---------------------------------------------------------------------------- stores

@@ -3,8 +3,10 @@ from the bucket alone (the replicas' heartbeats, `sparsesync.protocol.fleet`).
 
 Exit status: 0 when the fleet is healthy; 3 when a threshold is crossed: fewer than
 `--min-replicas` live replicas, a live replica more than `--max-lag` versions behind the newest
-committed version or serving a version a rewind abandoned (`abandoned`), or a live replica
-"degraded"; 1 on an error (no run, store unreachable).
+committed version or serving a version a rewind abandoned (`abandoned`), a live replica
+"degraded" (its heartbeat's error says why: a refused commit names its key and reason), or a commit
+name newer than the newest trusted version whose object is not a commit record (`refused`); 1 on
+an error (no run, store unreachable).
 With `--watch` the table refreshes until Ctrl-C, and the exit status is that of the last look.
 
 Records are data: every string from the bucket (replica names, health, errors, engine, where,
@@ -73,30 +75,34 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
     from sparsesync.protocol.fleet import read_fleet
     from sparsesync.protocol.lineage import Lineage
 
-    newest = _newest_commit(store)
+    newest, refused = _newest_commit(store)
     view = read_fleet(store)
     lineage = Lineage(store)  # a replica still on a version a rewind abandoned (reads only those records)
     rows, problems = [], []
+    newest_version = None if newest is None else newest.version
     for seen in sorted(view.replicas, key=lambda s: s.record.replica):
         r = seen.record
-        behind = None if r.version is None else max(newest.version - r.version, 0)
+        behind = None if r.version is None or newest is None else max(newest.version - r.version, 0)
         abandoned = lineage.judge(r.version, r.state_digest) == "abandoned"
         rows.append({**seen.to_dict(), "behind": behind, "abandoned": abandoned})
         if not seen.live:
             continue
         if abandoned:
             problems.append(f"{r.replica} serves version {r.version} of an abandoned attempt (state {r.state_digest}); "
-                            f"the run was rewound, newest is {newest.version}")
+                            f"the run was rewound, newest is {newest_version}")
         elif r.version is None or (behind is not None and behind > max_lag):
-            problems.append(f"{r.replica} serves version {r.version}, newest is {newest.version} (max lag {max_lag})")
+            problems.append(f"{r.replica} serves version {r.version}, newest is {newest_version} (max lag {max_lag})")
         if r.health == "degraded":
             retry = "" if r.retry_at is None else f" (next attempt in {max(r.retry_at - view.read_at, 0.0):.0f} s)"
             problems.append(f"{r.replica} is degraded: {r.last_error}{retry}")
     n_live = sum(1 for s in view.replicas if s.live)
     if n_live < min_replicas:
         problems.insert(0, f"{n_live} live replica(s), fewer than {min_replicas}")
+    problems[:0] = [f"commit {key} is not a commit record, every reader refuses it: {why} (newest trusted version: "
+                    f"{'none' if newest is None else newest.version})" for key, why in refused]
     return {
-        "url": store.url, "newest_version": newest.version, "newest_committed_at": newest.created_at,
+        "url": store.url, "newest_version": newest_version, "newest_committed_at": newest and newest.created_at,
+        "refused": [{"key": k, "reason": why} for k, why in refused],
         "read_at": view.read_at, "live": n_live, "replicas": rows,
         "skipped": [{"key": k, "reason": why} for k, why in view.skipped],
         "thresholds": {"min_replicas": min_replicas, "max_lag": max_lag},
@@ -104,18 +110,25 @@ def fleet_report(store: Any, *, min_replicas: int = 1, max_lag: int = 2) -> dict
     }
 
 
-def _newest_commit(store: Any) -> Any:
-    """The newest trusted commit record, reading records from the newest name down (not all of
-    them); names whose object is gone or not a commit record are passed over, as every reader does."""
-    from sparsesync.errors import ObjectNotFoundError, ProtocolError, RunNotFoundError
+def _newest_commit(store: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """The newest trusted commit record (None when every name's object is refused), and the names
+    newer than it whose object is not a commit record, with the reason, newest first. Reads records
+    from the newest name down (not all of them); names whose object is gone or not a commit record are
+    passed over, as every reader does."""
+    from sparsesync.errors import MalformedCommitError, ObjectNotFoundError, ProtocolError, RunNotFoundError
     from sparsesync.protocol.keys import COMMITS, valid_commits
     from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
 
+    refused: list[tuple[str, str]] = []
     for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
         try:
-            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key)
+            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key), refused
+        except MalformedCommitError as e:
+            refused.append((key, e.reason))
         except (ObjectNotFoundError, ProtocolError):
             continue
+    if refused:
+        return None, refused
     raise RunNotFoundError(f"no committed version under {store.url}",
                            hint="check the URL, or publish a first version with `sparsesync push`")
 
@@ -129,9 +142,9 @@ def _print(report: dict[str, Any], *, as_json: bool, show_all: bool) -> None:
 
 def _title(report: dict[str, Any]) -> str:
     """The line above the table (a line of its own: a long run URL is never broken)."""
-    ago = report["read_at"] - report["newest_committed_at"]
-    return (f"{_safe(report['url'])}: newest version {report['newest_version']} (committed {ago:.0f} s ago), "
-            f"{report['live']} live replica(s)")
+    committed = report["newest_committed_at"]
+    ago = "" if committed is None else f" (committed {report['read_at'] - committed:.0f} s ago)"
+    return f"{_safe(report['url'])}: newest version {report['newest_version']}{ago}, {report['live']} live replica(s)"
 
 
 def _table(report: dict[str, Any], *, show_all: bool) -> Table:

@@ -20,6 +20,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Mapping
 from dataclasses import replace
@@ -174,9 +175,19 @@ def _kind(meta: AdapterMeta | None) -> str:
 
 
 def _what_differs(a: AdapterMeta, b: AdapterMeta) -> str:
+    """What `a` (the run's, the version's) has that `b` (the writer's, the replica's) has not, in a few words."""
     if a.base_digest != b.base_digest:
         return "base model"
-    return "configuration (adapter_config.json)" if a.config != b.config else f"dtype ({a.dtype}, not {b.dtype})"
+    if a.config == b.config:
+        return f"dtype ({a.dtype}, not {b.dtype})"
+    diff = sorted(k for k in a.config.keys() | b.config.keys() if a.config.get(k) != b.config.get(k))
+    shown = "; ".join(f"{k}={_json(a.config.get(k))}, not {_json(b.config.get(k))}" for k in diff[:3])
+    return f"configuration (adapter_config.json: {shown}{'; ...' if len(diff) > 3 else ''})"
+
+
+def _json(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, sort_keys=True)  # control characters escaped: safe in one line
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 

@@ -11,8 +11,11 @@ Guarantees:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+
+from sparsesync.errors import WeightUpdateError
 
 RETRY_BASE_S = 1.0  # the first retry after a failed attempt comes at least this late
 
@@ -31,10 +34,22 @@ class Backoff:
     def succeeded(self) -> None:
         self.failures, self.retry_at, self.failed_on, self.refused, self.logged = 0, None, None, None, ""
 
-    def first_time(self, message: str) -> bool:
-        """Whether the engine failure `message` differs from the one last logged (and remember it)."""
+    def level(self, message: str) -> int:
+        """The log level of the engine failure `message`: ERROR the first time, DEBUG while it repeats."""
         new, self.logged = message != self.logged, message
-        return new
+        return logging.ERROR if new else logging.DEBUG
+
+    def engine_error(self, e: BaseException, *, counts: bool) -> None:
+        """The engine failed to load a version (`counts`: its failure, not the mirror's); a
+        WeightUpdateError (the version's layout refused) is kept for `raise_refused`."""
+        self.engine_failed = counts
+        self.refused = e if isinstance(e, WeightUpdateError) else None
+
+    def raise_refused(self, url: str) -> None:
+        """Raise the engine's refusal of the run's layout at `url` (WeightUpdateError), if any."""
+        if self.refused is not None:
+            raise WeightUpdateError(f"replica following {url}: {getattr(self.refused, 'message', self.refused)}",
+                                    hint=getattr(self.refused, "hint", ""))
 
     def failed(self, newest: tuple[int, str], poll_interval: float, max_interval: float) -> float:
         """Count a failed attempt while `newest` was the newest commit; the seconds until the next."""

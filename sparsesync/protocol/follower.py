@@ -11,13 +11,13 @@ Guarantees:
   patches then write in place, so the OS can page it. After each attempt the memory the
   allocator kept from freed buffers is handed back to the OS (`release_freed_memory`); for a hook
   that sets `pages_out_mirror` (vLLM), so does the mirror from the process's RSS (`mirror.pager`).
-- A version number is reported only while the engine holds exactly that version. The
-  follower tracks whether the engine holds what the mirror holds: once the mirror has taken a
-  version the engine has not (an exception anywhere between the mirror's advance and the
-  engine's: the gate, the hook, a bug), the engine gets the whole mirror (`load_full`) before any
-  later version is reported, never a patch on top of stale weights. If the hook fails, the engine
-  is reloaded from the mirror; if that fails too, the follower reports no version until a load
-  succeeds.
+- A version number is reported only while the engine holds exactly that version: once the
+  mirror has taken a version the engine has not (an exception between the mirror's advance and
+  the engine's: the gate, the hook, a bug), the engine gets the whole mirror (`load_full`) before
+  any later version is reported, never a patch on top of stale weights; if the hook fails, it is
+  reloaded from the mirror; if that fails too, no version is reported until a load succeeds.
+  Any full load but an anchor's first (checked as read) hashes the mirror against the version's
+  digests first (`check_held`): a mismatch (another writer) reloads it from an anchor instead.
 - A failed attempt is retried with exponential backoff (from max(poll_interval, 1 s), doubling,
   capped at `max_retry_interval`, default 60 s), so a broken engine or object never becomes a
   reload storm; meanwhile the last good version stays in place, state "degraded", and
@@ -26,6 +26,7 @@ Guarantees:
 - What is held is judged by state digest, not by version number: when the trusted commit of
   the version held names another state (a newer writer committed the same version number with
   other weights), the follower reloads, even at the same version number.
+- A commit it refuses is logged once and reported in `status()` (`refused`, `last_error`): `refusals.py`.
 - Faults (missing or corrupt objects, broken chains, an unreachable store) never stop the
   replica: the follower refetches, then falls back to the newest anchor that reaches the
   newest version, and meanwhile keeps the last good version with state "degraded".
@@ -58,20 +59,21 @@ from sparsesync.codec import state_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import (
     DigestMismatchError,
+    MirrorMismatchError,
     ObjectNotFoundError,
     PatchError,
     ProtocolError,
+    RunKindError,
     SparsesyncError,
     StoreError,
-    WeightUpdateError,
 )
-from sparsesync.protocol.adapter_runs import check_follow
 from sparsesync.protocol.backoff import Backoff
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus, NoHook
 from sparsesync.protocol.mirror import MirrorDir, drop_resident, pager, release_freed_memory
-from sparsesync.protocol.parts_reader import Prefetcher
+from sparsesync.protocol.parts_reader import Prefetcher, check_held
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
+from sparsesync.protocol.refusals import Refusals
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -119,6 +121,7 @@ class Follower:
         # unknown): the engine then gets the whole mirror before any version is reported
         self._engine_behind = False
         self._backoff = Backoff()
+        self._refusals = Refusals(self.store.url)  # commits it will not take: logged once, reported in status()
         self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
         self._bad: set[str] = set()  # object keys that failed twice (planned around)
         self._lock = threading.Lock()  # one sync at a time
@@ -146,6 +149,7 @@ class Follower:
             st = FollowerStatus(**self._status.to_dict())
         if st.retry_at is not None:
             st.retry_in_s = max(st.retry_at - time.time(), 0.0)
+        self._refusals.report(st)
         if self.fleet is not None:
             st.fleet = self.fleet.describe()
         return st
@@ -164,12 +168,13 @@ class Follower:
             except StoreError as e:
                 self._degrade(e)
                 return self.current_version
+            self._refusals.listed(self.run.rejected, commits)
             if not commits:
                 self._set(newest_version=None, lag=None)
                 return self.current_version
             newest = commits[-1]
-            check_follow(newest, self.adapter, self.store.url)  # a config error: raised, not degraded
             self._set(newest_version=newest.version, lag=self._lag(newest.version))
+            self._refusals.check(newest, self.adapter)  # a config error: raised, not degraded
             held = next((c for c in commits if c.version == self._mirror_version), None)
             if held is not None and held.state_digest != state_digest(self.digests):
                 log.warning("version %s of %s was overruled by epoch %d (state %s): reloading",
@@ -214,6 +219,8 @@ class Follower:
             except _BAD_OBJECT as e:
                 key = e.key
                 log.warning("sync of %s failed: %s", self.store.url, e)
+                if isinstance(e, MirrorMismatchError):
+                    self._mirror_version = None  # its bits are not its version's: re-planned from an anchor, never served
                 if key is not None and key in self._suspect:
                     self._bad.add(key)  # failed twice: avoid it, re-plan around it
                 elif key is not None:
@@ -251,9 +258,7 @@ class Follower:
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._status.current_version is None or self._status.current_version < version:
-                if (refused := self._backoff.refused) is not None:  # the engine refuses the run's layout
-                    raise WeightUpdateError(f"replica following {self.store.url}: {getattr(refused, 'message', refused)}",
-                                            hint=getattr(refused, "hint", ""))
+                self._backoff.raise_refused(self.store.url)  # the engine refuses the run's layout: no wait helps
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -269,6 +274,8 @@ class Follower:
             before = self.current_version
             try:
                 self.sync_once(backoff=True)
+            except RunKindError as e:  # a refused commit (check_follow): logged once, by the refusals
+                self._degrade(e)
             except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
                 log.exception("follower of %s hit an unexpected error", self.store.url)
                 self._degrade(e)
@@ -285,13 +292,13 @@ class Follower:
         held the mirror's previous version; otherwise (`_engine_behind`) the whole mirror."""
         for step in steps:
             rec = step.commit
-            check_follow(rec, self.adapter, self.store.url)
+            self._refusals.check(rec, self.adapter)
             t0 = time.perf_counter()
             last = step is steps[-1]
             if step.kind == "anchor":
                 try:
                     alloc, written = self._mirror_dir.allocator(page_out=self._pages_out)
-                    state, digests = self.run.fetch_anchor(rec, self._mirror_dir.workdir, alloc=alloc, written=written)
+                    state, digests = self._mirror_dir.staged(lambda wd: self.run.fetch_anchor(rec, wd, alloc=alloc, written=written))
                 except _BAD_OBJECT as e:
                     e.key = rec.anchor[0].key
                     raise
@@ -299,12 +306,12 @@ class Follower:
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
                 self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
-                                adopt=lambda: self._adopt(state, digests, rec.version))
+                                adopt=lambda: self._adopt(state, digests, rec.version), digests=digests)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
             elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
+                self._load_mirror(rec)
                 self._advance(rec, 0.0, time.perf_counter() - t1, anchor=False)
             else:
                 in_sync = self._in_sync()
@@ -318,15 +325,15 @@ class Follower:
                     full = {name: self.mirror[name] for name in updates}
                     self._call_hook(lambda: self.hook.apply_sparse(rec.version, updates, full, **self._label(rec)), rec, self.mirror)
                 else:  # the engine missed earlier changes of the mirror: send all of it
-                    self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
+                    self._load_mirror(rec)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
 
     @property
     def _pages_out(self) -> bool:  # the hook wants the mirror out of the process's RSS (hooks docstring)
         return bool(getattr(self.hook, "pages_out_mirror", False))
 
-    def _pager(self) -> Callable[[torch.Tensor], int] | None:  # unmaps mirror tensors, for hooks that ask
-        return pager(self.mirror.values()) if self._pages_out else None
+    def _pager(self, state: State | None = None) -> Callable[[torch.Tensor], int] | None:  # unmaps mirror tensors, for hooks that ask
+        return pager((self.mirror if state is None else state).values()) if self._pages_out else None
 
     def _page_out(self) -> None:
         if self._pages_out:
@@ -375,24 +382,27 @@ class Follower:
         self.digests = digests
         return updates
 
-    def _call_hook(self, fn, rec: CommitRecord, state: State, adopt=None) -> None:  # type: ignore[no-untyped-def]
-        """Run the engine step `fn` that brings the engine to `state` (version `rec`); on failure
-        reload it with all of `state`. When this returns the engine holds exactly `state`
-        (`adopt` then makes it the mirror); when it raises the engine's bits are unknown: no
-        version is reported until a later load succeeds."""
+    def _load_mirror(self, rec: CommitRecord) -> None:  # the engine gets all of the mirror, verified first (others may reach its file)
+        check_held(self.mirror, self.digests, rec, written=self._pager())  # MirrorMismatchError: reloaded from an anchor instead
+        self._call_hook(lambda: self.hook.load_full(rec.version, self.mirror, **self._label(rec)), rec, self.mirror)
+
+    def _call_hook(self, fn, rec: CommitRecord, state: State, adopt=None, digests=None) -> None:  # type: ignore[no-untyped-def]
+        """Run the engine step `fn` that brings the engine to `state` (version `rec`, tensor digests
+        `digests`, default the mirror's); on failure reload it with all of `state`, verified first. When this
+        returns the engine holds exactly `state` (`adopt` then makes it the mirror); when it raises
+        the engine's bits are unknown: no version is reported until a later load succeeds."""
         self._engine_behind = True  # from the first write on, the engine holds neither version for sure
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
-            log.log(logging.ERROR if self._backoff.first_time(str(e)) else logging.DEBUG,
-                    "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            log.log(self._backoff.level(str(e)), "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
+                check_held(state, self.digests if digests is None else digests, rec, written=self._pager(state))
                 self.hook.load_full(rec.version, state, **self._label(rec))
             except BaseException as e2:
-                self._backoff.engine_failed = True
-                self._backoff.refused = e2 if isinstance(e2, WeightUpdateError) else None
+                self._backoff.engine_error(e2, counts=not isinstance(e2, MirrorMismatchError))
                 self._set(current_version=None, lag=None, state_digest=None)
-                if not isinstance(e2, Exception):
+                if not isinstance(e2, Exception) or isinstance(e2, MirrorMismatchError):
                     raise
                 raise SparsesyncError(
                     f"engine could not load version {rec.version} of {self.store.url}: {str(e2)[:300]}",

@@ -19,7 +19,7 @@ its total RSS is engine + mirror, 2.05-2.09 copies). The page cache holds the mi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +75,7 @@ class FollowerStatus:
     retry_at: float | None = None  # unix time of the next attempt after a failure (backoff); None: none pending
     retry_in_s: float | None = None  # seconds until then, as of this status
     state_digest: str | None = None  # the commit's state digest of current_version (a version number may be re-committed after a rewind)
+    refused: list[dict[str, str]] = field(default_factory=list)  # commits this follower refuses: {key, reason}, newest first (refusals.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

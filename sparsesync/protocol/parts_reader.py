@@ -18,6 +18,8 @@ Guarantees:
   assume too.
 - `set_unit_digests` keeps a holder's digest record a partition of its state: recording a unit
   drops the digests of whatever it overlaps.
+- `check_held` tells whether a holder's state still is the version its digest record says (every
+  unit hashed, MirrorMismatchError naming each that is not): for state others may have written.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from sparsesync.codec import (
     read_patch,
     state_digest,
     tensor_digest,
+    tensor_digests,
 )
 from sparsesync.codec.apply import SparseUpdate, Written, decode_patch, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
 from sparsesync.codec.digest import bytes_digest, digest_after_put
-from sparsesync.errors import DigestMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
+from sparsesync.errors import DigestMismatchError, MirrorMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
 from sparsesync.protocol.keys import DELTAS, parse_part_key
 from sparsesync.protocol.records import CommitRecord, PartRef, Unit
 from sparsesync.store import Store
@@ -88,6 +91,31 @@ def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], u
     """The digest of what the holder has for `unit`: recorded, or hashed from its (verified) bytes."""
     d = digests.get(unit.key)
     return d if d is not None else tensor_digest(unit_view(state, unit))
+
+
+def check_held(state: Mapping[str, torch.Tensor], digests: Mapping[str, str], rec: CommitRecord,
+               *, written: Written | None = None) -> None:
+    """Raise MirrorMismatchError unless `state` is version `rec`: `digests` (a partition of
+    `state`, see `set_unit_digests`) make `rec`'s state digest and every unit's bytes in `state`
+    hash to its digest. Reads all of `state`, 8 units at a time, each passed to `written` once
+    hashed (a holder may then page it out); writes nothing."""
+    keys = list(digests)
+    names = {_unit_of(k).name for k in keys}
+    bad = [] if state_digest(digests) == rec.state_digest else [f"its digests make state {state_digest(digests)}, expected {rec.state_digest}"]
+    if names != set(state):
+        bad.append(f"its digests cover {len(names & set(state))} of its {len(state)} tensors")
+    for i in range(0, 0 if bad else len(keys), 8):
+        views = {k: unit_view(state, _unit_of(k)) for k in keys[i : i + 8]}
+        got = tensor_digests(views)
+        bad += [f"tensor {k!r}: digest {got[k]}, expected {digests[k]}" for k in views if got[k] != digests[k]]
+        for v in views.values():
+            if written is not None:
+                written(v)
+    if bad:
+        raise MirrorMismatchError(f"the mirror of version {rec.version}: " + "; ".join(bad[:5])
+                                  + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""),
+                                  hint="another process wrote into the mirror's file; reloading from the run. Keep the "
+                                       "mirror folder private to the replica (SPARSESYNC_MIRROR_DIR)")
 
 
 # -- applying ------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class Run:
     def __init__(self, store: Store | str) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
         self._records: dict[str, CommitRecord] = {}
-        #: commit-named objects that are not commit records, with the reason (`log`/`verify` show them)
+        #: commit-named objects of the last listing that are not commit records, with the reason (`log`/`verify` show them)
         self.rejected: dict[str, str] = {}
 
     @property
@@ -87,11 +87,13 @@ class Run:
 
         Fencing is decided on the names (`valid_commits`); a fenced-in name whose object is not
         a commit record (see `CommitRecord.from_json`) is skipped and its reason kept in
-        `rejected`.
+        `rejected` (as long as a listing names it).
         """
         keys = [o.key for o in self.store.list(COMMITS)]
-        out = []
-        for _v, _e, key in valid_commits(keys):
+        out, valid = [], valid_commits(keys)
+        names = {key for _v, _e, key in valid}  # a rejected name deleted or fenced out since is no longer reported
+        self.rejected = {k: r for k, r in self.rejected.items() if k in names}
+        for _v, _e, key in valid:
             rec = self._records.get(key)
             if rec is None:
                 if key in self.rejected:

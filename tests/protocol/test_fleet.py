@@ -495,9 +495,13 @@ def test_status_passes_over_a_newest_commit_name_that_is_not_a_commit(tmp_path):
         pub.publish(make_state(11), 1)
         pub.flush()
         epoch = pub.epoch
-    open_store(url).put(f"commits/v{2:010d}-e{epoch:06d}.json", b"{not a commit")
+    key = f"commits/v{2:010d}-e{epoch:06d}.json"
+    open_store(url).put(key, b"{not a commit")
     code, report = _status(url, "--min-replicas", "0")
-    assert code == 0 and report["newest_version"] == 1
+    # newest is the trusted version 1; the name every reader refuses is a problem, with its reason (issue 53)
+    assert code == 3 and report["newest_version"] == 1 and [r["key"] for r in report["refused"]] == [key]
+    assert report["problems"] == [f"commit {key} is not a commit record, every reader refuses it: "
+                                  f"{report['refused'][0]['reason']} (newest trusted version: 1)"]
 
 
 def test_fleet_records_with_wild_numbers_markup_and_escapes_are_data(tmp_path):
@@ -542,3 +546,56 @@ def test_fleet_records_with_wild_numbers_markup_and_escapes_are_data(tmp_path):
     assert res.exit_code == 3, res.output
     assert "[/x]" in res.stdout and "[bold red]eu" in res.stdout and "click[/link]" in res.stdout, res.stdout
     assert "\x1b" not in res.stdout and "\x07" not in res.stdout
+
+
+def test_a_full_weight_replica_reports_a_commit_it_refuses_once_and_until_it_is_passed(tmp_path, monkeypatch, caplog):
+    """A commit record readers refuse (here: a state digest that is no digest) is named with its
+    reason in /sync, the heartbeat and `status`, and logged once; a newer version clears the error."""
+    pytest.importorskip("transformers", reason="the embedded engine needs transformers")
+    import logging
+
+    import httpx
+
+    from inference_space.engines.embedded import EmbeddedEngine
+    from inference_space.replica import Replica
+    from inference_space.testing import Trainer
+    from sparsesync.tiny_model import build_tiny_model
+    from tests.apps.inference.test_server import Server, wait_sync
+
+    monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "rep")
+    monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    tiny = build_tiny_model(tmp_path / "model", seed=0)
+    url, trainer = str(tmp_path / "run"), Trainer(tiny, seed=1)
+    replica = Replica(EmbeddedEngine(tiny), url, poll_interval=0.05)
+    with Publisher(url, anchor_every=0) as pub:
+        pub.publish(trainer.step(), 1)
+        pub.flush()
+        key = f"commits/v{2:010d}-e{pub.epoch:06d}.json"
+        pub.publish(trainer.step(), 2)
+        pub.flush()
+    raw = json.loads((tmp_path / "run" / key).read_text())
+    (tmp_path / "run" / key).write_text(json.dumps({**raw, "state_digest": "not-a-digest"}))
+    try:
+        with Server(replica) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+            st = wait_sync(client, lambda s: s["serving_version"] == 1 and s["last_error"] is not None)
+            err = st["last_error"]
+            assert st["state"] == "degraded" and key in err and "state_digest 'not-a-digest' is not a hex digest" in err
+            assert st["refused"][0]["key"] == key
+            until(lambda: key in next((s.record.last_error or "" for s in read_fleet(open_store(url)).replicas), ""), 10,
+                  "the heartbeat naming the refused commit")
+            code, report = _status(url)
+            assert code == 3 and report["newest_version"] == 1 and report["refused"][0]["key"] == key
+            assert any(p.startswith("rep is degraded") and key in p for p in report["problems"]), report["problems"]
+            time.sleep(1.0)  # >= 20 polls
+            with Publisher(url) as pub:  # a newer version the replica takes: the refused commit is behind it
+                pub.publish(trainer.step(), 3)
+            st = wait_sync(client, lambda s: s["serving_version"] == 3)
+            assert st["state"] == "following" and st["last_error"] is None and st["refused"][0]["key"] == key
+            until(lambda: _status(url)[0] == 0, 10, "a healthy status once version 3 is served")
+            (tmp_path / "run" / key).unlink()  # deleted: no longer reported
+            wait_sync(client, lambda s: s["refused"] == [])
+    finally:
+        replica.close()
+    logged = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith(f"refusing commit {key}"), logged

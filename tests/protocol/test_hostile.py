@@ -42,7 +42,7 @@ from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.codec.patch_reader import read_patch
 from sparsesync.errors import SparsesyncError
 from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.keys import commit_key
+from sparsesync.protocol.keys import commit_key, parse_commit_key
 from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
@@ -258,7 +258,8 @@ def _check_follower(url: str, states: dict, what: str) -> None:
             rebuilt: int | None = Run(url).reconstruct()[0].version
         except SparsesyncError:
             rebuilt = None
-    trusted = _trusted(url)
+    run = Run(url)
+    trusted = {c.version: c.state_digest for c in run.commits()}
     follower = Follower(url)
     try:
         with _time_bound(COMMAND_S, f"follower {what}"):
@@ -272,8 +273,13 @@ def _check_follower(url: str, states: dict, what: str) -> None:
         err = st.last_error or ""
         assert st.state == "degraded" and err and "\n" not in err, (what, st)
         assert url in err or re.search(r"\b(commits|deltas|anchors)/", err), (what, "the error names no object", err)
-    else:  # the newest, or nothing committed at all
-        assert st.state == ("following" if trusted else "starting"), (what, st)
+    else:  # the newest, or nothing committed at all: a newer name readers refuse is named with its reason (issue 53)
+        newer = sorted(k for k in run.rejected if parse_commit_key(k)[0] > max(trusted, default=-1))
+        assert [r["key"] for r in st.refused if r["key"] in newer] == newer[::-1][:8], (what, st)
+        if newer:
+            assert st.state == "degraded" and newer[-1] in (st.last_error or "") and "\n" not in st.last_error, (what, st)
+        else:
+            assert st.state == ("following" if trusted else "starting"), (what, st)
     if served is None:
         return
     digest = state_digest(follower.digests)

@@ -12,6 +12,7 @@ assertion and never reaches a huge allocation or a hang.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from dataclasses import replace
@@ -123,3 +124,108 @@ def test_pull_refuses_a_run_mixing_adapter_and_full_weight_commits(bases, tmp_pa
         assert isinstance(res.exception, RunKindError), res.output
         assert "adapter versions (1)" in str(res.exception) and "full-weight versions (2)" in str(res.exception)
         assert not (tmp_path / f"out{version}").exists()
+
+
+# -- a replica says why it serves nothing (issue 53) ----------------------------------------------
+def _heartbeat_error(bucket: Path, replica: str) -> str:
+    from sparsesync.protocol.fleet import read_fleet
+    from sparsesync.store import open_store
+
+    return next((s.record.last_error or "" for s in read_fleet(open_store(str(bucket))).replicas
+                 if s.record.replica == replica), "")
+
+
+@pytest.mark.parametrize("change", [{"r": 10**9}, {"target_modules": "(.+)+Z"}], ids=["rank", "regex"])
+def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_path, monkeypatch, caplog, change):  # type: ignore[no-untyped-def]
+    import httpx
+
+    from inference_space.replica import ReplicaConfig, build_replica
+    from tests.apps.inference.test_server import Server, wait_sync
+    from tests.protocol.test_fleet import _status
+    from tests.support.waiting import until
+
+    bucket = tmp_path / "bucket"
+    key = _run_with_config(LoraTrainer(bases["qwen3"], torch.bfloat16), bucket, **change)  # the run's only commit
+    monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "refusing")
+    monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    replica = build_replica(ReplicaConfig(model=str(bases["qwen3"]), bucket=str(bucket), poll_interval=0.05))
+    try:
+        with Server(replica) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+            st = wait_sync(client, lambda s: s["last_error"] is not None, timeout=20)  # was None for as long as it ran
+            err = st["last_error"]
+            assert st["state"] == "degraded" and st["serving_version"] is None and st["current_version"] is None
+            assert key in err and f"adapter.config.{next(iter(change))}" in err and "\n" not in err, err
+            assert st["refused"] == [{"key": key, "reason": st["refused"][0]["reason"]}]
+            assert "adapter.config" in st["refused"][0]["reason"]
+            assert client.get("/health").json()["state"] == "degraded"
+            until(lambda: key in _heartbeat_error(bucket, "refusing"), 10, "the heartbeat naming the refused commit")
+            code, report = _status(str(bucket))
+            assert code == 3 and report["newest_version"] is None and report["refused"][0]["key"] == key
+            assert any(p.startswith("refusing is degraded") and key in p for p in report["problems"]), report["problems"]
+            assert any(p.startswith(f"commit {key} is not a commit record") for p in report["problems"]), report["problems"]
+            time.sleep(1.0)
+            assert client.get("/sync").json()["last_error"] == err
+    finally:
+        replica.close()
+    logged = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert len(logged) == 1 and "refusing commit" in logged[0], logged  # once, not once per poll
+
+
+def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(bases, tmp_path, monkeypatch, caplog):  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from inference_space.replica import ReplicaConfig, build_replica
+    from sparsesync.errors import AdapterTargetError
+    from tests.apps.inference.test_server import Server, free_port, wait_sync
+
+    base, bucket = bases["qwen3"], tmp_path / "bucket"
+    trainer = LoraTrainer(base, torch.bfloat16)
+    with Publisher(str(bucket)) as pub:
+        for version in (1, 2):
+            pub.publish(trainer.model, version)
+            trainer.step()
+    v2 = sorted((bucket / "commits").iterdir())[-1]
+    raw = json.loads(v2.read_text())
+    raw["adapter"]["config"]["target_modules"] = ["does_not_exist"]  # what a trainer on another model would write
+    v2.write_text(json.dumps(raw))
+    key = v2.relative_to(bucket).as_posix()
+    hidden = v2.rename(tmp_path / v2.name)  # the replica starts on version 1
+
+    monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    replica = build_replica(ReplicaConfig(model=str(base), bucket=str(bucket), poll_interval=0.05))
+    try:
+        with Server(replica) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            wait_sync(client, lambda s: s["serving_version"] == 1)
+            hidden.rename(v2)  # version 2 lands: the replica keeps serving 1 and says why
+            st = wait_sync(client, lambda s: s["last_error"] is not None, timeout=20)
+            err = st["last_error"]
+            assert st["state"] == "degraded" and st["serving_version"] == 1 and st["newest_version"] == 2
+            assert key in str(st["refused"]) and "does_not_exist" in err and "target_modules" in err and "\n" not in err, st
+            out = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0}).json()
+            assert out["choices"][0]["weight_version"] == 1
+            time.sleep(1.0)  # >= 20 polls
+    finally:
+        replica.close()
+    logged = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert len(logged) == 1 and "does_not_exist" in logged[0], logged
+
+    # the engine itself: one line naming the module, the base and the fix, before PEFT allocates anything
+    meta = Run(str(bucket)).newest().adapter
+    with pytest.raises(AdapterTargetError, match=r'target_modules=\["does_not_exist"\].*targets no module') as info:
+        EmbeddedAdapterEngine(base, adapter=meta)
+    assert str(base) in str(info.value) and "q_proj" in str(info.value) and info.value.hint
+
+    # a replica started on that run never served: it exits with that line (no traceback)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "inference_space", "--model", str(base), "--bucket", str(bucket),
+                           "--port", str(free_port()), "--device", "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("error: the adapter of") and "does_not_exist" in lines[0] and str(base) in lines[0], lines
+    assert "start the replica with the base model the adapter was trained on" in lines[0]
