@@ -61,7 +61,7 @@ from typing import Any, Literal
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 
 FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
@@ -403,14 +403,16 @@ class Engine(ABC):
 
     def _validate_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
         missing = sorted(set(self._specs) - set(tensors))
-        problems = [f"tensor '{n}': missing" for n in missing[:5]]
+        problems = [f"tensor '{n}': missing" for n in missing]
         for name, t in tensors.items():
             spec = self._spec(name)
             if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}")
         problems += self._alias_problems(tensors)
         if problems:
-            raise WeightUpdateError("full load rejected: " + "; ".join(problems), hint="publish the model the replica serves")
+            raise WeightUpdateError("full load rejected: " + some_of(problems),
+                                    hint=dtype_hint(tensors, {k: s.dtype for k, s in self._specs.items()}, "replica")
+                                    or "publish the model the replica serves")
 
     def _alias_problems(self, full: Mapping[str, torch.Tensor]) -> list[str]:
         problems = []
@@ -440,4 +442,4 @@ class Engine(ABC):
                 problems.append(f"tensor '{name}': non-finite values")
         problems += self._alias_problems(full)
         if problems:
-            raise WeightUpdateError("sparse update rejected: " + "; ".join(problems), hint="the patch does not fit this model")
+            raise WeightUpdateError("sparse update rejected: " + some_of(problems), hint="the patch does not fit this model")

@@ -258,6 +258,7 @@ class Follower:
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._status.current_version is None or self._status.current_version < version:
+                self._backoff.raise_refused(self.store.url)  # the engine refuses the run's layout: no wait helps
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -395,12 +396,12 @@ class Follower:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
-            log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            log.log(self._backoff.level(str(e)), "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
                 check_held(state, self.digests if digests is None else digests, rec, written=self._pager(state))
                 self.hook.load_full(rec.version, state, **self._label(rec, digests))
             except BaseException as e2:
-                self._backoff.engine_failed = not isinstance(e2, MirrorMismatchError)
+                self._backoff.engine_error(e2, counts=not isinstance(e2, MirrorMismatchError))
                 self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception) or isinstance(e2, MirrorMismatchError):
                     raise

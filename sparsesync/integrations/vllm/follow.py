@@ -41,7 +41,7 @@ import torch
 
 from sparsesync.checkpoint import TIED_ALIASES
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 from sparsesync.protocol.follower import Follower
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class ServerHook:
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, digests: Mapping[str, str] | None = None) -> None:
         tensors = self._drop_aliases(tensors)
         missing = sorted(set(self.state) - set(tensors))
-        self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing[:5]])
+        self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing])
         self._apply(version, lambda: self.sync.load(version, tensors, digests))
 
     def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *,
@@ -187,8 +187,9 @@ class ServerHook:
             elif tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {ref.dtype} {list(ref.shape)}")
         if problems:
-            raise WeightUpdateError("update rejected: " + "; ".join(problems[:5]),
-                                    hint="the run was published from another model; start the server with that model")
+            raise WeightUpdateError("update rejected: " + some_of(problems),
+                                    hint=dtype_hint(tensors, {k: v.dtype for k, v in self.state.items()}, "vLLM server")
+                                    or "the run was published from another model; start the server with that model")
 
     def _apply(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
         with self._lock:
@@ -246,6 +247,8 @@ class FollowRunner:
         self.started_at = time.time()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def setup(self) -> None:
         """Read the served checkpoint, open the weight-transfer engine, attach the follower."""
@@ -272,7 +275,10 @@ class FollowRunner:
                 log.exception("sparsesync: the vLLM server will not follow %s", self.bucket)
                 return
             assert self.follower is not None
-            self.follower.start()
+            with self._stop_lock:
+                if self._stopped:  # the server is shutting down already
+                    return
+                self.follower.start()
             log.info("sparsesync: the vLLM server follows %s", self.bucket)
 
         self._thread = threading.Thread(target=run, name="sparsesync-vllm-setup", daemon=True)
@@ -282,6 +288,11 @@ class FollowRunner:
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
+        """Stop following (idempotent): returns once no engine call of the follower is in flight."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         if self.follower is not None:
             self.follower.stop()
 
