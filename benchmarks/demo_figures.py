@@ -6,6 +6,8 @@ summary and the machine), which README.md quotes and tests/test_readme_figures.p
     python benchmarks/demo_figures.py       # 3 full-weight seeds, 1 LoRA run, 2 step-time pairs: 6-60 min on 2 cores
     python benchmarks/demo_figures.py --seeds 0 --lora-seeds '' --step-time-steps 0
     python benchmarks/demo_figures.py --only-step-time     # only the LoRA/full step-time pairs
+    python benchmarks/demo_figures.py --seeds 0 --lora-seeds '' --step-time-steps 0 --full-name demo_check
+                                            # the default `sparsesync demo` once, beside the 3-seed figures
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--lora-seeds", default="0", help="LoRA runs, one per seed ('' for none)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--full-name", default="demo_full", help="file name (no .json) of the full-weight runs' results")
     ap.add_argument("--step-time-steps", type=int, default=30,
                     help="also time a LoRA step against a full-weight step: full, LoRA, full, LoRA runs of this many "
                          "steps back to back (0: skip); the ratio goes into demo_lora.json")
@@ -95,7 +98,7 @@ def main() -> None:
             lora_file.write_text(json.dumps(d, indent=2) + "\n")
             print(f"updated {lora_file}")
             return
-    for name, seeds, lora in (("demo_full", args.seeds, False), ("demo_lora", args.lora_seeds, True)):
+    for name, seeds, lora in ((args.full_name, args.seeds, False), ("demo_lora", args.lora_seeds, True)):
         if not seeds.strip():
             continue
         info = machine()

@@ -48,11 +48,10 @@ class TaskEnvironment(Environment[TextAction, TextObservation, EpisodeState]):
     # -- OpenEnv API ----------------------------------------------------------------------
     def reset(self, seed: int | None = None, episode_id: str | None = None,
               task: str | None = None, **kwargs: Any) -> TextObservation:
-        task = check_task(task or self.default_task)
+        self.check_reset(seed, task)
+        task = task or self.default_task
         if seed is None:
             seed = secrets.randbelow(2**31)
-        if not 0 <= seed <= MAX_SEED:
-            raise EnvError(f"seed {seed} out of range", hint=f"send 0 <= seed <= {MAX_SEED}")
         self._game = wordle.WordleGame.from_seed(seed) if task == "wordle" else repeat.RepeatGame.from_seed(seed)
         self._feedback = []
         self._state = EpisodeState(episode_id=episode_id or uuid.uuid4().hex, step_count=0, task=task,
@@ -83,6 +82,12 @@ class TaskEnvironment(Environment[TextAction, TextObservation, EpisodeState]):
         self._state.total_reward += reward
         self._state.done = game.done
         return self._observation(reward=reward, message=message)
+
+    def check_reset(self, seed: int | None = None, task: str | None = None) -> None:
+        """Raise what `reset(seed=seed, task=task)` would raise for these arguments, changing nothing."""
+        check_task(task or self.default_task)
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise EnvError(f"seed {seed} out of range", hint=f"send 0 <= seed <= {MAX_SEED}")
 
     @property
     def state(self) -> EpisodeState:

@@ -20,8 +20,9 @@ the same request and response shapes and add a session id:
 Access: with an API key (ENV_API_KEY / --api-key), every route but `GET /health`, the WebSocket
 included, needs `Authorization: Bearer <key>` (or `X-API-Key: <key>`, for a private Space whose
 proxy takes the Authorization header), compared in constant time; refused with 401 before the
-body is read. One client address holds at most ENV_MAX_SESSIONS_PER_CLIENT live HTTP sessions
-(429 beyond), so one client cannot take every slot.
+body is read. One client holds at most ENV_MAX_SESSIONS_PER_CLIENT live HTTP sessions, its idle
+ones replaced first (sessions.py), so one client cannot take every slot; who the client is comes
+from clients.py (the peer address, or `X-Forwarded-For` only from ENV_TRUSTED_PROXIES).
 
 Guarantees: every refusal is a 4xx (503 when full) with `{"detail", "error", "hint"}` (see
 errors.py), FastAPI's and Starlette's own refusals (404, 405, 422) included; bodies over
@@ -280,7 +281,8 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
     app.router.routes[:] = [r for r in app.router.routes if not (
         isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods))]
     store = SessionStore(make_env, max_sessions=config.max_sessions, idle_timeout_s=config.idle_timeout_s,
-                         max_per_client=config.per_client_cap)
+                         max_per_client=config.per_client_cap, replace_idle_s=config.replace_idle_s)
+    clients = config.clients
     app.state.store = store
     app.state.config = config
 
@@ -288,7 +290,7 @@ def build_app(config: ServerConfig | None = None) -> FastAPI:
     async def reset(request: Request, req: SessionResetRequest = Body(default_factory=SessionResetRequest),
                     x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)) -> dict[str, Any]:
         """Start an episode: in a new session, or in `session_id` if given. Returns the session id."""
-        client = request.client.host if request.client else ""
+        client = clients.of(request.client.host if request.client else "", request.headers.getlist("x-forwarded-for"))
         sid, obs = store.reset(session_id=req.session_id or x_session_id, seed=req.seed, task=req.task,
                                episode_id=req.episode_id, client=client)
         return _wire(obs, sid)

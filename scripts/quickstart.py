@@ -3,7 +3,8 @@
 Builds a ~25M-parameter bf16 model (random weights in a realistic layout), applies small
 AdamW-like updates for a few steps, publishes each step with the sparsesync Publisher, then
 follows the bucket with a Follower and checks every version bit for bit.
-Run: .venv/bin/python scripts/quickstart.py [BUCKET_DIR]
+Run: .venv/bin/python scripts/quickstart.py [BUCKET_DIR] (default: a new temporary folder, kept;
+scripts/quickstart.sh runs it on a temporary bucket it removes at the end)
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from sparsesync.protocol.publisher import Publisher
 
 
 def main() -> None:
-    bucket = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="sparsesync-bucket-"))
+    given = len(sys.argv) > 1
+    bucket = Path(sys.argv[1]) if given else Path(tempfile.mkdtemp(prefix="sparsesync-bucket-"))
     url = f"file://{bucket.resolve()}/runs/quickstart"
     g = torch.Generator().manual_seed(0)
     hidden, layers, vocab = 512, 6, 8192
@@ -50,12 +52,13 @@ def main() -> None:
             ok = all(torch.equal(follower.mirror[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
             what = (f"{m['n_changed']:,} changed ({m['density']:.2%}), patch {m['patch_bytes']:,} B "
                     f"= {m['patch_bytes'] / m['n_changed']:.2f} B/changed vs {2 * n_params:,} B dense"
-                    if "n_changed" in m else f"anchor {m['anchor_bytes']:,} B")
+                    if "n_changed" in m else f"{m['anchor_bytes']:,} B (the full model)")
             print(f"step {step}: {m['kind']:<6} {what}; trainer blocked {blocked * 1000:.0f} ms; "
                   f"follower at v{follower.current_version}, bit-exact: {ok}")
             if not ok:
                 raise SystemExit("follower weights differ from the trainer's")
-    print(f"\nnext: .venv/bin/sparsesync log {url}")
+    if not given:  # a bucket of its own: it stays, say where
+        print(f"\nthe bucket stays in {bucket}; next: .venv/bin/sparsesync log {url}")
 
 
 if __name__ == "__main__":

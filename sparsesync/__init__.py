@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         FencedWriterError,
         FleetTimeoutError,
         MalformedCommitError,
+        MirrorMismatchError,
         ObjectNotFoundError,
         OutputError,
         PatchError,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         PatchMismatchError,
         ProtocolError,
         RankFailedError,
+        ReplicaUnreachableError,
         RewindRefusedError,
         RunKindError,
         RunNotFoundError,
@@ -69,9 +71,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
 _ERRORS = (
     "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
     "RewindRefusedError", "OutputError", "PatchError", "PatchFormatError", "PatchMismatchError", "DigestMismatchError",
-    "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
+    "MirrorMismatchError", "StoreError", "ObjectNotFoundError", "StoreUnavailableError", "StoreAuthError",
     "ProtocolError", "MalformedCommitError", "RunNotFoundError", "VersionNotFoundError", "BrokenChainError",
-    "FencedWriterError", "RankFailedError", "FleetTimeoutError",
+    "FencedWriterError", "RankFailedError", "FleetTimeoutError", "ReplicaUnreachableError",
     "EngineError", "WeightUpdateError", "EngineCheckError",
 )  # fmt: skip
 _HOMES: dict[str, str] = {
@@ -101,6 +103,7 @@ __all__ = [
     "PatchFormatError",
     "PatchMismatchError",
     "DigestMismatchError",
+    "MirrorMismatchError",
     "StoreError",
     "ObjectNotFoundError",
     "StoreUnavailableError",
@@ -113,6 +116,7 @@ __all__ = [
     "FencedWriterError",
     "RankFailedError",
     "FleetTimeoutError",
+    "ReplicaUnreachableError",
     "EngineError",
     "WeightUpdateError",
     "EngineCheckError",

@@ -14,6 +14,9 @@ still prints every one of them in its one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class SparsesyncError(Exception):
     """Base of every sparsesync error. `hint` says how to fix it (may be empty).
@@ -164,6 +167,11 @@ class FleetTimeoutError(ProtocolError, TimeoutError):
         self.ready = list(ready or [])
 
 
+class ReplicaUnreachableError(ProtocolError, ConnectionError):
+    """No replica answered at a URL a trainer was given, within the wait it allows (a
+    `ConnectionError`, as TRL's own vLLM client raises for a server that is not up)."""
+
+
 # ---------------------------------------------------------------------------- inference engines
 class EngineError(SparsesyncError):
     """An inference engine (embedded transformers or vLLM) failed to load, generate or apply.
@@ -173,6 +181,23 @@ class EngineError(SparsesyncError):
 class WeightUpdateError(EngineError):
     """A weight update does not fit the engine (unknown tensor, wrong shape or dtype, bad indices);
     rejected before the engine saw any of it."""
+
+
+def some_of(problems: list[str], shown: int = 3) -> str:
+    """The first `shown` of `problems` joined, plus how many more: an error message of bounded
+    length however many tensors are wrong (e.g. every tensor of an fp32 state)."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f"; and {more} more of {len(problems)}" if more > 0 else "")
+
+
+def dtype_hint(got: Mapping[str, Any], served: Mapping[str, Any], who: str) -> str:
+    """The fix when an update's floating tensors come in another dtype than `who` serves (e.g. an
+    fp32 master published as is to a bf16 replica); "" when the dtypes are not the problem."""
+    pairs = {(str(t.dtype), str(served[n])) for n, t in got.items() if n in served and t.dtype != served[n]}
+    if len(pairs) != 1:
+        return ""
+    have, want = (d.removeprefix("torch.") for d in next(iter(pairs)))
+    return f"the run holds {have} tensors and this {who} serves {want}: publish with Publisher(url, dtype=torch.{want})"
 
 
 class EngineCheckError(EngineError):

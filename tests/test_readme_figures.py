@@ -163,7 +163,16 @@ def _quickstart_claims() -> list[tuple[str, str]]:
     out = [("demo_full.json", f"from {_span(full['reward_start'])} (first 10 steps) to {_span(full['reward_end'])}"),
            ("demo_full.json", f"median per-step patch is {_span(full['patch_over_full_median'], '.0f', 100)}% of the"),
            ("demo_full.json", f"changes {_span(full['changed_elements'], '.0f', 100)}% of its elements"),
-           ("demo_full.json", f"{_span(full['wall_s'], '.0f')} s")]
+           ("demo_full.json", f"{_span(full['wall_s'], '.0f')} s"),
+           ("demo_full.json", f"on {_load('demo_full.json')['machine']['date']}"),
+           ("demo_full.json", f"load average {_load('demo_full.json')['machine']['load_avg_1m_at_start']:.1f} at the start")]
+    check = _load("demo_check.json")
+    (run,) = check["runs"]  # the default `sparsesync demo`, once
+    assert run["seed"] == 0 and run["steps"] == 200 and not run["lora"] and run["checks_ok"]
+    out += [("demo_check.json", f"again on {check['machine']['date']}"),
+            ("demo_check.json", f"load average {_span(run['load_avg_1m'], '.1f')})"),
+            ("demo_check.json", f"reward from {run['reward_start']:.2f} to {run['reward_end']:.2f}, median per-step patch "
+                                f"{100 * run['patch_over_full_median']:.0f}% of the model, {run['wall_s']:.0f} s")]
     lora = _load("demo_lora.json")
     ratios = [p["ratio"] for p in lora["step_time"]["pairs"]]
     out += [("demo_lora.json", f"{_span([min(ratios), max(ratios)])}x a full-weight step"),

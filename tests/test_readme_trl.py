@@ -9,6 +9,7 @@ no GPU). The bucket then reconstructs the trained weights bit for bit, the last 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,30 @@ def test_readme_trl_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     # the model's config and tokenizer travel with every version: a pulled folder loads as is
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
         f.name for f in commits[-1].files}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_readme_trl_block_with_no_replica_running_says_how_to_start_one(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block as printed, nothing listening at REPLICAS: `GRPOTrainer(...)` waits as TRL's own
+    client does (here 3 s: `vllm_server_timeout`, TRL's setting, set in the block), then stops with
+    one line naming the replicas and `python -m inference_space`, not a raw connection error."""
+    from sparsesync.errors import ReplicaUnreachableError
+    from trainer.processes import free_port
+
+    block = readme_trl_block()
+    assert block.count("use_vllm=True,") == 1
+    model_dir = build_tiny_model(tmp_path / "model", seed=0, arch="qwen3-tied")
+    monkeypatch.chdir(tmp_path)
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = f'MODEL, BUCKET = {str(model_dir)!r}, {str(tmp_path / "bucket")!r}\nREPLICAS = "{dead}"'
+    code = CONFIG.sub(lambda _: config, block).replace("use_vllm=True,", "use_vllm=True, vllm_server_timeout=3,")
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaUnreachableError) as err:
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})  # noqa: S102
+    waited = time.monotonic() - t0
+    text = str(err.value)
+    assert "\n" not in text and dead in text and "within 3 s" in text and "python -m inference_space" in text, text
+    assert isinstance(err.value, ConnectionError)  # what TRL's own client raises for a server that is not up
+    assert 3 <= waited < 60, waited
+    assert not (tmp_path / "bucket").exists()  # nothing was published

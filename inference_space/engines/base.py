@@ -30,15 +30,16 @@ that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore b
 `stop_serving()` (the server got SIGTERM) the running batch is cut the same way (`stop_reason`
 "shutdown") and batches not yet started are refused, so no request keeps the process alive.
 
-What the read-back covers (every tensor whose engine bits could differ from the version): a
-full load checks every tensor. A sparse update checks the tensors it touched, and is refused
+What the read-back covers: a full load checks every tensor. A sparse update is refused
 (`EngineCheckError`, so the caller reloads fully) when the engine cannot vouch for the rest:
 after any failed write or check every tensor is stale until a full load passed, and a caller
-that names the update's `base_version` is refused when the engine holds another version.
-Cheap and sound: untouched tensors were verified when they were last written, and only a
-failure or a skipped version can make them differ (the embedded engine also checks at every
-update that no parameter or buffer the forward pass reads was replaced or rewritten behind
-its back).
+that names the update's `base_version` is refused when the engine holds another version. Beyond
+the tensors an update touches, something in the process may have changed any other one (an
+in-place `zero_()`, a replaced Parameter): so the caller may hand over the version's per-tensor
+digests (`digests=`, every checkpoint tensor; the follower does), and each engine checks the
+whole state it serves against them before the version is reported (the embedded engine hashes
+every live tensor; vLLM: see `integrations.vllm.backend`). Engines without them check what they
+last verified.
 
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
 vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` k (up to
@@ -60,7 +61,7 @@ from typing import Any, Literal
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 
 FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
@@ -224,6 +225,7 @@ class Engine(ABC):
         self._aliases: dict[str, str] = {}  # tied alias -> the checkpoint tensor it equals
         self.check_error: str | None = None  # why the served weights are not a verified version
         self._stale: set[str] = set()  # tensors not verified since a failed write (all of them, then)
+        self._told: Mapping[str, str] = {}  # the per-tensor digests of the version being written (`digests=`)
         self.pauses = PauseStats()
         self.max_hold_s: float | None = None  # a batch holding a waiting update this long is cut (None: never)
         self.request_timeout_s: float | None = None  # a batch running this long is cut (None: never)
@@ -302,31 +304,37 @@ class Engine(ABC):
 
     # -- the ApplyHook ------------------------------------------------------------------
     takes_state_digest = True  # the follower hands over each version's state digest (`state_digest=`)
+    takes_digests = True  # ... and its per-tensor digests (`digests=`), for the whole-state check
 
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None) -> None:
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
+                  digests: Mapping[str, str] | None = None) -> None:
         """Replace every weight with `tensors` (checkpoint names), check them, then serve `version`
-        (whose commit's state digest is `state_digest`, reported with every completion)."""
+        (whose commit's state digest is `state_digest`, reported with every completion; `digests`:
+        the version's per-tensor digests, if known)."""
         self._validate_full(tensors)
         tensors = {k: v for k, v in tensors.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
+            self._told = digests or {}
             self._guarded(version, lambda: self._load_full(version, tensors), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def apply_sparse(
         self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None,
-        state_digest: str | None = None,
+        state_digest: str | None = None, digests: Mapping[str, str] | None = None,
     ) -> None:
         """Write the changed elements of one verified version in place, check them, then serve `version`.
 
         `full`: the version's value of every touched tensor (and of any stale one, see above).
         `base_version`: the version the update is relative to; when given and the engine holds
-        another (or none), the update is refused with `EngineCheckError` and nothing is written."""
+        another (or none), the update is refused with `EngineCheckError` and nothing is written.
+        `digests`: the version's per-tensor digests (every tensor), for the whole-state check."""
         self._validate_sparse(updates, full)
         updates = {k: v for k, v in updates.items() if k not in self._aliases}
         full = {k: v for k, v in full.items() if k not in self._aliases}
         with self._gate.update() as waited_s:
             t0 = time.perf_counter()
+            self._told = digests or {}
             self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
@@ -395,14 +403,16 @@ class Engine(ABC):
 
     def _validate_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
         missing = sorted(set(self._specs) - set(tensors))
-        problems = [f"tensor '{n}': missing" for n in missing[:5]]
+        problems = [f"tensor '{n}': missing" for n in missing]
         for name, t in tensors.items():
             spec = self._spec(name)
             if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}")
         problems += self._alias_problems(tensors)
         if problems:
-            raise WeightUpdateError("full load rejected: " + "; ".join(problems), hint="publish the model the replica serves")
+            raise WeightUpdateError("full load rejected: " + some_of(problems),
+                                    hint=dtype_hint(tensors, {k: s.dtype for k, s in self._specs.items()}, "replica")
+                                    or "publish the model the replica serves")
 
     def _alias_problems(self, full: Mapping[str, torch.Tensor]) -> list[str]:
         problems = []
@@ -432,4 +442,4 @@ class Engine(ABC):
                 problems.append(f"tensor '{name}': non-finite values")
         problems += self._alias_problems(full)
         if problems:
-            raise WeightUpdateError("sparse update rejected: " + "; ".join(problems), hint="the patch does not fit this model")
+            raise WeightUpdateError("sparse update rejected: " + some_of(problems), hint="the patch does not fit this model")

@@ -5,12 +5,19 @@ Guarantees (on top of `base.Engine`'s): the engine takes the checkpoint's own ke
 the live runtime parameter that holds it: a tied LM head is the embedding's storage, and
 transformers' runtime-fused experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`)
 are sliced per expert; every view is checked against the checkpoint at start. Sparse updates
-are written in place through those views (`index_put_` on the flat view, under `no_grad`),
-then read back and compared bit for bit with the version. Views are resolved from the live
-module tree (`named_parameters`/`named_buffers`) at every update and check, never cached: a
-parameter replaced on the model (`layer.weight = nn.Parameter(...)`), a head untied from the
-embedding, or a rewritten buffer (rotary tables) fails the check (`EngineCheckError`), and
-only a full load (which writes into whatever the model then holds, ties intact) recovers. Generation is a plain
+are written in place through those views (`index_put_` on the flat view, under `no_grad`).
+Then, before the version is reported, the whole state is checked: every checkpoint tensor,
+read from the live model, is hashed (`tensor_digest`, in parallel) and compared with the
+version's digest of it (given by the follower; else the digest of the tensor it was sent, or
+for an untouched tensor the one recorded at the last check that passed), so a tensor changed
+in place behind the engine's back (`p.data.zero_()`) fails the check however it changed,
+touched by the update or not. Views are resolved from the live module tree
+(`named_parameters`/`named_buffers`) at every update and check, never cached: a parameter or
+buffer replaced on the model (`layer.weight = nn.Parameter(...)`: judged by the identity of the
+tensor object and of its storage, and by its address, so a new tensor at the old address is
+seen), a head untied from the embedding, or a rewritten buffer (rotary tables, compared with a
+copy) fails the check (`EngineCheckError`), and only a full load (which writes into whatever the
+model then holds, ties intact) recovers. Generation is a plain
 KV-cached decoding loop: greedy at temperature 0, otherwise temperature + top-k, min-p and top-p sampling (after the
 repetition penalty, which also applies to greedy decoding) from
 a generator seeded with the request's seed, so a request with a seed is reproducible on one
@@ -19,6 +26,7 @@ version.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,7 @@ import torch
 
 from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
 from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
+from sparsesync.codec import tensor_digest, tensor_digests
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
 
@@ -189,11 +198,19 @@ class EmbeddedEngine(Engine):
     def _check(self, want: Mapping[str, torch.Tensor]) -> None:
         """The engine-side proof, read from the model's live parameters at check time: no
         parameter or buffer the forward pass reads was replaced, untied or rewritten behind the
-        engine's back, and the tensors of `want` hold its bits."""
+        engine's back, and every checkpoint tensor holds the version's bits: its digest equals the
+        version's (`self._told`), else that of its value in `want`, else (untouched) the one
+        recorded when it was last verified. Records the digests once all of it passed."""
         bad = self._live.tampered(self.model)
         views = self._live.views(self.model)
-        bad += self._mismatches({n: views[n].detach().cpu() for n in want}, {n: t.cpu() for n, t in want.items()})
+        got = tensor_digests(views)  # every tensor the forward pass reads, from the live model
+        for name, view in views.items():
+            spec = self._specs[name]
+            want_digest = self._told.get(name) or (tensor_digest(want[name]) if name in want else self._live.verified.get(name))
+            if tuple(view.shape) != spec.shape or view.dtype != spec.dtype or got[name] != want_digest:
+                bad.append(name if name in want else f"{name} (not in this update: changed since it was last verified)")
         self._raise(bad)
+        self._live.verified = got
 
     @staticmethod
     def _raise(bad: list[str]) -> None:
@@ -210,10 +227,11 @@ class EmbeddedEngine(Engine):
 class _LiveMap:
     """Checkpoint names -> where the live model holds them, resolved again at every use.
 
-    Records at start (and at each full load, `adopt`) the storage of every parameter and buffer
-    the forward pass reads, which of them share storage (a tied head), and a copy of the
-    buffers that are not checkpoint tensors (rotary tables); `tampered` reports any that was
-    replaced, untied, or (buffers) rewritten since."""
+    Records at start (and at each full load, `adopt`) every parameter and buffer the forward
+    pass reads (the tensor object, its storage object and its address), which of them share
+    storage (a tied head), and a copy of the buffers that are not checkpoint tensors (rotary
+    tables); `tampered` reports any that was replaced, untied, or (buffers) rewritten since.
+    `verified`: each checkpoint tensor's digest as last checked (at start: as loaded)."""
 
     def __init__(self, model: Any, views: Mapping[str, torch.Tensor]) -> None:
         live = _tensors(model)
@@ -244,9 +262,10 @@ class _LiveMap:
         self.buffers = {k: b.detach().clone() for k, b in model.named_buffers(remove_duplicate=False)
                         if k not in ckpt_keys and k not in self.volatile}
         self.adopt(model)
+        self.verified: dict[str, str] = tensor_digests(self.views(model))
 
     def adopt(self, model: Any) -> None:
-        self.ptrs = {k: t.data_ptr() for k, t in _tensors(model).items() if k not in self.volatile}
+        self.held = {k: _identity(t) for k, t in _tensors(model).items() if k not in self.volatile}
 
     def views(self, model: Any) -> dict[str, torch.Tensor]:
         live = _tensors(model)
@@ -267,8 +286,8 @@ class _LiveMap:
 
     def tampered(self, model: Any) -> list[str]:
         live = _tensors(model)
-        bad = [f"{k} (replaced since the engine mapped it)" for k, p in self.ptrs.items() if k not in live or live[k].data_ptr() != p]
-        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.ptrs and k not in self.volatile]
+        bad = [f"{k} (replaced since the engine mapped it)" for k, held in self.held.items() if k not in live or not _same(held, live[k])]
+        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.held and k not in self.volatile]
         for group in self.shared:
             if len({live[k].untyped_storage().data_ptr() for k in group if k in live}) > 1:
                 bad.append(f"{group[-1]} (no longer shares storage with {', '.join(group[:-1])})")
@@ -277,6 +296,17 @@ class _LiveMap:
             if b is not None and (b.shape != ref.shape or not torch.equal(b.detach(), ref)):
                 bad.append(f"{k} (buffer rewritten since the engine started)")
         return bad
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, Any, int]:
+    """What makes a live tensor the one the engine mapped: the object, its storage object
+    (weakly held: a freed one reads as gone) and its address."""
+    return weakref.ref(t), weakref.ref(t.untyped_storage()), t.data_ptr()
+
+
+def _same(held: tuple[Any, Any, int], t: torch.Tensor) -> bool:
+    obj, storage, ptr = held
+    return obj() is t and storage() is t.untyped_storage() and t.data_ptr() == ptr
 
 
 def _volatile_buffers(model: Any) -> set[str]:

@@ -3,7 +3,8 @@
 Guarantees (on top of `base.Engine`'s), all from `integrations.vllm.apply.WeightSync`: weights
 reach vLLM only through its weight-transfer API, with `finish` in a `finally`; vLLM's own
 weight version moves only when an update succeeded and the worker's read-back of the weights
-the forward pass uses matched the version (`EngineCheckError` otherwise); the prefix cache is
+the forward pass uses matched the version, both what the update sent and (single rank) the rest
+of the state as `integrations.vllm.unchanged` checks it (`EngineCheckError` otherwise); the prefix cache is
 reset on every version switch; on CPU (`mode="reload"`) complete fused groups of only the
 touched layers are reloaded and a tied LM head is repacked from the new embedding. The reload
 path is what `mode="auto"` (the default) picks on CPU and on GPU alike: it is the one the tests
@@ -185,15 +186,15 @@ class VllmEngine(Engine):
     # -- weights ------------------------------------------------------------------------
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         with _check_errors():
-            self.sync.load(version, tensors)
+            self.sync.load(version, tensors, self._told)
         self.last_sent = sorted(self.sync.source)
 
     def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
         if self._stale:  # after a failure (base.Engine lets this through only with every stale tensor in `full`)
             self._load_full(version, {**self.sync.source, **full})
             return
-        with _check_errors():
-            self.last_sent = self.sync.patch(version, updates, full=full)
+        with _check_errors():  # the worker also checks every tensor not sent against the version (`digests=`)
+            self.last_sent = self.sync.patch(version, updates, self._told, full=full)
 
     def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:
         """One raw update through vLLM's API (tests use it to send what `sync` never would)."""

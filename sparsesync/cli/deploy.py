@@ -14,6 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from sparsesync.cli._help import Command, Group, exit_codes
+
 ApiKey = Annotated[Optional[str], typer.Option(
     help="Key clients must send as `Authorization: Bearer KEY` (a Space secret). Default: generated for a --public Space, none for a private one.",
     envvar="SPARSESYNC_DEPLOY_API_KEY", show_envvar=True)]
@@ -33,15 +35,27 @@ def _api_key(space: str, given: str | None, public: bool, dry_run: bool, secret_
     return key
 
 
-app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True)
+app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True, cls=Group)
 
 
-@app.command("env")
+def _placeholder() -> str:
+    """A stand-in secret value for a dry run's plan (never sent, shown only as "value hidden")."""
+    import secrets
+
+    return f"dry-run-{secrets.token_hex(8)}"
+
+
+def _rendered(folder: Path, out: Path | None) -> str:
+    return f"rendered {folder}" if out is not None else \
+        f"rendered into {folder} (a new temporary folder, kept; --out DIR renders into a folder of your choice)"
+
+
+@app.command("env", cls=Command, epilog=exit_codes(ok="0 deployed (or, with --dry-run, rendered and planned)"))
 def env(
     space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME.")],
     hardware: Annotated[str, typer.Option(help="Space hardware flavor (cpu-basic, cpu-upgrade, ...).")] = "cpu-basic",
-    public: Annotated[bool, typer.Option("--public", help="Make the Space public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folder and print the plan; no network.")] = False,
+    public: Annotated[bool, typer.Option("--public/--private", help="Make the Space public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folder and print the plan; no network.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder.")] = None,
     task: Annotated[str, typer.Option(help="Default task of the server: wordle or repeat.")] = "wordle",
     max_sessions: Annotated[int, typer.Option(help="Concurrent live sessions at most.")] = 256,
@@ -53,24 +67,26 @@ def env(
     import tempfile
 
     from sparsesync.deploy.env import env_space_spec
-    from sparsesync.deploy.space import apply, plan, render
+    from sparsesync.deploy.space import apply, plan, render, shell_env
 
     key = _api_key(space, api_key, public, dry_run, "ENV_API_KEY")
     spec = env_space_spec(space, hardware=hardware, private=not public, region=region, task=task,
                           max_sessions=max_sessions, idle_timeout_s=idle_timeout, api_key=key)
     folder = render(spec, out if out is not None else Path(tempfile.mkdtemp(prefix="sparsesync-env-space-")))
     the_plan = plan(spec, folder)
-    typer.echo(f"rendered {folder}")
+    typer.echo(_rendered(folder, out))
     typer.echo(the_plan.describe())
     if dry_run:
-        env_vars = " ".join([*(f"{k}={v}" for k, v in sorted(spec.variables.items())), *(f"{k}=***" for k in sorted(spec.secrets))])
-        typer.echo(f"dry run: nothing sent. Boot it locally: cd {folder} && {env_vars} python -m env_space")
+        import shlex
+
+        env_vars = " ".join(shell_env(spec, skip=()))
+        typer.echo(f"dry run: nothing sent. Boot it locally: cd {shlex.quote(str(folder))} && {env_vars} python -m env_space")
         return
     url = apply(the_plan)
     typer.echo(f"deployed {url}")
 
 
-@app.command("inference")
+@app.command("inference", cls=Command, epilog=exit_codes(ok="0 deployed (or, with --dry-run, rendered and planned)"))
 def inference(
     space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME (NAME-1..K with --replicas K).")],
     bucket: Annotated[str, typer.Option(help="Run URL the replicas follow: hf://buckets/NS/NAME/PREFIX or s3://...")],
@@ -80,39 +96,45 @@ def inference(
     region: Annotated[Optional[list[str]], typer.Option(help="Hub region (us or eu); repeat to spread replicas round-robin.")] = None,
     replicas: Annotated[int, typer.Option(help="Number of replica Spaces.")] = 1,
     poll_interval: Annotated[float, typer.Option(help="Seconds between checks for new versions.")] = 1.0,
-    public: Annotated[bool, typer.Option("--public", help="Make the Spaces public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Render the folders and print the plans; no network.")] = False,
+    public: Annotated[bool, typer.Option("--public/--private", help="Make the Spaces public (default: private).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folders and print the plans; no network.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder (one sub-folder per replica when K > 1).")] = None,
     api_key: ApiKey = None,
+    s3_credentials: Annotated[bool, typer.Option(
+        "--s3-credentials/--no-s3-credentials",
+        help="For an s3:// bucket: send this shell's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, "
+             "AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION when set) to the Spaces as secrets; never written to a file or shown.")] = False,
 ) -> None:
     """Render the inference-replica Space(s) (inference_space/) and create or update them on the Hub."""
+    import os
     import tempfile
 
-    from sparsesync.deploy.inference import inference_space_specs
+    from huggingface_hub import get_token
+
+    from sparsesync.deploy.inference import boot_line, inference_space_specs
+    from sparsesync.deploy.inference import s3_credentials as aws_settings
     from sparsesync.deploy.space import apply, plan, render
 
-    token = None
-    if not dry_run:
-        from huggingface_hub import get_token
-
-        token = get_token()  # sent only as the Space secret HF_TOKEN (reads private buckets)
+    # sent only as the Space secret HF_TOKEN (reads private buckets); read locally, no network. A
+    # dry run without one still shows the step the real plan has (with a token, or it fails)
+    token = get_token()
+    secrets = aws_settings(bucket, os.environ) if s3_credentials else {}
+    if bucket.startswith("s3://") and not s3_credentials:
+        typer.echo("note: an s3:// run: the Spaces get no S3 credentials unless you pass --s3-credentials "
+                   "(sends this shell's AWS_* settings as Space secrets)")
     key = _api_key(space, api_key, public, dry_run, "SPARSESYNC_API_KEY")  # one key for all the replicas
     specs = inference_space_specs(space, bucket=bucket, model=model, engine=engine, hardware=hardware, regions=region,
-                                  replicas=replicas, private=not public, token=token, poll_interval=poll_interval,
-                                  allow_local_bucket=dry_run, api_key=key)
+                                  replicas=replicas, private=not public, token=token or (_placeholder() if dry_run else None),
+                                  poll_interval=poll_interval, allow_local_bucket=dry_run, api_key=key, extra_secrets=secrets)
     root = out if out is not None else Path(tempfile.mkdtemp(prefix="sparsesync-inference-space-"))
     plans = []
     for spec in specs:
         folder = render(spec, root if len(specs) == 1 else root / spec.space_id.split("/")[-1])
         plans.append(plan(spec, folder))
-        typer.echo(f"rendered {folder}")
+        typer.echo(_rendered(folder, out))
         typer.echo(plans[-1].describe())
     if dry_run:
-        env_vars = " ".join([*(f"{k}={v}" for k, v in sorted(specs[0].variables.items()) if k not in ("HOST",)),
-                             *(f"{k}=***" for k in sorted(specs[0].secrets))])
-        boot = ("VLLM_PLUGINS=sparsesync python -m sparsesync.integrations.vllm serve model "
-                "--weight-transfer-config '{\"backend\": \"sparsesync\"}'") if engine == "vllm" else "python -m inference_space"
-        typer.echo(f"dry run: nothing sent. Boot one locally: cd {plans[0].folder} && {env_vars} {boot}")
+        typer.echo(f"dry run: nothing sent. Boot one locally (secrets from your shell): {boot_line(specs[0], plans[0].folder, engine)}")
         return
     for p in plans:
         typer.echo(f"deployed {apply(p, token=token)}")

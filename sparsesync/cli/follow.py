@@ -13,9 +13,10 @@ import time
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-console = Console(highlight=False)
+from sparsesync.cli._console import CliConsole
+
+console = CliConsole()
 
 
 def follow(

@@ -38,7 +38,7 @@ def _secs(x: Any) -> str:
 
 def log(
     url: Annotated[str, typer.Argument(help="Run URL.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per version.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print one JSON object per version.")] = False,
 ) -> None:
     """List the committed versions of a run: kind, density, bytes and timings."""
     from sparsesync.protocol.run import Run
@@ -66,7 +66,7 @@ def log(
     if not rows:
         fail(f"no committed version under {url}", "check the URL, or publish with `sparsesync push`")
     _show_rewinds(run)
-    console.print(f"{url}: {len(rows)} committed version(s); diff, enc(ode), up(load) in seconds", soft_wrap=True)
+    title = escape(f"{url}: {len(rows)} committed version(s); diff, enc(ode), up(load) in seconds")
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))  # compact: fits 80 columns
     for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff", "enc", "up"):
         t.add_column(col, justify="right" if col not in ("kind",) else "left", no_wrap=True)
@@ -78,7 +78,7 @@ def log(
             _fmt_bytes(r["patch_bytes"]), _fmt_bytes(r["anchor_bytes"]),
             _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
         )
-    console.print(t)
+    console.print_table(t, title)
 
 
 def _show_rewinds(run: Any) -> None:
@@ -99,8 +99,9 @@ def _warn_rejected(rejected: dict[str, str]) -> None:
 
 def inspect(
     target: Annotated[str, typer.Argument(help="A local patch file, the URL of one in a store, or a run URL with --version.")],
-    version: Annotated[int | None, typer.Option(help="TARGET is a run URL: show the delta of this committed version.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the header as JSON.")] = False,
+    version: Annotated[int | None, typer.Option(help="TARGET is a run URL: show the delta of this committed version "
+                                                "(the number `push --step` gave it).")] = None,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the header as JSON.")] = False,
 ) -> None:
     """Show a patch's header (versions, digests, per-tensor encodings) without reading its body."""
     from sparsesync.codec import fetch_header
@@ -135,22 +136,20 @@ def _show_header(header: Any, as_json: bool) -> None:
 
         console.print_json(json.dumps(asdict(header), default=str))
         return
-    console.print(
-        f"patch format {header.format_version}: version {header.base_version} -> {header.target_version}\n"
-        f"base state {header.base_state_digest}  target state {header.target_state_digest}"
-    )
+    title = (f"patch format {header.format_version}: version {header.base_version} -> {header.target_version}\n"
+             f"base state {header.base_state_digest}  target state {header.target_state_digest}")
     t = Table()
     for col in ("tensor", "dtype", "shape", "changed", "positions", "values", "base digest", "target digest"):
         t.add_column(col)
     for name, e in header.tensors.items():
         t.add_row(escape(name), str(e.dtype), "x".join(map(str, e.shape)), f"{e.n_changed:,}", e.positions,
                   e.values, e.base_digest, e.target_digest)
-    console.print(t)
+    console.print_table(t, title)
 
 
 def verify(
     url: Annotated[str, typer.Argument(help="Run URL.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Check that every committed version reconstructs and matches its digests."""
     from sparsesync.protocol.verify import verify_run
@@ -172,10 +171,17 @@ def verify(
 def gc(
     url: Annotated[str, typer.Argument(help="Run URL.")],
     keep_anchors: Annotated[int, typer.Option(help="How many of the newest usable anchors to keep.")] = 1,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Print what would be deleted; delete nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Delete old versions and garbage, never what the newest version's chain needs."""
+    """Delete old versions and garbage, never what the newest version's chain needs.
+
+    Kept: the newest committed version and every version from the oldest kept anchor on (the
+    newest --keep-anchors anchors from which a chain of deltas reaches the newest version), with
+    their deltas and checkpoint files, and any object newer than the newest commit (a writer may
+    be uploading it). Deleted: commit records of fenced writers, older versions' commits, and
+    objects no kept commit references. Nothing is deleted when the newest version could not be
+    rebuilt from what would be kept."""
     from dataclasses import asdict
 
     from sparsesync.protocol.gc import apply_gc, plan_gc

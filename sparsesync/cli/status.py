@@ -22,8 +22,10 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
+from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from sparsesync.cli._console import CliConsole
 
@@ -33,12 +35,12 @@ EXIT_UNHEALTHY = 3
 
 def status(
     url: Annotated[str, typer.Argument(help="Run URL.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh every --interval seconds until Ctrl-C.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the report as one JSON object.")] = False,
+    watch: Annotated[bool, typer.Option("--watch/--no-watch", help="Refresh every --interval seconds until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
     min_replicas: Annotated[int, typer.Option(help="Exit 3 when fewer live replicas report.")] = 1,
     max_lag: Annotated[int, typer.Option(help="Exit 3 when a live replica is more versions behind the newest.")] = 2,
-    show_all: Annotated[bool, typer.Option("--all", help="Also list replicas that stopped or aged out.")] = False,
+    show_all: Annotated[bool, typer.Option("--all/--live", help="Also list replicas that stopped or aged out.")] = False,
 ) -> None:
     """Show the run's newest version and every replica's version, lag, age and health."""
     from sparsesync.store import open_store
@@ -60,7 +62,7 @@ def status(
                 if as_json:
                     print(json.dumps(last), flush=True)
                 else:
-                    live.update(_table(last, show_all=show_all), refresh=True)
+                    live.update(Group(Text.from_markup(_title(last)), _table(last, show_all=show_all)), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
@@ -134,15 +136,18 @@ def _print(report: dict[str, Any], *, as_json: bool, show_all: bool) -> None:
     if as_json:
         print(json.dumps(report))
     else:
-        console.print(_table(report, show_all=show_all))
+        console.print_table(_table(report, show_all=show_all), _title(report))
+
+
+def _title(report: dict[str, Any]) -> str:
+    """The line above the table (a line of its own: a long run URL is never broken)."""
+    committed = report["newest_committed_at"]
+    ago = "" if committed is None else f" (committed {report['read_at'] - committed:.0f} s ago)"
+    return f"{_safe(report['url'])}: newest version {report['newest_version']}{ago}, {report['live']} live replica(s)"
 
 
 def _table(report: dict[str, Any], *, show_all: bool) -> Table:
-    committed = report["newest_committed_at"]
-    ago = "" if committed is None else f" (committed {report['read_at'] - committed:.0f} s ago)"
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-              title=f"{_safe(report['url'])}: newest version {report['newest_version']}{ago}, "
-                    f"{report['live']} live replica(s)", title_justify="left")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     for col in ("replica", "version", "behind", "age", "health", "staged", "engine", "where", "pause"):
         t.add_column(col, justify="right" if col in ("version", "behind", "age", "staged", "pause") else "left",
                      no_wrap=col != "where")

@@ -24,7 +24,7 @@ console = CliConsole()
 
 
 class _Spinner:
-    """The transient progress line on stderr: appears at the first phase the library reports."""
+    """The transient progress line on stderr, in a terminal only: appears at the first phase the library reports."""
 
     def __init__(self) -> None:
         self._progress: Progress | None = None
@@ -32,8 +32,11 @@ class _Spinner:
 
     def __call__(self, description: str) -> None:
         if self._progress is None:
+            stderr = Console(stderr=True)
+            if not stderr.is_terminal:  # a file or a pipe gets no progress lines (nor the newline a spinner leaves)
+                return
             self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                      console=Console(stderr=True), transient=True)
+                                      console=stderr, transient=True)
             self._progress.start()
             self._task = self._progress.add_task(description)
         else:
@@ -72,11 +75,12 @@ def _rewind_gate(allowed: bool, spinner: _Spinner) -> Any:
 def push(
     source: Annotated[Path, typer.Argument(help="A .safetensors file, a folder of safetensors shards, or a PEFT adapter folder.")],
     url: Annotated[str, typer.Argument(help="Run URL: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")],
-    step: Annotated[int | None, typer.Option(help="Version number to publish (default: the checkpoint's step, from "
-                                             "trainer_state.json's global_step or a checkpoint-N folder name; else newest + 1, 0 in a new run).")] = None,
+    step: Annotated[int | None, typer.Option(help="Version number to publish, the number `pull --version` and `log` show "
+                                             "(default: the checkpoint's step, from trainer_state.json's global_step or a "
+                                             "checkpoint-N folder name; else newest + 1, 0 in a new run).")] = None,
     anchor_every: Annotated[int, typer.Option(help="Write a full anchor every N versions.")] = 50,
-    public: Annotated[bool, typer.Option(help="Create the bucket public (default private).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    public: Annotated[bool, typer.Option("--public/--private", help="Create the bucket public (default private).")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
     base_model: Annotated[Path | None, typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
     effort: Annotated[str, typer.Option(help="size: the smallest patch; speed: about 27% larger, encoded and decoded faster.")] = "size",
     rewind: Annotated[bool, typer.Option("--rewind", help="Allow a version at or below the run's newest: the run rewinds and "
@@ -123,8 +127,9 @@ def push(
 def pull(
     url: Annotated[str, typer.Argument(help="Run URL.")],
     dest: Annotated[Path, typer.Argument(help="Output: a folder, or a path ending in .safetensors for one file.")],
-    version: Annotated[int | None, typer.Option(help="Version to materialize (default: newest committed).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    version: Annotated[int | None, typer.Option(help="Version to materialize: the number `push --step` gave it, as `log` "
+                                                "lists them (default: the newest committed).")] = None,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact
     (an adapter run: as a PEFT adapter folder), with the config and tokenizer files the run

@@ -23,7 +23,7 @@ from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digests
 from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
-from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
+from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
 
@@ -52,7 +52,7 @@ def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
             problems.append(f"tensor '{name}': not contiguous (call `.contiguous()` on it first)")
     if problems:
         raise PatchMismatchError(
-            f"patch {patch.header.base_version}->{patch.header.target_version} does not fit the tensors: " + "; ".join(problems),
+            f"patch {patch.header.base_version}->{patch.header.target_version} does not fit the tensors: " + some_of(problems),
             hint="apply the patch to the model it was made for (same names, dtypes and shapes)",
         )
 

@@ -8,6 +8,8 @@ runs) and the `env_space/` package with its word lists. It boots locally as a pl
 Guarantee: the server's configuration travels as Space variables (`ENV_*`, the same names
 `python -m env_space` reads); its API key, when given (the CLI generates one for a public
 Space), only as the Space secret `ENV_API_KEY`. No HF token is set: the server reads nothing.
+A Space is reached only through the Hub's proxy, so `ENV_TRUSTED_PROXIES=*`: the server tells
+clients apart by the address that proxy appends to `X-Forwarded-For`, not by the proxy's own.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
         card={"title": f"{name} (sparsesync env)", "app_port": APP_PORT},
         extra_files={"requirements.txt": requirements()},
         variables={"ENV_TASK": task, "ENV_MAX_SESSIONS": str(max_sessions),
-                   "ENV_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}", "ENV_MAX_BODY_BYTES": str(max_body_bytes)},
+                   "ENV_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}", "ENV_MAX_BODY_BYTES": str(max_body_bytes),
+                   "ENV_TRUSTED_PROXIES": "*"},
         secrets={"ENV_API_KEY": api_key} if api_key else {},
         hardware=hardware,
         private=private,

@@ -13,10 +13,12 @@ Guarantees: configuration travels as Space variables (the `SPARSESYNC_*` names t
 `python -m inference_space` reads), credentials only as Space secrets, never in a file: the HF
 token (to read a private bucket) as `HF_TOKEN`, a bucket URL that carries credentials
 (`s3://KEY:SECRET@...`, `?...secret...=`) as the secret `SPARSESYNC_BUCKET`, the replica's API
-key as `SPARSESYNC_API_KEY`; errors show the bucket redacted. Both engines enforce that key: the
+key as `SPARSESYNC_API_KEY`, an s3:// run's AWS_* settings when asked (`s3_credentials`);
+errors show the bucket redacted. Both engines enforce that key: the
 replica app reads it, vLLM's server gets it as `VLLM_API_KEY` from the secret at start (`/v1/*`)
 and sparsesync's endpoint guards `/sync` with it. Only a private Space without a key sets
-`SPARSESYNC_ALLOW_NO_KEY=1` (the Hub guards it); every other server refuses 0.0.0.0 without one. Spaces are private unless
+`SPARSESYNC_ALLOW_NO_KEY=1` (the Hub guards it); every other server refuses 0.0.0.0 without one.
+`boot_line` boots a rendered folder locally, secrets as references to shell variables. Spaces are private unless
 `public=True`; the model folder's dotfiles and VCS folders are never copied (`space.DEFAULT_IGNORE`).
 """
 
@@ -24,11 +26,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from sparsesync.deploy.errors import DeployError
-from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact
+from sparsesync.deploy.space import DEFAULT_IGNORE, SpaceSpec, has_credentials, redact, shell_env
 
 APP_PORT = 7860
 ENGINES = ("embedded", "vllm")
@@ -114,6 +117,41 @@ def vllm_dockerfile(template: str) -> str:
     ])
 
 
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                  "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def s3_credentials(bucket: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The AWS_* settings of `environ` an s3:// run's replicas read (`S3_CREDENTIALS`, those set),
+    to be sent as Space secrets only. DeployError when the bucket is not s3:// or the key pair is missing."""
+    if not bucket.startswith("s3://"):
+        raise DeployError(f"--s3-credentials is for an s3:// bucket, not {redact(bucket)!r}",
+                          hint="drop --s3-credentials (hf:// buckets use the HF token)")
+    found = {k: environ[k] for k in S3_CREDENTIALS if environ.get(k)}
+    if not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(found):
+        raise DeployError("--s3-credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not both set here",
+                          hint="export them (and AWS_ENDPOINT_URL for R2/GCS/MinIO) in this shell, then deploy again")
+    return found
+
+
+def boot_line(spec: SpaceSpec, folder: Path, engine: str) -> str:
+    """The shell command that boots the rendered Space `folder` locally as the Space runs it:
+    configuration as its variables' values, secrets as references to variables of the same
+    name that the user sets in the shell (their values are never printed)."""
+    import shlex
+
+    env, words = spec.variables, shell_env(spec)
+    if engine == "vllm":
+        cmd = ["python", "-m", "sparsesync.integrations.vllm", "serve", shlex.quote(env["SPARSESYNC_MODEL"]),
+               "--served-model-name", shlex.quote(env["SPARSESYNC_SERVED_MODEL_NAME"]), "--host", "127.0.0.1",
+               "--port", env["PORT"], "--weight-transfer-config", shlex.quote('{"backend": "sparsesync"}')]
+        key = ['VLLM_API_KEY="$SPARSESYNC_API_KEY"'] if "SPARSESYNC_API_KEY" in spec.secrets else []  # as VLLM_CMD does
+        words = ['PYTHONPATH="$PWD"', "VLLM_PLUGINS=sparsesync", *words, *key]
+    else:
+        cmd = ["python", "-m", "inference_space"]
+    return f"cd {shlex.quote(str(folder))} && python sparsesync/codec/_build.py && {' '.join([*words, *cmd])}"
+
+
 def replica_space_ids(space_id: str, replicas: int) -> list[str]:
     """NS/NAME for one replica, NS/NAME-1 ... NS/NAME-K for K."""
     if replicas < 1:
@@ -135,6 +173,7 @@ def inference_space_specs(
     poll_interval: float = 1.0,
     allow_local_bucket: bool = False,
     api_key: str | None = None,
+    extra_secrets: Mapping[str, str] | None = None,
 ) -> list[SpaceSpec]:
     """One `SpaceSpec` per replica, following the run at `bucket` with `model`'s weights first."""
     if engine not in ENGINES:
@@ -167,7 +206,7 @@ def inference_space_specs(
     regions = regions or [None]  # type: ignore[list-item]
     secret_bucket = has_credentials(bucket)
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
-               **({"SPARSESYNC_API_KEY": api_key} if api_key else {})}
+               **({"SPARSESYNC_API_KEY": api_key} if api_key else {}), **dict(extra_secrets or {})}
     variables = {
         # a private Space with no key of its own is guarded by the Hub (the replica refuses 0.0.0.0 without a key otherwise)
         **({"SPARSESYNC_ALLOW_NO_KEY": "1"} if private and not api_key else {}),

@@ -45,6 +45,15 @@ def redact(value: str) -> str:
     return _redact(value)
 
 
+def shell_env(spec: SpaceSpec, skip: Sequence[str] = ("HOST",)) -> list[str]:
+    """`NAME=value` words that give a local process the Space's variables, and `NAME="$NAME"`
+    for each secret: a reference to a shell variable the user sets (a value is never printed)."""
+    import shlex
+
+    words = [f"{k}={shlex.quote(v)}" for k, v in sorted(spec.variables.items()) if k not in skip]
+    return words + [f'{k}="${k}"' for k in sorted(spec.secrets)]
+
+
 def has_credentials(value: str) -> bool:
     """Whether `value` carries something `redact` would mask."""
     return redact(value) != value

@@ -261,6 +261,7 @@ class Follower:
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._status.current_version is None or self._status.current_version < version:
+                self._backoff.raise_refused(self.store.url)  # the engine refuses the run's layout: no wait helps
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -307,7 +308,7 @@ class Follower:
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec)), rec, state,
+                self._call_hook(lambda: self.hook.load_full(rec.version, state, **self._label(rec, digests)), rec, state,
                                 adopt=lambda: self._adopt(state, digests, rec.version), digests=digests)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
             elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
@@ -341,8 +342,9 @@ class Follower:
         if self._pages_out:
             drop_resident(self.mirror.values())  # the pages stay in the page cache, out of RSS
 
-    def _label(self, rec: CommitRecord) -> dict[str, str]:  # for a hook that reports its state digest (hooks.py)
-        return {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
+    def _label(self, rec: CommitRecord, digests: dict[str, str] | None = None) -> dict[str, object]:  # what a hook takes (hooks.py)
+        kw: dict[str, object] = {"state_digest": rec.state_digest} if getattr(self.hook, "takes_state_digest", False) else {}
+        return {**kw, "digests": self.digests if digests is None else digests} if getattr(self.hook, "takes_digests", False) else kw
 
     def _in_sync(self) -> bool:
         """Whether the engine holds exactly the mirror's version (so a patch may go on top)."""
@@ -397,12 +399,12 @@ class Follower:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
-            log.error("engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            log.log(self._backoff.level(str(e)), "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
             try:
                 check_held(state, self.digests if digests is None else digests, rec, written=self._pager(state))
-                self.hook.load_full(rec.version, state, **self._label(rec))
+                self.hook.load_full(rec.version, state, **self._label(rec, digests))
             except BaseException as e2:
-                self._backoff.engine_failed = not isinstance(e2, MirrorMismatchError)
+                self._backoff.engine_error(e2, counts=not isinstance(e2, MirrorMismatchError))
                 self._set(current_version=None, lag=None, state_digest=None)
                 if not isinstance(e2, Exception) or isinstance(e2, MirrorMismatchError):
                     raise

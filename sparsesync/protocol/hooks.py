@@ -7,7 +7,10 @@ digests verified), and only then calls the hook, which is the only step that tou
 engine. If the hook raises, the follower reloads the engine from the mirror with `load_full`.
 A hook whose class sets `takes_state_digest = True` also gets `state_digest=` (the commit's state
 digest of `version`) on both calls, so it can report which commit its weights are, not only which
-version number (a rewind commits a number again with other weights).
+version number (a rewind commits a number again with other weights). A hook whose class sets
+`takes_digests = True` also gets `digests=` on both calls: the version's per-tensor digests (every
+tensor, as verified in the mirror; a tensor published in row units is missing), against which it
+checks the whole state it serves, not only what the version touched, before reporting it.
 A hook whose class sets `pages_out_mirror = True` gets a follower that keeps the mirror out of the
 process's RSS (`mirror.pager`: each tensor unmapped once read or written, the bits kept in the
 page cache): for engines whose update reads what it touches of the mirror once and costs far more

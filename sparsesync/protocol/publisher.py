@@ -28,6 +28,7 @@ shard; decided at the first `publish`/`resume`, alike on every rank).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -47,13 +48,15 @@ from sparsesync.protocol.records import AdapterMeta
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
-from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.config import PublisherConfig, served_dtype
 from sparsesync.protocol.writer.ranks import Ranks, holds_shards
 from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
 from sparsesync.protocol.writer.sharded import ShardedState
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
 from sparsesync.protocol.writer.whole import WholeState
 from sparsesync.store import Store, open_store
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Publisher"]
 
@@ -93,7 +96,11 @@ class Publisher:
         dtype (`torch.dtype`, *optional*):
             Publish floating tensors in this dtype (e.g. `torch.bfloat16` for an fp32 master): each
             tensor is cast as it is diffed, so no cast copy of the whole state exists; the bytes are
-            those of publishing the cast state. Default: as given. Not for a sharded publisher.
+            those of publishing the cast state. Default: an fp32 state (every floating tensor
+            fp32: an fp32 master) whose `extra_files` config.json declares bfloat16 or float16 is
+            published in that dtype, the one replicas started from that checkpoint serve (logged
+            once); any other state as given. `dtype=torch.float32` keeps an fp32 master as fp32.
+            Not for a sharded publisher (its shards are published as given).
         effort (`"size"` or `"speed"`, defaults to `"size"`):
             `"size"`: smallest patches; `"speed"`: 26-29% larger at 1.6% density, encoded and decoded faster.
         dist_timeout_s (`float`, defaults to 300.0):
@@ -134,6 +141,7 @@ class Publisher:
         self._queue = UploadQueue(self.store.url, self.config, self._upload)
         # None: not decided yet (distributed: the first publish/resume decides), or a rank other
         # than 0 under replicated weights, which publishes nothing
+        self._dtype_picked = dtype is not None  # else the first publish/resume picks it (`_pick_dtype`)
         self._mode: WholeState | ShardedState | None = self._whole() if self._ranks is None else None
         self._decided = self._ranks is None
 
@@ -165,6 +173,7 @@ class Publisher:
             self._check_open()
             state, self.adapter = adapter_state(state, self.adapter)
             check_publish(self._newest, self.adapter, self.store.url)
+            self._pick_dtype(state)
             state = mode.checkpoint(state)
             version = self._next_version(step)
             mode.publish(state, version)
@@ -203,6 +212,8 @@ class Publisher:
             if not self._decided:
                 self._choose(state)
         mode = self._mode
+        if isinstance(mode, WholeState):
+            self._pick_dtype(state)
         if isinstance(mode, WholeState) and version is not None:
             commits = mode.commits_to_resume()
             if version != commits[-1].version:  # a rewind (docs/protocol.md, "Rewinds")
@@ -338,6 +349,18 @@ class Publisher:
             self._mode = self._whole()
         self._decided = True
         return self._mode
+
+    def _pick_dtype(self, state: Any) -> None:
+        """Whole state, no `dtype=` given: at the first publish/resume, publish an fp32 master in
+        the 16-bit dtype its config.json declares (`served_dtype`), for the rest of the run."""
+        adapter_run = self.adapter is not None or getattr(self._newest, "adapter", None) is not None
+        if self._dtype_picked or adapter_run or not isinstance(state, Mapping):
+            return
+        self._dtype_picked = True
+        if self.config.dtype is None and (dtype := served_dtype(self._files.get("config.json"), state)) is not None:
+            self.config.dtype = dtype
+            log.info("publishing the fp32 state as %s, the dtype its config.json declares (replicas serve it); "
+                     "Publisher(dtype=torch.float32) keeps fp32", str(dtype).removeprefix("torch."))
 
     def _whole(self) -> WholeState:
         return WholeState(config=self.config, run=self.run, commits=self._commits, files=self._files,

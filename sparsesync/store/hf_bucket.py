@@ -21,6 +21,13 @@ Guarantees: buckets are created only when asked (`create=True`) and then private
 `private=False`; there is no create-only write on the Hub (`has_create_only` is False, last
 writer wins); listings may be stale, callers re-list. huggingface_hub retries 429/5xx itself;
 `sparsesync.store.retry` bounds the whole call on top of that.
+
+First contact fails fast: until the endpoint has answered once in this process, every call
+first sends one request to it without any retry (through huggingface_hub's own HTTP session,
+so proxies apply); a host name that does not resolve, a refused connection or no route raises
+`StoreUnavailableError` at once, one line naming the host and the fix, with no retry warnings.
+After that first answer the same failures are transient (a Hub restarting, a network blip)
+and retried as before. A slow first answer (a timeout) is not judged here: the call proceeds.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 _BATCH_RESENDS = 2
 _TIMEOUT_S = 60.0
+_PROBE_TIMEOUT_S = 10.0
 
 
 class HfBucketStore(Store):
@@ -98,8 +106,22 @@ class HfBucketStore(Store):
 
         return (self._token or get_token(),)
 
+    def _first_contact(self, what: str, url: str) -> None:
+        """First contact fails fast (see module docstring); a no-op once the endpoint answered."""
+        import httpx2
+        from huggingface_hub.utils import get_session
+
+        fix = (f"check the network, and that HF_ENDPOINT={self.endpoint} names a Hub this machine can reach"
+               if os.environ.get("HF_ENDPOINT") else
+               f"connect this machine to the network (the Hub is {self.endpoint}), or set HF_ENDPOINT to a "
+               "Hub it can reach")
+        retry.first_contact(self.endpoint, lambda: get_session().head(
+            f"{self.endpoint}/api/buckets/{self.bucket_id}", timeout=_PROBE_TIMEOUT_S, follow_redirects=False),
+            what=what, url=url, hint=fix, timeouts=(httpx2.TimeoutException,))
+
     def _call(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
         try:
+            self._first_contact(what, url)
             return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
         except StoreError:
             raise

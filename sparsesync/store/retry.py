@@ -9,6 +9,10 @@ credential: messages go through `redact`.
 The budget can be tuned without code through the environment:
 `SPARSESYNC_STORE_RETRY_S` (total seconds, default 60) and `SPARSESYNC_STORE_RETRY_TRIES`
 (tries, default 8); tests set them low to see `StoreUnavailableError` quickly.
+
+`unreachable` tells the failures that waiting does not cure at first contact (a host name that
+does not resolve, a refused connection): a backend checks its endpoint once with it and fails at
+once, in one line, instead of spending the whole budget on retries (hf_bucket.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import os
 import random
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from sparsesync.errors import StoreError, StoreUnavailableError
 
@@ -96,6 +102,59 @@ def is_transient_os_error(exc: BaseException) -> bool:
     if isinstance(exc, (socket.timeout, TimeoutError, ConnectionError)):
         return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """Why a connection could not even be opened, when waiting cannot help the first contact
+    (the host name does not resolve, the connection is refused, no route to the host); else
+    None. Looks through the exception's causes (HTTP clients wrap the socket error)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, socket.gaierror):
+            return "the host name does not resolve (no network, or a wrong name)"
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return "the connection was refused (nothing listens there)"
+        if isinstance(e, OSError) and e.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+            return "there is no route to the host (no network)"
+        e = e.__cause__ or e.__context__
+    text = str(exc).lower()  # the socket error may only survive as text (httpcore re-raises by message)
+    if any(w in text for w in ("name or service not known", "nodename nor servname", "temporary failure in name "
+                               "resolution", "name resolution", "getaddrinfo failed", "no address associated")):
+        return "the host name does not resolve (no network, or a wrong name)"
+    if "connection refused" in text:
+        return "the connection was refused (nothing listens there)"
+    if "network is unreachable" in text or "no route to host" in text:
+        return "there is no route to the host (no network)"
+    return None
+
+
+_reached: set[str] = set()  # endpoints that answered once in this process
+_reached_lock = threading.Lock()
+
+
+def first_contact(endpoint: str, probe: Callable[[], object], *, what: str, url: str, hint: str,
+                  timeouts: tuple[type[BaseException], ...] = ()) -> None:
+    """Until `endpoint` has answered once in this process, run `probe` (one request, no retry):
+    when it fails because the endpoint cannot be reached at all (`unreachable`), raise
+    `StoreUnavailableError` at once, naming the host; any answer marks the endpoint reached.
+    A probe that times out (`timeouts`) or fails otherwise decides nothing: the caller's own
+    call, with its retries, goes ahead."""
+    if endpoint in _reached:
+        return
+    try:
+        probe()
+    except timeouts:
+        return
+    except Exception as e:
+        why = unreachable(e)
+        if why is None:
+            return
+        host = urlsplit(endpoint).netloc or endpoint
+        raise StoreUnavailableError(f"{what} {url}: cannot reach {host}: {why}", url=url, hint=hint) from e
+    with _reached_lock:
+        _reached.add(endpoint)
 
 
 def call(

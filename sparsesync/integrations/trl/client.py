@@ -10,6 +10,10 @@ built by `sparsesync_server_mode`:
         trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="server", ...), ...)
     trainer.train()
 
+- Built, it waits as TRL's `VLLMClient.check_server` does: until every replica answers
+  `GET /health` with 200, polling every 2 s, for at most `connection_timeout` s (TRL passes
+  `GRPOConfig.vllm_server_timeout`, 240 s by default); then `ReplicaUnreachableError`, one line
+  naming the replicas that never answered and how to start one (`python -m inference_space`).
 - `init_communicator` opens a sparsesync `Publisher` (no communicator, no `/server_info`).
 - `update_named_params` publishes the streamed parameters as version `global_step` of the
   trainer (0: the weights TRL syncs before the first step; a delta, the first version this
@@ -47,7 +51,7 @@ import httpx
 import torch
 from transformers import TrainerCallback
 
-from sparsesync.errors import ConfigError, ProtocolError
+from sparsesync.errors import ConfigError, ProtocolError, ReplicaUnreachableError
 from sparsesync.integrations import quiet_trl_vllm_warning
 
 quiet_trl_vllm_warning()  # before TRL is imported (the rollout module imports it)
@@ -70,17 +74,23 @@ class SparsesyncVLLMClient:
         max_concurrent_requests: prompts generated at the same time.
         api_key: the replicas' API key (`--api-key`), sent as `Authorization: Bearer`; default
             the SPARSESYNC_API_KEY environment variable, if set.
+        connection_timeout: seconds to wait for every replica to answer `/health` (TRL's name).
         **publisher_options: `PublisherConfig` fields.
     """
 
     def __init__(self, bucket: str, replicas: str | Sequence[str], *, dtype: torch.dtype = torch.bfloat16,
                  sync_timeout_s: float = 300.0, request_timeout_s: float = 300.0, max_concurrent_requests: int = 16,
-                 api_key: str | None = None, **publisher_options: Any) -> None:
+                 api_key: str | None = None, connection_timeout: float = 240.0, **publisher_options: Any) -> None:
         self.replicas = parse_replica_urls(replicas)
-        self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self.sync_timeout_s = sync_timeout_s
         key = api_key or os.environ.get("SPARSESYNC_API_KEY")
         self._http = httpx.Client(timeout=request_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
+        try:
+            self._wait_until_up(connection_timeout)
+        except BaseException:
+            self._http.close()
+            raise
+        self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self._next = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen")
         self.served: list[int | None] = []  # the weight version of every generate() call, in order
@@ -198,6 +208,32 @@ class SparsesyncVLLMClient:
         r.raise_for_status()
         return r.json()
 
+    def _wait_until_up(self, timeout_s: float, interval_s: float = 2.0) -> None:
+        """Until every replica answers GET /health with 200 (TRL's `check_server`, for all of them)."""
+        deadline = time.monotonic() + timeout_s
+        down: dict[str, str] = {url: "not asked yet" for url in self.replicas}
+        while True:
+            for url in list(down):
+                try:
+                    r = self._http.get(f"{url}/health", timeout=min(10.0, max(1.0, timeout_s)))
+                    if r.status_code == 200:
+                        del down[url]
+                    else:
+                        down[url] = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    down[url] = type(e).__name__
+            left = deadline - time.monotonic()
+            if not down:
+                return
+            if left <= 0:
+                shown = ", ".join(f"{u} ({why})" for u, why in down.items())
+                raise ReplicaUnreachableError(
+                    f"no replica answered GET /health at {shown} within {timeout_s:g} s",
+                    hint="start one per URL: python -m inference_space --model MODEL --bucket BUCKET --port PORT, "
+                    "or fix the URLs (vllm_server_base_url); GRPOConfig(vllm_server_timeout=...) sets the wait")
+            log.info("sparsesync: waiting for replicas %s (%.0f s left)", ", ".join(down), left)
+            time.sleep(min(interval_s, left))
+
     def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST to the next replica; a failed attempt goes to the next one (each replica once)."""
         error: Exception | None = None
@@ -272,11 +308,11 @@ def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = N
 
     original, original_init = generation.VLLMClient, GRPOTrainer.__init__
 
-    def _client(base_url: str | None = None, **_: Any) -> SparsesyncVLLMClient:
+    def _client(base_url: str | None = None, connection_timeout: float = 240.0, **_: Any) -> SparsesyncVLLMClient:
         urls = replicas if replicas is not None else base_url
         if urls is None:
             raise ConfigError("no replica URLs", hint="pass replicas= or set vllm_server_base_url in GRPOConfig")
-        return SparsesyncVLLMClient(bucket, urls, **options)
+        return SparsesyncVLLMClient(bucket, urls, **{"connection_timeout": connection_timeout, **options})
 
     @functools.wraps(original_init)
     def _init(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -9,6 +9,13 @@ vLLM's (`serve`, `--weight-transfer-config`, ...). A sparsesync refusal that end
 (`SparsesyncError`) prints as one line `error: ...` with its fix, exit status 2
 (`SPARSESYNC_DEBUG=1`: the traceback). `python -m vllm.entrypoints.openai.api_server`
 (vLLM's deprecated module entry point) needs no such help.
+
+On a CPU machine, `serve` without any KV-cache size (`--kv-cache-memory-bytes`,
+`--gpu-memory-utilization`, `VLLM_CPU_KVCACHE_SPACE`) gets `--kv-cache-memory-bytes` of
+`CPU_KV_CACHE_BYTES` (and `--max-model-len auto` unless one is given, so the context fits it),
+announced in one line on stderr: vLLM's own default reserves 90% of the machine's memory and
+refuses to start ("Available memory ... less than desired CPU memory utilization") whenever
+other processes hold more than a tenth of it.
 """
 
 from __future__ import annotations
@@ -16,8 +23,38 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 import sys
+from collections.abc import Callable
 
 from sparsesync.errors import SparsesyncError
+
+CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~9k tokens of a 0.6B Qwen3's bf16 KV cache
+_KV_FLAGS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization")
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def cpu_serve_args(argv: list[str], *, is_cpu: Callable[[], bool], environ: dict[str, str] | None = None) -> list[str]:
+    """`argv` (after the program name) with a KV-cache size added for `serve` on a CPU platform
+    when none was given (see module docstring); unchanged otherwise. `is_cpu` is asked only then."""
+    env = os.environ if environ is None else environ
+    if not argv or argv[0] != "serve" or any(_given(argv, f) for f in _KV_FLAGS) or env.get("VLLM_CPU_KVCACHE_SPACE"):
+        return argv
+    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv) or not is_cpu():
+        return argv
+    extra = ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+    if not _given(argv, "--max-model-len"):
+        extra += ["--max-model-len", "auto"]
+    print(f"sparsesync: a CPU machine: serving with {' '.join(extra)} (vLLM's default reserves 90% of the "
+          "machine's memory); pass --kv-cache-memory-bytes N to choose", file=sys.stderr)
+    return [*argv, *extra]
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def main() -> None:
@@ -34,6 +71,7 @@ def main() -> None:
     metadata.version = version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    sys.argv[1:] = cpu_serve_args(sys.argv[1:], is_cpu=_platform_is_cpu)
     sys.argv[0] = "vllm"
     try:
         vllm_main()

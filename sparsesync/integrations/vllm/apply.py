@@ -15,6 +15,11 @@ user's own script). Guarantees:
   version's tensors in checkpoint coordinates, never a copy of its own (at start the checkpoint
   the engine loaded; then the tensors each `load` and `patch` was given, e.g. the follower's
   file-backed mirror). "sparse" mode (GPU): indices and values only.
+- The whole state, not only what an update touched: a "reload" update also hands the worker
+  the version's digest and dtype of every tensor it does not send (`verify`), which the worker
+  checks against what its forward pass reads (`unchanged.py`) before the version moves. The
+  digests are the caller's (`digests=`: the follower's, of the version) or, for a tensor the
+  caller gave none for, hashed once from `self.source` and kept until that tensor changes.
 - Staging: in memory for single-process engines; otherwise a file under /dev/shm that every
   worker reads (multi-process, tensor parallel), removed after the update.
 """
@@ -27,6 +32,7 @@ from typing import Any
 
 import torch
 
+from sparsesync.codec import tensor_digest
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineError
 from sparsesync.integrations.vllm.layout import DEFAULT_PACKED, Layout
@@ -61,22 +67,35 @@ class WeightSync:
             raise EngineError(f"vllm update mode '{mode}': expected 'reload' or 'sparse'")
         self.llm = llm
         self.mode = mode
+        self.check = check
         self.source: dict[str, torch.Tensor] = dict(source)  # name -> the served version's tensor (references)
         self.in_memory = _single_process(llm)
         try:
             packed = llm.collective_rpc(_packed_mapping)[0] or DEFAULT_PACKED
         except Exception:  # noqa: BLE001 - engines may refuse callables over RPC
             packed = DEFAULT_PACKED
+        self.digests: dict[str, str] = {}  # name -> digest of `source[name]` (filled as needed)
         self.layout = Layout({k: tuple(v.shape) for k, v in self.source.items()}, packed)
         shapes = {k: list(v.shape) for k, v in self.source.items()}
         llm.init_weight_transfer_engine({"init_info": {"run_url": run_url, "shapes": shapes, "check": check}})
 
     @torch.no_grad()
-    def load(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load(self, version: int, tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str] | None = None) -> None:
         """Replace every weight with `tensors` (checkpoint names, complete key set), which become
-        the source (by reference, no copy)."""
+        the source (by reference, no copy). `digests`: theirs, where known."""
         self.source = dict(tensors)
+        self.digests = {n: d for n, d in (digests or {}).items() if n in self.source}
         self._transfer(version, "dense", {"tensors": dict(self.source)})
+
+    def _verify(self, sent: list[str], digests: Mapping[str, str] | None) -> dict[str, list[str]]:
+        """[digest, dtype] of every source tensor not in `sent` (see module docstring)."""
+        out = {}
+        for name in sorted(set(self.source) - set(sent)):
+            d = (digests or {}).get(name) or self.digests.get(name)
+            if d is None:
+                d = self.digests[name] = tensor_digest(self.source[name])
+            out[name] = [d, str(self.source[name].dtype).removeprefix("torch.")]
+        return out
 
     @torch.no_grad()
     def patch(self, version: int, updates: Mapping[str, SparseUpdate], digests: Mapping[str, str] | None = None,
@@ -92,6 +111,8 @@ class WeightSync:
                 self.source[name] = full[name]
             else:
                 self.source[name].view(-1).index_put_((upd.indices,), upd.values)
+            self.digests.pop(name, None)
+        self.digests.update({n: d for n, d in (digests or {}).items() if n in self.source})
         if self.mode == "sparse":
             payload = {
                 "updates": {n: (u.indices, u.values) for n, u in updates.items()},
@@ -101,7 +122,8 @@ class WeightSync:
             self._transfer(version, "sparse", payload)
             return sorted(updates)
         names = self.layout.complete_groups(updates)
-        self._transfer(version, "dense", {"tensors": {n: self.source[n] for n in names}})
+        verify = self._verify(names, digests) if self.check else {}
+        self._transfer(version, "dense", {"tensors": {n: self.source[n] for n in names}, "verify": verify})
         return names
 
     def _transfer(self, version: int, kind: str, payload: dict[str, Any] | None) -> None:

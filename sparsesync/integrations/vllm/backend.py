@@ -31,6 +31,16 @@ weights back in checkpoint coordinates from what the forward pass reads (`readba
 dense: every element of every tensor sent, and the tied head against the embedding; sparse:
 every touched element, and each touched tensor's digest on a single rank. A mismatch raises
 `EngineCheckError`, so the caller never reports the version as served.
+
+The rest of the state (a dense update's `verify`: the version's digest and dtype of every
+checkpoint tensor not sent; single rank only, tensor parallel workers skip it): each tensor
+the forward pass reads from a parameter (norms, embeddings, biases, experts, linears whose
+kernel multiplies with the parameter) is read from the live model and its digest compared
+with the version's, so an in-place edit or a replaced Parameter fails the update. A layer read
+through a packed CPU kernel (oneDNN, sgl: a copy the parameter no longer reaches) is not
+probed again: its module and kernel object must be the very ones the last passing read-back of
+that layer verified (identity, not bytes: a rewrite inside the packed copy itself is not seen);
+a layer not verified so since the engine started fails the check, which a full load clears.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from sparsesync.errors import EngineCheckError
-from sparsesync.integrations.vllm import readback
+from sparsesync.integrations.vllm import readback, unchanged
 from sparsesync.integrations.vllm.layout import Layout, Location
 from sparsesync.protocol.mirror import pager, release_freed_memory
 
@@ -92,7 +102,7 @@ def stage_file(kind: str, payload: dict[str, Any], directory: str | None = None)
     os.close(fd)
     if kind == "dense":
         flat = {n: t.contiguous() for n, t in payload["tensors"].items()}
-        meta = {}
+        meta = {"verify": json.dumps(payload["verify"])} if payload.get("verify") else {}
     else:
         flat = {}
         for n, (idx, val) in payload["updates"].items():
@@ -144,10 +154,10 @@ def _load_payload(info: SparsesyncUpdateInfo) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     flat = load_file(str(info.path))
-    if info.kind == "dense":
-        return {"tensors": flat}
     with safe_open(str(info.path), framework="pt") as f:
         meta = f.metadata() or {}
+    if info.kind == "dense":
+        return {"tensors": flat, "verify": json.loads(meta.get("verify", "{}"))}
     names = sorted({k.rsplit(".", 1)[0] for k in flat})
     return {
         "updates": {n: (flat[f"{n}.indices"], flat[f"{n}.values"]) for n in names},
@@ -247,6 +257,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
         self.layout: Layout | None = None
         self.check_enabled = True
         self.last_checked = 0  # tensors read back by the last update
+        self.kernels: dict[str, tuple[torch.nn.Module, Any]] = {}  # module -> (module, packed kernel) last read back and passed
 
     def init_transfer_engine(self, init_info: SparsesyncInitInfo) -> None:
         self.run_url = init_info.run_url
@@ -263,7 +274,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
     def receive_weights(self, update_info: SparsesyncUpdateInfo) -> None:
         payload = _load_payload(update_info)
         if update_info.kind == "dense":
-            self._load_dense(payload["tensors"])
+            self._load_dense(payload["tensors"], payload.get("verify") or {})
         else:
             self._load_sparse(payload["updates"], payload.get("shapes", {}), payload.get("digests", {}))
         self.updates_applied += 1
@@ -273,7 +284,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
-    def _load_dense(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _load_dense(self, tensors: dict[str, torch.Tensor], verify: dict[str, Any]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -288,10 +299,17 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             _repack(head)
         if self.check_enabled:
             rank, size = self._tp()
-            problems = readback.check(self.model, self._layout(tensors), tensors, rank=rank, size=size)
+            layout = self._layout(tensors)
+            problems = readback.check(self.model, layout, tensors, rank=rank, size=size)
             for _, emb in heads:
                 problems += readback.check_tied_head(self.model, tensors[emb], rank=rank, size=size)
-            self._raise(problems, len(tensors))
+            if size == 1:
+                problems += unchanged.check(self.model, layout, verify, self.kernels)
+            self._raise(problems, len(tensors) + len(verify))
+            for name in tensors:  # each packed kernel just read back and passed: its identity from now on
+                unchanged.remember(self.model, layout.locate(name), self.kernels)
+            for head, _ in heads:
+                unchanged.remember_module(head, "lm_head", self.kernels)
 
     def _load_sparse(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]) -> None:
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
@@ -344,7 +362,8 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
                 problems.append(f"tensor '{name}': cannot read it back ({e})")
                 continue
             got = got.cpu()
-            if bool((readback.flushed(got)[m] != readback.flushed(exp)[m]).any()):
+            want = readback.same_width(got, exp)
+            if got.dtype != want.dtype or bool((readback.bits(got) != readback.bits(want))[m].any()):
                 problems.append(f"tensor '{name}': touched elements differ from the version")
             elif size == 1 and name in digests and tensor_digest(got.contiguous()) != digests[name]:
                 problems.append(f"tensor '{name}': digest of the engine's copy differs from the version's")

@@ -41,7 +41,7 @@ import torch
 
 from sparsesync.checkpoint import TIED_ALIASES
 from sparsesync.codec.apply import SparseUpdate
-from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError
+from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 from sparsesync.protocol.follower import Follower
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class ServerHook:
 
     name = "vllm"
     pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.hooks)
+    takes_digests = True  # the version's per-tensor digests: the worker checks the tensors not sent against them
 
     def __init__(self, control: EngineControl, state: dict[str, torch.Tensor], *, run_url: str = "",
                  pause_mode: str = "wait", check: bool = True) -> None:
@@ -153,17 +154,18 @@ class ServerHook:
         self._lock = threading.Lock()
 
     # -- ApplyHook ----------------------------------------------------------------------
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, digests: Mapping[str, str] | None = None) -> None:
         tensors = self._drop_aliases(tensors)
         missing = sorted(set(self.state) - set(tensors))
-        self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing[:5]])
-        self._apply(version, lambda: self.sync.load(version, tensors))
+        self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing])
+        self._apply(version, lambda: self.sync.load(version, tensors, digests))
 
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *,
+                     digests: Mapping[str, str] | None = None) -> None:
         full = self._drop_aliases(full)
         updates = {k: v for k, v in updates.items() if k in full}
         self._check_layout(full, [])
-        self._apply(version, lambda: self.sync.patch(version, updates, full=full))
+        self._apply(version, lambda: self.sync.patch(version, updates, digests, full=full))
 
     # -- internals ----------------------------------------------------------------------
     def _drop_aliases(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,8 +187,9 @@ class ServerHook:
             elif tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
                 problems.append(f"tensor '{name}': {t.dtype} {list(t.shape)}, expected {ref.dtype} {list(ref.shape)}")
         if problems:
-            raise WeightUpdateError("update rejected: " + "; ".join(problems[:5]),
-                                    hint="the run was published from another model; start the server with that model")
+            raise WeightUpdateError("update rejected: " + some_of(problems),
+                                    hint=dtype_hint(tensors, {k: v.dtype for k, v in self.state.items()}, "vLLM server")
+                                    or "the run was published from another model; start the server with that model")
 
     def _apply(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
         with self._lock:
@@ -244,6 +247,8 @@ class FollowRunner:
         self.started_at = time.time()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def setup(self) -> None:
         """Read the served checkpoint, open the weight-transfer engine, attach the follower."""
@@ -270,7 +275,10 @@ class FollowRunner:
                 log.exception("sparsesync: the vLLM server will not follow %s", self.bucket)
                 return
             assert self.follower is not None
-            self.follower.start()
+            with self._stop_lock:
+                if self._stopped:  # the server is shutting down already
+                    return
+                self.follower.start()
             log.info("sparsesync: the vLLM server follows %s", self.bucket)
 
         self._thread = threading.Thread(target=run, name="sparsesync-vllm-setup", daemon=True)
@@ -280,6 +288,11 @@ class FollowRunner:
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
+        """Stop following (idempotent): returns once no engine call of the follower is in flight."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         if self.follower is not None:
             self.follower.stop()
 

@@ -15,9 +15,14 @@ kernel layout, and a tied LM head is packed apart from the embedding it ties to.
 - everything else (embeddings, norms, GPU weights) is the parameter itself.
 
 `check(model, layout, expected)` compares every element of every expected tensor with the
-engine's (as float: -0.0 equals 0.0 and subnormals compare as zero, since CPU kernels may
-flush them) and returns one message per mismatching tensor. Tensor parallelism: each rank
-compares its own shard. Memory: one parameter's read at a time (a probed layer's W is written
+engine's by bit pattern (both viewed as integers of their width; an engine copy held wider than
+the checkpoint, e.g. an fp32 bias of a bf16 model, is compared with the checkpoint's values
+widened, which is exact), so -0.0 differs from 0.0 and every NaN payload and subnormal counts.
+One exception, only for a layer read through its packed CPU kernel (the identity product):
+a product cannot show the sign of a zero nor a subnormal the kernel flushes (nor can the
+forward pass, which computes through the same kernel), so there -0.0, +0.0 and subnormals all
+compare as +0.0 on both sides, every other bit pattern exactly. It returns one message per
+mismatching tensor. Tensor parallelism: each rank compares its own shard. Memory: one parameter's read at a time (a probed layer's W is written
 block by block into one tensor) and comparisons in blocks of `_COMPARE_ELEMS` elements, never a
 whole-model or whole-tensor float temporary.
 """
@@ -209,19 +214,51 @@ def local_pair(
     return full, exp
 
 
-def flushed(t: torch.Tensor) -> torch.Tensor:
-    f = t.float()
-    return torch.where(f.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(f), f)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def count_differing(got: torch.Tensor, want: torch.Tensor) -> int:
-    """Elements of two same-shape CPU tensors that differ as `flushed` floats, compared a block of
-    dim-0 rows (about `_COMPARE_ELEMS` elements) at a time: the float temporaries of a whole
-    tensor at once were 8-10 times its bf16 bytes, for the largest tensor of the model."""
+def bits(t: torch.Tensor, *, through_kernel: bool = False) -> torch.Tensor:
+    """`t`'s bit patterns as integers of its width (`through_kernel`: -0.0 and subnormals as +0.0
+    first, see the module docstring)."""
+    if through_kernel and t.is_floating_point():
+        t = torch.where(t.abs() < torch.finfo(t.dtype).tiny, torch.zeros_like(t), t)  # -0.0 < tiny too
+    t = t.contiguous()
+    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
+
+
+def same_width(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """`want` in `got`'s dtype when `got` is a wider float (exact); else `want` as it is (a
+    narrower or other dtype then differs, loudly)."""
+    if got.dtype != want.dtype and got.is_floating_point() and want.is_floating_point() and got.element_size() > want.element_size():
+        return want.to(got.dtype)
+    return want
+
+
+def count_differing(got: torch.Tensor, want: torch.Tensor, *, through_kernel: bool = False) -> int:
+    """Elements of two same-shape CPU tensors whose bit patterns differ (`bits`), compared a
+    block of dim-0 rows (about `_COMPARE_ELEMS` elements) at a time: temporaries of a whole tensor
+    at once were several times its bytes, for the largest tensor of the model. Tensors of
+    different dtypes (after `same_width`) differ everywhere."""
+    want = same_width(got, want)
+    if got.dtype != want.dtype:
+        return got.numel()
+
+    def diff(g: torch.Tensor, w: torch.Tensor) -> int:
+        return int((bits(g, through_kernel=through_kernel) != bits(w, through_kernel=through_kernel)).sum())
+
     if got.dim() == 0 or got.numel() == 0:
-        return int((flushed(got) != flushed(want)).sum())
+        return diff(got, want)
     step = max(1, _COMPARE_ELEMS // max(1, got[0].numel()))
-    return sum(int((flushed(got[s : s + step]) != flushed(want[s : s + step])).sum()) for s in range(0, got.shape[0], step))
+    return sum(diff(got[s : s + step], want[s : s + step]) for s in range(0, got.shape[0], step))
+
+
+def through_kernel(mod: torch.nn.Module, loc: Location) -> bool:
+    """Whether `as_read` reads `loc` through the layer's packed CPU kernel (not its parameter)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    p = getattr(mod, loc.param)
+    return (loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, ParallelLMHead) or not _is_embedding(mod))
+            and not _kernel_reads_parameter(mod, p))
 
 
 def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
@@ -251,7 +288,7 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         if tuple(got.shape) != tuple(exp.shape):
             problems.append(f"tensor '{name}': engine holds shape {list(got.shape)}, expected {list(exp.shape)}")
             continue
-        if n := count_differing(got, exp):
+        if n := count_differing(got, exp, through_kernel=through_kernel(module_of(model, loc), loc)):
             problems.append(f"tensor '{name}': {n} of {exp.numel()} elements differ from the version ({loc.module}.{loc.param})")
     return problems
 
@@ -263,6 +300,6 @@ def check_tied_head(model: torch.nn.Module, embed: torch.Tensor, *, rank: int = 
         return []
     loc = Location("lm_head", "weight", "vocab")
     got, exp = local_pair(model, loc, embed.to("cpu"), rank, size)
-    if n := count_differing(got.to("cpu"), exp):
+    if n := count_differing(got.to("cpu"), exp, through_kernel=through_kernel(head, loc)):
         return [f"tied LM head: {n} of {exp.numel()} elements differ from 'model.embed_tokens.weight'"]
     return []

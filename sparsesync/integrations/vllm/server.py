@@ -15,7 +15,8 @@ named inside `--weight-transfer-config`: vLLM's `WeightTransferConfig` forbids k
 `backend`. The general plugin (`plugin.register`) registers the backend in the engine's
 processes. Guarantees: those of `follow.ServerHook`; `/weight_info` reports the version served
 (`weight_version`, a string); a server configured to follow but missing the weight-transfer
-backend refuses to start (`ConfigError`).
+backend refuses to start (`ConfigError`); a server stopped (Ctrl-C, SIGTERM) stops following
+before its engine stops, so no apply is in flight when the engine goes (`stop_first`).
 
 Access: `/sync` takes the keys vLLM's `--api-key` (or `VLLM_API_KEY`) sets, as vLLM's own `/v1`
 routes do (`Authorization: Bearer KEY`; 401 `{"error": "Unauthorized"}` otherwise, vLLM's
@@ -173,4 +174,39 @@ class SparsesyncEndpoint:
         )
         state.sparsesync = self.runner
         self.runner.start()
+        stop_first(engine_client, self.runner)
         atexit.register(self.runner.stop)  # the last heartbeat says "stopped"
+
+
+class _EngineGoneOnShutdown(logging.Filter):
+    """Drops vLLM's "AsyncLLM output_handler failed." `EngineDeadError` record once the server
+    is shutting down: vLLM stops the engine before it cancels the task that reads the engine's
+    outputs, so that task may see the engine gone and log a traceback of a normal stop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopping or record.getMessage() != "AsyncLLM output_handler failed.":
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return type(exc).__name__ != "EngineDeadError"
+
+
+def stop_first(engine_client: Any, runner: FollowRunner) -> None:
+    """Make the server's shutdown stop following before it stops the engine, and stop quietly:
+    an apply in flight when the engine goes would fail, and vLLM's output task logs an
+    `EngineDeadError` traceback when it sees the engine gone during its own shutdown (Ctrl-C
+    while versions arrive). Wraps this one engine client's `shutdown` and filters that one
+    record of vLLM's async engine logger from the shutdown on; vLLM itself is unchanged."""
+    shutdown = engine_client.shutdown
+    quiet = _EngineGoneOnShutdown()
+    logging.getLogger("vllm.v1.engine.async_llm").addFilter(quiet)
+
+    def stop_following_then_shut_down(*args: Any, **kwargs: Any) -> Any:
+        quiet.stopping = True
+        runner.stop()  # waits for an apply in flight (the event loop still runs: vLLM calls this in an executor)
+        return shutdown(*args, **kwargs)
+
+    engine_client.shutdown = stop_following_then_shut_down

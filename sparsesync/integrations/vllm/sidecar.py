@@ -3,6 +3,9 @@
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "sparsesync"}'
     sparsesync follow --vllm http://127.0.0.1:8000 --bucket hf://buckets/NS/NAME/RUN --model MODEL
 
+Both flags of the server are needed: without `--weight-transfer-config` vLLM answers the first
+update with HTTP 500 "Weight transfer not configured", which `follow` reports with that fix.
+
 For servers that cannot load the endpoint plugin (`server.py`; e.g. `VLLM_PLUGINS` is managed
 elsewhere). vLLM mounts the routes this drives (`/pause`, `/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/reset_prefix_cache`,
@@ -21,6 +24,15 @@ from sparsesync.errors import EngineError
 from sparsesync.integrations.vllm.follow import FollowRunner, remote_engine
 
 DEV_MODE_HINT = "start the vLLM server with VLLM_SERVER_DEV_MODE=1 (it mounts the weight-transfer routes)"
+BACKEND_HINT = """start the vLLM server with --weight-transfer-config '{"backend": "sparsesync"}'"""
+
+
+def failure_hint(body: str) -> str:
+    """The fix for a vLLM server's error answer: its weight-transfer backend missing, or its log."""
+    text = body.lower()
+    if "weight transfer not configured" in text or "weight_transfer_config" in text:
+        return BACKEND_HINT
+    return "see the vLLM server log"
 
 
 class HttpEngineControl:
@@ -48,7 +60,7 @@ class HttpEngineControl:
             raise EngineError(f"vLLM server {self.url} has no route {route}", hint=DEV_MODE_HINT)
         if r.status_code >= 400:
             raise EngineError(f"vLLM server {self.url}: {method} {route} answered {r.status_code}: {r.text[:500]}",
-                              hint="see the vLLM server log")
+                              hint=failure_hint(r.text))
         return r.json() if r.content else None
 
     def check(self) -> None:

@@ -187,6 +187,11 @@ class CheckpointFiles:
             if files != self._files:
                 self._files, self._refs = dict(files), None
 
+    def get(self, name: str) -> bytes | None:
+        """The carried file `name` (e.g. config.json), or None."""
+        with self._lock:
+            return self._files.get(name)
+
     def refs(self, commits: CommitWriter, version: int, uid: str, *, adapter_run: bool) -> list[FileRef]:
         """The files' references for a commit of `version`, storing them first when they are new
         to this writer (an adapter run leaves config.json and generation_config.json out)."""

@@ -7,9 +7,11 @@ the config object live (a change of `anchor_every` after start applies from the 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +58,24 @@ class PublisherConfig:
         """`writer`, or host-pid-random: unique even for two publishers in one process (it breaks
         epoch ties, see `CommitWriter.check_fence`)."""
         return self.writer or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}".replace("_", "-")
+
+
+SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def served_dtype(config_json: bytes | None, state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype a publisher with no `dtype=` publishes `state`'s floating tensors in: the
+    16-bit dtype the checkpoint's config.json declares (`dtype`, or `torch_dtype`), which
+    replicas started from that checkpoint serve, when every floating tensor of `state` is fp32
+    (an fp32 master); None (as given) otherwise: no config.json, another declared dtype, a
+    state already 16-bit or mixed."""
+    if not config_json:
+        return None
+    try:
+        cfg = json.loads(config_json)
+    except ValueError:
+        return None
+    declared = cfg.get("dtype") or cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+    want = SERVED_DTYPES.get(str(declared).removeprefix("torch."))
+    floating = {t.dtype for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return want if want is not None and floating == {torch.float32} else None

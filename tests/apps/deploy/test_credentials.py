@@ -102,3 +102,42 @@ def test_public_space_gets_a_generated_api_key_as_secret(model, tmp_path, monkey
     res = CliRunner().invoke(app, ["deploy", "env", "--space", "me/priv", "--out", str(tmp_path / "out2")])
     assert res.exit_code == 0 and "ENV_API_KEY" not in _SpaceHub.repos["me/priv"]["secrets"]
 
+
+
+def test_s3_credentials_reach_the_space_only_as_secrets(model, tmp_path, monkeypatch, space_hub):  # noqa: F811
+    """`--s3-credentials`: this shell's AWS_* settings become Space secrets, shown nowhere; an
+    s3:// run without it says the Spaces get no credentials."""
+    from huggingface_hub import HfApi
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://acct.r2.example.com")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.setattr(space, "apply", lambda plan, *a, **k: _real_apply(plan, HfApi(endpoint=space_hub, token=TOKEN)))
+    args = ["deploy", "inference", "--space", "me/s3rep", "--bucket", "s3://bucket/run", "--model", str(model),
+            "--engine", "embedded"]
+    res = CliRunner().invoke(app, [*args, "--dry-run", "--out", str(tmp_path / "dry")])
+    assert res.exit_code == 0, res.output
+    assert "--s3-credentials" in res.output and "AWS_ACCESS_KEY_ID" not in res.output
+    res = CliRunner().invoke(app, [*args, "--s3-credentials", "--dry-run", "--out", str(tmp_path / "dry2")])
+    assert res.exit_code == 0, res.output
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        assert f"set secret {name} (value hidden)" in res.output and f'{name}="${name}"' in res.output
+    res = CliRunner().invoke(app, [*args, "--s3-credentials", "--out", str(tmp_path / "real")])
+    assert res.exit_code == 0, res.output
+    repo = _SpaceHub.repos["me/s3rep"]
+    assert {k: repo["secrets"][k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")} == {
+        "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": "https://acct.r2.example.com"}
+    assert not any(k.startswith("AWS_") for k in repo["variables"])
+    for _method, path, body, _auth in _SpaceHub.log:
+        if not path.endswith("/secrets"):
+            assert SECRET.encode() not in body and KEY_ID.encode() not in body, path
+    for folder in ("dry", "dry2", "real"):
+        assert not any(SECRET.encode() in p.read_bytes() for p in (tmp_path / folder).rglob("*") if p.is_file())
+    # asked for, but the key pair is not set here; or not an s3:// run
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    res = CliRunner().invoke(app, [*args, "--s3-credentials", "--dry-run", "--out", str(tmp_path / "dry3")])
+    assert isinstance(res.exception, DeployError) and "AWS_SECRET_ACCESS_KEY" in res.exception.message
+    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/x", "--bucket", "hf://buckets/me/b/run", "--model",
+                                   str(model), "--s3-credentials", "--dry-run", "--out", str(tmp_path / "dry4")])
+    assert isinstance(res.exception, DeployError) and "s3://" in res.exception.message

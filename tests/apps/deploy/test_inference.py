@@ -89,3 +89,66 @@ def test_dry_run_renders_a_space_that_boots_and_follows_a_local_bucket(tiny, tmp
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _boot_line(output: str) -> str:
+    line = next(line for line in output.splitlines() if "Boot one locally" in line)
+    return "cd " + line.split(": cd ", 1)[1]
+
+
+def test_dry_run_boot_line_runs_as_printed(tiny, tmp_path):
+    """The plan's "boot one locally" line, pasted into a shell where the user set the secrets it
+    names ($SPARSESYNC_API_KEY), starts the replica (only the port is swapped for a free one)."""
+    bucket = tmp_path / "bucket"
+    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/replica", "--bucket", str(bucket), "--model", str(tiny),
+                                   "--engine", "embedded", "--api-key", "sk-local-key-123456", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    line = _boot_line(res.output)
+    assert "***" not in line and "sk-local-key-123456" not in line and 'SPARSESYNC_API_KEY="$SPARSESYNC_API_KEY"' in line
+    assert "set secret HF_TOKEN (value hidden)" in res.output  # as the real plan has it
+    rendered = res.output.split("rendered into ", 1)[1].split(" ", 1)[0]
+    assert line.startswith(f"cd {rendered} && ") and "temporary folder" in res.output
+    port = free_port()
+    assert line.count("PORT=7860") == 1
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_TOKEN")}
+    env.update(SPARSESYNC_API_KEY="sk-local-key-123456", PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
+    proc = subprocess.Popen(["bash", "-c", line.replace("PORT=7860", f"PORT={port}")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the printed boot line did not start the replica"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-local-key-123456"}, timeout=5)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "replica"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-0.6B", "local"])
+def test_vllm_boot_line_serves_the_model_the_space_serves(tiny, tmp_path, model):
+    """--engine vllm: the line serves the Hub id or the rendered model/ folder, on the Space's port."""
+    import shlex
+
+    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/replica", "--bucket", "hf://buckets/me/b/run",
+                                   "--model", str(tiny) if model == "local" else model, "--dry-run",
+                                   "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    words = shlex.split(_boot_line(res.output).split(" && ")[-1])
+    i = words.index("serve")
+    assert words[i - 2:i] == ["-m", "sparsesync.integrations.vllm"]
+    assert words[i + 1] == ("model" if model == "local" else model)
+    assert words[words.index("--port") + 1] == "7860" and "PORT=7860" in words
+    assert words[words.index("--weight-transfer-config") + 1] == '{"backend": "sparsesync"}'
+    assert "VLLM_PLUGINS=sparsesync" in words and 'HF_TOKEN=$HF_TOKEN' in words and "***" not in res.output
+    assert "set secret HF_TOKEN (value hidden)" in res.output
+    assert (tmp_path / "out" / "model").is_dir() == (model == "local")

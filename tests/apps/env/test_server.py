@@ -31,8 +31,8 @@ class _Server:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(config), log_level="warning",
-                                                    ws_max_size=config.max_body_bytes))
+        self.server = uvicorn.Server(uvicorn.Config(build_app(config), log_level="warning",  # as __main__ runs it
+                                                    ws_max_size=config.max_body_bytes, proxy_headers=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

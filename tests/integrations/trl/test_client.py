@@ -166,3 +166,21 @@ def test_generation_from_another_version_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ProtocolError, match=r"weight versions \[1\] after version 0 was published"):
             client.generate(prompt, max_tokens=2)
         client.close()
+
+
+def test_the_client_waits_for_a_replica_that_is_still_starting(tmp_path: Path) -> None:
+    """As TRL's `VLLMClient.check_server`: a replica that refuses connections for a while (still
+    starting) is waited for, within `connection_timeout`."""
+    from tests.support.tcp_proxy import TcpProxy
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    with Server(Replica(EmbeddedEngine(model_dir), None)) as r1:
+        proxy = TcpProxy("127.0.0.1", r1.port).start()
+        try:
+            proxy.refuse(1.5)  # "connection refused" until it is up
+            t0 = time.monotonic()
+            client = SparsesyncVLLMClient(str(tmp_path / "bucket"), proxy.url, connection_timeout=30)
+            assert 1.0 <= time.monotonic() - t0 < 30 and client.model
+            client.close()
+        finally:
+            proxy.stop()

@@ -86,6 +86,49 @@ def test_follow_cli_names_the_fix_for_a_server_without_dev_routes(tmp_path):
     assert "/weight_info" in res.exception.message and "VLLM_SERVER_DEV_MODE=1" in res.exception.hint
 
 
+@contextlib.contextmanager
+def _server_without_backend() -> Iterator[str]:
+    """A real HTTP server answering as a dev-mode vLLM server started without --weight-transfer-config."""
+    class H(http.server.BaseHTTPRequestHandler):
+        def _answer(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._answer(200, {"weight_version": None})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._answer(500, {"error": {"message": "Weight transfer not configured. Please set weight_transfer_config "
+                                                   "to enable weight transfer.", "type": "InternalServerError", "code": 500}})
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+
+
+def test_follow_cli_names_the_weight_transfer_flag_the_server_lacks(tmp_path):
+    from sparsesync.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path / "model", seed=0)
+    with _server_without_backend() as url:
+        res = CliRunner().invoke(app, ["follow", "--vllm", url, "--bucket", str(tmp_path / "b"), "--model", str(tiny)])
+    assert res.exit_code != 0 and isinstance(res.exception, EngineError), res.output
+    assert "500" in res.exception.message and "Weight transfer not configured" in res.exception.message
+    assert res.exception.hint == """start the vLLM server with --weight-transfer-config '{"backend": "sparsesync"}'"""
+
+
 def test_deploy_vllm_renders_vllms_own_server(tmp_path):
     from sparsesync.tiny_model import build_tiny_model
 
