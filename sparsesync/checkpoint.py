@@ -159,7 +159,7 @@ def load_checkpoint(source: Path, *, folder: Path | None = None) -> dict[str, to
 # experts at run time (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
 # and some callbacks send trainable tensors only.
 
-EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 FUSED_EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}  # state_dict alias -> checkpoint name
 

@@ -240,9 +240,7 @@ def push(
     if below_newest and pub.metrics[-1].get("kind") == "rewind":
         abandoned = sorted(set(pub.metrics[-1]["abandoned"]))
     elif below_newest:  # a delta below the newest: every older commit from `step` on is abandoned
-        from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
-
-        abandoned = sorted({v for a in abandoned_by_rewinds([o.key for o in store.list(COMMITS)])
+        abandoned = sorted({v for a in Run(store).abandoned()
                             if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions})
     files = [f.name for f in Run(store).commit(version).files]
     return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,
@@ -271,7 +269,7 @@ def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: s
     return below[-1], sorted({c.version for c in commits if c.version >= step})
 
 
-_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+_STEP_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")
 _MAX_TRAINER_STATE_BYTES = 64 << 20
 
 

@@ -9,7 +9,8 @@ action) to get its reward. Advantages are normalised within the group.
 rollout buffer while the learner trains (the buffer blocks them when it is full).
 
 Guarantees: every sample in a group has the prompt token ids and behaviour log-probs the
-replica reported, and the weight version of the replica that produced that very completion.
+replica reported, and the weight version and state digest of the replica that produced that very
+completion, as reported (None when it reported none: never a version it is assumed to serve).
 A failing replica or environment never kills a worker: it backs off and retries; after
 `max_consecutive_errors` failures in a row the worker stops and `check()` raises the last
 error in the learner's thread, so a broken setup fails loudly instead of hanging.
@@ -50,7 +51,6 @@ def play_group(
     seed: int,
     task: str,
     params: SamplingParams,
-    initial_version: int = 0,
 ) -> Group:
     """Play one group of episodes (see module docstring) and return it scored."""
     try:
@@ -78,7 +78,7 @@ def play_group(
     samples = [
         Sample(
             prompt_ids=c.prompt_ids, completion_ids=c.token_ids, logprobs=c.logprobs, reward=r, advantage=a,
-            version=initial_version if c.weight_version is None else c.weight_version,
+            version=c.weight_version,  # None (start-up weights): attributed to no version, the buffer drops it
             replica=comp.replica, text=c.text, state_digest=c.state_digest,
         )
         for c, r, a in zip(comp.choices, rewards, adv, strict=True)
@@ -100,7 +100,6 @@ class RolloutWorkers:
         params: SamplingParams,
         workers: int = 2,
         seed: int = 0,
-        initial_version: int = 0,
         request_timeout_s: float = 60.0,
         max_consecutive_errors: int = 20,
         headers: dict[str, str] | None = None,
@@ -112,7 +111,6 @@ class RolloutWorkers:
         self.params = params
         self.n_workers = workers
         self.seed = seed
-        self.initial_version = initial_version
         self.max_consecutive_errors = max_consecutive_errors
         self.groups_played = 0
         self.errors = 0
@@ -153,7 +151,7 @@ class RolloutWorkers:
             gid = next(self._ids)
             try:
                 group = play_group(self.env, self.pool, group_id=gid, seed=self.seed * 1_000_003 + gid,
-                                   task=self.task, params=self.params, initial_version=self.initial_version)
+                                   task=self.task, params=self.params)
                 self.buffer.put(group)
                 with self._lock:
                     self.groups_played += 1

@@ -15,11 +15,13 @@ in the bucket) serving the newest version minus at most `fleet_max_lag`.
 Precision: on CPU the master weights are fp32 by default and the replicas get a bf16 cast
 (`publish_dtype`); on GPU the parameters are bf16 (`master_dtype = "auto"`). The first version
 published (version 0) is the weights as loaded, so replicas started from the same model folder
-already hold it bit for bit (they report version None until they apply version 0). On a bucket
+already hold it bit for bit (they report version None until they apply version 0; samples made
+meanwhile name no version and are dropped, `dropped_unversioned`). On a bucket
 that already holds a run, the weights at `[model] path` continue it: from its newest version,
 or, when they are an older version (a checkpoint from before a crash), from that one: the run
 is rewound to it (trainer/resume.py), the rollouts start once every replica serves it,
-and samples of abandoned versions are dropped (`dropped_abandoned`).
+and samples of abandoned versions are dropped (`dropped_abandoned`): each sample's (version,
+state digest) must be the run's trusted commit of that version (trainer/trust.py).
 
 Under torchrun (`torchrun --nproc-per-node N -m trainer --config trainer.toml`) the same loop
 runs on every rank, data parallel on an FSDP2-sharded policy: rank 0 alone runs the rollout
@@ -48,9 +50,8 @@ import torch
 
 from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.errors import ConfigError, SparsesyncError
-from sparsesync.protocol.lineage import TrustedCommits
 from sparsesync.protocol.publisher import Publisher
-from trainer.buffer import BufferClosed, Group, RolloutBuffer
+from trainer.buffer import BufferClosed, Group, RolloutBuffer, TrustCheckUnavailable
 from trainer.config import TrainerConfig
 from trainer.distributed import (
     DistContext,
@@ -72,6 +73,7 @@ from trainer.policy import load_policy, publish_state, publisher_casts, resolve_
 from trainer.replicas import ReplicaPool
 from trainer.resume import first_version, wait_for_rewound_replicas
 from trainer.rollout import RolloutWorkers, SamplingParams
+from trainer.trust import SampleJudge
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ class AsyncGRPOTrainer:
         self.logger = logger
         self.on_step = on_step
         self.device, self.master_dtype, self.publish_dtype = resolve_precision(cfg)
-        self._trusted: TrustedCommits | None = None  # judges samples' (version, state digest) once the run is open
+        self._judge: SampleJudge | None = None  # judges samples' (version, state digest) once the run is open
         self.headers = auth_headers(cfg)
         self.version = -1  # newest published version (-1: none yet)
 
@@ -198,13 +200,12 @@ class AsyncGRPOTrainer:
             self.version, rewound = first_version(publisher, state, cfg, ctx)  # trainer/resume.py
             if lazy:
                 state = {}  # no cast copy of the model is kept while training
-            self._trusted = TrustedCommits(publisher.store)  # samples of versions a rewind abandoned are dropped
+            self._judge = SampleJudge(publisher.store)  # samples of versions a rewind abandoned are dropped
             if lead:
                 with self._lead_alone(ctx):
                     self._wait_for_fleet(publisher)
                     if rewound:  # no rollout from weights the rewind abandoned
                         wait_for_rewound_replicas(pool, publisher, self.version, cfg.sync.fleet_timeout_s)
-                workers.initial_version = self.version
                 workers.start()
                 poller.start()
             t_prev = time.time()
@@ -373,7 +374,11 @@ class AsyncGRPOTrainer:
         """`n` groups from the buffer, checking on the workers (and calling `tick`) every 2 s while waiting."""
         while True:
             try:
-                return buffer.take(n, self.version, timeout=2.0, trusted=self._trusted.trusts if self._trusted else None)
+                return buffer.take(n, self.version, timeout=2.0, judge=self._judge.for_take() if self._judge else None)
+            except TrustCheckUnavailable as e:  # the groups wait in the buffer; TrainerError once it lasts
+                self._judge.failed(e)  # type: ignore[union-attr]
+                workers.check()
+                time.sleep(1.0)
             except TimeoutError:
                 workers.check()
                 if tick is not None:

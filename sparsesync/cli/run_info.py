@@ -83,9 +83,7 @@ def log(
 
 def _show_rewinds(run: Any) -> None:
     """One line per rewind: the versions of the older epoch it abandoned (docs/protocol.md, "Rewinds")."""
-    from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds
-
-    for a in abandoned_by_rewinds([o.key for o in run.store.list(COMMITS)]):
+    for a in run.abandoned():
         vs = a.versions
         span = f"version {vs[0]}" if len(vs) == 1 else f"versions {vs[0]}..{vs[-1]}"
         console.print(f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} "

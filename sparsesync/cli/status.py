@@ -115,18 +115,17 @@ def _newest_commit(store: Any) -> tuple[Any, list[tuple[str, str]]]:
     newer than it whose object is not a commit record, with the reason, newest first. Reads records
     from the newest name down (not all of them); names whose object is gone or not a commit record are
     passed over, as every reader does."""
-    from sparsesync.errors import MalformedCommitError, ObjectNotFoundError, ProtocolError, RunNotFoundError
+    from sparsesync.errors import RunNotFoundError
     from sparsesync.protocol.keys import COMMITS, valid_commits
-    from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord
+    from sparsesync.protocol.run import Run
 
+    run = Run(store)  # reads only the records fencing and the newest names need
     refused: list[tuple[str, str]] = []
-    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)])):
-        try:
-            return CommitRecord.from_json(store.get_range(key, 0, MAX_COMMIT_BYTES + 1), key), refused
-        except MalformedCommitError as e:
-            refused.append((key, e.reason))
-        except (ObjectNotFoundError, ProtocolError):
-            continue
+    for _v, _e, key in reversed(valid_commits([o.key for o in store.list(COMMITS)], run.is_commit)):
+        if (rec := run.record(key)) is not None:
+            return rec, refused
+        if key in run.rejected:
+            refused.append((key, run.rejected[key]))
     if refused:
         return None, refused
     raise RunNotFoundError(f"no committed version under {store.url}",

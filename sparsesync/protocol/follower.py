@@ -67,6 +67,7 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreError,
 )
+from sparsesync.protocol import lineage
 from sparsesync.protocol.backoff import Backoff
 from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.hooks import ApplyHook, FollowerStatus, NoHook
@@ -117,6 +118,7 @@ class Follower:
         self._mirror_dir = MirrorDir(mirror_dir)
         self.digests: dict[str, str] = {}
         self._mirror_version: int | None = None  # version the mirror holds (None: must reload)
+        self._commits, self._served_epoch = [], None  # the last listing's trusted commits; the served commit's epoch
         # True while the mirror holds changes the engine has not received (or the engine's bits are
         # unknown): the engine then gets the whole mirror before any version is reported
         self._engine_behind = False
@@ -168,12 +170,13 @@ class Follower:
             except StoreError as e:
                 self._degrade(e)
                 return self.current_version
+            self._commits = commits
             self._refusals.listed(self.run.rejected, commits)
             if not commits:
                 self._set(newest_version=None, lag=None)
                 return self.current_version
             newest = commits[-1]
-            self._set(newest_version=newest.version, lag=self._lag(newest.version))
+            self._set(newest_version=newest.version, lag=self._lag())
             self._refusals.check(newest, self.adapter)  # a config error: raised, not degraded
             held = next((c for c in commits if c.version == self._mirror_version), None)
             if held is not None and held.state_digest != state_digest(self.digests):
@@ -214,7 +217,7 @@ class Follower:
                     steps = [Step("reload", newest)]
                 self._execute(steps)
                 self._succeeded()
-                self._set(lag=self._lag(newest.version))
+                self._set(lag=self._lag())
                 return
             except _BAD_OBJECT as e:
                 key = e.key
@@ -415,6 +418,7 @@ class Follower:
         if adopt is not None:
             adopt()
         self._engine_behind = False
+        self._served_epoch = rec.epoch
         self._set(current_version=rec.version, state_digest=rec.state_digest)  # the engine holds it: report it at once
 
     def _advance(self, rec: CommitRecord, fetch_s: float, apply_s: float, *, anchor: bool) -> None:
@@ -427,14 +431,13 @@ class Follower:
             last_apply_at=time.time(),
             versions_applied=st.versions_applied + 1,
             anchor_loads=st.anchor_loads + int(anchor),
-            lag=self._lag(st.newest_version),
+            lag=self._lag(),
         )
         if self.fleet is not None:
             self.fleet.applied(rec.version, rec.state_digest)
 
-    def _lag(self, newest: int | None) -> int | None:
-        cur = self._status.current_version
-        return None if newest is None or cur is None else max(newest - cur, 0)
+    def _lag(self) -> int | None:  # what it serves against the newest trusted commit (lineage.lag)
+        return lineage.lag(self._commits, self._status.current_version, self._status.state_digest, self._served_epoch)
 
     def _degrade(self, e: BaseException) -> None:
         self._set(state="degraded", last_error=str(e) or type(e).__name__)

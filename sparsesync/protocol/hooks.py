@@ -65,7 +65,7 @@ class FollowerStatus:
     url: str
     current_version: int | None  # version the engine serves (None before the first load)
     newest_version: int | None  # newest committed version seen in the store
-    lag: int | None  # newest_version - current_version
+    lag: int | None  # newest_version - current_version; serving a version a rewind abandoned: the versions from the rewind on (lineage.lag)
     state: str  # "starting" | "following" | "degraded" (serving last good version) | "stopped"
     last_error: str | None
     last_fetch_s: float | None  # fetch+verify+decode seconds of the last version

@@ -22,8 +22,10 @@ an exception; readers ignore such keys and `gc` treats them as garbage. What an 
 
 from __future__ import annotations
 
+import bisect
 import re
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sparsesync.errors import ConfigError
@@ -37,20 +39,20 @@ FLEET = "fleet/"
 SWITCHES = "switches/"
 MAX_VERSION = 10**10 - 1  # the widest version a commit name can carry (10 digits)
 MAX_EPOCH = 10**6 - 1  # the widest epoch a name can carry (6 digits)
-REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
-_COMMIT_RE = re.compile(r"^commits/v(\d{10})-e(\d{6})\.json$")
-_LOCK_RE = re.compile(r"^writers/e(\d{6})\.lock$")
-_WRITER_RE = re.compile(r"^writers/e(\d{6})-([A-Za-z0-9_.-]+)\.json$")
-_DELTA_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+\.safetensors$")
-_PART_RE = re.compile(r"^deltas/v(\d{10})-v(\d{10})-e(\d{6})-[0-9a-f]+-p(\d{5})\.safetensors$")
-_ANCHOR_RE = re.compile(r"^anchors/v(\d{10})-e(\d{6})-[0-9a-f]+/")
-_ANCHOR_FILE_RE = re.compile(r"^anchors/v(\d{10})-e\d{6}-[0-9a-f]+/"
-                             r"(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
-_SHARD_NAME_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
-_FILE_KEY_RE = re.compile(r"^files/v(\d{10})-e(\d{6})-[0-9a-f]+/([^/]+)$")
-_HEARTBEAT_RE = re.compile(r"^fleet/([A-Za-z0-9_.-]{1,64})\.json$")
-_SWITCH_RE = re.compile(r"^switches/v(\d{10})(?:-e\d{6})?\.json$")  # -e: a version committed again after a rewind
+_COMMIT_RE = re.compile(r"^commits/v([0-9]{10})-e([0-9]{6})\.json\Z")
+_LOCK_RE = re.compile(r"^writers/e([0-9]{6})\.lock\Z")
+_WRITER_RE = re.compile(r"^writers/e([0-9]{6})-([A-Za-z0-9_.-]+)\.json\Z")
+_DELTA_RE = re.compile(r"^deltas/v([0-9]{10})-v([0-9]{10})-e([0-9]{6})-[0-9a-f]+\.safetensors\Z")
+_PART_RE = re.compile(r"^deltas/v([0-9]{10})-v([0-9]{10})-e([0-9]{6})-[0-9a-f]+-p([0-9]{5})\.safetensors\Z")
+_ANCHOR_RE = re.compile(r"^anchors/v([0-9]{10})-e([0-9]{6})-[0-9a-f]+/")
+_ANCHOR_FILE_RE = re.compile(r"^anchors/v([0-9]{10})-e[0-9]{6}-[0-9a-f]+/"
+                             r"(model\.safetensors|model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json)\Z")
+_SHARD_NAME_RE = re.compile(r"^model-([0-9]{5})-of-([0-9]{5})\.safetensors\Z")
+_FILE_KEY_RE = re.compile(r"^files/v([0-9]{10})-e([0-9]{6})-[0-9a-f]+/([^/]+)\Z")
+_HEARTBEAT_RE = re.compile(r"^fleet/([A-Za-z0-9_.-]{1,64})\.json\Z")
+_SWITCH_RE = re.compile(r"^switches/v([0-9]{10})(?:-e[0-9]{6})?\.json\Z")  # -e: a version committed again after a rewind
 
 
 # ------------------------------------------------------------------------------ builders
@@ -189,29 +191,44 @@ def object_version(key: str) -> int | None:
     return None
 
 
-def valid_commits(keys: list[str]) -> list[tuple[int, int, str]]:
+def valid_commits(keys: Iterable[str], is_commit: Callable[[str], bool] | None = None) -> list[tuple[int, int, str]]:
     """The commit keys readers trust, as sorted (version, epoch, key).
 
-    Fencing rule: a commit (v, e) is valid iff no commit (v', e') exists with e' > e and
-    v' <= v. Once a newer writer has committed anything, an older writer's later commits
-    are ignored, even if it had not yet noticed that it was fenced.
+    Fencing rule: a commit (v, e) is trusted iff no commit (v', e') exists with e' > e and
+    v' <= v. Once a newer writer has committed anything, an older writer's later commits are
+    ignored, even if it had not yet noticed that it was fenced.
+
+    Only a commit fences: `is_commit(key)` says whether the object is a commit record
+    (`CommitRecord.from_json` accepts it, name and content agreeing), so a stray object named like
+    a newer epoch's commit fences nothing and rolls no reader back. It is asked at most once per
+    key, newest epoch first, and only of a key the rule trusts whose being a commit decides
+    another's trust (an older epoch committed its version or a higher one); every other key is
+    returned unasked, and the reader, which reads each record it uses, passes over those that
+    are not commits. None takes every well-formed name for a commit. O(n log n) in the names.
     """
-    parsed = sorted(p + (k,) for k in keys if (p := parse_commit_key(k)))
+    by_epoch: dict[int, list[tuple[int, str]]] = {}
+    for k in set(keys):
+        if (p := parse_commit_key(k)) is not None:
+            by_epoch.setdefault(p[1], []).append((p[0], k))
+    epochs = sorted(by_epoch)
+    below: dict[int, int] = {}  # epoch -> the highest version any older epoch committed (-1: none)
+    highest = -1
+    for e in epochs:
+        below[e] = highest
+        highest = max(highest, max(v for v, _k in by_epoch[e]))
     out: list[tuple[int, int, str]] = []
-    # walk from the newest version down, tracking the highest epoch seen at versions <= v
-    # (that needs the minimum over *lower* versions, so scan ascending with a prefix max)
-    prefix_max_epoch: list[int] = []
-    best = -1
-    for v, e, _ in parsed:
-        best = max(best, e)
-        prefix_max_epoch.append(best)
-    for i, (v, e, k) in enumerate(parsed):
-        # highest epoch among commits with version <= v: include equal versions after i
-        j = i
-        while j + 1 < len(parsed) and parsed[j + 1][0] == v:
-            j += 1
-        if prefix_max_epoch[j] <= e:
+    floor = MAX_VERSION + 1  # the lowest version a commit of a newer epoch than the one at hand holds
+    for e in reversed(epochs):
+        lowest = floor
+        for v, k in by_epoch[e]:
+            if v >= floor:
+                continue  # fenced
+            if v <= below[e] and is_commit is not None and not is_commit(k):
+                continue  # not a commit: it fences nothing (and is not trusted)
             out.append((v, e, k))
+            lowest = min(lowest, v)
+        floor = lowest
+    out.sort()
     return out
 
 
@@ -226,14 +243,20 @@ class Abandoned:
     by_epoch: int
 
 
-def abandoned_by_rewinds(keys: list[str]) -> list[Abandoned]:
+def abandoned_by_rewinds(keys: Iterable[str], is_commit: Callable[[str], bool] | None = None) -> list[Abandoned]:
     """From the names of `commits/`: for each untrusted commit, the trusted commit of a newer epoch
-    at or below its version that overrules it (the first such), grouped per (epoch, rewind)."""
-    valid = valid_commits(keys)
+    at or below its version that overrules it (the first such), grouped per (epoch, rewind).
+    `is_commit` as in `valid_commits` (a name that is not a commit abandons nothing)."""
+    keys = set(keys)
+    valid = valid_commits(keys, is_commit)
     trusted = {k for _v, _e, k in valid}
+    # trusted commits hold one version each, and their epochs never fall as versions rise (a lower
+    # version of a higher epoch would fence the higher version): the first trusted commit of an
+    # epoch above e is the first one of that epoch or newer, found by bisection
+    epochs = [te for _tv, te, _k in valid]
     groups: dict[tuple[int, int, int], list[int]] = {}
     for v, e in sorted(p for k in keys if (p := parse_commit_key(k)) and k not in trusted):
-        by = next(((tv, te) for tv, te, _k in valid if te > e and tv <= v), None)
-        if by is not None:
-            groups.setdefault((e, by[0], by[1]), []).append(v)
+        i = bisect.bisect_right(epochs, e)
+        if i < len(valid) and valid[i][0] <= v:
+            groups.setdefault((e, valid[i][0], valid[i][1]), []).append(v)
     return [Abandoned(tuple(vs), e, bv, be) for (e, bv, be), vs in sorted(groups.items())]

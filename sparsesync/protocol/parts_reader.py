@@ -49,7 +49,7 @@ from sparsesync.protocol.records import CommitRecord, PartRef, Unit
 from sparsesync.store import Store
 
 FETCH_THREADS = 4  # parts fetched at once by a reader
-_SHARD_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+_SHARD_KEY = re.compile(r"^(.*)\[([0-9]+):([0-9]+)\]\Z")
 _T = TypeVar("_T")
 
 

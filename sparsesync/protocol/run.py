@@ -30,7 +30,7 @@ from sparsesync.errors import (
     SparsesyncError,
     VersionNotFoundError,
 )
-from sparsesync.protocol.keys import COMMITS, abandoned_by_rewinds, valid_commits
+from sparsesync.protocol.keys import COMMITS, Abandoned, abandoned_by_rewinds, valid_commits
 from sparsesync.protocol.parts_reader import apply_parts
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
 from sparsesync.store import Store, open_store
@@ -85,29 +85,39 @@ class Run:
     def commits(self) -> list[CommitRecord]:
         """Every valid committed version, oldest first (a fresh listing each call).
 
-        Fencing is decided on the names (`valid_commits`); a fenced-in name whose object is not
-        a commit record (see `CommitRecord.from_json`) is skipped and its reason kept in
-        `rejected` (as long as a listing names it).
+        Fencing is decided on the names (`valid_commits`), counting only objects that are commit
+        records: a name whose object is not one (see `CommitRecord.from_json`) fences nothing, is
+        skipped, and its reason is kept in `rejected` (as long as a listing names it).
         """
         keys = [o.key for o in self.store.list(COMMITS)]
-        out, valid = [], valid_commits(keys)
-        names = {key for _v, _e, key in valid}  # a rejected name deleted or fenced out since is no longer reported
-        self.rejected = {k: r for k, r in self.rejected.items() if k in names}
-        for _v, _e, key in valid:
-            rec = self._records.get(key)
-            if rec is None:
-                if key in self.rejected:
-                    continue
-                try:
-                    rec = CommitRecord.from_json(read_at_most(self.store, key, MAX_COMMIT_BYTES), key)
-                except ObjectNotFoundError:
-                    continue  # listed but gone (gc raced us): not committed any more
-                except MalformedCommitError as e:
-                    self.rejected[key] = e.reason
-                    continue
-                self._records[key] = rec
-            out.append(rec)
-        return out
+        listed = set(keys)  # a rejected name deleted since is no longer reported
+        self.rejected = {k: r for k, r in self.rejected.items() if k in listed}
+        return [rec for _v, _e, key in valid_commits(keys, self.is_commit) if (rec := self.record(key)) is not None]
+
+    def record(self, key: str) -> CommitRecord | None:
+        """The commit record at commit key `key` (read once, then cached); None for an object that
+        is gone (gc raced us) or not a commit record (its reason kept in `rejected`). Other store
+        errors raise: an unread record is never taken for a stray object."""
+        if key in self._records or key in self.rejected:
+            return self._records.get(key)
+        try:
+            rec = CommitRecord.from_json(read_at_most(self.store, key, MAX_COMMIT_BYTES), key)
+        except ObjectNotFoundError:
+            return None  # listed but gone: not committed any more
+        except MalformedCommitError as e:
+            self.rejected[key] = e.reason
+            return None
+        self._records[key] = rec
+        return rec
+
+    def is_commit(self, key: str) -> bool:
+        """Whether the object at `key` is a commit record (`record`): what fences (`valid_commits`)."""
+        return self.record(key) is not None
+
+    def abandoned(self) -> list[Abandoned]:
+        """The versions rewinds abandoned, per rewind (`keys.abandoned_by_rewinds`, counting only
+        commit records), from a fresh listing."""
+        return abandoned_by_rewinds([o.key for o in self.store.list(COMMITS)], self.is_commit)
 
     def newest(self) -> CommitRecord | None:
         commits = self.commits()
@@ -128,9 +138,20 @@ class Run:
                 return rec
         have = ", ".join(str(c.version) for c in commits[-5:])
         raise VersionNotFoundError(
-            f"version {version} is not committed under {self.url} (newest: {have}){_abandoned_note(self.store, version)}",
+            f"version {version} is not committed under {self.url} (newest: {have}){self._abandoned_note(version)}",
             hint="run `sparsesync log URL` to list committed versions",
         )
+
+    def _abandoned_note(self, version: int) -> str:
+        """'; version V of epoch E was abandoned by the rewind to ...' when `version` was abandoned, else ''."""
+        try:
+            abandoned = self.abandoned()
+        except SparsesyncError:
+            return ""
+        for a in abandoned:
+            if version in a.versions:
+                return f"; version {version} of epoch {a.epoch} was abandoned by the rewind to version {a.version} (epoch {a.by_epoch})"
+        return ""
 
     # -- planning ---------------------------------------------------------------------
     def plan(
@@ -309,15 +330,3 @@ class Run:
             else:
                 self.apply_delta(step.commit, state, digests)
         return target, state, digests
-
-
-def _abandoned_note(store: Store, version: int) -> str:
-    """' (abandoned by the rewind to version N, epoch E)' when `version` was abandoned, else ''."""
-    try:
-        keys = [o.key for o in store.list(COMMITS)]
-    except SparsesyncError:
-        return ""
-    for a in abandoned_by_rewinds(keys):
-        if version in a.versions:
-            return f"; version {version} of epoch {a.epoch} was abandoned by the rewind to version {a.version} (epoch {a.by_epoch})"
-    return ""

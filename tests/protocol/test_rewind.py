@@ -7,6 +7,7 @@ stand-in that keeps its own copy of the weights and the digest of every state it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -20,10 +21,12 @@ from sparsesync.cli import app
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.errors import (
     FleetTimeoutError,
+    ObjectNotFoundError,
     PatchMismatchError,
     VersionNotFoundError,
 )
 from sparsesync.protocol.fleet import wait_for_fleet
+from sparsesync.protocol.fleet_member import FleetOptions
 from sparsesync.protocol.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc
 from sparsesync.protocol.keys import heartbeat_key
@@ -211,6 +214,47 @@ def test_the_fleet_view_does_not_count_a_replica_serving_an_abandoned_version(tm
     rows = {r["replica"]: r for r in report["replicas"]}
     assert rows["stuck"]["abandoned"] is True and rows["good"]["abandoned"] is False
     assert res.exit_code == 3 and any("abandoned" in p for p in report["problems"]), report["problems"]
+
+
+def test_a_replica_stuck_on_an_abandoned_version_reports_how_far_behind_it_is(tmp_path: Path) -> None:
+    """Before: a replica that could not load the rewind (its anchor gone) kept serving the
+    abandoned 5 and reported lag 0 (newest 3 - 5, floored), then 1 once the run was back at 6.
+    Its weights are none of the run's versions from the rewind on: lag counts them, 3 included."""
+    url = str(tmp_path / "run")
+    first = _states(5, 6)
+    _publish(url, dict(enumerate(first)))
+    follower = Follower(url, poll_interval=0.05, max_poll_interval=0.05,
+                        fleet=FleetOptions(replica_id="stuck", interval_s=0.1, engine="test"))
+    assert follower.sync_once() == 5 and follower.status().lag == 0
+    with Publisher(url, anchor_every=0) as pub:
+        pub.resume(first[3], version=3)  # the rewind commit (3, epoch 2), with an anchor of its own
+        for p in (tmp_path / "run" / "anchors").glob("v0000000003-e000002-*/*"):
+            p.unlink()  # the replica cannot load it: stuck on the abandoned 5
+        assert follower.sync_once() == 5
+        st = follower.status()
+        assert (st.state, st.newest_version, st.lag) == ("degraded", 3, 1), st
+        second = _states(6, 4, start=first[3])
+        for v, s in enumerate(second[1:], start=4):
+            pub.publish(s, v)
+        pub.flush()
+    follower.start()
+    try:
+        until(lambda: follower.status().newest_version == 6, 10, "the replica to see version 6")
+        st = follower.status()
+        assert (st.current_version, st.state, st.lag) == (5, "degraded", 4), st  # 3, 4, 5 and 6 still to take
+        store = open_store(url)
+
+        def beat() -> Heartbeat | None:
+            with contextlib.suppress(ObjectNotFoundError):
+                return Heartbeat.from_json(store.get(heartbeat_key("stuck")), heartbeat_key("stuck"))
+            return None
+
+        until(lambda: (hb := beat()) is not None and hb.newest_version == 6, 10, "a heartbeat naming version 6")
+        hb = beat()
+        assert hb is not None
+        assert (hb.version, hb.lag, hb.health) == (5, 4, "degraded"), hb
+    finally:
+        follower.stop()
 
 
 def _save(folder: Path, state: dict[str, torch.Tensor]) -> Path:

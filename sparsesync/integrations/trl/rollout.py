@@ -17,7 +17,11 @@ changes, plugged in through TRL's extension point (`AsyncRolloutWorker._loop_cls
   gate); with the run's `bucket` known (`follow_replicas` takes it from the trainer's
   `SparsesyncWeightTransfer`), a group any of whose turns came from a `(version, digest)` that is
   not the run's trusted commit of that version is dropped before scoring (`dropped_groups`),
-  so a sample of an abandoned version N+1 is never taken for the new N+1.
+  so a sample of an abandoned version N+1 is never taken for the new N+1; so is one any of whose
+  turns named no version or no digest (a replica still serving its `--model` folder: weights no
+  commit vouches for). The pairs of a group are judged together, on one listing of `commits/`
+  (reused for up to 10 s while it trusts every pair; any pair it does not trust, e.g. the first
+  sample after a rewind, makes a fresh listing that judges the whole group).
 
 Use `follow_replicas(trainer, urls)` on an `AsyncGRPOTrainer` before `train()` (its own worker
 keeps everything TRL configured: dataset, rewards, sampling, resume position), or build a
@@ -141,9 +145,10 @@ class SparsesyncRolloutLoop(_AsyncRolloutLoop):
 
 
     def untrusted(self, pairs: set[tuple[int | None, str | None]]) -> list[tuple[int | None, str | None]]:
-        """The `(version, state_digest)` pairs that are not the run's trusted commit of their version."""
+        """The `(version, state_digest)` pairs that are not the run's trusted commit of their version
+        (one listing of the run's commits at most; a pair naming no version or digest is one)."""
         assert self.trusted is not None
-        return [p for p in pairs if not self.trusted.trusts(*p)]
+        return sorted(self.trusted.untrusted(pairs), key=str)
 
 
 class SparsesyncRolloutWorker(AsyncRolloutWorker):

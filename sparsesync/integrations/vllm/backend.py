@@ -166,7 +166,7 @@ def _load_payload(info: SparsesyncUpdateInfo) -> dict[str, Any]:
     }
 
 
-_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+_LAYER = re.compile(r"^(.*?\.layers\.[0-9]+)\.")
 
 
 def _layer_by_layer(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -44,7 +44,7 @@ from sparsesync.protocol.keys import (
 )
 from sparsesync.protocol.parts import EncodedPart
 from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef
-from sparsesync.protocol.run import read_at_most
+from sparsesync.protocol.run import Run, read_at_most
 from sparsesync.store import Store
 
 CLAIM_TRIES = 100  # epochs tried before giving up on a run that other writers keep claiming
@@ -145,8 +145,13 @@ class CommitWriter:
         version = rec.version
         ours = commit_key(version, self.epoch)
         keys = {o.key for o in self.store.list(COMMITS)} | {ours}
-        valid = valid_commits(sorted(keys))
-        if valid and valid[-1][2] == ours:
+        run = Run(self.store)  # only commit records fence: a stray object named like a commit does not
+
+        def is_commit(key: str) -> bool:
+            return key == ours or run.is_commit(key)
+
+        newest = next((c for c in reversed(valid_commits(keys, is_commit)) if is_commit(c[2])), None)
+        if newest is not None and newest[2] == ours:
             stored = CommitRecord.from_json(read_at_most(self.store, ours, MAX_COMMIT_BYTES), ours)
             if (stored.writer, stored.state_digest) == (self.writer, rec.state_digest):
                 return
@@ -155,8 +160,9 @@ class CommitWriter:
                 f"{stored.writer!r} of the same epoch (state {stored.state_digest}); readers see that one",
                 hint="only one trainer may publish to a run; stop the other one or use a new run URL",
             )
-        overrulers = sorted(p for k in keys if (p := parse_commit_key(k)) and p[1] > self.epoch and p[0] <= version)
-        seen = f"version {valid[-1][0]} (epoch {valid[-1][1]})" if valid else "no version"
+        overrulers = sorted(p for k in keys if (p := parse_commit_key(k)) and p[1] > self.epoch and p[0] <= version
+                            and is_commit(k))
+        seen = f"version {newest[0]} (epoch {newest[1]})" if newest is not None else "no version"
         raise FencedWriterError(
             f"version {version} (epoch {self.epoch}) was written to {self.store.url} but readers do not see it: "
             + (f"the commit of version {overrulers[0][0]} by epoch {overrulers[0][1]} overrules it; " if overrulers else "")

@@ -150,14 +150,13 @@ def test_buffer_keeps_versions_and_drops_stale_samples() -> None:
     assert buf.stats.dropped_stale == 3 and buf.stats.samples_out == 5 and buf.stats.max_staleness_seen == 2
 
 
-def test_buffer_drops_samples_of_a_version_a_rewind_abandoned(tmp_path: Path) -> None:
-    """After a rewind to 2 and a new version 3, a sample of the abandoned 3 (its state digest) is
-    dropped; the new 3's, 2's and digest-less ones are kept (judged against the run's commits)."""
-    from sparsesync.protocol.lineage import TrustedCommits
+def _rewound_run(url: str) -> tuple[list[dict[str, torch.Tensor]], dict[int, str], str]:
+    """A run of versions 1..3, rewound to 2 by a second writer that then published another 3:
+    (states, the first attempt's digests by version, the new 3's digest)."""
     from sparsesync.protocol.publisher import Publisher
     from tests.support.weights import make_state, train_step
 
-    url, g = str(tmp_path / "run"), torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)
     states = [make_state(1)]
     for _ in range(3):
         states.append(train_step(states[-1], g))
@@ -173,12 +172,132 @@ def test_buffer_drops_samples_of_a_version_a_rewind_abandoned(tmp_path: Path) ->
         pub.flush()
         new3 = pub.state_digest
     assert new3 != digests[3]
+    return states, digests, new3
+
+
+def _with_digests(group: Group, digests: list[str | None]) -> Group:
+    group.samples = [dataclasses.replace(s, state_digest=d) for s, d in zip(group.samples, digests, strict=True)]
+    return group
+
+
+def test_buffer_drops_samples_of_a_version_a_rewind_abandoned(tmp_path: Path) -> None:
+    """After a rewind to 2 and a new version 3, a sample of the abandoned 3 (its state digest) is
+    dropped, and so is one that names no digest (before: judged by its version alone, and
+    trained on as the new 3); the new 3's and 2's are kept."""
+    from trainer.trust import SampleJudge
+
+    url = str(tmp_path / "run")
+    _states, digests, new3 = _rewound_run(url)
     buf = RolloutBuffer(8, max_staleness=4, policy="drop")
-    group = _group(0, [3, 3, 2, 3])
-    group.samples = [dataclasses.replace(s, state_digest=d) for s, d in zip(group.samples, [digests[3], new3, digests[2], None], strict=True)]
-    buf.put(group)
-    (out,) = buf.take(1, current_version=3, timeout=1, trusted=TrustedCommits(open_store(url)).trusts)
-    assert [s.state_digest for s in out.samples] == [new3, digests[2], None] and buf.stats.dropped_abandoned == 1
+    buf.put(_with_digests(_group(0, [3, 3, 2, 3]), [digests[3], new3, digests[2], None]))
+    (out,) = buf.take(1, current_version=3, timeout=1, judge=SampleJudge(open_store(url)).for_take())
+    assert [s.state_digest for s in out.samples] == [new3, digests[2]]
+    assert buf.stats.dropped_abandoned == 1 and buf.stats.dropped_unverified == 1
+
+
+def test_a_listing_cached_before_a_rewind_does_not_trust_an_abandoned_version(tmp_path: Path) -> None:
+    """Before: a listing cached before the rewind trusted the abandoned 3 for up to 10 s. The
+    trainer's judge lists once at each take; TRL's cache is dropped as soon as a batch holds a
+    pair it does not trust (the new 3), and the whole batch is judged on the fresh listing."""
+    from sparsesync.protocol.lineage import TrustedCommits
+    from sparsesync.protocol.publisher import Publisher
+    from tests.support.weights import make_state, train_step
+    from trainer.trust import SampleJudge
+
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(0)
+    first = [make_state(1)]
+    for _ in range(3):
+        first.append(train_step(first[-1], g))
+    with Publisher(url, anchor_every=0) as pub:
+        for v in (1, 2, 3):
+            pub.publish(first[v], v)
+            pub.flush()
+        old3 = pub.state_digest
+    judge, cached = SampleJudge(open_store(url)), TrustedCommits(open_store(url))
+    assert judge.for_take()({(3, old3)}) == set() and cached.trusts(3, old3)  # 3 trusted, and cached
+    with Publisher(url, anchor_every=0) as pub:  # the rewind to 2, and another 3
+        pub.resume(first[2], version=2)
+        pub.publish(train_step(first[2], torch.Generator().manual_seed(7)), 3)
+        pub.flush()
+        new3 = pub.state_digest
+    assert judge.for_take()({(3, old3)}) == {(3, old3)}  # each take lists afresh: no window after a rewind
+    assert judge.for_take()({(3, old3), (3, new3)}) == {(3, old3)}
+    assert cached.untrusted({(3, old3), (3, new3)}) == {(3, old3)}  # before: old3 trusted from the cache
+
+
+def test_a_failed_listing_keeps_the_samples_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Before: the StoreError of a failed `commits/` listing escaped `take` (the groups it had
+    taken lost) and ended the run. Now the groups go back to the head of the buffer, the take
+    raises TrustCheckUnavailable, and a later take returns them; the learner gives up only
+    after `patience_s` of failures."""
+    from sparsesync.errors import StoreUnavailableError
+    from sparsesync.store.local import LocalStore
+    from trainer.buffer import TrustCheckUnavailable
+    from trainer.errors import TrainerError
+    from trainer.trust import SampleJudge
+
+    url = str(tmp_path / "run")
+    _states, digests, new3 = _rewound_run(url)
+
+    class Flaky(LocalStore):
+        failing = True
+
+        def list(self, prefix: str = ""):  # type: ignore[no-untyped-def]
+            if self.failing and prefix.startswith("commits"):
+                raise StoreUnavailableError(f"listing {prefix} failed", url=self.url)
+            return super().list(prefix)
+
+    store = Flaky(Path(url))
+    judge = SampleJudge(store, patience_s=0.2)
+    buf = RolloutBuffer(8, max_staleness=4)
+    for i in range(3):
+        buf.put(_with_digests(_group(i, [3, 2]), [new3, digests[2]]))
+    with pytest.raises(TrustCheckUnavailable, match="listing commits/ failed") as e:
+        buf.take(2, current_version=3, timeout=1, judge=judge.for_take())
+    assert len(buf) == 3 and buf.stats.samples_out == 0  # nothing lost, nothing counted out
+    judge.failed(e.value)  # the first failure: logged, the learner retries
+    time.sleep(0.25)
+    with pytest.raises(TrainerError, match="could not list the commits"):
+        judge.failed(e.value)  # failing for longer than patience_s: the run stops, saying why
+    store.failing = False
+    out = buf.take(3, current_version=3, timeout=1, judge=judge.for_take())
+    assert [g.group_id for g in out] == [0, 1, 2] and all(len(g.samples) == 2 for g in out)
+
+
+def test_a_take_lists_the_commits_once_and_outside_the_buffer_lock(tmp_path: Path) -> None:
+    """Before: every sample the cached listing did not explain made a listing of `commits/`,
+    each under the buffer's lock (producers blocked). Now one listing judges the take, and a
+    producer can put while it runs."""
+    from sparsesync.store.local import LocalStore
+    from trainer.trust import SampleJudge
+
+    url = str(tmp_path / "run")
+    _states, digests, new3 = _rewound_run(url)
+    buf = RolloutBuffer(16, max_staleness=4)
+    listed = threading.Event()
+    put_during_listing: list[bool] = []
+
+    class Watched(LocalStore):
+        lists = 0
+
+        def list(self, prefix: str = ""):  # type: ignore[no-untyped-def]
+            if prefix.startswith("commits"):
+                Watched.lists += 1
+                if not listed.is_set():
+                    listed.set()
+                    t = threading.Thread(target=lambda: buf.put(_group(99, [3])))
+                    t.start()
+                    t.join(timeout=5)
+                    put_during_listing.append(not t.is_alive())
+            return super().list(prefix)
+
+    judge = SampleJudge(Watched(Path(url)))
+    for i in range(4):  # 8 samples, each of a digest no commit has (and one good sample per group)
+        buf.put(_with_digests(_group(i, [3, 3, 2]), [f"{i:016x}", f"{i + 8:016x}", digests[2]]))
+    out = buf.take(4, current_version=3, timeout=5, judge=judge.for_take())
+    assert [g.group_id for g in out] == [0, 1, 2, 3] and buf.stats.dropped_abandoned == 8
+    assert Watched.lists == 1 and put_during_listing == [True] and len(buf) == 1
 
 
 def test_buffer_correct_policy_keeps_and_flags_stale_samples() -> None:

@@ -145,3 +145,39 @@ def test_all_replicas_gone_raises_naming_them() -> None:
     urls = [f"http://127.0.0.1:{_free_port()}" for _ in range(2)]
     with ReplicaPool(urls, timeout_s=2) as pool, pytest.raises(ReplicaUnavailableError, match="no inference replica"):
         pool.complete("p")
+
+
+def test_a_completion_of_the_start_up_weights_is_attributed_to_no_version(replicas: list[TinyReplica]) -> None:
+    """Before: play_group labelled the completions of a replica serving its start-up weights
+    (`weight_version: null`) with the version the trainer resumed at, and they were trained on
+    as that version. Now they carry None and the buffer drops them, counted."""
+    from env_space.client import EnvClient
+    from env_space.config import ServerConfig
+    from env_space.server import build_app
+    from trainer.buffer import RolloutBuffer
+    from trainer.rollout import SamplingParams, play_group
+
+    port = _free_port()
+    env = uvicorn.Server(uvicorn.Config(build_app(ServerConfig(default_task="repeat")), host="127.0.0.1", port=port,
+                                        log_level="error"))
+    thread = threading.Thread(target=env.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not env.started:
+            assert time.monotonic() < deadline, "the env server did not start"
+            time.sleep(0.02)
+        with EnvClient(f"http://127.0.0.1:{port}") as client, ReplicaPool([r.url for r in replicas]) as pool:
+            params = SamplingParams(group_size=2, max_tokens=2)
+            groups = [play_group(client, pool, group_id=i, seed=i, task="repeat", params=params) for i in range(2)]
+    finally:
+        env.should_exit = True
+        thread.join(timeout=10)
+    by_replica = {g.samples[0].replica: g for g in groups}
+    assert [s.version for s in by_replica[replicas[1].url].samples] == [None, None]  # r1 serves its start-up weights
+    assert [s.version for s in by_replica[replicas[0].url].samples] == [3, 3]
+    buf = RolloutBuffer(4, max_staleness=4)
+    buf.put(by_replica[replicas[1].url])
+    buf.put(by_replica[replicas[0].url])
+    (out,) = buf.take(1, current_version=5, timeout=1)
+    assert out.samples[0].replica == replicas[0].url and buf.stats.dropped_unversioned == 2 and len(buf) == 0
