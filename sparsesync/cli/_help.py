@@ -33,21 +33,30 @@ def reflow(text: str) -> str:
     return "\n\n".join(" ".join(p.split()) for p in re.split(r"\n\s*\n", inspect.cleandoc(text)) if p.strip())
 
 
-class Command(TyperCommand):
+class _NoTypeOnFlags:
+    """Mixin of `Command` and `Group`: their flags (and --help) show no value type."""
+
+    params: list[Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            _no_type(p)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        if opt is not None:
+            _no_type(opt)
+        return opt
+
+
+class Command(_NoTypeOnFlags, TyperCommand):
     """A Typer command whose help reads as the module docstring says."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.help:
             self.help = reflow(self.help)
-        for p in self.params:
-            _no_type(p)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        opt = super().get_help_option(ctx)
-        if opt is not None:
-            _no_type(opt)
-        return opt
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -58,19 +67,8 @@ class Command(TyperCommand):
         return pieces
 
 
-class Group(TyperGroup):
+class Group(_NoTypeOnFlags, TyperGroup):
     """A Typer group (the root, `deploy`) whose own flags show no value type either."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for p in self.params:
-            _no_type(p)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        opt = super().get_help_option(ctx)
-        if opt is not None:
-            _no_type(opt)
-        return opt
 
 
 def _no_type(p: Any) -> None:
