@@ -160,3 +160,22 @@ def test_the_fencing_rule_is_n_log_n_in_the_names_of_one_version() -> None:
     assert sorted(asked) == sorted(2 * [keys.commit_key(7, 19_999), keys.commit_key(8, 19_999)])
     assert sum(len(a.versions) for a in abandoned) == 19_999 + 1  # every older epoch's 7, and epoch 3's 9
     assert {(a.version, a.by_epoch) for a in abandoned} == {(7, 19_999)}
+
+
+def test_a_junk_object_named_like_a_commit_of_the_last_epoch_leaves_writers_an_epoch(tmp_path: Path) -> None:
+    """Before: `commits/v0000000001-e999999.json` (2 bytes) counted as a commit of epoch 999999, so
+    no new writer could claim an epoch ("epochs have at most 6 digits"): the run was wedged."""
+    url = str(tmp_path / "run")
+    states = _states(3)
+    with Publisher(url, anchor_every=0, writer="w1") as pub:
+        pub.publish(states[0], 0)
+    (tmp_path / "run" / keys.commit_key(1, keys.MAX_EPOCH)).write_bytes(b"{}")
+    with Publisher(url, anchor_every=0, writer="w2") as pub:  # resumes: claims the epoch after the last commit's
+        assert pub.epoch == 2
+        pub.publish(states[1], 1)
+    f = Follower(url)
+    try:
+        assert f.sync_once() == 1
+        assert_bit_equal(f.mirror, states[1])
+    finally:
+        f.stop()

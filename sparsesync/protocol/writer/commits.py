@@ -65,9 +65,16 @@ class CommitWriter:
         keys = [o.key for o in self.store.list(WRITERS)]
         return [p for k in keys if (p := parse_writer_key(k))], {e for k in keys if (e := parse_epoch_lock_key(k)) is not None}
 
-    def commit_epochs(self) -> set[int]:
-        """The epochs named by commit records (a run copied without `writers/` still has them)."""
-        return {p[1] for o in self.store.list(COMMITS) if (p := parse_commit_key(o.key))}
+    def committed_epoch(self, above: int) -> int:
+        """The newest epoch above `above` that a commit record carries (a run copied without
+        `writers/` still has them), else `above`. Only commit records count: a stray object named
+        like a commit of epoch 999999 must not leave the run without an epoch to claim (issue 47).
+        Reads records newest epoch first until one is a commit record (one read on a run
+        without stray names)."""
+        run = Run(self.store)
+        names = sorted(((p[1], o.key) for o in self.store.list(COMMITS) if (p := parse_commit_key(o.key)) and p[1] > above),
+                       reverse=True)
+        return next((epoch for epoch, key in names if run.is_commit(key)), above)
 
     def claim(self) -> int:
         """Claim the epoch after every one seen (and return it). Where the store has create-only
@@ -75,10 +82,9 @@ class CommitWriter:
         share one; a lost race moves on to the next epoch. Elsewhere two writers starting in the
         same instant may claim the same epoch; `check_fence` then orders them by (epoch, writer)
         and the smaller one stops at its next commit."""
-        committed = self.commit_epochs()
         for _ in range(CLAIM_TRIES):
             claims, locks = self.claims()
-            epoch = max([e for e, _w in claims] + list(locks) + list(committed), default=0) + 1
+            epoch = self.committed_epoch(max([e for e, _w in claims] + list(locks), default=0)) + 1
             if epoch > MAX_EPOCH:
                 raise ProtocolError(
                     f"cannot claim writer epoch {epoch} of {self.store.url}: epochs have at most 6 digits "
