@@ -257,10 +257,12 @@ def test_writers_sharing_an_epoch_are_ordered_by_id(store_url):
     """Without create-only writes two writers may claim the same epoch: the one with the
     smaller id stops at its next commit, loudly."""
     from sparsesync.protocol.keys import writer_key
+    from sparsesync.protocol.records import WriterClaim
 
     store = open_store(store_url, create=True)
     p = Publisher(store_url, writer="trainer-a")
-    store.put(writer_key(p.epoch, "trainer-b"), b"{}")  # the same epoch, claimed in the same instant
+    # the same epoch, claimed in the same instant (a claim record: a stray file fences nothing)
+    store.put(writer_key(p.epoch, "trainer-b"), WriterClaim(p.epoch, "trainer-b").to_json())
     p.publish(make_state(6), 1)
     with pytest.raises(FencedWriterError, match="trainer-b"):
         p.flush()

@@ -179,3 +179,24 @@ def test_a_junk_object_named_like_a_commit_of_the_last_epoch_leaves_writers_an_e
         assert_bit_equal(f.mirror, states[1])
     finally:
         f.stop()
+
+
+def test_a_junk_object_named_like_a_newer_writers_claim_fences_nothing(tmp_path: Path) -> None:
+    """Before: a 2-byte `writers/e000099-x.json` fenced the live writer by its name, and a stray
+    `writers/e999999-x.json` left no epoch to claim. Only a claim record of its name counts."""
+    url = str(tmp_path / "run")
+    states = _states(4)
+    with Publisher(url, anchor_every=0, writer="w1") as pub:
+        pub.publish(states[0], 0)
+        (tmp_path / "run" / keys.writer_key(99, "x")).write_bytes(b"{}")
+        (tmp_path / "run" / keys.writer_key(keys.MAX_EPOCH, "y")).write_bytes(b"[]")
+        pub.publish(states[1], 1)  # not fenced
+    with Publisher(url, anchor_every=0, writer="w2") as pub:  # a resumed trainer can still claim an epoch
+        assert pub.epoch == 2
+        pub.publish(states[2], 2)
+    f = Follower(url)
+    try:
+        assert f.sync_once() == 2
+        assert_bit_equal(f.mirror, states[2])
+    finally:
+        f.stop()

@@ -18,6 +18,7 @@ from sparsesync.protocol.records.commit import (
     COMMIT_FORMAT,
     COMMIT_FORMAT_PARTS,
     FILE_NAMES,
+    MAX_CLAIM_BYTES,
     MAX_COMMIT_BYTES,
     MAX_FILE_BYTES,
     MAX_FILES,
@@ -45,7 +46,7 @@ from sparsesync.protocol.records.replica import (
 )
 
 __all__ = [
-    "ADAPTER_DTYPES", "COMMIT_FORMAT", "COMMIT_FORMAT_PARTS", "FILE_NAMES", "HEARTBEAT_FORMAT", "MAX_COMMIT_BYTES",
+    "ADAPTER_DTYPES", "COMMIT_FORMAT", "COMMIT_FORMAT_PARTS", "FILE_NAMES", "HEARTBEAT_FORMAT", "MAX_CLAIM_BYTES", "MAX_COMMIT_BYTES",
     "MAX_DURATION", "MAX_FILES", "MAX_FILE_BYTES", "MAX_LEAD_S", "MAX_OBJECT_BYTES", "MAX_RECORD_BYTES", "MAX_TEXT",
     "MAX_TIME", "MAX_TOTAL_BYTES", "SWITCH_FORMAT", "AdapterMeta", "CommitRecord", "Fields", "FileRef", "Heartbeat",
     "ObjectRef", "PartRef", "SwitchRecord", "Unit", "WriterClaim", "check_list", "clean_text", "load_object", "show",

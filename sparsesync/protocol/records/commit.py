@@ -50,7 +50,7 @@ _MAX_PARTS = 100_000
 _MAX_UNITS = 1_000_000
 _MAX_ROWS = 1 << 50  # a unit's rows end below this
 _INDEX_NAME = "model.safetensors.index.json"
-_MAX_CLAIM_BYTES = 16 << 10
+MAX_CLAIM_BYTES = 16 << 10
 
 
 # ------------------------------------------------------------------------------ a commit's fields
@@ -370,7 +370,7 @@ class WriterClaim:
     @classmethod
     def from_json(cls, data: bytes, key: str) -> WriterClaim:
         """Parse a claim; ValueError with a one-line reason unless it matches its name `key`."""
-        f = Fields(load_object(data, _MAX_CLAIM_BYTES))
+        f = Fields(load_object(data, MAX_CLAIM_BYTES))
         claim = cls(f.integer("epoch", 0, keys.MAX_EPOCH), f.text("writer"), f.number("at"))
         if keys.parse_writer_key(key) != (claim.epoch, claim.writer):
             raise ValueError(f"epoch {claim.epoch} writer {claim.writer!r} does not match the claim's name")

@@ -18,13 +18,14 @@ writer (and again when they change), then referenced by every commit.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from sparsesync.codec.digest import bytes_digest, file_digest
-from sparsesync.errors import FencedWriterError, ProtocolError, StoreUnavailableError
+from sparsesync.errors import FencedWriterError, ObjectNotFoundError, ProtocolError, StoreUnavailableError
 from sparsesync.protocol.extras import MODEL_FILES
 from sparsesync.protocol.keys import (
     COMMITS,
@@ -43,11 +44,13 @@ from sparsesync.protocol.keys import (
     writer_key,
 )
 from sparsesync.protocol.parts import EncodedPart
-from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef
+from sparsesync.protocol.records import MAX_CLAIM_BYTES, MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef, WriterClaim
 from sparsesync.protocol.run import Run, read_at_most
 from sparsesync.store import Store
 
 CLAIM_TRIES = 100  # epochs tried before giving up on a run that other writers keep claiming
+
+log = logging.getLogger(__name__)
 
 
 class CommitWriter:
@@ -58,12 +61,28 @@ class CommitWriter:
         self.store = store
         self.writer = writer
         self.epoch = epoch
+        self._claim_checked: dict[str, bool] = {}  # claim-named keys read: whether each is a claim record
 
     # -- the epoch ------------------------------------------------------------------------
     def claims(self) -> tuple[list[tuple[int, str]], set[int]]:
-        """(epoch, writer) claims and the epochs reserved by create-only locks, listed afresh."""
+        """(epoch, writer) claims and the epochs reserved by create-only locks, listed afresh.
+        A name newer than this writer's own claim counts only if its object is a claim record of
+        that name (`WriterClaim`): a stray file named like a claim fences nothing and takes no
+        epoch (issue 47). Only those names are read, each once."""
         keys = [o.key for o in self.store.list(WRITERS)]
-        return [p for k in keys if (p := parse_writer_key(k))], {e for k in keys if (e := parse_epoch_lock_key(k)) is not None}
+        ours = (self.epoch, self.writer)
+        claims = [p for k in keys if (p := parse_writer_key(k)) and (p <= ours or self._is_claim(k))]
+        return claims, {e for k in keys if (e := parse_epoch_lock_key(k)) is not None}
+
+    def _is_claim(self, key: str) -> bool:
+        if key not in self._claim_checked:
+            try:
+                WriterClaim.from_json(read_at_most(self.store, key, MAX_CLAIM_BYTES), key)
+                self._claim_checked[key] = True
+            except (ValueError, ObjectNotFoundError) as e:
+                log.warning("ignoring %s: not a writer claim (%s)", self.store.object_url(key), e)
+                self._claim_checked[key] = False
+        return self._claim_checked[key]
 
     def committed_epoch(self, above: int) -> int:
         """The newest epoch above `above` that a commit record carries (a run copied without
