@@ -44,6 +44,16 @@ def _states(n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _serves(url: str, version: int, state: dict[str, torch.Tensor]) -> None:
+    """A new follower of `url` serves `version`, bit-exact to `state`."""
+    f = Follower(url)
+    try:
+        assert f.sync_once() == version
+        assert_bit_equal(f.mirror, state)
+    finally:
+        f.stop()
+
+
 def _cli(*args: str) -> tuple[int, str]:
     res = CliRunner().invoke(app, list(args))
     return res.exit_code, res.output
@@ -173,12 +183,7 @@ def test_a_junk_object_named_like_a_commit_of_the_last_epoch_leaves_writers_an_e
     with Publisher(url, anchor_every=0, writer="w2") as pub:  # resumes: claims the epoch after the last commit's
         assert pub.epoch == 2
         pub.publish(states[1], 1)
-    f = Follower(url)
-    try:
-        assert f.sync_once() == 1
-        assert_bit_equal(f.mirror, states[1])
-    finally:
-        f.stop()
+    _serves(url, 1, states[1])
 
 
 def test_a_junk_object_named_like_a_newer_writers_claim_fences_nothing(tmp_path: Path) -> None:
@@ -194,9 +199,4 @@ def test_a_junk_object_named_like_a_newer_writers_claim_fences_nothing(tmp_path:
     with Publisher(url, anchor_every=0, writer="w2") as pub:  # a resumed trainer can still claim an epoch
         assert pub.epoch == 2
         pub.publish(states[2], 2)
-    f = Follower(url)
-    try:
-        assert f.sync_once() == 2
-        assert_bit_equal(f.mirror, states[2])
-    finally:
-        f.stop()
+    _serves(url, 2, states[2])

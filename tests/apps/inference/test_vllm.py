@@ -15,18 +15,9 @@ import os
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-try:
-    import vllm  # noqa: F401
+from tests.support.vllm_guard import VLLM_MARKS
 
-    _VLLM_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
-    _VLLM_ERROR = f"{type(e).__name__}: {e}"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({_VLLM_ERROR}); see scripts/setup.sh"),
-]
+pytestmark = VLLM_MARKS
 
 from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402

@@ -10,23 +10,12 @@ The read-back compares bit patterns: -0.0 is not 0.0. Skipped only where vLLM ca
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-try:
-    import vllm  # noqa: F401
+from tests.support.vllm_guard import VLLM_MARKS
 
-    _VLLM_ERROR = None
-except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
-    _VLLM_ERROR = f"{type(e).__name__}: {e}"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({_VLLM_ERROR}); see scripts/setup.sh"),
-]
+pytestmark = VLLM_MARKS
 
 from tests.apps.inference.test_vllm import _read_back  # noqa: E402
 from tests.apps.inference.test_whole_state import NORM, follow_edit_follow  # noqa: E402
