@@ -65,6 +65,9 @@
  *       The encoder passes take each element's class from its base bits and the thresholds;
  *       delta_hist counts every step-th value (clipped at 64) per class; delta_symbols writes
  *       the symbols, class c's escapes from esc[offsets[c]] on, and the symbols' histogram.
+ *   block_digests(data, out[, threads[, hw]]) -> None
+ *       XXH3-64 of each 65536-byte block of `data` (the last zero-padded), into uint64 `out`:
+ *       the blocks of the tensor digest "xxh3b" (docs/format.md, "Digests"; native/blocks.c).
  *   join(pieces) -> bytes
  *       b"".join(pieces) for a list of bytes-like objects, copied with the GIL released into
  *       memory advised for transparent huge pages (as numpy does for its large arrays): a patch
@@ -86,6 +89,7 @@
  *   native/varints.c     varints, varints_put
  *   native/gaps.c        gap_khist, gap_symbols, gap_ranks
  *   native/deltas.c      delta_hist, delta_symbols, delta_values
+ *   native/blocks.c      block_digests (the blocks of the tensor digest "xxh3b")
  * This file holds the module itself: hw_levels, the method table and module init.
  */
 
@@ -102,6 +106,7 @@
 #include "native/varints.c"
 #include "native/gaps.c"
 #include "native/deltas.c"
+#include "native/blocks.c"
 
 static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(HW_BEST + 1);
@@ -130,6 +135,7 @@ static PyMethodDef methods[] = {
     {"delta_hist", py_delta_hist, METH_VARARGS, "delta_hist(base, target, width, thresholds, hist[, step]) -> None"},
     {"delta_symbols", py_delta_symbols, METH_VARARGS, "delta_symbols(base, target, width, thresholds, es, offsets, sym, esc, hist) -> list[int]"},
     {"delta_values", py_delta_values, METH_VARARGS, "delta_values(base, width, cls, K, sym, offsets, es, esc, out) -> -1 or a status"},
+    {"block_digests", py_block_digests, METH_VARARGS, "block_digests(data, out[, threads[, hw]]) -> None"},
     {"join", py_join, METH_O, "join(pieces) -> bytes (b\"\".join, the GIL released, into huge-page-advised memory)"},
     {NULL, NULL, 0, NULL},
 };
