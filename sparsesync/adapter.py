@@ -40,7 +40,7 @@ import torch
 from sparsesync.adapter_config import check_config as _check_config
 from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint, read_in_folder
-from sparsesync.codec.digest import state_digest, tensor_digests
+from sparsesync.codec.digest import algo_of, state_digest, tensor_digests
 from sparsesync.errors import AdapterTargetError, BaseModelMismatchError, ConfigError
 
 if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
@@ -122,7 +122,7 @@ def check_supported(config: dict[str, Any], what: str) -> None:
 # -- the reader side --------------------------------------------------------------------------
 def check_base(base_state: Mapping[str, torch.Tensor], meta: AdapterMeta, where: str) -> None:
     """Raise BaseModelMismatchError unless `base_state` (checkpoint key set) is the run's base."""
-    got = state_digest(tensor_digests(base_state))
+    got = state_digest(tensor_digests(base_state, algo_of(meta.base_digest)))  # in the algorithm the run recorded
     if got != meta.base_digest:
         raise BaseModelMismatchError(
             f"the base weights in {where} have digest {got}, but the adapter run was trained on "

@@ -219,11 +219,12 @@ def map_tied(state: Mapping[str, torch.Tensor], fn: Callable[[torch.Tensor], tor
     return out
 
 
-def checkpoint_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """The state digest of `state` in the checkpoint's own key set (what a run records for it)."""
-    from sparsesync.codec import state_digest, tensor_digests
+def checkpoint_digest(state: Mapping[str, torch.Tensor], algo: str | None = None) -> str:
+    """The state digest of `state` in the checkpoint's own key set (what a run records for it),
+    in digest algorithm `algo` (None: the one new runs record)."""
+    from sparsesync.codec import DEFAULT_ALGO, state_digest, tensor_digests
 
-    return state_digest(tensor_digests(checkpoint_state(state)))
+    return state_digest(tensor_digests(checkpoint_state(state), algo or DEFAULT_ALGO))
 
 
 def check_tied(state: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:

@@ -254,10 +254,11 @@ def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: s
     continue from (the checkpoint then becomes version `step`, abandoning the newer versions);
     with the versions it abandons (each once, ascending)."""
     from sparsesync.checkpoint import checkpoint_digest
+    from sparsesync.codec import algo_of
 
     commits = run.commits()
     same = next((c for c in commits if c.version == step), None)
-    if same is not None and same.state_digest == checkpoint_digest(state):
+    if same is not None and same.state_digest == checkpoint_digest(state, algo_of(same.state_digest)):
         if same is commits[-1]:
             return "held", []
         return "rewind", sorted({c.version for c in commits if c.version > step})

@@ -18,12 +18,13 @@ from sparsesync.codec._parallel import interrupts_deferred
 from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
 from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests
 from sparsesync.codec.diff import TensorChange, compose_changes, diff_state
-from sparsesync.codec.digest import state_digest, tensor_digest, tensor_digests
+from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, algos_of, state_digest, tensor_digest, tensor_digests
 from sparsesync.codec.patch import Effort, Patch, PatchHeader, TensorEntry, encode_changes
 from sparsesync.codec.patch_reader import fetch_header, header_length, header_span, parse_header, read_patch
 from sparsesync.codec.snapshot import EncodedPatch, PatchStats, Snapshot
 
 __all__ = [
+    "DEFAULT_ALGO",
     "AnchorInfo",
     "Effort",
     "EncodedPatch",
@@ -34,6 +35,8 @@ __all__ = [
     "SparseUpdate",
     "TensorChange",
     "TensorEntry",
+    "algo_of",
+    "algos_of",
     "apply_patch",
     "compose_changes",
     "decode_patch",

@@ -5,7 +5,7 @@ tensor's bytes matched the digest recorded when it was written (DigestMismatchEr
 and rejects malformed or inconsistent files with PatchFormatError. Layout: one
 `model.safetensors`, or `model-0000i-of-0000N.safetensors` shards plus
 `model.safetensors.index.json` (the transformers convention). Each shard's `__metadata__`
-holds `format: pt`, `sparsesync.version` and `sparsesync.digests` (JSON name -> xxh3_64 hex);
+holds `format: pt`, `sparsesync.version` and `sparsesync.digests` (JSON name -> tensor digest, "xxh3b:" + hex or legacy bare xxh3 hex);
 the index's `metadata` holds `total_size`, `sparsesync.version` and `sparsesync.state_digest`.
 """
 
@@ -27,7 +27,7 @@ from sparsesync.codec._container import (
     parse_header_json,
     parse_streams,
 )
-from sparsesync.codec.digest import state_digest, tensor_digest
+from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, is_digest, state_digest, tensor_digest
 from sparsesync.errors import DigestMismatchError, PatchFormatError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,11 +62,12 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: Path, *, version: int, alone: bool = False) -> dict[str, str]:
-    """Write one anchor file of whole tensors at `path`, with their digests in its metadata (and
-    the state digest when it is the anchor's only file, `alone`); returns the digests."""
+def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: Path, *, version: int, alone: bool = False,
+                       algo: str = DEFAULT_ALGO) -> dict[str, str]:
+    """Write one anchor file of whole tensors at `path`, with their `algo` digests in its
+    metadata (and the state digest when it is the anchor's only file, `alone`); returns the digests."""
     cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-    digests = {n: tensor_digest(t) for n, t in cpu.items()}
+    digests = {n: tensor_digest(t, algo) for n, t in cpu.items()}
     meta = {"format": "pt", "sparsesync.version": str(version), "sparsesync.digests": json.dumps(digests, separators=(",", ":"))}
     if alone:
         meta["sparsesync.state_digest"] = state_digest(digests)
@@ -86,9 +87,10 @@ def write_anchor_index(directory: Path, weight_map: Mapping[str, str], digests: 
     return path
 
 
-def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version: int, max_shard_bytes: int = 5 << 30) -> list[Path]:
-    """Write `state` as an anchor of `version` into `directory`; returns the files written
-    (shards first, then the index when sharded). Memory: one shard's tensors copied to CPU."""
+def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version: int, max_shard_bytes: int = 5 << 30,
+                 algo: str = DEFAULT_ALGO) -> list[Path]:
+    """Write `state` as an anchor of `version` into `directory` with `algo` digests; returns the
+    files written (shards first, then the index when sharded). Memory: one shard's tensors copied to CPU."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plan = _shard_plan(state, max_shard_bytes)
@@ -97,7 +99,7 @@ def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version:
     weight_map: dict[str, str] = {}
     for i, names in enumerate(plan):
         fname = shard_name(i + 1, len(plan))
-        digests.update(write_anchor_shard({n: state[n] for n in names}, directory / fname, version=version, alone=len(plan) == 1))
+        digests.update(write_anchor_shard({n: state[n] for n in names}, directory / fname, version=version, alone=len(plan) == 1, algo=algo))
         files.append(directory / fname)
         weight_map.update({n: fname for n in names})
     if len(plan) > 1:
@@ -166,7 +168,7 @@ def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None,
             shard_digests = json.loads(meta.get("sparsesync.digests", ""))
         except (ValueError, RecursionError):
             raise _bad(p, "metadata 'sparsesync.digests' missing or not JSON") from None
-        if not isinstance(shard_digests, dict) or not all(isinstance(v, str) for v in shard_digests.values()):
+        if not isinstance(shard_digests, dict) or not all(is_digest(v) for v in shard_digests.values()):
             raise _bad(p, "metadata 'sparsesync.digests' is not a map of name -> digest")
         versions.add(meta.get("sparsesync.version", ""))
         if set(streams) != set(shard_digests):
@@ -184,7 +186,7 @@ def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None,
             for name, s in sorted(streams.items(), key=lambda kv: kv[1].start):
                 t = state[name]
                 _read_into(f, t, s.start, s.nbytes, p)
-                got = tensor_digest(t)
+                got = tensor_digest(t, algo_of(shard_digests[name]))
                 if got != shard_digests[name]:
                     raise DigestMismatchError(
                         f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}", hint="the anchor is corrupt; fetch it again"

@@ -21,8 +21,8 @@ import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
-from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digests
-from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
+from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, put_and_digest, put_and_digests, tensor_digests
+from sparsesync.codec.patch import Patch, PatchHeader, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
@@ -98,8 +98,11 @@ def _signed(dt: np.dtype) -> np.dtype:
 
 def _mismatches(tensors: Mapping[str, torch.Tensor], want: Mapping[str, str], known: Mapping[str, str] | None = None) -> list[str]:
     """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its
-    digest; `known`: digests already computed for some of them (the rest are hashed here)."""
-    got = {**(known or {}), **tensor_digests({n: tensors[n] for n in want if n not in (known or {})})}
+    digest, in that digest's algorithm; `known`: digests already computed for some of them (the
+    rest, and any known in another algorithm, are hashed here)."""
+    algos = {n: algo_of(d) for n, d in want.items()}
+    known = {n: d for n, d in (known or {}).items() if n in algos and algo_of(d) == algos[n]}
+    got = {**known, **tensor_digests({n: tensors[n] for n in want if n not in known}, algos)}
     return [f"tensor '{n}': digest {got[n]}, expected {d}" for n, d in want.items() if got[n] != d]
 
 
@@ -140,10 +143,15 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
     return {n: by_name[n] for n in names}
 
 
-def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) -> tuple[SparseUpdate, str | None, str | None]:
+def patch_algo(header: PatchHeader) -> str:
+    """The algorithm of a patch's digests (its state digest's form: "xxh3b" from format 4 on)."""
+    return algo_of(header.target_state_digest)
+
+
+def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO) -> tuple[SparseUpdate, str | None, str | None]:
     """Write `u` into `t`; (the overwritten old values, the digest after the writes if `digest`,
-    the digest before them if `before`), both hashed in the pass that writes (CPU tensors only:
-    a CUDA tensor's digests are None)."""
+    the digest before them if `before`), both hashed in `algo` in the pass that writes (CPU
+    tensors only: a CUDA tensor's digests are None)."""
     flat = bits_view(t)
     if flat.device.type == "cpu":
         bits = to_np_bits(flat)
@@ -154,9 +162,9 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
         else:
             old = np.empty(idx.size, dtype=bits.dtype)
             if before:
-                h_before, h_after = put_and_digests(bits, idx, vals, old)
+                h_before, h_after = put_and_digests(bits, idx, vals, old, algo)
             else:
-                h_after = put_and_digest(bits, idx, vals, old)
+                h_after = put_and_digest(bits, idx, vals, old, algo)
         return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), h_after if digest else None, h_before
     idx = u.indices.to(flat.device)
     old_vals = flat[idx].cpu().view(t.dtype)
@@ -166,16 +174,17 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
 
 def write_updates(
     tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None,
-    written: Written | None = None,
+    written: Written | None = None, algo: str | Mapping[str, str] = DEFAULT_ALGO,
 ) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
     returns the overwritten old values (for undo). With `digests`, the digest of every written
-    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`).
+    CPU tensor is put there, hashed in the same pass over it as its writes (`put_and_digest`), in
+    `algo` (one for all, or by name: the algorithm of the digest it will be checked against).
     `written` is called with each tensor once its writes (and hashing) are done."""
     names = list(updates)
 
     def one(n: str) -> tuple[SparseUpdate, str | None, str | None]:
-        r = _write_one(tensors[n], updates[n], digest=digests is not None, before=False)
+        r = _write_one(tensors[n], updates[n], digest=digests is not None, before=False, algo=algo if isinstance(algo, str) else algo.get(n, DEFAULT_ALGO))
         if written is not None:
             written(tensors[n])
         return r
@@ -239,7 +248,7 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
         return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
     hashed: dict[str, str] = {}
-    old = write_updates(tensors, updates, digests=hashed if verify else None, written=written)
+    old = write_updates(tensors, updates, digests=hashed if verify else None, written=written, algo=patch_algo(h))
     if verify:
         try:
             verify_digests(tensors, targets, known=hashed)
@@ -259,7 +268,7 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
 
     def one(name: str) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
         u = _decode_one(patch, h.tensors[name], tensors[name])
-        r = (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
+        r = (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest, algo=patch_algo(h)))
         if written is not None:
             written(tensors[name])
         return r

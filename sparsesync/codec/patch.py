@@ -19,14 +19,15 @@ from typing import Literal, get_args
 
 import torch
 
-from sparsesync.codec import _container, _encodings, _parallel, _table
+from sparsesync.codec import _container, _encodings, _parallel, _table, blocks_digest
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
+from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, is_digest
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 3  # what the encoder writes
-READABLE_VERSIONS = (1, 2, 3)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table (docs/format.md)
+FORMAT_VERSION = 4  # what the encoder writes for "xxh3b" digests (3 for legacy "xxh3" digests: `format_for`)
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 is 3 with "xxh3b" digests (docs/format.md)
 DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
 
 # What an encoder favors when it has the base. "size" (the default): the smallest patches, with
@@ -128,6 +129,22 @@ def stream_key(name: str, role: str) -> str:
     return f"{name}::{role}"
 
 
+def format_for(algo: str) -> int:
+    """The format version a writer writes for digests of `algo`: 4 for "xxh3b", 3 for legacy
+    "xxh3" (a run written before "xxh3b" keeps format 3, which every follower reads)."""
+    return FORMAT_VERSION if algo == BLOCKS_ALGO else 3
+
+
+def digest_prefix(format_version: int) -> str:
+    """What precedes the 16 hex digits of the table's digests in patches of `format_version`."""
+    return blocks_digest.PREFIX if format_version >= 4 else ""
+
+
+def bare_hex(digest: str) -> str:
+    """The 16 hex digits of a digest (the table stores them as a u64, the algorithm is the format's)."""
+    return digest.removeprefix(blocks_digest.PREFIX)
+
+
 def ctx_for(entry: TensorEntry, base_bits=None, format_version: int = FORMAT_VERSION) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
     dtype = _container.ST_DTYPES[entry.dtype][0]
     return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version)
@@ -199,11 +216,17 @@ def assemble_patch(
     missing = sorted(n for n in encoded if n not in base_digests or n not in target_digests)
     if missing:
         raise PatchFormatError(f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes")
+    algos = set()
     for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
         (f"digest of '{n}'", dg) for n in encoded for dg in (base_digests[n], target_digests[n])
     ]:
-        if not isinstance(d, str) or not DIGEST_RE.match(d):
-            raise PatchFormatError(f"{what} {d!r}, expected 16 lowercase hex digits", hint="use codec.tensor_digest / codec.state_digest")
+        if not is_digest(d):
+            raise PatchFormatError(f"{what} {d!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'",
+                                   hint="use codec.tensor_digest / codec.state_digest")
+        algos.add(algo_of(d))
+    if len(algos) > 1:
+        raise PatchFormatError(f"the digests mix the algorithms {sorted(algos)}", hint="compute every digest of a patch with one algorithm")
+    fv = format_for(algos.pop())
     rows, blobs = [], []
     for name in sorted(encoded):
         e = encoded[name]
@@ -213,12 +236,12 @@ def assemble_patch(
         if e.values == "delta":
             vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
         explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
-        rows.append(_table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digests[name], target_digests[name],
+        rows.append(_table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, bare_hex(base_digests[name]), bare_hex(target_digests[name]),
                                {role: len(e.streams[role][2]) for role in explicit}))
         blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
     meta = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(fv),
         "base_version": str(base_version),
         "target_version": str(target_version),
         "base_state_digest": base_state_digest,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from sparsesync.codec import _container, _encodings, _table
 from sparsesync.codec._container import Stream
+from sparsesync.codec.digest import is_digest
 from sparsesync.codec.patch import (
     DIGEST_RE,
     FORMAT_NAME,
@@ -28,6 +29,7 @@ from sparsesync.codec.patch import (
     PatchHeader,
     TensorEntry,
     ctx_for,
+    digest_prefix,
     stream_key,
 )
 from sparsesync.errors import PatchFormatError
@@ -67,8 +69,8 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
         raise _fmt(f"{where}: shape {shape} has {numel} elements, expected at most {_container.MAX_NUMEL}")
     n_changed = _int_field(raw["n_changed"], f"{where}: n_changed", 1, max(numel, 1))
     for key in ("base_digest", "target_digest"):
-        if not isinstance(raw[key], str) or not DIGEST_RE.match(raw[key]):
-            raise _fmt(f"{where}: {key} {raw[key]!r:.40}, expected 16 lowercase hex digits")
+        if not is_digest(raw[key]):
+            raise _fmt(f"{where}: {key} {raw[key]!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'")
     pos, val = raw["positions"], raw["values"]
     if pos not in _encodings.POSITIONS:
         raise _fmt(f"{where}: position encoding {pos!r:.40}, expected one of {sorted(_encodings.POSITIONS)}")
@@ -113,7 +115,7 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
             hint="upgrade sparsesync to read newer patches",
         )
     version = int(meta["format_version"])
-    keys = _META_KEYS_V3 if version == 3 else _META_KEYS
+    keys = _META_KEYS_V3 if version >= 3 else _META_KEYS
     if set(meta) != keys:
         raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(keys)}")
     versions = []
@@ -123,12 +125,13 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
         versions.append(int(meta[key]))
     if versions[0] >= versions[1]:
         raise _fmt(f"base_version {versions[0]} >= target_version {versions[1]}, expected base < target")
+    prefix = digest_prefix(version)
     for key in ("base_state_digest", "target_state_digest"):
-        if not DIGEST_RE.match(meta[key]):
-            raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
+        if not (meta[key].startswith(prefix) and DIGEST_RE.match(meta[key][len(prefix):])):
+            raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected {prefix!r} and 16 lowercase hex digits (format {version})")
     start = 0
-    if version == 3:
-        tensors, streams = _table_entries(table, buf)
+    if version >= 3:
+        tensors, streams = _table_entries(table, buf, prefix)
         start = table[STREAMS_KEY].start
     else:
         try:
@@ -145,8 +148,9 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
     return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start), streams
 
 
-def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, TensorEntry], dict[str, Stream]]:
-    """Format 3: the entries of the binary table and where each tensor's streams lie in `streams`."""
+def _table_entries(table: dict[str, Stream], buf: bytes, prefix: str = "") -> tuple[dict[str, TensorEntry], dict[str, Stream]]:
+    """Formats 3 and 4: the entries of the binary table and where each tensor's streams lie in
+    `streams` (the table's digests written with `prefix`: "xxh3b:" in format 4)."""
     if set(table) != {TABLE_KEY, STREAMS_KEY} or table[TABLE_KEY].end != table[STREAMS_KEY].start:
         raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly '{TABLE_KEY}' then '{STREAMS_KEY}' (format 3)")
     t, d = table[TABLE_KEY], table[STREAMS_KEY]
@@ -161,7 +165,8 @@ def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, Tens
         numel = math.prod(r.shape)
         if not 1 <= r.n_changed <= max(numel, 1):
             raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
-        probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest, r.position_params, r.value_params)
+        probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, prefix + r.base_digest, prefix + r.target_digest,
+                            r.position_params, r.value_params)
         ctx = ctx_for(probe)
         layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
         roles = {}
@@ -180,7 +185,7 @@ def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, Tens
             if off > d.end:
                 raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
         raw = {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
-               "values": r.values, "value_params": r.value_params, "base_digest": r.base_digest, "target_digest": r.target_digest, "streams": roles}
+               "values": r.values, "value_params": r.value_params, "base_digest": prefix + r.base_digest, "target_digest": prefix + r.target_digest, "streams": roles}
         tensors[r.name] = _entry(r.name, raw, located)
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
@@ -201,7 +206,7 @@ def header_span(prefix: bytes) -> int:
         return n
     meta, table = _container.parse_header_json(bytes(prefix[8:n]))
     info = table.get(TABLE_KEY)
-    if meta.get("format_version") != "3" or not isinstance(info, dict):
+    if meta.get("format_version") not in ("3", "4") or not isinstance(info, dict):
         return n
     offs = info.get("data_offsets")
     if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1] <= _table.MAX_TABLE_BYTES):

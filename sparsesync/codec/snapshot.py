@@ -21,7 +21,7 @@ import torch
 from sparsesync.codec import _parallel
 from sparsesync.codec.cast import layout, owned_copy, uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
-from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
+from sparsesync.codec.digest import DEFAULT_ALGO, put_and_digest, state_digest, tensor_digest
 from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensor, encode_tensors
 
 
@@ -59,14 +59,16 @@ class Snapshot:
     """A full copy of the last published version (see the module docstring for its memory cost)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], version: int, *, device: str | torch.device | None = None,
-                 effort: Effort = "size") -> None:
+                 effort: Effort = "size", algo: str = DEFAULT_ALGO) -> None:
         """`effort`: what `diff_encode` favors, smaller patches or faster encode and decode
-        (`sparsesync.codec.patch.Effort`)."""
+        (`sparsesync.codec.patch.Effort`). `algo`: the digest algorithm of `.digests` and the
+        patches (a writer continuing a run written with "xxh3" keeps it: `digest.algo_of`)."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.effort = check_effort(effort)
         self.version = version
         self.state: dict[str, torch.Tensor] = {n: owned_copy(state, n, dev) for n in state}  # one tensor cast at a time
-        self.digests: dict[str, str] = {n: tensor_digest(t) for n, t in self.state.items()}
+        self.algo = algo
+        self.digests: dict[str, str] = {n: tensor_digest(t, algo) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
 
     @property
@@ -138,7 +140,7 @@ class Snapshot:
                 return None, None, None, tb - ta, 0.0
             enc = encode_tensor(name, ch, self.state[name], effort=self.effort)  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
-                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits)
+                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits, algo=self.algo)
             except BaseException:
                 self._put(name, ch.indices, ch.base_bits)
                 raise
@@ -176,10 +178,10 @@ class Snapshot:
             ch = changes[name]
             flat = bits_view(self.state[name])
             if flat.device.type == "cpu":
-                return put_and_digest(to_np_bits(flat), ch.indices, ch.target_bits)
+                return put_and_digest(to_np_bits(flat), ch.indices, ch.target_bits, algo=self.algo)
             idx = torch.from_numpy(ch.indices).to(flat.device)
             flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
-            return tensor_digest(self.state[name])
+            return tensor_digest(self.state[name], self.algo)
 
         names = list(changes)
         self.digests.update(zip(names, _parallel.map_ordered(one, names)))

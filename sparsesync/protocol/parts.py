@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsesync.codec import (
+    DEFAULT_ALGO,
     Effort,
     EncodedPatch,
     PatchStats,
@@ -80,17 +81,19 @@ class PartedSnapshot:
     """
 
     def __init__(self, parts: Sequence[Sequence[Unit]], state: Mapping[str, torch.Tensor], version: int, *,
-                 effort: Effort = "size") -> None:
+                 effort: Effort = "size", algo: str = DEFAULT_ALGO) -> None:
         self.units = [tuple(p) for p in parts]
-        self.snapshots = [Snapshot(select(state, [u.key for u in units]), version, effort=effort) for units in self.units]
+        self.algo = algo  # the digest algorithm (`Snapshot`)
+        self.snapshots = [Snapshot(select(state, [u.key for u in units]), version, effort=effort, algo=algo) for units in self.units]
         self.version = version
         self._digests: dict[str, str] | None = None  # `digests`, once per version (`diff_encode` clears it)
         self._state_digest: str | None = None
 
     @classmethod
-    def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int, *, effort: Effort = "size") -> PartedSnapshot:
+    def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int, *, effort: Effort = "size",
+              algo: str = DEFAULT_ALGO) -> PartedSnapshot:
         """Whole tensors grouped by `part_bytes` (the single-process publisher)."""
-        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version, effort=effort)
+        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version, effort=effort, algo=algo)
 
     @property
     def state(self) -> dict[str, torch.Tensor]:

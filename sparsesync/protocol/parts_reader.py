@@ -40,9 +40,9 @@ from sparsesync.codec import (
     tensor_digest,
     tensor_digests,
 )
-from sparsesync.codec.apply import SparseUpdate, Written, decode_patch, verify_digests, write_updates
+from sparsesync.codec.apply import SparseUpdate, Written, decode_patch, patch_algo, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
-from sparsesync.codec.digest import bytes_digest, digest_after_put
+from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, algos_of, bytes_digest, digest_after_put
 from sparsesync.errors import DigestMismatchError, MirrorMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
 from sparsesync.protocol.keys import DELTAS, parse_part_key
 from sparsesync.protocol.records import CommitRecord, PartRef, Unit
@@ -87,10 +87,10 @@ def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Un
         digests[unit.key] = digest
 
 
-def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit) -> str:
-    """The digest of what the holder has for `unit`: recorded, or hashed from its (verified) bytes."""
+def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit, algo: str = DEFAULT_ALGO) -> str:
+    """The `algo` digest of what the holder has for `unit`: recorded, or hashed from its (verified) bytes."""
     d = digests.get(unit.key)
-    return d if d is not None else tensor_digest(unit_view(state, unit))
+    return d if d is not None and algo_of(d) == algo else tensor_digest(unit_view(state, unit), algo)
 
 
 def check_held(state: Mapping[str, torch.Tensor], digests: Mapping[str, str], rec: CommitRecord,
@@ -106,7 +106,7 @@ def check_held(state: Mapping[str, torch.Tensor], digests: Mapping[str, str], re
         bad.append(f"its digests cover {len(names & set(state))} of its {len(state)} tensors")
     for i in range(0, 0 if bad else len(keys), 8):
         views = {k: unit_view(state, _unit_of(k)) for k in keys[i : i + 8]}
-        got = tensor_digests(views)
+        got = tensor_digests(views, algos_of({k: digests[k] for k in views}))
         bad += [f"tensor {k!r}: digest {got[k]}, expected {digests[k]}" for k in views if got[k] != digests[k]]
         for v in views.values():
             if written is not None:
@@ -185,7 +185,7 @@ class Prefetcher:
         d = next((d for d in self._done.values() if d is not None and d.predicted is None), None)
         if d is not None:  # one part per poll: the next listing is never far off
             try:
-                d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates) or {}
+                d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates, patch_algo(d.patch.header)) or {}
             except Exception:  # noqa: BLE001 - nothing predicted: the writes hash as they go
                 d.predicted = {}
         return len(todo)
@@ -200,15 +200,15 @@ class Prefetcher:
         return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
 
 
-def _predicted(views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate]) -> dict[str, str] | None:
-    """The digest each unit's bytes will have once `updates` are written (`digest_after_put`,
+def _predicted(views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], algo: str) -> dict[str, str] | None:
+    """The `algo` digest each unit's bytes will have once `updates` are written (`digest_after_put`,
     nothing written), or None if a unit is not in CPU memory."""
     if any(views[k].device.type != "cpu" for k in updates):
         return None
     out = {}
     for k, u in updates.items():
         flat = bits_view(views[k])
-        out[k] = digest_after_put(to_np_bits(flat), u.indices.numpy(), u.values.view(flat.dtype).numpy())
+        out[k] = digest_after_put(to_np_bits(flat), u.indices.numpy(), u.values.view(flat.dtype).numpy(), algo)
     return out
 
 
@@ -304,7 +304,7 @@ def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping
                 written.append((s, write_updates(s.views, s.updates, written=written_hook), dict(s.predicted)))
                 continue
             known: dict[str, str] = {}
-            written.append((s, write_updates(s.views, s.updates, digests=known, written=written_hook), known))
+            written.append((s, write_updates(s.views, s.updates, digests=known, written=written_hook, algo=algos_of(s.targets)), known))
         for s, _, known in written:
             try:
                 verify_digests(s.views, s.targets, known=known)
@@ -351,7 +351,7 @@ def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, to
             raise PatchMismatchError(f"part {ref.key} covers tensor {u.name!r}, which the holder lacks",
                                      hint="hold the run's whole key set, or pass names= to apply only some tensors")
     views = {u.key: unit_view(state, u) for u in ref.units}
-    held = {u.key: held_digest(digests, state, u) for u in ref.units}
+    held = {u.key: held_digest(digests, state, u, algo_of(ref.base_state_digest)) for u in ref.units}
     if state_digest(held) != ref.base_state_digest:
         raise PatchMismatchError(
             f"part {ref.key} applies to units with state {ref.base_state_digest}, but the weights held are {state_digest(held)}",

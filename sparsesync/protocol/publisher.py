@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from sparsesync.checkpoint import checkpoint_digest
-from sparsesync.codec import Effort
+from sparsesync.codec import Effort, algo_of
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.adapter_runs import adapter_state, check_publish
 from sparsesync.protocol.extras import collect_files
@@ -244,7 +244,8 @@ class Publisher:
         if self._mode is None:
             return None
         state, _adapter = adapter_state(state, self.adapter)
-        same = version_with_digest(self.run.commits(), checkpoint_digest(state))
+        commits = self.run.commits()  # hashed in the run's digest algorithm (the newest commit's)
+        same = version_with_digest(commits, checkpoint_digest(state, algo_of(commits[-1].state_digest))) if commits else None
         return None if same is None else same.version
 
     def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:

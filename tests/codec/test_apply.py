@@ -206,7 +206,7 @@ def test_target_digest_is_verified_after_apply():
     assert "'a'" not in err.message
     apply_patch(read_patch(bad), work, verify=False)  # without verification it lands ...
     assert torch.equal(bits(work["a"]), bits(target["a"])) and not torch.equal(bits(work["x"]), bits(target["x"]))
-    with pytest.raises(DigestMismatchError, match="tensor 'x': digest [0-9a-f]{16}, expected " + tensor_digest(target["x"])):
+    with pytest.raises(DigestMismatchError, match="tensor 'x': digest xxh3b:[0-9a-f]{16}, expected " + tensor_digest(target["x"])):
         verify_digests(work, {n: e.target_digest for n, e in read_patch(bad).header.tensors.items()})  # ... and a later check catches it
     work = _clone(base)
     apply_patch(read_patch(data), work)

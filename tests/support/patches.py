@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparsesync.codec import (
+    DEFAULT_ALGO,
     _container,
     apply_patch,
     diff_state,
@@ -79,7 +80,7 @@ def roundtrip(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor], *,
     return data
 
 
-def _forced(change: TensorChange, base: torch.Tensor, pos: str, val: str, thresholds: list[int]) -> bytes:
+def _forced(change: TensorChange, base: torch.Tensor, pos: str, val: str, thresholds: list[int], algo: str = DEFAULT_ALGO) -> bytes:
     st_name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[change.dtype]
     ctx = E.Ctx("x", st_name, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
     base_full = to_np_bits(bits_view(base))
@@ -95,16 +96,17 @@ def _forced(change: TensorChange, base: torch.Tensor, pos: str, val: str, thresh
     else:
         vp, vs = E._delta_enc(change.base_bits, change.target_bits, ctx, thresholds) if val == "delta" else E._raw_val_enc(change.base_bits, change.target_bits, ctx)
     enc = {"x": EncodedTensor(st_name, change.shape, change.n_changed, pos, pp, val, vp, {**ps, **vs})}
-    d = tensor_digest(base)
-    return assemble_patch(enc, base_version=0, target_version=1, base_digests={"x": d}, target_digests={"x": "0" * 16}, base_state_digest=d, target_state_digest=d)
+    d = tensor_digest(base, algo)
+    return assemble_patch(enc, base_version=0, target_version=1, base_digests={"x": d}, target_digests={"x": d[:-16] + "0" * 16}, base_state_digest=d, target_state_digest=d)
 
 
-def _golden_patch() -> bytes:
+def _golden_patch(algo: str = "xxh3") -> bytes:
+    """The worked example of docs/format.md: format 3 with "xxh3" digests (format 4 with "xxh3b")."""
     base = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -0.0, 8.0, 0.25], dtype=torch.bfloat16)
     tgt = base.clone()
     bits(tgt)[[1, 4, 5]] += torch.tensor([1, -1, 1], dtype=torch.int16)
     ch = diff_state({"w": base}, {"w": tgt})
-    bd, td = tensor_digests({"w": base}), tensor_digests({"w": tgt})
+    bd, td = tensor_digests({"w": base}, algo), tensor_digests({"w": tgt}, algo)
     return encode_changes(ch, base_version=7, target_version=8, base_digests=bd, target_digests=td, base_state_digest=state_digest(bd), target_state_digest=state_digest(td))
 
 

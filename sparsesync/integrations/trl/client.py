@@ -140,8 +140,9 @@ class SparsesyncVLLMClient:
     def _same_weights(self, state: dict[str, torch.Tensor], step: int) -> None:
         """A second sync at `step`: the weights must still be version `step` (nothing to publish)."""
         from sparsesync.checkpoint import checkpoint_digest
+        from sparsesync.codec import algo_of
 
-        if checkpoint_digest(state) != self._v.digest:
+        if checkpoint_digest(state, algo_of(self._v.digest)) != self._v.digest:
             raise ConfigError(f"the weights changed since version {step} was published, but the trainer is still at "
                               f"global_step {step}", hint="publish new weights only after an optimizer step")
 

@@ -343,7 +343,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
 
     def _check_sparse(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]) -> list[str]:
         """Touched elements (every rank, its shard) and, on a single rank, each touched tensor's digest."""
-        from sparsesync.codec import tensor_digest
+        from sparsesync.codec import algo_of, tensor_digest
 
         rank, size = self._tp()
         layout = self.layout or Layout({n: tuple(s) for n, s in shapes.items()})
@@ -365,7 +365,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             want = readback.same_width(got, exp)
             if got.dtype != want.dtype or bool((readback.bits(got) != readback.bits(want))[m].any()):
                 problems.append(f"tensor '{name}': touched elements differ from the version")
-            elif size == 1 and name in digests and tensor_digest(got.contiguous()) != digests[name]:
+            elif size == 1 and name in digests and tensor_digest(got.contiguous(), algo_of(digests[name])) != digests[name]:
                 problems.append(f"tensor '{name}': digest of the engine's copy differs from the version's")
         return problems
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sparsesync.codec import tensor_digest
+from sparsesync.codec import algo_of, tensor_digest
 from sparsesync.integrations.vllm import readback
 from sparsesync.integrations.vllm.layout import Layout, Location
 
@@ -83,7 +83,7 @@ def check(model: torch.nn.Module, layout: Layout, verify: Mapping[str, Any], ker
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
         held = _as_checkpoint(got.detach().to("cpu"), dtype)
-        if held is None or tuple(held.shape) != tuple(layout.shapes[name]) or tensor_digest(held) != digest:
+        if held is None or tuple(held.shape) != tuple(layout.shapes[name]) or tensor_digest(held, algo_of(digest)) != digest:
             problems.append(f"tensor '{name}': not sent by this update, and the engine's copy ({loc.module}.{loc.param}) "
                             "differs from the version (changed since it was last verified)")
     return problems + _tied_head(model, layout, verify, kernels)
@@ -102,6 +102,6 @@ def _tied_head(model: torch.nn.Module, layout: Layout, verify: Mapping[str, Any]
     except (KeyError, RuntimeError, IndexError, ValueError, AttributeError) as e:
         return [f"tied LM head: cannot read it back ({e})"]
     held = _as_checkpoint(got.detach().to("cpu"), got.dtype)
-    if held is None or tensor_digest(held) != verify[embed][0]:
+    if held is None or tensor_digest(held, algo_of(verify[embed][0])) != verify[embed][0]:
         return [f"tied LM head: differs from '{embed}' (changed since it was last verified)"]
     return []

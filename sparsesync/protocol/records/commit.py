@@ -180,7 +180,7 @@ class AdapterMeta:
         """Parse the commit field; ValueError with a one-line reason on anything else."""
         f = Fields(raw, "adapter.", exactly=("base_model", "base_digest", "config", "dtype"))
         dtype = f.choice("dtype", ADAPTER_DTYPES)
-        base, digest = f.text("base_model", max_len=1024), f.digest("base_digest")
+        base, digest = f.text("base_model", max_len=1024), f.digest("base_digest", tensors=True)
         check_config(f.get("config"), "adapter.config")
         return cls(base, digest, f.get("config"), dtype)
 
@@ -278,8 +278,8 @@ def _parse_commit(f: Fields, name: tuple[int, int]) -> CommitRecord:
         metrics.number(m, optional=True)
     metrics.text("kind", optional=True, max_len=MAX_COMMIT_BYTES)
     return CommitRecord(
-        version=version, epoch=epoch, writer=f.text("writer"), state_digest=f.digest("state_digest"),
-        created_at=created, delta=delta, base_version=base, base_state_digest=f.digest("base_state_digest", optional=True),
+        version=version, epoch=epoch, writer=f.text("writer"), state_digest=f.digest("state_digest", tensors=True),
+        created_at=created, delta=delta, base_version=base, base_state_digest=f.digest("base_state_digest", optional=True, tensors=True),
         anchor=anchor, metrics=metrics.raw, format=fmt, parts=parts,
         adapter=None if f.get("adapter") is None else AdapterMeta.from_dict(f.get("adapter")),
         files=_files(f.get("files"), version),
@@ -307,8 +307,8 @@ def _parts(f: Fields, version: int, base: int | None) -> list[PartRef]:
         for u in units:
             start, stop = u.rows or (0, _MAX_ROWS + 1)
             rows.setdefault(u.name, []).append((start, stop, i))
-        out.append(PartRef(key=ref.key, size=ref.size, xxh3=ref.xxh3, base_state_digest=p.digest("base_state_digest"),
-                           state_digest=p.digest("state_digest"), units=units))
+        out.append(PartRef(key=ref.key, size=ref.size, xxh3=ref.xxh3, base_state_digest=p.digest("base_state_digest", tensors=True),
+                           state_digest=p.digest("state_digest", tensors=True), units=units))
     for name, spans in rows.items():
         if len(spans) > 1:
             spans.sort()

@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
 # C0/C1 controls, DEL, and the bidirectional/zero-width format characters terminals honour
 _CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
 
@@ -122,10 +123,11 @@ class Fields:
             raise ValueError(f"{self.where}{name} is {self._show(name)}, expected a string of at most {max_len} characters")
         return clean_text(v) if clean else v
 
-    def digest(self, name: str, *, optional: bool = False) -> Any:
-        """A hex digest (8 to 64 lowercase hex digits)."""
+    def digest(self, name: str, *, optional: bool = False, tensors: bool = False) -> Any:
+        """A hex digest (8 to 64 lowercase hex digits); `tensors`: a digest of tensors, which may
+        also be "xxh3b:" + 16 hex digits (the block-parallel algorithm, `codec.algo_of`)."""
         v = self.text(name, optional=optional)
-        if v is not None and not _HEX.match(v):
+        if v is not None and not _HEX.match(v) and not (tensors and v.startswith("xxh3b:") and _HEX16.match(v[6:])):
             raise ValueError(f"{self.where}{name} {v!r} is not a hex digest")
         return v
 

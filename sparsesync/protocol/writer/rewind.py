@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparsesync.checkpoint import checkpoint_state
-from sparsesync.codec import write_anchor
+from sparsesync.codec import algo_of, write_anchor
 from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError
 from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.keys import new_uid
@@ -131,7 +131,7 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
         raise ConfigError(f"rewind to version {version} of {url}, whose newest version is {newest.version}",
                           hint="a rewind goes back; resume() without version continues from the newest")
     check_publish(newest, adapter, url)
-    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version)
+    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version, algo_of(newest.state_digest))  # the run's digest algorithm
     target = check_checkpoint(url, commits, version, snap.state_digest)
     w = whole.commits
     rec = CommitRecord(version=version, epoch=w.epoch, writer=w.writer, state_digest=snap.state_digest,
@@ -141,7 +141,7 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
     if target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units):
         rec.anchor = list(target.anchor)  # the same bytes (same version, same digest): nothing uploaded
     else:
-        rec.anchor = _upload_anchor(whole, snap.state, version, uid)
+        rec.anchor = _upload_anchor(whole, snap.state, version, uid, snap.algo)
     rec.files = whole.files.refs(w, version, uid, adapter_run=adapter is not None)
     abandoned = [c for c in commits if c.version > version]  # version N itself: the same weights (checked)
     rec.metrics = {"kind": "rewind", "version": version, "rewind_from": newest.version,
@@ -156,10 +156,10 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
     return rec
 
 
-def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, uid: str) -> list[ObjectRef]:
+def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, uid: str, algo: str) -> list[ObjectRef]:
     folder = whole.staging / f"rewind-{version}-{uid}"
     try:
-        files = write_anchor(dict(state), folder, version=version)
+        files = write_anchor(dict(state), folder, version=version, algo=algo)
         return whole.commits.put_anchor(version, uid, sorted(files))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -174,7 +174,7 @@ def stand_below(whole: WholeState, state: Mapping[str, torch.Tensor], version: i
     target = next((c for c in commits if c.version == version), None)
     if target is None:
         raise ConfigError(f"version {version} is not committed under {whole.url}")
-    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version)
+    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version, algo_of(target.state_digest))
     if snap.state_digest != target.state_digest:
         raise PatchMismatchError(f"the weights given have state digest {snap.state_digest}, but version {version} of "
                                  f"{whole.url} has {target.state_digest}", hint="load that version first (`sparsesync pull`)")

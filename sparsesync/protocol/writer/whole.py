@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sparsesync.checkpoint import checkpoint_state
-from sparsesync.codec import Snapshot, write_anchor
+from sparsesync.codec import DEFAULT_ALGO, Snapshot, algo_of, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
 from sparsesync.protocol.parts import PartedSnapshot
@@ -121,7 +121,8 @@ class WholeState:
                 "resume() cannot check whole weights against it",
                 hint="publish without resume(): the first version is then a new anchor",
             )
-        snap = self.new_snapshot(self.cast(checkpoint_state(state)), newest.version)  # the key set its first publish() had
+        # the key set its first publish() had, and the run's digest algorithm (a run begun with "xxh3" keeps it)
+        snap = self.new_snapshot(self.cast(checkpoint_state(state)), newest.version, algo_of(newest.state_digest))
         if snap.state_digest != newest.state_digest:
             raise PatchMismatchError(
                 f"the weights given to resume() have state digest {snap.state_digest}, but version "
@@ -141,7 +142,7 @@ class WholeState:
         assert self.snapshot is not None
         t0 = time.perf_counter()
         d = self.staging / f"anchor-{item.version}-{item.uid}"
-        files = write_anchor(self.snapshot.state, d, version=item.version)
+        files = write_anchor(self.snapshot.state, d, version=item.version, algo=self.snapshot.algo)
         item.anchor_dir = d
         self.anchors.anchored(item.version, sum(f.stat().st_size for f in files))
         item.metrics["anchor_bytes"] = self.anchors.anchor_bytes
@@ -178,13 +179,14 @@ class WholeState:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         return rec.metrics
 
-    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
-        """The snapshot of `state` as `version` (in parts when the state is larger than one part)."""
+    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO) -> Snapshot | PartedSnapshot:
+        """The snapshot of `state` as `version` (in parts when the state is larger than one part),
+        digested with `algo` (new runs: `DEFAULT_ALGO`; a resumed run: its own)."""
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
         if self.config.part_bytes and state_nbytes(state) > self.config.part_bytes:
-            return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort)
-        return Snapshot(state, version, effort=self.config.effort)
+            return PartedSnapshot.whole(state, version, self.config.part_bytes, effort=self.config.effort, algo=algo)
+        return Snapshot(state, version, effort=self.config.effort, algo=algo)
 
     # -- internals --------------------------------------------------------------------
     def _seal(self, item: PendingVersion) -> None:
