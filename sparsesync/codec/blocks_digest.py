@@ -15,6 +15,7 @@ boundaries gives the same digest. Integrity, not authentication (as for "xxh3").
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import xxhash
@@ -23,6 +24,7 @@ from sparsesync.codec import _native
 
 BLOCK = 65536  # bytes per block (native/blocks.c's BLK)
 PREFIX = "xxh3b:"  # how a digest of this algorithm is written (a legacy "xxh3" digest is 16 bare hex digits)
+_LEN = struct.Struct("<Q")
 _THREAD_BYTES = 16 << 20  # a thread per this many bytes of one tensor, when threads are asked for
 
 
@@ -33,8 +35,7 @@ def n_blocks(nbytes: int) -> int:
 
 def combine(block_digests: np.ndarray, nbytes: int) -> str:
     """The digest from the blocks' XXH3-64 values (uint64, in order) and the byte length."""
-    tail = np.array([nbytes], dtype="<u8").tobytes()
-    return PREFIX + xxhash.xxh3_64_hexdigest(np.ascontiguousarray(block_digests, dtype="<u8").tobytes() + tail)
+    return PREFIX + xxhash.xxh3_64_hexdigest(np.ascontiguousarray(block_digests, dtype="<u8").tobytes() + _LEN.pack(nbytes))
 
 
 def auto_threads(nbytes: int) -> int:
@@ -56,7 +57,10 @@ def block_digests(buf: np.ndarray | memoryview | bytes, threads: int = 1, hw: in
 def digest_bytes(buf: np.ndarray | memoryview | bytes, threads: int | None = None) -> str:
     """The "xxh3b" digest of `buf`'s bytes (`threads`: None picks `auto_threads`)."""
     mv = memoryview(buf).cast("B")
-    return combine(block_digests(mv, auto_threads(mv.nbytes) if threads is None else threads), mv.nbytes)
+    n = mv.nbytes
+    out = np.empty(-(-n // BLOCK), dtype=np.uint64)
+    _native.block_digests(mv, out, (auto_threads(n) if n >= 2 * _THREAD_BYTES else 1) if threads is None else threads)
+    return PREFIX + xxhash.xxh3_64_hexdigest(out.tobytes() + _LEN.pack(n))
 
 
 class Hasher:
