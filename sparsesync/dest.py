@@ -42,7 +42,7 @@ def write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ada
     weights in a folder DEST. Returns the paths written, under `dest` as given."""
     from safetensors.torch import save_file
 
-    from sparsesync.codec import write_anchor
+    from sparsesync.codec import algo_of, write_anchor
 
     dest = Path(dest).absolute()
     one_file = dest.suffix == ".safetensors"
@@ -70,7 +70,7 @@ def write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ada
 
             files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
         else:
-            files = write_anchor(state, stage / "model", version=version)
+            files = write_anchor(state, stage / "model", version=version, algo=algo_of(digest))  # the run's digest algorithm
         from sparsesync.protocol.extras import write_files
 
         files = write_files(stage / "model", extra or {}) + list(files)  # the model files last (index last)

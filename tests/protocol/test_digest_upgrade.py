@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from sparsesync.codec import algo_of, read_patch
@@ -72,6 +73,8 @@ def test_an_old_digest_run_verifies_pulls_and_is_followed(old_run, tmp_path):
     got = pull(old_run, tmp_path / "out")
     assert got.version == 2 and algo_of(got.state_digest) == "xxh3"
     assert_bit_equal(load_file(str(tmp_path / "out" / "model.safetensors")), states[2])
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:  # the folder names the version as the run does
+        assert f.metadata()["sparsesync.state_digest"] == got.state_digest
     for v in (0, 1):
         pull(old_run, tmp_path / f"v{v}", version=v)
         assert_bit_equal(load_file(str(tmp_path / f"v{v}" / "model.safetensors")), states[v])
