@@ -233,7 +233,7 @@ def test_apply_patch_into_device_tensors_is_all_or_nothing(device):
     # 1. a target digest that does not match in the LAST tensor (name order): every tensor is
     # written, the check fails, every tensor is put back
     names = sorted(diff_state(base, target))
-    data = _patch_bytes(base, target, **{names[-1]: "0" * 16})
+    data = _patch_bytes(base, target, **{names[-1]: "xxh3b:" + "0" * 16})
     work = _on(base, device)
     with pytest.raises(DigestMismatchError, match="undone"):
         apply_patch(read_patch(data), work)

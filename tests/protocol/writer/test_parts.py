@@ -410,7 +410,7 @@ def test_a_prefetched_part_whose_predicted_digest_is_wrong_fails_whole_then_is_f
                 break
             threading.Event().wait(0.05)
         real = parts_module.digest_after_put
-        monkeypatch.setattr(parts_module, "digest_after_put", lambda *a: "0" * 16)  # a prediction gone wrong
+        monkeypatch.setattr(parts_module, "digest_after_put", lambda *a: "xxh3b:" + "0" * 16)  # a prediction gone wrong
         for _ in range(n_parts + 1):
             assert f.sync_once() == 1  # prefetches version 2's parts, then hashes them ahead, one per poll
         assert f._prefetch is not None and all(d is not None and d.predicted for d in f._prefetch._done.values())
