@@ -237,7 +237,7 @@ def _check_pulled(code: int, out: str, err: str, dest: Path, url: str, states: d
         _assert_one_line_error(code, out, err, what)
         assert not dest.exists(), (what, "a failed pull left", list(dest.parent.iterdir()))
         return None
-    m = re.search(r"pulled version (\d+) \(state ([0-9a-f]+)\)", out)
+    m = re.search(r"pulled version (\d+) \(state ((?:xxh3b:)?[0-9a-f]+)\)", out)
     assert m, (what, out)
     version, digest = int(m[1]), m[2]
     assert _trusted(url).get(version) == digest, (what, "pulled a version readers do not trust", version, digest)
