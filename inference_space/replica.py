@@ -134,7 +134,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
         }
     else:
         kwargs = {"device": cfg.device}
-    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
+    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.lora.bridge)
         from sparsesync.protocol.adapter_runs import read_run_adapter
 
         kwargs["adapter"] = read_run_adapter(cfg.bucket)

@@ -18,7 +18,7 @@ other files stay. What is written is the committed version bit for bit (every te
 against its digest while the chain is applied).
 A run mixing adapter and full-weight versions (or two adapters) is refused before anything is
 fetched, and an adapter version's config is checked against its tensors before the folder PEFT
-would load is written (`sparsesync.adapter_config`).
+would load is written (`sparsesync.lora.config`).
 
 `push` reads the checkpoint folder without leaving it: a file that links out of the folder, or
 is not a regular file (a FIFO, a device), is refused with a ConfigError naming it
@@ -166,8 +166,8 @@ def push(
         The version committed, where its number came from, its metrics, the files carried, and
         what a rewind held or abandoned.
     """
-    from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.lora import bridge as lora
     from sparsesync.protocol import adapter_runs
     from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.run import Run
@@ -332,8 +332,8 @@ def pull(
     Returns:
         The version written, its state digest, the paths written and the checkpoint files carried.
     """
-    from sparsesync.adapter_config import check_one_kind
     from sparsesync.dest import write_dest
+    from sparsesync.lora.config import check_one_kind
     from sparsesync.protocol.run import Run
 
     dest = Path(dest)

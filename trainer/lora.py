@@ -1,5 +1,5 @@
 """LoRA training (`[lora] enabled = true`): the policy is the base model plus a PEFT adapter,
-and what the trainer publishes is the adapter (an adapter run, sparsesync.adapter), not the
+and what the trainer publishes is the adapter (an adapter run, sparsesync.lora.bridge), not the
 merged weights.
 
 Guarantee: `lora_policy` is deterministic for a seed (the adapter's init draws from torch's

@@ -1,7 +1,7 @@
 """Adapter runs as the protocol sees them: what a commit's `adapter` field (`AdapterMeta`) means
 to a publisher, a follower and a push (docs/protocol.md, "Adapter runs").
 
-`sparsesync.adapter` is the PEFT bridge (PEFT models and adapter folders, no runs); this module
+`sparsesync.lora.bridge` is the PEFT bridge (PEFT models and adapter folders, no runs); this module
 turns what it reads into `AdapterMeta` records and checks them against a run's commits.
 
 Guarantees:
@@ -12,7 +12,7 @@ Guarantees:
   (`check_follow`); a mapping with LoRA tensor names is never published as full weights
   (`adapter_state`).
 - Every `AdapterMeta` built here (`meta_from_peft`, `adapter_state`, `meta_for_folder`) has its
-  config bounded (`sparsesync.adapter_config`), its one dtype filled in, and its ranks checked
+  config bounded (`sparsesync.lora.config`), its one dtype filled in, and its ranks checked
   against the adapter tensors it is published with.
 - `read_run_adapter` never raises on an unreadable run: None (a follower then refuses adapter
   versions by name).
@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter import (
+from sparsesync.checkpoint import load_checkpoint
+from sparsesync.errors import ConfigError, RunKindError, SparsesyncError
+from sparsesync.lora.bridge import (
     adapter_tensors,
     base_digest,
     check_supported,
@@ -40,10 +42,8 @@ from sparsesync.adapter import (
     peft_config_json,
     saved_base_layers,
 )
-from sparsesync.adapter_config import check_config as _check_config
-from sparsesync.adapter_config import check_state_ranks
-from sparsesync.checkpoint import load_checkpoint
-from sparsesync.errors import ConfigError, RunKindError, SparsesyncError
+from sparsesync.lora.config import check_config as _check_config
+from sparsesync.lora.config import check_state_ranks
 from sparsesync.protocol.records import ADAPTER_DTYPES as _DTYPES
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run
@@ -115,7 +115,7 @@ def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torc
         saved = (" (PEFT saves the targeted LM head's or embedding's base weight beside the adapter unless "
                  "save_pretrained(..., save_embedding_layers=False))") if saved_base_layers({other: obj[other]}) else ""
         raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run{saved}",
-                           hint="publish sparsesync.adapter.adapter_tensors(model) (or push the adapter folder with the "
+                           hint="publish sparsesync.lora.bridge.adapter_tensors(model) (or push the adapter folder with the "
                                 "CLI, which checks such base copies against --base and leaves them out), or full weights "
                                 "to a full-weight run")
     return (obj, meta) if meta is None else _with_dtype(obj, meta)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from sparsesync.adapter_config import check_config
 from sparsesync.errors import MalformedCommitError
+from sparsesync.lora.config import check_config
 from sparsesync.protocol import keys
 from sparsesync.protocol.records.fields import Fields, check_list, load_object, show
 
@@ -149,7 +149,7 @@ class FileRef:
 @dataclass(frozen=True)
 class AdapterMeta:
     """What every commit of an adapter run says about the adapter (the commit's `adapter` field;
-    `sparsesync.adapter` is the PEFT side)."""
+    `sparsesync.lora.bridge` is the PEFT side)."""
 
     base_model: str  # the base model's id or path, as the trainer named it
     base_digest: str  # state digest of the base weights, checkpoint key set (codec.state_digest)
@@ -200,7 +200,7 @@ class CommitRecord:
     base_state_digest: str | None = None
     anchor: list[ObjectRef] = field(default_factory=list)  # full snapshot files, if any
     metrics: dict[str, Any] = field(default_factory=dict)
-    adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.adapter)
+    adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.lora.bridge)
     format: str = COMMIT_FORMAT
     parts: list[PartRef] = field(default_factory=list)  # format 2: the delta in parts (instead of `delta`)
     files: list[FileRef] = field(default_factory=list)  # the checkpoint's non-weight files (protocol.extras)

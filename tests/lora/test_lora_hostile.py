@@ -31,7 +31,7 @@ from sparsesync.errors import ConfigError, MalformedCommitError, RunKindError  #
 from sparsesync.protocol.records import CommitRecord  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
-from tests.protocol.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
+from tests.lora.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
 
 CATASTROPHIC = [("target_modules", "(.+)+Z"), ("target_modules", r"(\w+\.?)+x$"), ("exclude_modules", "(a|aa)+$"),
                 ("rank_pattern", {"(.*q.*)+_nope": 8})]

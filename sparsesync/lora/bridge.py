@@ -14,7 +14,7 @@ Guarantees:
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
-- An adapter config is bounded before PEFT sees it (`sparsesync.adapter_config`, `check_supported`):
+- An adapter config is bounded before PEFT sees it (`sparsesync.lora.config`, `check_supported`):
   its numbers and regexes on every read (a pushed folder, an engine), its ranks against the
   adapter tensors before a folder is written, and an engine refuses an adapter larger than its
   base before allocating it (`adapter_layout`).
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparsesync.adapter_config import check_config as _check_config
-from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint, read_in_folder
 from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import AdapterTargetError, BaseModelMismatchError, ConfigError
+from sparsesync.lora.config import check_config as _check_config
+from sparsesync.lora.config import check_state_ranks
 
 if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
     from sparsesync.protocol.records import AdapterMeta
@@ -109,7 +109,7 @@ def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any
 
 def check_supported(config: dict[str, Any], what: str) -> None:
     """ConfigError (naming `what`) unless `config` is an adapter_config.json that adapter runs carry:
-    a LoRA config within `sparsesync.adapter_config`'s bounds, without `modules_to_save`."""
+    a LoRA config within `sparsesync.lora.config`'s bounds, without `modules_to_save`."""
     try:
         _check_config(config, what)
     except ValueError as e:
