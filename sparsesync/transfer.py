@@ -168,6 +168,7 @@ def push(
     """
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.lora import bridge as lora
+    from sparsesync.lora.state import meta_for_folder
     from sparsesync.protocol import adapter_runs
     from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.run import Run
@@ -201,8 +202,8 @@ def push(
         step_from = f"{step_from}; {ignored}"
     meta = None
     if config is not None:
-        meta, state = adapter_runs.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
-                                                   newest, store.url)
+        meta, state = meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
+                                      newest.adapter if newest is not None else None, store.url)
     adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
     below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
     plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
@@ -333,7 +334,7 @@ def pull(
         The version written, its state digest, the paths written and the checkpoint files carried.
     """
     from sparsesync.dest import write_dest
-    from sparsesync.lora.config import check_one_kind
+    from sparsesync.protocol.adapter_runs import check_one_kind
     from sparsesync.protocol.run import Run
 
     dest = Path(dest)

@@ -23,7 +23,7 @@ from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine, _LiveMap
 from sparsesync.errors import EngineError
 from sparsesync.lora.bridge import adapter_layout, adapter_tensors, attach_adapter, check_base
-from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.meta import AdapterMeta
 
 
 class EmbeddedAdapterEngine(EmbeddedEngine):

@@ -35,7 +35,7 @@ from sparsesync.checkpoint import load_checkpoint
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
 from sparsesync.lora.bridge import adapter_layout, check_base, write_adapter_folder
-from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.meta import AdapterMeta
 
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 

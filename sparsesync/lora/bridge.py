@@ -2,12 +2,11 @@
 
 An adapter run (docs/protocol.md, "Adapter runs") is an ordinary run whose tensors are what
 PEFT writes into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, ...)
-and whose every commit record carries an `AdapterMeta` (`sparsesync.protocol.records`): the
-base model's id and digest and the adapter's `adapter_config.json`. This module knows PEFT and
-the adapter files, not runs: what a run's `adapter` field means to a publisher or a follower
-(the two kinds never confused, `AdapterMeta` built from a PEFT model or a folder) is
-`sparsesync.protocol.adapter_runs`, which builds on this one. Nothing here imports the protocol
-(`AdapterMeta` appears in annotations only; its fields are all this module reads).
+and whose every commit record carries an `AdapterMeta` (`sparsesync.lora.meta`): the base
+model's id and digest and the adapter's `adapter_config.json`. This module knows PEFT and the
+adapter files, not runs: the adapter state a publisher publishes is `sparsesync.lora.state`
+(built on this one), and what a run's `adapter` field means to a publisher or a follower is
+`sparsesync.protocol.adapter_runs`, above this package.
 
 Guarantees:
 - The base weights a replica serves the adapter on are checked against the run's base digest
@@ -33,7 +32,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -42,9 +41,7 @@ from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import AdapterTargetError, BaseModelMismatchError, ConfigError
 from sparsesync.lora.config import check_config as _check_config
 from sparsesync.lora.config import check_state_ranks
-
-if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
-    from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.meta import AdapterMeta
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -110,7 +110,7 @@ def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, 
     """The inference weights of `model`, see `inference_state`; a PEFT model (GRPOTrainer with a
     `peft_config`): its adapter, making the run an adapter run (sparsesync.lora.bridge). `cast=False`:
     full weights all floating on CPU come uncast, for `Publisher(dtype=dtype)` to cast one at a time."""
-    from sparsesync.protocol.adapter_runs import peft_publish_state
+    from sparsesync.lora.state import peft_publish_state
 
     sd = model.state_dict() if not cast and not hasattr(model, "peft_config") else {}
     if sd and all(t.is_floating_point() and t.device.type == "cpu" for t in sd.values()):

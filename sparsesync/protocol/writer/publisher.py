@@ -40,7 +40,8 @@ import torch
 from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.adapter_runs import adapter_state, check_publish
+from sparsesync.lora.state import adapter_state
+from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.extras import collect_files
 from sparsesync.protocol.keys import MAX_VERSION, check_version
 from sparsesync.protocol.records import AdapterMeta
