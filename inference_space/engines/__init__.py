@@ -9,6 +9,7 @@ embedded engine works without vLLM installed.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,5 +37,5 @@ def make_engine(kind: str, model_dir: str | Path, *, adapter: AdapterMeta | None
     if home is None:
         raise ConfigError(f"engine '{kind}': unknown, expected one of {', '.join(ENGINES)}")
     module, name = home.split(":")
-    engine: type[Engine] = getattr(importlib.import_module(module), name)
+    engine: Callable[..., Engine] = getattr(importlib.import_module(module), name)  # an Engine subclass
     return engine(model_dir, **kwargs) if adapter is None else engine(model_dir, adapter=adapter, **kwargs)
