@@ -24,10 +24,10 @@ APP_PORT = 8000
 
 
 def app_dir() -> Path:
-    """The env_space package folder (light import: it loads nothing heavy)."""
-    import env_space
+    """The env_space package folder of the checkout (`sparsesync.apps`; light import: it loads nothing heavy)."""
+    from sparsesync.apps import import_app
 
-    return Path(env_space.__file__).resolve().parent
+    return Path(import_app("env_space").__file__ or "").resolve().parent
 
 
 def requirements() -> str:
@@ -46,6 +46,7 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
                    task: str = "wordle", max_sessions: int = 256, idle_timeout_s: float = 300.0,
                    max_body_bytes: int = 65536, api_key: str | None = None) -> SpaceSpec:
     """The Space that serves env_space with these settings."""
+    app_dir()  # the checkout's env_space/, or AppNotFoundError
     from env_space import TASKS
 
     if task not in TASKS:
