@@ -109,9 +109,9 @@ def test_rendered_folder_boots_as_a_plain_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env.update(spec.variables, ENV_PORT=str(port), ENV_HOST="127.0.0.1")
-    where = subprocess.run([sys.executable, "-c", "import env_space; print(env_space.__file__)"], cwd=folder,
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(where).resolve().is_relative_to(folder.resolve())  # the rendered copy, not the repo's
+    where = subprocess.run([sys.executable, "-c", "import env_space, sparsesync.access as a; print(env_space.__file__); "
+                            "print(a.__file__)"], cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(w).resolve().is_relative_to(folder.resolve()) for w in where), where  # the rendered copies, not the repo's
     proc = subprocess.Popen([sys.executable, "-m", "env_space"], cwd=folder, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
