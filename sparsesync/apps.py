@@ -9,8 +9,8 @@ app (`sparsesync demo`, `sparsesync deploy`) load it with `import_app`.
 Guarantee: `import_app(name)` returns the app of the checkout this `sparsesync` package was
 loaded from (an editable install or a checkout on `sys.path`), putting that checkout on
 `sys.path` when it is not yet there, and never a package of the same name from elsewhere; where
-there is no such checkout, or another package of that name was imported first, it raises
-`AppNotFoundError` naming the app and how to get it.
+there is no such checkout, or another package of that name was imported first, it raises a
+`ConfigError` naming the app and how to get it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from sparsesync.errors import AppNotFoundError
+from sparsesync.errors import ConfigError
 
 APPS = ("trainer", "inference_space", "env_space")
 _CLONE_HINT = ("the apps ship with the repository, not the wheel: clone it and install that checkout "
@@ -38,17 +38,17 @@ def checkout_root(package_dir: Path | None = None) -> Path | None:
 def import_app(name: str, *, package_dir: Path | None = None) -> ModuleType:
     """The app `name` (one of `APPS`) of this package's checkout; see the module docstring."""
     if name not in APPS:
-        raise AppNotFoundError(f"{name!r} is not an app of the repository", app=name, hint=f"use one of: {', '.join(APPS)}")
+        raise ConfigError(f"{name!r} is not an app of the repository", hint=f"use one of: {', '.join(APPS)}")
     root = checkout_root(package_dir)
     if root is None:
-        raise AppNotFoundError(f"the app {name!r} is not beside the installed sparsesync package "
-                               f"({(package_dir or Path(__file__).resolve().parent).parent})", app=name, hint=_CLONE_HINT)
+        raise ConfigError(f"the app {name!r} is not beside the installed sparsesync package "
+                          f"({(package_dir or Path(__file__).resolve().parent).parent})", hint=_CLONE_HINT)
     if name not in sys.modules and str(root) not in sys.path:
         sys.path.insert(0, str(root))
     mod = importlib.import_module(name)
     where = Path(mod.__file__ or "").resolve().parent
     if where != (root / name).resolve():
-        raise AppNotFoundError(f"the module {name!r} was loaded from {where}, not from the checkout's {root / name}",
-                               app=name, hint=f"another package named {name!r} is installed or on sys.path: remove it, "
-                                              f"or run from the checkout {root}")
+        raise ConfigError(f"the module {name!r} was loaded from {where}, not from the checkout's {root / name}",
+                          hint=f"another package named {name!r} is installed or on sys.path: remove it, "
+                               f"or run from the checkout {root}")
     return mod

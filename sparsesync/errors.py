@@ -72,16 +72,6 @@ class RewindRefusedError(ConfigError):
         self.abandoned = list(abandoned)
 
 
-class AppNotFoundError(ConfigError):
-    """An app of the repository (`trainer`, `inference_space`, `env_space`) was asked for where
-    there is no checkout beside the installed `sparsesync` package, or another package of that
-    name stands in its place (`sparsesync.apps`). `app`: the app's name."""
-
-    def __init__(self, message: str, *, app: str, hint: str = "") -> None:
-        super().__init__(message, hint=hint)
-        self.app = app
-
-
 class OutputError(SparsesyncError):
     """Writing a result to the local disk failed (read-only folder, full disk, a file in the way).
     What was there before is left as it was."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sparsesync.apps import APPS, checkout_root, import_app
-from sparsesync.errors import AppNotFoundError
+from sparsesync.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sparsesync", "trainer", "inference_space", "env_space")
@@ -106,10 +106,10 @@ def test_without_a_checkout_an_app_is_a_clear_error(tmp_path: Path) -> None:
     pkg = tmp_path / "site-packages" / "sparsesync"  # an installed wheel: no app beside the package
     pkg.mkdir(parents=True)
     assert checkout_root(pkg) is None
-    with pytest.raises(AppNotFoundError, match="not beside the installed sparsesync") as err:
+    with pytest.raises(ConfigError, match="not beside the installed sparsesync") as err:
         import_app("trainer", package_dir=pkg)
-    assert "clone" in err.value.hint and err.value.app == "trainer"
-    with pytest.raises(AppNotFoundError, match="not an app"):
+    assert "clone" in err.value.hint and "'trainer'" in err.value.message
+    with pytest.raises(ConfigError, match="not an app"):
         import_app("tests")
 
 
@@ -118,8 +118,8 @@ def test_another_package_of_an_apps_name_is_refused(tmp_path: Path) -> None:
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     code = ("from sparsesync.apps import import_app\n"
-            "from sparsesync.errors import AppNotFoundError\n"
-            "try:\n    import_app('trainer')\nexcept AppNotFoundError as e:\n    print('refused:', e)\n")
+            "from sparsesync.errors import ConfigError\n"
+            "try:\n    import_app('trainer')\nexcept ConfigError as e:\n    print('refused:', e)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr

@@ -54,7 +54,7 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
                    task: str = "wordle", max_sessions: int = 256, idle_timeout_s: float = 300.0,
                    max_body_bytes: int = 65536, api_key: str | None = None) -> SpaceSpec:
     """The Space that serves env_space with these settings."""
-    app_dir()  # the checkout's env_space/, or AppNotFoundError
+    app_dir()  # the checkout's env_space/, or ConfigError
     from env_space import TASKS
 
     if task not in TASKS:
