@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -85,8 +86,11 @@ def test_the_rule_sees_a_long_module_and_its_reason(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_wheel_installs_only_sparsesync(tmp_path: Path) -> None:
     """No generic top-level name (`trainer`, `inference_space`, `env_space`) that would shadow another package's."""
+    src = tmp_path / "src"  # a clean copy: setuptools would pack whatever an earlier build left in build/lib
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+                                                             "*.so", ".*_cache", ".hypothesis", "runs", "out"))
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                          str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                          str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     (wheel,) = tmp_path.glob("sparsesync-*.whl")
     with zipfile.ZipFile(wheel) as z:
