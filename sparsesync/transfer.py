@@ -18,7 +18,7 @@ other files stay. What is written is the committed version bit for bit (every te
 against its digest while the chain is applied).
 A run mixing adapter and full-weight versions (or two adapters) is refused before anything is
 fetched, and an adapter version's config is checked against its tensors before the folder PEFT
-would load is written (`sparsesync.adapter_config`).
+would load is written (`sparsesync.lora.config`).
 
 `push` reads the checkpoint folder without leaving it: a file that links out of the folder, or
 is not a regular file (a FIFO, a device), is refused with a ConfigError naming it
@@ -217,8 +217,8 @@ class _Checkpoint:
 
 def _read_checkpoint(source: Path, step: int | None, step_source: str, url: str) -> _Checkpoint:
     """SOURCE's tensors (nothing outside it is read) and its version number when it says one."""
-    from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.lora import bridge as lora
     from sparsesync.protocol.keys import check_version
 
     step_from, ignored = step_source, None
@@ -240,12 +240,13 @@ def _adapter_meta(ckpt: _Checkpoint, newest: Any, base_model: str | os.PathLike[
                   url: str) -> tuple[Any, dict[str, Any]]:
     """The adapter run's `AdapterMeta` (None for full weights) and the tensors to publish, checked
     against the run's kind before anything reads the run as this kind."""
+    from sparsesync.lora.state import meta_for_folder
     from sparsesync.protocol import adapter_runs
 
     meta, state = None, ckpt.state
     if ckpt.config is not None:
-        meta, state = adapter_runs.meta_for_folder(ckpt.config, state, Path(base_model) if base_model is not None else None,
-                                                   newest, url)
+        meta, state = meta_for_folder(ckpt.config, state, Path(base_model) if base_model is not None else None,
+                                      newest.adapter if newest is not None else None, url)
     adapter_runs.check_publish(newest, meta, url)  # before resume() reads the run as this kind
     return meta, state
 
@@ -383,8 +384,8 @@ def pull(
     Returns:
         The version written, its state digest, the paths written and the checkpoint files carried.
     """
-    from sparsesync.adapter_config import check_one_kind
     from sparsesync.dest import write_dest
+    from sparsesync.protocol.adapter_runs import check_one_kind
     from sparsesync.protocol.run import Run
 
     dest = Path(dest)
