@@ -88,6 +88,16 @@ def _model(out: bytearray, f: list[int]) -> None:
 
 def build_table(rows: list[Row]) -> bytes:
     """The zstd-compressed table of `rows` (sorted by name, models already quantized)."""
+    return compress(table_bytes(rows))
+
+
+def compress(raw: bytes) -> bytes:
+    """One zstd frame with its content size (what `inflate` reads)."""
+    return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(raw)
+
+
+def table_bytes(rows: list[Row]) -> bytes:
+    """The records of `rows`, not compressed (format 4's group section embeds them)."""
     out = bytearray()
     _varint(out, len(rows))
     prev = b""
@@ -132,7 +142,7 @@ def build_table(rows: list[Row]) -> bytes:
         out += bytes.fromhex(r.base_digest)[::-1]
     for r in rows:
         out += bytes.fromhex(r.target_digest)[::-1]
-    return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(bytes(out))
+    return bytes(out)
 
 
 def _unit(role: str, dtype: str) -> int:
@@ -152,7 +162,7 @@ def _bad(msg: str) -> PatchFormatError:
     return PatchFormatError(f"patch table: {msg}", hint="the file is corrupt or not a sparsesync patch of format 3; fetch it again")
 
 
-class _Reader:
+class Reader:
     def __init__(self, data: bytes) -> None:
         self.data, self.pos = data, 0
 
@@ -203,7 +213,7 @@ def inflate(data: bytes) -> bytes:
     return out
 
 
-def _thresholds(rd: _Reader, what: str) -> list[int]:
+def _thresholds(rd: Reader, what: str) -> list[int]:
     n = rd.byte(f"{what} threshold count")
     t = list(rd.take(n, f"{what} thresholds"))
     if n >= _MAX_CLASSES or not all(1 <= x <= 127 for x in t) or any(a >= b for a, b in zip(t, t[1:])):
@@ -211,7 +221,7 @@ def _thresholds(rd: _Reader, what: str) -> list[int]:
     return t
 
 
-def _read_model(rd: _Reader, what: str) -> list[int]:
+def _read_model(rd: Reader, what: str) -> list[int]:
     e = rd.byte(f"{what} alphabet size")
     if e == 0:
         return [0, 0]
@@ -226,7 +236,16 @@ def _read_model(rd: _Reader, what: str) -> list[int]:
 def parse_table(data: bytes) -> list[Row]:
     """The records of an inflated table (see the module docstring for what is checked here;
     stream sizes against the data section are checked by the caller)."""
-    rd = _Reader(data)
+    rd = Reader(data)
+    rows = read_rows(rd)
+    if rd.pos != len(data):
+        raise _bad(f"{len(data) - rd.pos} bytes left after the last field")
+    return rows
+
+
+def read_rows(rd: Reader) -> list[Row]:
+    """The records at `rd`'s position (a record count, then the columns); `rd` is left after them."""
+    data = rd.data
     t = rd.varint("record count")
     if t * _MIN_RECORD > len(data):
         raise _bad(f"declares {t} records, but {len(data)} bytes hold at most {len(data) // _MIN_RECORD}")
@@ -300,8 +319,6 @@ def parse_table(data: bytes) -> list[Row]:
             sizes[i][role] = rd.varint(f"tensor '{names[i]}': size of '{role}'", 1 << 48) * _unit(role, dts[i])
     base = rd.take(8 * t, "base digests")
     target = rd.take(8 * t, "target digests")
-    if rd.pos != len(data):
-        raise _bad(f"{len(data) - rd.pos} bytes left after the last field")
     return [
         Row(names[i], dts[i], shapes[i], n_changed[i], encs[i][0], pparams[i], encs[i][1], vparams[i],
             base[8 * i : 8 * i + 8][::-1].hex(), target[8 * i : 8 * i + 8][::-1].hex(), sizes[i])
