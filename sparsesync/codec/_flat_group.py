@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _groups
+from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.cast import uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, put_bits, to_np_bits
 from sparsesync.codec.digest import tensor_digest
@@ -54,7 +55,7 @@ class FlatGroup:
     def diff_encode(self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int) -> Done:
         """Diff the members against `current`, encode, advance (see the module docstring)."""
         ta = time.perf_counter()
-        cur = torch.cat([uncast(current, n).reshape(-1) for n in self.names])  # a cast state is cast by the diff, in slices
+        cur = cat_into("current", [uncast(current, n) for n in self.names])  # a cast state is cast by the diff, in slices
         ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
         del cur
         tb = time.perf_counter()
@@ -78,7 +79,7 @@ class FlatGroup:
                 sizes = offs[1:] - offs[:-1]
                 starts = np.concatenate([[0], np.cumsum(sizes[touched])[:-1]])
                 vidx = ch.indices - np.repeat(offs[touched] - starts, counts[touched])
-                base = torch.cat([self.flat[offs[m] : offs[m + 1]] for m in touched])
+                base = cat_into("base", [self.flat[offs[m] : offs[m + 1]] for m in touched])
             vch = TensorChange(dtype, (int(base.numel()),), vidx, ch.base_bits, ch.target_bits)
             first = self.names[touched[0]]
             group = (encode_tensor(first, vch, base, effort=effort),

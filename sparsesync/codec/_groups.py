@@ -27,7 +27,7 @@ from sparsesync.codec import _table
 from sparsesync.errors import PatchFormatError
 
 SMALL_NUMEL = 1 << 18  # tensors of at most this many elements are grouped (512 KiB of bf16)
-GROUP_NUMEL = 1 << 22  # a group holds at most this many elements (several groups encode in parallel)
+GROUP_NUMEL = 1 << 21  # a group holds at most this many elements (several groups encode in parallel)
 MAX_MEMBERS = 1 << 20  # members a reader accepts in one patch
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
+from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digest, tensor_digests
 from sparsesync.codec.patch import GROUPED, Group, Patch, TensorEntry, ctx_for
@@ -163,7 +164,7 @@ def _decode_group(patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]) -
     copy of the members' base bits laid end to end (read-only). A member that does not get
     exactly the changes the section declares for it is PatchFormatError."""
     views = [bits_view(tensors[n]) for n in g.members]
-    flat = torch.cat(views) if len(views) > 1 else views[0]
+    flat = cat_into("base", views)
     idx, vals = _decode_bits(patch, g.coding, flat)
     cuts = np.searchsorted(idx, g.offsets)
     got = np.diff(cuts)

@@ -153,10 +153,10 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
     are entries too, positions GROUPED) and where each tensor's streams lie in `streams`."""
     keys = [TABLE_KEY, GROUPS_KEY, STREAMS_KEY] if version == 4 else [TABLE_KEY, STREAMS_KEY]
     if set(table) != set(keys) or any(table[a].end != table[b].start for a, b in zip(keys, keys[1:])):
-        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly {', then '.join(repr(k) for k in keys)} (format {version})")
+        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly {' then '.join(repr(k) for k in keys)} (format {version})")
     t, d = table[TABLE_KEY], table[STREAMS_KEY]
     if any(table[k].dtype != "U8" for k in keys):
-        raise _fmt(f"tensors {', '.join(f'{k!r} is {table[k].dtype}' for k in keys)}, expected U8")
+        raise _fmt(f"'{TABLE_KEY}' is {t.dtype}" + "".join(f" and '{k}' {table[k].dtype}" for k in keys[1:]) + ", expected U8")
     end = table[keys[-2]].end
     if len(buf) < end:
         raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {end}")
