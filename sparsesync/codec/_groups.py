@@ -116,7 +116,7 @@ def _bad(msg: str) -> PatchFormatError:
 
 def parse_section(raw: bytes, table_names: set[str]) -> list[ParsedGroup]:
     """The groups of an inflated group section (see the module docstring for the checks)."""
-    rd = _table.Reader(raw)
+    rd = _table.Reader(raw, "patch group section", 4)
     rows = _table.read_rows(rd)
     counts = [rd.varint(f"group '{r.name}': member count", MAX_MEMBERS) for r in rows]
     total = sum(counts)

@@ -161,7 +161,7 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
     if len(buf) < end:
         raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {end}")
     rows = _table.parse_table(_table.inflate(bytes(buf[t.start : t.end])))
-    parsed = _groups.parse_section(_table.inflate(bytes(buf[table[GROUPS_KEY].start : end])), {r.name for r in rows}) if version == 4 else []
+    parsed = _groups.parse_section(_table.inflate(bytes(buf[table[GROUPS_KEY].start : end]), "patch group section", 4), {r.name for r in rows}) if version == 4 else []
     off, located, tensors = d.start, {}, {}
     for r in rows:
         off, tensors[r.name] = _locate(r, off, d, located, f"tensor '{r.name}'")
