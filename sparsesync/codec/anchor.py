@@ -62,16 +62,10 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """`t`, copied when it is a view of a larger storage (a writer's snapshot holds small tensors
-    as views of one flat tensor; safetensors refuses tensors that share storage)."""
-    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
-
-
 def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: Path, *, version: int, alone: bool = False) -> dict[str, str]:
     """Write one anchor file of whole tensors at `path`, with their digests in its metadata (and
     the state digest when it is the anchor's only file, `alone`); returns the digests."""
-    cpu = {n: _own(t.detach().to("cpu").contiguous()) for n, t in tensors.items()}
+    cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     digests = {n: tensor_digest(t) for n, t in cpu.items()}
     meta = {"format": "pt", "sparsesync.version": str(version), "sparsesync.digests": json.dumps(digests, separators=(",", ":"))}
     if alone:
