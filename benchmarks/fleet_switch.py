@@ -53,8 +53,8 @@ class _TimedHook:
 def _replica(url: str, replica: str, coordinated: bool, poll_s: float, results, stop, env: dict) -> None:  # type: ignore[no-untyped-def]
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, format=f"{replica} %(asctime)s %(name)s: %(message)s")
-    from sparsesync.protocol.fleet_member import FleetOptions
-    from sparsesync.protocol.follower import Follower
+    from sparsesync.protocol.follower.fleet_member import FleetOptions
+    from sparsesync.protocol.follower.follower import Follower
 
     fleet = FleetOptions(replica_id=replica, interval_s=1.0, engine="bench", coordinated=coordinated,
                          switch_deadline_s=30.0)
@@ -65,7 +65,7 @@ def _replica(url: str, replica: str, coordinated: bool, poll_s: float, results, 
 
 
 def bench(base: str, shapes, args, coordinated: bool, env: dict) -> dict:  # type: ignore[no-untyped-def]
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
     ctx = mp.get_context("spawn")

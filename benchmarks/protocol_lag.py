@@ -130,7 +130,7 @@ def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core:
                      max_poll: float = 0.1, poll: float = 0.02) -> None:
     os.environ.update(env)
     _pin(core)
-    from sparsesync.protocol.follower import Follower
+    from sparsesync.protocol.follower.follower import Follower
 
     # the product's own poll loop (`Follower.start`): `--poll` (20 ms) between polls while versions
     # or their parts arrive, backing off to `--max-poll` while the store is quiet
@@ -211,7 +211,7 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
     from safetensors.torch import save, save_file
 
     from sparsesync.codec import state_digest, tensor_digests
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
     ctx = mp.get_context("spawn")

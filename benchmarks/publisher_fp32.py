@@ -36,7 +36,7 @@ def _status() -> dict[str, int]:
 def worker(size: str, mode: str, versions: int) -> None:
     import torch
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     hidden, layers = map(int, size.split("x"))
     g = torch.Generator().manual_seed(0)

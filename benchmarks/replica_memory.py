@@ -186,7 +186,7 @@ def worker_publish(model_dir: str, bucket: str, versions: int) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     state = {k: v.clone() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}  # the caller's state
     g = torch.Generator().manual_seed(1)

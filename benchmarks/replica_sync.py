@@ -43,8 +43,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def bench(engine_kind: str, model_dir: Path, work: Path, versions: int, interval_s: float) -> dict:
     from inference_space.engines import SamplingParams, make_engine
     from inference_space.testing import PROMPTS, Trainer
-    from sparsesync.protocol.follower import Follower
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
 
     bucket = str(work / f"bucket-{engine_kind}")
     engine = make_engine(engine_kind, model_dir)
@@ -116,8 +116,8 @@ def pause_cell(engine_kind: str, hidden: int, layers: int, fractions: list[float
     """Pause per version for each changed fraction, read-back on and off (one engine each)."""
     from inference_space.engines import make_engine
     from inference_space.testing import Trainer
-    from sparsesync.protocol.follower import Follower
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(work / f"m{hidden}x{layers}", seed=0, hidden=hidden, layers=layers)

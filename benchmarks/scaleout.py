@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
 
 from sparsesync.codec.anchor import write_anchor_shard  # noqa: E402
-from sparsesync.protocol.anchor_shards import assign  # noqa: E402
-from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes  # noqa: E402
 from sparsesync.protocol.records import Unit  # noqa: E402
+from sparsesync.protocol.writer.anchor_shards import assign  # noqa: E402
+from sparsesync.protocol.writer.parts import PartedSnapshot, group_by_bytes  # noqa: E402
 from sparsesync.protocol.writer.ranks import shard_rows  # noqa: E402
 
 

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out: mp.Queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.protocol.writer.ranks import shard_rows
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -10,7 +10,7 @@ Guarantees:
   the run's base model (checked against its digest) plus the adapter (`engines.adapters`).
 - Host memory: the follower's mirror is the replica's only host copy of the weights besides the
   engine's own (the vLLM engine keeps none), in a file map on local disk (`--mirror-dir`,
-  `sparsesync.protocol.mirror`); freed memory goes back to the OS after every version.
+  `sparsesync.protocol.follower.mirror`); freed memory goes back to the OS after every version.
 - A replica whose sync fails (anchor fallback, store unreachable, bad patch, engine failure)
   keeps serving its last good version; `status()` then says state "degraded" with the error.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 from inference_space.engines import Engine
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.fleet_member import FleetOptions
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.fleet_member import FleetOptions
+from sparsesync.protocol.follower.follower import Follower
 
 
 @dataclass

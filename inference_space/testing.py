@@ -66,7 +66,7 @@ def follow_then_break(engine, model_dir: str | Path, bucket: str, break_engine):
     """A replica of `engine` follows version 1 of a run, then `break_engine()` runs and version 2
     is published and synced. Returns the replica (for tests of what a broken engine reports)."""
     from inference_space.replica import Replica
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     trainer = Trainer(model_dir, seed=4)
     replica = Replica(engine, bucket)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.writer.publisher import Publisher
 
 
 def main() -> None:

@@ -284,7 +284,7 @@ healthcheck "$ctr" localhost/replica-space:latest "sps-rep-$TAG" || die "replica
 follow=$(cd "$ROOT" && ip netns exec "sps-rep-$TAG" "$PY" - "$WORK/tiny" "$WORK/bucket" <<'EOF'
 import json, sys, time, urllib.request
 from inference_space.testing import PROMPTS, Trainer
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 url = "http://127.0.0.1:7860"
 def get(path):
     with urllib.request.urlopen(url + path, timeout=10) as r:

@@ -63,8 +63,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         VersionNotFoundError,
         WeightUpdateError,
     )
-    from sparsesync.protocol.follower import Follower
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
     from sparsesync.transfer import pull, push
 
@@ -77,8 +77,8 @@ _ERRORS = (
     "EngineError", "WeightUpdateError", "EngineCheckError",
 )  # fmt: skip
 _HOMES: dict[str, str] = {
-    "Publisher": "sparsesync.protocol.publisher",
-    "Follower": "sparsesync.protocol.follower",
+    "Publisher": "sparsesync.protocol.writer.publisher",
+    "Follower": "sparsesync.protocol.follower.follower",
     "push": "sparsesync.transfer",
     "pull": "sparsesync.transfer",
     "open_store": "sparsesync.store",

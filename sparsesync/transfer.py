@@ -170,9 +170,9 @@ def push(
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.protocol import adapter_runs
     from sparsesync.protocol.keys import check_version
-    from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
     from sparsesync.protocol.writer.config import PublisherConfig
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
     source = Path(source)

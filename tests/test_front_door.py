@@ -34,8 +34,8 @@ def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 def test_front_door_names_are_the_library_objects() -> None:
     from sparsesync import errors, transfer
-    from sparsesync.protocol.follower import Follower
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
     assert sparsesync.Publisher is Publisher and sparsesync.Follower is Follower

@@ -77,7 +77,7 @@ def test_an_fp32_state_the_replica_cannot_serve_fails_at_once_in_one_bounded_lin
     with Publisher(str(tmp_path / "bucket")) as pub:
         pub.publish(model.state_dict(), 0)
     follower = Follower(str(tmp_path / "bucket"), hook=EmbeddedEngine(tiny), max_retry_interval=0.2)
-    caplog.set_level(logging.DEBUG, logger="sparsesync.protocol.follower")
+    caplog.set_level(logging.DEBUG, logger="sparsesync.protocol.follower.follower")
     follower.start()
     t0 = time.monotonic()
     try:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from sparsesync.protocol.adapter_runs import meta_from_peft
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import AdapterMeta
+from sparsesync.protocol.writer.publisher import Publisher
 from trainer.config import TrainerConfig
 from trainer.policy import load_policy, publish_state, resolve_precision
 

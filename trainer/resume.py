@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sparsesync.errors import ConfigError, PatchMismatchError
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 from trainer.config import TrainerConfig
 from trainer.distributed import DistContext, collective
 from trainer.errors import TrainerError

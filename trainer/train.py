@@ -50,7 +50,7 @@ import torch
 
 from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.errors import ConfigError, SparsesyncError
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 from trainer.buffer import BufferClosed, Group, RolloutBuffer, TrustCheckUnavailable
 from trainer.config import TrainerConfig
 from trainer.distributed import (

@@ -60,7 +60,7 @@ class VllmEngine(Engine):
     """A vLLM `LLM` whose weights follow a run (see module docstring)."""
 
     name = "vllm"
-    pages_out_mirror = True  # an update reloads what it reads of the mirror once (sparsesync.protocol.hooks)
+    pages_out_mirror = True  # an update reloads what it reads of the mirror once (sparsesync.protocol.follower.hooks)
 
     def __init__(
         self,

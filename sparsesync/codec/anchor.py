@@ -148,7 +148,7 @@ def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None,
 
     Each tensor's bytes are read from its file straight into its destination tensor: by default
     new CPU tensors; with `alloc`, the tensors `alloc({name: (dtype, shape)})` returns (e.g. views
-    of a file-backed map, `sparsesync.protocol.mirror`). Memory: the tensors, nothing else.
+    of a file-backed map, `sparsesync.protocol.follower.mirror`). Memory: the tensors, nothing else.
     `written` is called with each tensor once it is read and its digest checked (a holder may
     then page it out)."""
     paths = [Path(f) for f in files]

@@ -1,5 +1,5 @@
 """Reading a version in parts: each part fetched, checked and decoded as it lands, then all of
-them applied, all or nothing (the parts themselves: `sparsesync.protocol.parts`).
+them applied, all or nothing (the parts themselves: `sparsesync.protocol.writer.parts`).
 
 Guarantees:
 - Reader (`apply_parts`): parts are fetched concurrently and each is checked (bytes, header,

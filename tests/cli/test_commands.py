@@ -246,7 +246,7 @@ def test_hostile_checkpoint_files_are_refused_with_one_line(tmp_path, capsys, mo
     assert "tokenizer.json" in err and "over the limit" in err
     assert not Run(str(tmp_path / "run2")).store.list("")  # nothing was written
     from sparsesync.errors import ConfigError
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     with __import__("pytest").raises(ConfigError, match="'modeling.py' is not one sparsesync carries"):
         Publisher(str(tmp_path / "run3"), extra_files={"modeling.py": b"import os"})

@@ -27,8 +27,8 @@ from sparsesync.codec import digest as digest_mod
 from sparsesync.codec.diff import _changed_slice, _changed_slice_np, bits_view, to_np_bits
 from sparsesync.codec.patch import assemble_patch, encode_tensors
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.publisher import Publisher
 
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); run scripts/gpu_check.sh on a GPU machine"

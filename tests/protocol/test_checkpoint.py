@@ -7,8 +7,8 @@ import torch
 
 from sparsesync.checkpoint import check_tied, checkpoint_state, shared_aliases, split_fused_experts
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.writer.publisher import Publisher
 
 
 def _tied_state_dict() -> dict[str, torch.Tensor]:

@@ -11,12 +11,12 @@ import torch
 
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.errors import FencedWriterError
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.keys import COMMITS, DELTAS
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.protocol.writer.commits import CommitWriter
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
@@ -346,7 +346,7 @@ def test_commit_records_are_written_last(store_url):
 
 _STALLING_WRITER = r'''
 import sys, time, torch
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.support.weights import make_state, train_step
 

@@ -13,12 +13,12 @@ import time
 
 import torch
 
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc
 from sparsesync.protocol.keys import ANCHORS, DELTAS, object_version
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.protocol.test_end_to_end import RecordingHook
 from tests.support.weights import assert_bit_equal, make_state, train_step

@@ -24,11 +24,11 @@ from typer.testing import CliRunner
 from sparsesync.cli import app
 from sparsesync.errors import FleetTimeoutError
 from sparsesync.protocol.fleet import read_fleet, read_switch
-from sparsesync.protocol.fleet_member import FleetOptions
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.fleet_member import FleetOptions
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.keys import heartbeat_key, switch_key
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import MAX_RECORD_BYTES, Heartbeat
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.support.waiting import until  # noqa: E402
 from tests.support.weights import assert_bit_equal, make_state, train_step
@@ -564,7 +564,7 @@ def test_a_full_weight_replica_reports_a_commit_it_refuses_once_and_until_it_is_
 
     monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "rep")
     monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
-    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower.follower")
     tiny = build_tiny_model(tmp_path / "model", seed=0)
     url, trainer = str(tmp_path / "run"), Trainer(tiny, seed=1)
     replica = Replica(EmbeddedEngine(tiny), url, poll_interval=0.05)

@@ -41,11 +41,11 @@ from sparsesync.codec.anchor import write_anchor_shard
 from sparsesync.codec.digest import bytes_digest, file_digest
 from sparsesync.codec.patch_reader import read_patch
 from sparsesync.errors import SparsesyncError
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.keys import commit_key, parse_commit_key
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import Store, open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
 

@@ -31,10 +31,10 @@ from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
 from sparsesync.protocol.adapter_runs import meta_from_peft  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.records import AdapterMeta  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import greedy  # noqa: E402
 

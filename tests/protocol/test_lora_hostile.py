@@ -28,9 +28,9 @@ from typer.testing import CliRunner  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.errors import ConfigError, MalformedCommitError, RunKindError  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
 from sparsesync.protocol.records import CommitRecord  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from tests.protocol.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
 
 CATASTROPHIC = [("target_modules", "(.+)+Z"), ("target_modules", r"(\w+\.?)+x$"), ("exclude_modules", "(a|aa)+$"),
@@ -148,7 +148,7 @@ def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_pa
     key = _run_with_config(LoraTrainer(bases["qwen3"], torch.bfloat16), bucket, **change)  # the run's only commit
     monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "refusing")
     monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
-    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower.follower")
     replica = build_replica(ReplicaConfig(model=str(bases["qwen3"]), bucket=str(bucket), poll_interval=0.05))
     try:
         with Server(replica) as server, httpx.Client(base_url=server.url, timeout=30) as client:
@@ -197,7 +197,7 @@ def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(
     hidden = v2.rename(tmp_path / v2.name)  # the replica starts on version 1
 
     monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")
-    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower")
+    caplog.set_level(logging.WARNING, logger="sparsesync.protocol.follower.follower")
     replica = build_replica(ReplicaConfig(model=str(base), bucket=str(bucket), poll_interval=0.05))
     try:
         with Server(replica) as server, httpx.Client(base_url=server.url, timeout=60) as client:

@@ -26,14 +26,14 @@ from sparsesync.errors import (
     VersionNotFoundError,
 )
 from sparsesync.protocol.fleet import wait_for_fleet
-from sparsesync.protocol.fleet_member import FleetOptions
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.fleet_member import FleetOptions
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.gc import apply_gc, plan_gc
 from sparsesync.protocol.keys import heartbeat_key
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import Heartbeat
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.support.waiting import until  # noqa: E402
 from tests.support.weights import assert_bit_equal, make_state, train_step
@@ -326,7 +326,7 @@ class _TimedEngine(ServingEngine):
 
 
 def test_coordinated_replicas_switch_together_across_a_rewind(tmp_path: Path) -> None:
-    from sparsesync.protocol.fleet_member import FleetOptions
+    from sparsesync.protocol.follower.fleet_member import FleetOptions
     from sparsesync.protocol.keys import epoch_switch_key, switch_key
 
     url = str(tmp_path / "run")

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from sparsesync.cli import app
 from sparsesync.errors import DigestMismatchError
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.parts_reader import apply_parts
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
@@ -253,8 +253,8 @@ def _world_of_one(rank: int, port: int, url: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from sparsesync.errors import ConfigError, PatchMismatchError
-    from sparsesync.protocol.publisher import Publisher
-    from tests.protocol.test_parts import _held_store
+    from sparsesync.protocol.writer.publisher import Publisher
+    from tests.protocol.writer.test_parts import _held_store
     from tests.support.weights import make_state, train_step
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
@@ -329,7 +329,7 @@ def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch
     encodes with effort "speed" (no class-conditioned codings): readers need nothing new.""" 
     from transformers import AutoModelForCausalLM
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import arch_config
 
     url, out = str(tmp_path / "run"), tmp_path / "full"
@@ -474,7 +474,7 @@ def _tied_world_of_one(rank: int, port: int, url: str) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from sparsesync.errors import ConfigError
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from tests.support.weights import make_state, train_step
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)

@@ -20,13 +20,13 @@ from sparsesync.checkpoint import EXPERT_KEY
 from sparsesync.cli import app
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.protocol import keys
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.gc import plan_gc
 from sparsesync.protocol.lineage import Lineage, TrustedCommits
-from sparsesync.protocol.parts import Unit
 from sparsesync.protocol.parts_reader import _unit_of
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.parts import Unit
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from sparsesync.transfer import checkpoint_step
 from tests.support.weights import assert_bit_equal, make_state, train_step

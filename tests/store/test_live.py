@@ -64,8 +64,8 @@ def test_live_publish_and_follow(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from huggingface_hub import HfApi
 
-    from sparsesync.protocol.follower import Follower
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
     from tests.protocol.test_end_to_end import RecordingHook
     from tests.support.weights import assert_bit_equal, make_state, train_step
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import time
 
-from sparsesync.protocol.fleet_member import FleetOptions
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.fleet_member import FleetOptions
+from sparsesync.protocol.follower.follower import Follower
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ def main() -> None:
         return _ddp(args, rank)
     from sparsesync.checkpoint import checkpoint_state
     from sparsesync.errors import SparsesyncError
-    from sparsesync.protocol.publisher import Publisher
     from sparsesync.protocol.run import Run
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
     from sparsesync.tiny_model import arch_config, tiny_config
 
@@ -115,7 +115,7 @@ def main() -> None:
             if v == args.get("fence_version") and rank == 0:
                 import subprocess
 
-                code = "from sparsesync.protocol.publisher import Publisher; Publisher(%r).close()" % args["url"]
+                code = "from sparsesync.protocol.writer.publisher import Publisher; Publisher(%r).close()" % args["url"]
                 env = {k: val for k, val in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
                 subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
             state = model.state_dict()
@@ -139,7 +139,7 @@ def main() -> None:
 
 def _ddp(args: dict, rank: int) -> None:
     """Replicated weights (DDP): a Publisher on rank 0 only ("rank0") or on every rank ("all")."""
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from tests.support.weights import make_state, train_step
 
     g = torch.Generator().manual_seed(7)

@@ -70,7 +70,7 @@ from transformers import TrainerCallback
 from sparsesync.checkpoint import checkpoint_state
 from sparsesync.errors import ConfigError, PatchMismatchError
 from sparsesync.integrations import quiet_trl_vllm_warning
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 
 log = logging.getLogger(__name__)
 quiet_trl_vllm_warning()  # TRL's vLLM-version warning once, whoever imports TRL next

@@ -66,7 +66,7 @@ from vllm.distributed.weight_transfer.base import (
 from sparsesync.errors import EngineCheckError
 from sparsesync.integrations.vllm import readback, unchanged
 from sparsesync.integrations.vllm.layout import Layout, Location
-from sparsesync.protocol.mirror import pager, release_freed_memory
+from sparsesync.protocol.follower.mirror import pager, release_freed_memory
 
 BACKEND = "sparsesync"
 

@@ -42,7 +42,7 @@ import torch
 from sparsesync.checkpoint import TIED_ALIASES
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class ServerHook:
     """The follower's `ApplyHook` for a vLLM server reached through `control` (see module docstring)."""
 
     name = "vllm"
-    pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.hooks)
+    pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.follower.hooks)
     takes_digests = True  # the version's per-tensor digests: the worker checks the tensors not sent against them
 
     def __init__(self, control: EngineControl, state: dict[str, torch.Tensor], *, run_url: str = "",
@@ -253,7 +253,7 @@ class FollowRunner:
     def setup(self) -> None:
         """Read the served checkpoint, open the weight-transfer engine, attach the follower."""
         from sparsesync.checkpoint import load_checkpoint
-        from sparsesync.protocol.fleet_member import FleetOptions
+        from sparsesync.protocol.follower.fleet_member import FleetOptions
 
         try:
             state = load_checkpoint(resolve_model(self.model, self.revision))

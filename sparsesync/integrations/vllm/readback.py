@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from sparsesync.integrations.vllm.layout import Layout, Location
-from sparsesync.protocol.mirror import pager, release_freed_memory
+from sparsesync.protocol.follower.mirror import pager, release_freed_memory
 
 _PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
 _COMPARE_ELEMS = 1 << 18  # elements compared at once (bounds the comparison's float temporaries)

@@ -43,9 +43,9 @@ from sparsesync.protocol.keys import (
     valid_commits,
     writer_key,
 )
-from sparsesync.protocol.parts import EncodedPart
 from sparsesync.protocol.records import MAX_CLAIM_BYTES, MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef, WriterClaim
 from sparsesync.protocol.run import Run, read_at_most
+from sparsesync.protocol.writer.parts import EncodedPart
 from sparsesync.store import Store
 
 CLAIM_TRIES = 100  # epochs tried before giving up on a run that other writers keep claiming

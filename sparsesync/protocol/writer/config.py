@@ -19,7 +19,7 @@ import torch
 from sparsesync.codec import Effort
 from sparsesync.codec.patch import check_effort
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.parts import DEFAULT_PART_BYTES
+from sparsesync.protocol.writer.parts import DEFAULT_PART_BYTES
 
 
 @dataclass

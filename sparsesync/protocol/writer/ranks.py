@@ -29,8 +29,8 @@ import torch.distributed as dist
 from sparsesync.checkpoint import EXPERT_KEY, check_tied, split_fused_experts
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, RankFailedError
-from sparsesync.protocol.anchor_shards import AnchorPlan, assign, gather_rows
 from sparsesync.protocol.records import Unit
+from sparsesync.protocol.writer.anchor_shards import AnchorPlan, assign, gather_rows
 
 RANK_DIED = "a rank of the trainer died or hung; restart the job"
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain tensors:
 
 - each rank keeps a snapshot of only its rows of every DTensor and diffs and encodes only those
   (memory and time per rank about 1/N of the model), as parts over `name[start:stop]` units in
-  global coordinates (`sparsesync.protocol.parts`); plain (replicated) tensors are published by
+  global coordinates (`sparsesync.protocol.writer.parts`); plain (replicated) tensors are published by
   rank 0 only. The key set is the checkpoint's, as a single-process publisher's
   (`checkpoint_shards`): tied names once (FSDP2 gives them DTensors over one local storage),
   runtime-fused MoE experts per expert (each a whole tensor of the rank whose rows hold that
@@ -26,7 +26,7 @@ sharded on dim 0 over a 1-D mesh (FSDP2 `fully_shard`) and plain tensors:
   every rank from all ranks' byte counts) are sharded: each tensor is gathered whole to one rank
   only, and every rank writes its tensors as one file of a transformers-loadable sharded
   checkpoint (`model-0000k-of-0000n.safetensors`); rank 0 adds `model.safetensors.index.json` at
-  commit (`sparsesync.protocol.anchor_shards`; no rank holds the whole model). Such a version is
+  commit (`sparsesync.protocol.writer.anchor_shards`; no rank holds the whole model). Such a version is
   an anchor only, without parts.
 - when uploads lag, versions are coalesced as a single-process publisher's are, decided alike
   on every rank (every rank must commit the same versions): when some rank has `queue_size`
@@ -72,12 +72,12 @@ from sparsesync.errors import (
     SparsesyncError,
     StoreUnavailableError,
 )
-from sparsesync.protocol.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.records import CommitRecord, ObjectRef, PartRef, Unit
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.writer.ranks import (
     RANK_DIED,
     Ranks,

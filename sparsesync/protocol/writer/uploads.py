@@ -32,9 +32,9 @@ import torch
 from sparsesync.codec import TensorChange, compose_changes, encode_changes
 from sparsesync.errors import SparsesyncError, StoreUnavailableError
 from sparsesync.protocol.keys import new_uid
-from sparsesync.protocol.parts import EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 from sparsesync.protocol.records import PartRef
 from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.parts import EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0

@@ -9,7 +9,7 @@ is diffed, so no cast copy of the whole state exists.
 
 Parts (`part_bytes`, default 256 MiB of tensor bytes; 0, or a model no larger than one part: one
 file per version): the version's delta is diffed and encoded in groups of whole tensors
-(`sparsesync.protocol.parts`), and each part is uploaded as soon as it is encoded, while the next
+(`sparsesync.protocol.writer.parts`), and each part is uploaded as soon as it is encoded, while the next
 one is encoded (`UploadQueue.encode_streamed`); the commit record (format 2, listing the parts)
 is still written last. A version is streamed this way when no other version waits for upload;
 otherwise it is encoded whole and queued (and coalesced).
@@ -32,12 +32,12 @@ from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
-from sparsesync.protocol.parts import PartedSnapshot
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.parts import PartedSnapshot
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
 
 

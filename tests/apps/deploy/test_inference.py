@@ -22,7 +22,7 @@ from sparsesync.deploy.inference import inference_space_specs
 pytest.importorskip("transformers", reason="the embedded engine needs transformers (pip install -e '.[embedded]')")
 
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from tests.apps.inference.test_server import free_port  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def test_dry_run_renders_a_space_that_boots_and_follows_a_local_bucket(tiny, tmp
                                    "--engine", "embedded", "--dry-run", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "private" in res.output and "dry run: nothing sent" in res.output and "request hardware cpu-upgrade" in res.output
-    for f in ("Dockerfile", "README.md", "requirements.txt", "inference_space/server.py", "sparsesync/protocol/follower.py", "model/model.safetensors"):
+    for f in ("Dockerfile", "README.md", "requirements.txt", "inference_space/server.py", "sparsesync/protocol/follower/follower.py", "model/model.safetensors"):
         assert (out / f).is_file(), f
     card = (out / "README.md").read_text()
     assert "sdk: docker" in card and "app_port: 7860" in card and "replica (sparsesync replica)" in card

@@ -19,8 +19,8 @@ from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import WeightUpdateError  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import GREEDY, greedy  # noqa: E402
 

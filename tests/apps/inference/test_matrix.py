@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from inference_space.engines import SamplingParams, make_engine  # noqa: E402
 from inference_space.testing import Trainer  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import ARCHS, build_tiny_model  # noqa: E402
 
 try:

@@ -22,8 +22,8 @@ pytestmark = VLLM_MARKS
 from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import GREEDY, greedy  # noqa: E402
 
@@ -219,7 +219,7 @@ def _tensors_held(obj, depth: int = 3, seen=None):  # type: ignore[no-untyped-de
 def test_vllm_engine_keeps_no_copy_of_the_weights(engine, tiny, tmp_path, monkeypatch):
     """Issue 42: beside vLLM's own weights, the follower's mirror (a file map on disk) is the
     replica's only host copy: every checkpoint tensor the engine holds is a mirror tensor."""
-    from sparsesync.protocol.mirror import is_file_backed
+    from sparsesync.protocol.follower.mirror import is_file_backed
 
     monkeypatch.setenv("SPARSESYNC_MIRROR_DIR", str(tmp_path / "mirror"))
     bucket = str(tmp_path / "bucket")
@@ -387,8 +387,8 @@ from pathlib import Path
 from inference_space.engines import SamplingParams
 from inference_space.engines.vllm_engine import VllmEngine
 from inference_space.testing import Trainer
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.writer.publisher import Publisher
 
 tmp, model = Path(sys.argv[1]), sys.argv[2]
 greedy = SamplingParams(max_tokens=6, temperature=0.0)

@@ -153,7 +153,7 @@ def test_buffer_keeps_versions_and_drops_stale_samples() -> None:
 def _rewound_run(url: str) -> tuple[list[dict[str, torch.Tensor]], dict[int, str], str]:
     """A run of versions 1..3, rewound to 2 by a second writer that then published another 3:
     (states, the first attempt's digests by version, the new 3's digest)."""
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from tests.support.weights import make_state, train_step
 
     g = torch.Generator().manual_seed(0)
@@ -200,7 +200,7 @@ def test_a_listing_cached_before_a_rewind_does_not_trust_an_abandoned_version(tm
     trainer's judge lists once at each take; TRL's cache is dropped as soon as a batch holds a
     pair it does not trust (the new 3), and the whole batch is judged on the fresh listing."""
     from sparsesync.protocol.lineage import TrustedCommits
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from tests.support.weights import make_state, train_step
     from trainer.trust import SampleJudge
 
@@ -426,7 +426,7 @@ def test_an_fp32_master_is_published_by_a_casting_publisher_as_its_cast(tmp_path
     pytest.importorskip("transformers")
     from transformers import Qwen3ForCausalLM
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import tiny_config
     from trainer.policy import publish_state, publisher_casts
 

@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("openenv")
 
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.verify import verify_run  # noqa: E402
 from tests.support.stack import start_env_and_replica

@@ -26,7 +26,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import state_digest, tensor_digests  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from tests.support.served import ServedDigests  # noqa: E402
 from tests.support.stack import start_env_and_replica

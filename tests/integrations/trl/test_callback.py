@@ -30,7 +30,7 @@ from sparsesync.integrations.trl import (  # noqa: E402
     inference_state,
     model_state,
 )
-from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from tests.support.served import ServedDigests  # noqa: E402
 

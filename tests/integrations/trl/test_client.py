@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from sparsesync.integrations.trl import SparsesyncVLLMClient, model_state, sparsesync_server_mode  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.apps.inference.test_server import Server  # noqa: E402
@@ -145,7 +145,7 @@ def test_generation_from_another_version_is_refused(tmp_path: Path) -> None:
     the next generation raises instead of handing TRL samples of weights it did not sync."""
     from sparsesync.checkpoint import load_checkpoint
     from sparsesync.errors import ProtocolError
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     bucket = str(tmp_path / "bucket")

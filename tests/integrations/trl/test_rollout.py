@@ -140,7 +140,7 @@ def test_samples_of_a_version_a_rewind_abandoned_are_told_from_the_new_one(tmp_p
     from inference_space.testing import PROMPTS, Trainer
     from sparsesync.integrations.trl.rollout import SparsesyncRolloutLoop
     from sparsesync.protocol.lineage import TrustedCommits
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)

@@ -228,7 +228,7 @@ def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
     from inference_space.testing import Trainer
     from sparsesync.integrations.vllm.sidecar import sidecar_runner
     from sparsesync.protocol.fleet import read_fleet
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
     from sparsesync.tiny_model import build_tiny_model
 

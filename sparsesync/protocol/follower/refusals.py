@@ -23,11 +23,11 @@ from collections.abc import Iterable, Mapping
 
 from sparsesync.errors import RunKindError
 from sparsesync.protocol.adapter_runs import check_follow
-from sparsesync.protocol.hooks import FollowerStatus
+from sparsesync.protocol.follower.hooks import FollowerStatus
 from sparsesync.protocol.keys import commit_key, parse_commit_key
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 
-log = logging.getLogger("sparsesync.protocol.follower")
+log = logging.getLogger("sparsesync.protocol.follower.follower")
 
 MAX_SHOWN = 8  # refusals a status lists
 MAX_REASON = 500  # characters of a reason kept (a heartbeat cuts its error to 300)

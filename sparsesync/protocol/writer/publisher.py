@@ -43,12 +43,12 @@ from sparsesync.errors import ConfigError
 from sparsesync.protocol.adapter_runs import adapter_state, check_publish
 from sparsesync.protocol.extras import collect_files
 from sparsesync.protocol.keys import MAX_VERSION, check_version
-from sparsesync.protocol.parts import DEFAULT_PART_BYTES
 from sparsesync.protocol.records import AdapterMeta
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig, served_dtype
+from sparsesync.protocol.writer.parts import DEFAULT_PART_BYTES
 from sparsesync.protocol.writer.ranks import Ranks, holds_shards
 from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
 from sparsesync.protocol.writer.sharded import ShardedState

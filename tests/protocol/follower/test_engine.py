@@ -28,10 +28,10 @@ from sparsesync.errors import EngineCheckError  # noqa: E402
 from sparsesync.protocol import parts_reader as parts_mod  # noqa: E402
 from sparsesync.protocol import run as run_mod  # noqa: E402
 from sparsesync.protocol.fleet import read_fleet  # noqa: E402
-from sparsesync.protocol.fleet_member import FleetOptions  # noqa: E402
-from sparsesync.protocol.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.fleet_member import FleetOptions  # noqa: E402
+from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.keys import heartbeat_key, switch_key  # noqa: E402
-from sparsesync.protocol.publisher import Publisher  # noqa: E402
+from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.store import open_store  # noqa: E402
 from tests.support.weights import assert_bit_equal  # noqa: E402
 

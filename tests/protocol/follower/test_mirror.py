@@ -20,10 +20,10 @@ from sparsesync.codec import tensor_digests, write_anchor
 from sparsesync.codec.anchor import load_anchor
 from sparsesync.errors import DigestMismatchError
 from sparsesync.protocol import parts_reader as parts_mod
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.mirror import ENV_DIR, MirrorDir, is_file_backed
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.mirror import ENV_DIR, MirrorDir, is_file_backed
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.publisher import Publisher
 from tests.support.weights import assert_bit_equal
 
 
@@ -274,7 +274,7 @@ def test_dropping_pages_keeps_every_bit_and_never_touches_anonymous_memory(tmp_p
     """Unmapping a mirror's pages keeps its bits (they come back from the page cache); the same
     call on anonymous memory (an engine's weights, the `memory` mirror), where unmapping would
     zero it, does nothing."""
-    from sparsesync.protocol.mirror import drop_resident, pager
+    from sparsesync.protocol.follower.mirror import drop_resident, pager
 
     state = _state(3, 3 << 20, seed=5)
     mapped = MirrorDir(tmp_path / "m").allocate({k: (t.dtype, tuple(t.shape)) for k, t in state.items()})

@@ -54,7 +54,7 @@ def test_a_committed_version_is_let_go(tmp_path: Path) -> None:
 
     import torch
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.protocol.writer.uploads import PendingVersion
 
     state = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16)}
@@ -113,7 +113,7 @@ def test_publishing_an_fp32_state_as_bf16_equals_publishing_the_cast_state(tmp_p
     digests as handing it the state cast first (whole deltas and deltas in parts, a resume)."""
     import torch
 
-    from sparsesync.protocol.publisher import Publisher
+    from sparsesync.protocol.writer.publisher import Publisher
 
     versions = _fp32_versions()
     for part_bytes in (0, 20_000):
@@ -137,7 +137,7 @@ def test_publishing_an_fp32_state_as_bf16_equals_publishing_the_cast_state(tmp_p
 
 _PEAK_SCRIPT = r"""
 import resource, sys, torch
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.writer.publisher import Publisher
 cast_first = sys.argv[2] == "cast-first"
 n, mb = 32, 4  # 32 tensors of 4 MB in bf16: 128 MB published, the fp32 master 256 MB
 state = {f"t{i}": torch.randn(mb << 19) for i in range(n)}

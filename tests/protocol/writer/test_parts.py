@@ -1,4 +1,4 @@
-"""Versions in parts (sparsesync.protocol.parts, commit format 2): a streaming publisher on one
+"""Versions in parts (sparsesync.protocol.writer.parts, commit format 2): a streaming publisher on one
 process, followers that fetch parts concurrently and apply all or nothing, partial holders."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 
 from sparsesync.codec import tensor_digest
 from sparsesync.errors import ConfigError, DigestMismatchError, MalformedCommitError, PatchMismatchError
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.parts import group_by_bytes
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.parts_reader import apply_parts, set_unit_digests
-from sparsesync.protocol.publisher import Publisher
 from sparsesync.protocol.records import COMMIT_FORMAT, COMMIT_FORMAT_PARTS, CommitRecord, Unit
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
+from sparsesync.protocol.writer.parts import group_by_bytes
+from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
 

@@ -27,12 +27,12 @@ import torch
 
 from sparsesync.codec import tensor_digests
 from sparsesync.errors import StoreError
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.mirror import MirrorDir, create_unlinked, is_file_backed, is_full
-from sparsesync.protocol.publisher import Publisher
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.mirror import MirrorDir, create_unlinked, is_file_backed, is_full
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.publisher import Publisher
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _versions(n_tensors: int = 3, numel: int = 1 << 14) -> list[dict[str, torch.Tensor]]:
@@ -98,7 +98,7 @@ _TRUNCATE = """
 import os, sys
 from pathlib import Path
 from sparsesync.codec import tensor_digests
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 mdir = Path(sys.argv[2])
 fds, real = [], os.posix_fallocate
 def snoop(fd, offset, length):
@@ -201,7 +201,7 @@ def test_the_probe_never_writes_through_a_planted_link(tmp_path: Path) -> None:
 _FOREIGN = """
 import os, sys, torch
 from pathlib import Path
-from sparsesync.protocol.mirror import MirrorDir, is_file_backed
+from sparsesync.protocol.follower.mirror import MirrorDir, is_file_backed
 mdir = Path(sys.argv[1])
 mdir.mkdir()
 theirs = mdir / f"mirror-{os.getpid()}-0.bin"  # another container's follower, with the same pid
@@ -223,8 +223,8 @@ _FULL = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 from sparsesync.codec import tensor_digests
-from sparsesync.protocol.follower import Follower
-from sparsesync.protocol.mirror import is_file_backed
+from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.mirror import is_file_backed
 f = Follower(sys.argv[1], mirror_dir=sys.argv[2], prefetch=False)
 print("version", f.sync_once(), f.status().state, f.status().last_error, flush=True)
 print("digests", sorted(tensor_digests(f.mirror).items()), "file-backed", any(is_file_backed(t) for t in f.mirror.values()))

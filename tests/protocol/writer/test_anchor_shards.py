@@ -19,11 +19,11 @@ from sparsesync.codec import write_anchor
 from sparsesync.codec.anchor import INDEX_NAME
 from sparsesync.codec.digest import file_digest
 from sparsesync.errors import DigestMismatchError, MalformedCommitError, PatchFormatError
-from sparsesync.protocol.anchor_shards import assign
-from sparsesync.protocol.follower import Follower
+from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.keys import anchor_prefix, commit_key
 from sparsesync.protocol.records import CommitRecord, ObjectRef
 from sparsesync.protocol.run import Run
+from sparsesync.protocol.writer.anchor_shards import assign
 from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state
 
@@ -195,7 +195,7 @@ def _gather_rank(rank: int, world: int, port: int, out: str) -> None:
     """One rank of test_gather_rows_*: its torch.chunk rows of each tensor, gathered to an owner."""
     import torch.distributed as dist
 
-    from sparsesync.protocol.anchor_shards import gather_rows
+    from sparsesync.protocol.writer.anchor_shards import gather_rows
     from sparsesync.protocol.writer.ranks import shard_rows
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

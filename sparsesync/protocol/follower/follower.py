@@ -7,7 +7,7 @@ Guarantees:
   keeps serving; only then does it call the hook, whose duration is the replica's pause.
 - The mirror is the replica's only host copy of the weights besides the engine's own, and it
   is not anonymous memory: anchors are read straight into one shared file map in `mirror_dir`
-  (`sparsesync.protocol.mirror`: on local disk, default `~/.cache/sparsesync/mirror`), which
+  (`sparsesync.protocol.follower.mirror`: on local disk, default `~/.cache/sparsesync/mirror`), which
   patches then write in place, so the OS can page it. After each attempt the memory the
   allocator kept from freed buffers is handed back to the OS (`release_freed_memory`); for a hook
   that sets `pages_out_mirror` (vLLM), so does the mirror from the process's RSS (`mirror.pager`).
@@ -72,13 +72,13 @@ from sparsesync.errors import (
     StoreError,
 )
 from sparsesync.protocol import lineage
-from sparsesync.protocol.backoff import Backoff
-from sparsesync.protocol.fleet_member import FleetMember, FleetOptions
-from sparsesync.protocol.hooks import ApplyHook, FollowerStatus, NoHook
-from sparsesync.protocol.mirror import MirrorDir, drop_resident, pager, release_freed_memory
+from sparsesync.protocol.follower.backoff import Backoff
+from sparsesync.protocol.follower.fleet_member import FleetMember, FleetOptions
+from sparsesync.protocol.follower.hooks import ApplyHook, FollowerStatus, NoHook
+from sparsesync.protocol.follower.mirror import MirrorDir, drop_resident, pager, release_freed_memory
+from sparsesync.protocol.follower.refusals import Refusals
 from sparsesync.protocol.parts_reader import Prefetcher, check_held
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
-from sparsesync.protocol.refusals import Refusals
 from sparsesync.protocol.run import Run, State, Step
 from sparsesync.store import Store, open_store
 
@@ -109,7 +109,7 @@ class Follower:
         """`adapter`: the LoRA adapter run the hook serves (None: a full-weight run); versions of
         the other kind, base or config raise RunKindError (sparsesync.protocol.adapter_runs.check_follow).
         `mirror_dir`: the folder on local disk the mirror's file map lives in (default
-        `sparsesync.protocol.mirror.mirror_dir()`: `SPARSESYNC_MIRROR_DIR` or ~/.cache/sparsesync/mirror)."""
+        `sparsesync.protocol.follower.mirror.mirror_dir()`: `SPARSESYNC_MIRROR_DIR` or ~/.cache/sparsesync/mirror)."""
         self.adapter = adapter
         self.store = open_store(url) if isinstance(url, str) else url
         self._owns_store = isinstance(url, str)
