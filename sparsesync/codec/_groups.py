@@ -26,8 +26,8 @@ import numpy as np
 from sparsesync.codec import _table
 from sparsesync.errors import PatchFormatError
 
-SMALL_NUMEL = 1 << 18  # tensors of at most this many elements are grouped (512 KiB of bf16)
-GROUP_NUMEL = 1 << 21  # a group holds at most this many elements (several groups encode in parallel)
+SMALL_NUMEL = 1 << 17  # tensors of at most this many elements are grouped (256 KiB of bf16)
+GROUP_NUMEL = 1 << 18  # a group holds at most this many elements (groups encode in parallel; bounds a task's temporaries)
 MAX_MEMBERS = 1 << 20  # members a reader accepts in one patch
 
 
