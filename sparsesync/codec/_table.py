@@ -86,7 +86,7 @@ def _model(out: bytearray, f: list[int]) -> None:
     _native.varints_put(out, f, len(f) - 1)
 
 
-def build_table(rows: list[Row]) -> bytes:  # noqa: C901 - writes the table field by field in its format's order (docs/format.md): one loop per column
+def build_table(rows: list[Row]) -> bytes:
     """The zstd-compressed table of `rows` (sorted by name, models already quantized)."""
     return compress(table_bytes(rows))
 
@@ -96,7 +96,7 @@ def compress(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(raw)
 
 
-def table_bytes(rows: list[Row]) -> bytes:
+def table_bytes(rows: list[Row]) -> bytes:  # noqa: C901 - writes the records field by field in their format's order (docs/format.md): one loop per column
     """The records of `rows`, not compressed (format 4's group section embeds them)."""
     out = bytearray()
     _varint(out, len(rows))
@@ -238,7 +238,7 @@ def _read_model(rd: Reader, what: str) -> list[int]:
     return f + [PROB_M - sum(f)]
 
 
-def parse_table(data: bytes) -> list[Row]:  # noqa: C901, PLR0915 - reads and bounds-checks the table field by field in its format's order (docs/format.md); split, that order would be spread over functions
+def parse_table(data: bytes) -> list[Row]:
     """The records of an inflated table (see the module docstring for what is checked here;
     stream sizes against the data section are checked by the caller)."""
     rd = Reader(data)
@@ -248,7 +248,7 @@ def parse_table(data: bytes) -> list[Row]:  # noqa: C901, PLR0915 - reads and bo
     return rows
 
 
-def read_rows(rd: Reader) -> list[Row]:
+def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bounds-checks the records field by field in their format's order (docs/format.md); split, that order would be spread over functions
     """The records at `rd`'s position (a record count, then the columns); `rd` is left after them."""
     data = rd.data
     t = rd.varint("record count")
