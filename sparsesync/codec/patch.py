@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 
-from sparsesync.codec import _container, _encodings, _parallel, _table, blocks_digest
+from sparsesync.codec import _container, _encodings, _groups, _parallel, _table, blocks_digest
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, is_digest
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 4  # what the encoder writes for "xxh3b" digests (3 for legacy "xxh3" digests: `format_for`)
-READABLE_VERSIONS = (1, 2, 3, 4)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 is 3 with "xxh3b" digests (docs/format.md)
+FORMAT_VERSION = 5  # what the encoder writes for "xxh3b" digests (legacy "xxh3" runs: 4 when it groups small tensors, else 3; `format_for`)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 adds groups; 5 is 4 with "xxh3b" digests (docs/format.md)
 DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
 
 # What an encoder favors when it has the base. "size" (the default): the smallest patches, with
@@ -48,6 +48,8 @@ def check_effort(effort: str) -> Effort:
 
 
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors
+GROUPS_KEY = "groups"  # formats 4 and 5: the third, between them (optional in 5)
+GROUPED = "group"  # positions and values of a member of a group (its changes are coded by the group)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Formats 4 and 5: touched small tensors coded as one flat tensor, their concatenation in `members` order."""
+
+    coding: TensorEntry  # the concatenation's encodings and streams (named by the first member, 1-D)
+    members: tuple[str, ...]
+    offsets: object  # numpy int64: each member's start in the concatenation, then the total
+    n_changed: object  # numpy int64 per member
+
+
+@dataclass(frozen=True)
 class PatchHeader:
     """Everything a patch says about itself; readable from the file's header alone."""
 
@@ -92,6 +104,7 @@ class PatchHeader:
     target_state_digest: str
     tensors: dict[str, TensorEntry]
     streams_start: int = 0  # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
+    groups: tuple[Group, ...] = ()  # formats 4 and 5: members are in `tensors` too (positions GROUPED), coded by their group
 
     def byte_ranges(self, names: list[str] | None = None) -> dict[str, tuple[int, int]]:
         """Format 3: the file's [start, end) holding all streams of each tensor of `names`
@@ -101,8 +114,13 @@ class PatchHeader:
             raise ValueError(f"patch format {self.format_version} does not place each tensor's streams together; read the whole file")
         out, off = {}, self.streams_start
         for name, e in self.tensors.items():
-            out[name] = (off, off + e.nbytes)
-            off += e.nbytes
+            if e.positions != GROUPED:
+                out[name] = (off, off + e.nbytes)
+                off += e.nbytes
+        for g in self.groups:  # after the table's tensors; a member's range is its group's
+            for m in g.members:
+                out[m] = (off, off + g.coding.nbytes)
+            off += g.coding.nbytes
         return out if names is None else {n: out[n] for n in names}
 
 
@@ -118,9 +136,9 @@ class Patch:
     def nbytes(self) -> int:
         return len(self.data)
 
-    def stream(self, name: str, role: str) -> bytes:
-        """The raw bytes of one of tensor `name`'s streams."""
-        s = self._streams[self.header.tensors[name].streams[role]]
+    def stream(self, name: str, role: str, entry: TensorEntry | None = None) -> bytes:
+        """The raw bytes of one of tensor `name`'s streams (`entry`: a group's coding)."""
+        s = self._streams[(entry or self.header.tensors[name]).streams[role]]
         return self.data[s.start : s.end]
 
 
@@ -129,15 +147,24 @@ def stream_key(name: str, role: str) -> str:
     return f"{name}::{role}"
 
 
-def format_for(algo: str) -> int:
-    """The format version a writer writes for digests of `algo`: 4 for "xxh3b", 3 for legacy
-    "xxh3" (a run written before "xxh3b" keeps format 3, which every follower reads)."""
-    return FORMAT_VERSION if algo == BLOCKS_ALGO else 3
+def format_for(algo: str, grouped: bool = False) -> int:
+    """The format version a writer writes for digests of `algo`: 5 for "xxh3b" (groups or not);
+    for legacy "xxh3" 4 when the patch groups small tensors, else 3 (a run written before
+    "xxh3b" keeps formats 3 and 4, which followers of its release read)."""
+    if algo == BLOCKS_ALGO:
+        return FORMAT_VERSION
+    return 4 if grouped else 3
+
+
+def has_groups(format_version: int, keys: Collection[str]) -> bool:
+    """Whether a patch of `format_version` whose tensors are `keys` has a group section: always
+    in format 4, optional in 5 (present iff there is a `groups` tensor), never before."""
+    return format_version == 4 or (format_version >= 5 and GROUPS_KEY in keys)
 
 
 def digest_prefix(format_version: int) -> str:
     """What precedes the 16 hex digits of the table's digests in patches of `format_version`."""
-    return blocks_digest.PREFIX if format_version >= 4 else ""
+    return blocks_digest.PREFIX if format_version >= 5 else ""
 
 
 def bare_hex(digest: str) -> str:
@@ -209,16 +236,21 @@ def assemble_patch(
     target_digests: Mapping[str, str],
     base_state_digest: str,
     target_state_digest: str,
+    groups: Sequence[tuple[EncodedTensor, _groups.Members]] = (),
 ) -> bytes:
-    """The patch file from encoded tensors plus versions and digests."""
+    """The patch file from encoded tensors plus versions and digests; `groups`: the encoded
+    concatenation of each group's touched members and who they are. The version follows the
+    digests (`format_for`): "xxh3b" digests give format 5, groups or not; "xxh3" ones give
+    format 4 with groups, else format 3, which older readers read."""
     if not (type(base_version) is int and type(target_version) is int and 0 <= base_version < target_version):
         raise PatchFormatError(f"versions {base_version} -> {target_version}, expected 0 <= base < target", hint="pass the published version numbers")
-    missing = sorted(n for n in encoded if n not in base_digests or n not in target_digests)
+    member_names = [n for _, m in groups for n in m.names]
+    missing = sorted(n for n in [*encoded, *member_names] if n not in base_digests or n not in target_digests)
     if missing:
         raise PatchFormatError(f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes")
     algos = set()
     for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
-        (f"digest of '{n}'", dg) for n in encoded for dg in (base_digests[n], target_digests[n])
+        (f"digest of '{n}'", dg) for n in [*encoded, *member_names] for dg in (base_digests[n], target_digests[n])
     ]:
         if not is_digest(d):
             raise PatchFormatError(f"{what} {d!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'",
@@ -226,19 +258,12 @@ def assemble_patch(
         algos.add(algo_of(d))
     if len(algos) > 1:
         raise PatchFormatError(f"the digests mix the algorithms {sorted(algos)}", hint="compute every digest of a patch with one algorithm")
-    fv = format_for(algos.pop())
-    rows, blobs = [], []
-    for name in sorted(encoded):
-        e = encoded[name]
-        pp, vp = e.position_params, e.value_params
-        if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
-            pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
-        if e.values == "delta":
-            vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
-        explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
-        rows.append(_table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, bare_hex(base_digests[name]), bare_hex(target_digests[name]),
-                               {role: len(e.streams[role][2]) for role in explicit}))
-        blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
+    fv = format_for(algos.pop(), bool(groups))
+    if len(set(member_names)) != len(member_names) or set(member_names) & set(encoded):
+        raise PatchFormatError("a tensor is in two groups, or in a group and coded alone", hint="code each tensor once")
+    blobs: list[bytes] = []
+    rows = [_row(name, encoded[name], bare_hex(base_digests[name]), bare_hex(target_digests[name]), blobs) for name in sorted(encoded)]
+    grows = [_row(m.names[0], e, _ZERO, _ZERO, blobs) for e, m in groups]
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(fv),
@@ -248,7 +273,29 @@ def assemble_patch(
         "target_state_digest": target_state_digest,
     }
     table = _table.build_table(rows)
-    return _container.write_container(meta, [(TABLE_KEY, "U8", (len(table),), table), (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
+    tensors = [(TABLE_KEY, "U8", (len(table),), table)]
+    if groups:
+        bare = {n: (bare_hex(base_digests[n]), bare_hex(target_digests[n])) for n in member_names}  # as the table's (the format says the algorithm)
+        section = _groups.build_section(grows, [m for _, m in groups], {n: b for n, (b, _) in bare.items()}, {n: t for n, (_, t) in bare.items()})
+        tensors.append((GROUPS_KEY, "U8", (len(section),), section))
+    return _container.write_container(meta, [*tensors, (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
+
+
+_ZERO = "0" * 16  # a group's own digests (unused: its members carry theirs)
+
+
+def _row(name: str, e: EncodedTensor, base_digest: str, target_digest: str, blobs: list[bytes]) -> _table.Row:
+    """The table record of one encoded tensor (models quantized as the coder does); its streams
+    are appended to `blobs` in the data section's order."""
+    pp, vp = e.position_params, e.value_params
+    if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
+        pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
+    if e.values == "delta":
+        vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
+    explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
+    blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
+    return _table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digest, target_digest,
+                      {role: len(e.streams[role][2]) for role in explicit})
 
 
 def encode_changes(

@@ -1,7 +1,7 @@
 """The tensor digest's format bump: runs written before "xxh3b" (tests/data/run_xxh3, written by
 sparsesync d1f4da3: whole-stream XXH3-64 digests, patch format 3) stay readable by `verify`,
 `pull` and followers, and a writer that resumes one keeps its digest; a new run records
-"xxh3b" (its state digests say so, its patches are format 4)."""
+"xxh3b" (its state digests say so, its patches are format 5, small tensors grouped or not)."""
 
 from __future__ import annotations
 
@@ -114,10 +114,38 @@ def test_a_new_run_records_the_block_digest(tmp_path):
     commits = Run(url).commits()
     assert {algo_of(c.state_digest) for c in commits} == {"xxh3b"}
     assert all(c.state_digest.startswith("xxh3b:") for c in commits)
-    assert _patch_formats(url) == {4}
+    assert _patch_formats(url) == {5}
     assert verify_run(url).ok
     pull(url, tmp_path / "out")
     assert_bit_equal(load_file(str(tmp_path / "out" / "model.safetensors")), states[2])
     hook = Hook()
     assert Follower(url, hook, poll_interval=0.05).sync_once() == 2
     assert_bit_equal(hook.weights, states[2])
+
+
+def test_a_new_run_groups_small_tensors_in_format_5(tmp_path):
+    """Small tensors of one dtype are coded together (a `groups` section) under "xxh3b" digests:
+    format 5, whose member digests carry the prefix; verify, pull and a follower agree bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    states = [{f"lora.{i}.w": torch.randn(64, 48, generator=g).to(torch.bfloat16) for i in range(6)}]
+    for v in (1, 2):
+        s = {k: t.clone() for k, t in states[-1].items()}
+        for k in ("lora.1.w", "lora.4.w", "lora.5.w"):
+            s[k].view(torch.int16)[v :: 37] += 1
+        states.append(s)
+    url = str(tmp_path / "grouped")
+    with Publisher(url, anchor_every=50) as pub:
+        for v, s in enumerate(states):
+            pub.publish(s, v)
+    run = Run(url)
+    patches = [read_patch(run.fetch(c.delta)) for c in run.commits() if c.delta]
+    assert patches and all(p.header.format_version == 5 and p.header.groups for p in patches)
+    assert all(e.target_digest.startswith("xxh3b:") for p in patches for e in p.header.tensors.values())
+    assert verify_run(url).ok
+    pull(url, tmp_path / "out")
+    assert_bit_equal(load_file(str(tmp_path / "out" / "model.safetensors")), states[2])
+    hook = Hook()
+    f = Follower(url, hook, poll_interval=0.05)
+    assert f.sync_once() == 2
+    assert_bit_equal(hook.weights, states[2])
+    assert_bit_equal(f.mirror, states[2])
