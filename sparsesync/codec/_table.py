@@ -10,6 +10,7 @@ object per record. `build_table` is deterministic and `parse_table(build_table(r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import zstandard
 
@@ -177,6 +178,7 @@ class _Reader:
         if status == 4:
             raise _bad(f"{what}: varint longer than 9 bytes")
         self.pos = pos
+        assert values is not None  # status 0
         return values
 
     def take(self, n: int, what: str) -> bytes:
@@ -275,7 +277,7 @@ def parse_table(data: bytes) -> list[Row]:
         if encs[i][0] == "gaps":
             what = f"tensor '{names[i]}': gaps"
             thr = _thresholds(rd, what)
-            classes = []
+            classes: list[dict[str, Any]] = []
             for _ in range(len(thr) + 1):
                 n = rd.varint(f"{what} class size", 1 << 48)
                 if n:

@@ -134,10 +134,13 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
         results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order,
                                           weights=[patch.header.tensors[n].numel for n in order])
     by_name = dict(zip(order, results))
+    out: dict[str, SparseUpdate] = {}
     for n in names:
-        if isinstance(by_name[n], BaseException):
-            raise by_name[n]
-    return {n: by_name[n] for n in names}
+        r = by_name[n]
+        if isinstance(r, BaseException):
+            raise r
+        out[n] = r
+    return out
 
 
 def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) -> tuple[SparseUpdate, str | None, str | None]:
@@ -158,9 +161,9 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
             else:
                 h_after = put_and_digest(bits, idx, vals, old)
         return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), h_after if digest else None, h_before
-    idx = u.indices.to(flat.device)
-    old_vals = flat[idx].cpu().view(t.dtype)
-    flat[idx] = u.values.view(flat.dtype).to(flat.device)
+    at = u.indices.to(flat.device)
+    old_vals = flat[at].cpu().view(t.dtype)
+    flat[at] = u.values.view(flat.dtype).to(flat.device)
     return SparseUpdate(u.indices, old_vals), None, None
 
 
@@ -271,7 +274,7 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
     def undo() -> None:
         write_updates(tensors, {n: r[1] for n, r in done.items()})
 
-    failed = [results[n] for n in names if isinstance(results[n], BaseException)]
+    failed = [r for r in (results[n] for n in names) if isinstance(r, BaseException)]
     if failed:
         undo()
         if check_base_digest and isinstance(failed[0], PatchFormatError):

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _parallel, _table
@@ -128,7 +129,8 @@ def stream_key(name: str, role: str) -> str:
     return f"{name}::{role}"
 
 
-def ctx_for(entry: TensorEntry, base_bits=None, format_version: int = FORMAT_VERSION) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
+def ctx_for(entry: TensorEntry, base_bits: Callable[[np.ndarray | None], np.ndarray] | None = None,
+            format_version: int = FORMAT_VERSION) -> _encodings.Ctx:
     dtype = _container.ST_DTYPES[entry.dtype][0]
     return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version)
 

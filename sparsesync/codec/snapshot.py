@@ -147,6 +147,7 @@ class Snapshot:
         t0 = time.perf_counter()
         names = sorted(self.state, key=lambda n: (-self.state[n].numel(), n))  # biggest first keeps every thread busy to the end
         results = _parallel.map_settled(one, names, weights=[self.state[n].numel() for n in names])
+        done = [r for r in results if not isinstance(r, Exception)]
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             for name, r in zip(names, results):
@@ -155,13 +156,14 @@ class Snapshot:
             raise failed[0]
         wall = time.perf_counter() - t0
         changes, encoded = {}, {}
-        for name, (ch, enc, digest, _, _) in sorted(zip(names, results)):
+        for name, (ch, enc, digest, _, _) in sorted(zip(names, done), key=lambda nr: nr[0]):
             if ch is not None:
+                assert digest is not None  # a tensor that changed was hashed as it advanced
                 changes[name], encoded[name] = ch, enc
                 self.digests[name] = digest
         if changes:
             self.state_digest = state_digest(self.digests)
-        cpu_diff, cpu_all = sum(r[3] for r in results), sum(r[3] + r[4] for r in results)
+        cpu_diff, cpu_all = sum(r[3] for r in done), sum(r[3] + r[4] for r in done)
         return changes, encoded, wall * cpu_diff / cpu_all if cpu_all else 0.0
 
     def _put(self, name: str, indices: np.ndarray, bits: np.ndarray) -> None:

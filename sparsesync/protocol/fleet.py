@@ -89,7 +89,7 @@ def read_fleet(store: Store, *, now: float | None = None, max_age_s: float | Non
     overrides each record's own expiry."""
     listing = store.list(FLEET)
     skipped: list[tuple[str, str]] = []
-    keys = []
+    keys: list[str] = []
     for obj in listing:
         if parse_heartbeat_key(obj.key) is None:
             skipped.append((obj.key, "not a heartbeat name (fleet/<replica-id>.json)"))

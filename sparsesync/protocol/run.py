@@ -31,8 +31,8 @@ from sparsesync.errors import (
     VersionNotFoundError,
 )
 from sparsesync.protocol.keys import COMMITS, Abandoned, abandoned_by_rewinds, valid_commits
-from sparsesync.protocol.parts_reader import apply_parts
-from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
+from sparsesync.protocol.parts_reader import Prefetcher, apply_parts
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef
 from sparsesync.store import Store, open_store
 
 State = dict[str, torch.Tensor]
@@ -217,7 +217,7 @@ class Run:
         return steps
 
     # -- objects ----------------------------------------------------------------------
-    def fetch(self, ref: ObjectRef) -> bytes:
+    def fetch(self, ref: ObjectRef | FileRef) -> bytes:
         """The object's bytes, checked against the size and digest its commit recorded (reading
         at most one byte more than the recorded size)."""
         data = read_at_most(self.store, ref.key, ref.size)
@@ -301,7 +301,7 @@ class Run:
         digests.update(after)
         return updates
 
-    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None, *,  # type: ignore[no-untyped-def]
+    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched: Prefetcher | None = None, *,
                     written: Written | None = None) -> dict[str, SparseUpdate]:
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
         updating `digests`. All or nothing, one file (`apply_loaded`) or parts

@@ -13,23 +13,26 @@ a hostile folder can neither hang a reader nor feed it endless bytes.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from sparsesync.errors import ObjectNotFoundError, StoreAuthError, StoreError
 from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
 
+T = TypeVar("T")
+
 _TMP = ".sparsesync-tmp-"
 _CHUNK = 1 << 20
 
 
-def _copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
+def _copy_stream(src: io.BufferedIOBase, dst: BinaryIO) -> None:
     """Copy `src` to `dst` through one reused buffer of `_CHUNK` bytes (memory bounded by that,
     not by the object: a model-sized anchor costs 1 MiB, not two blocks of 8)."""
     buf = bytearray(_CHUNK)
@@ -59,7 +62,7 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key, self.url)
 
-    def _run(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
+    def _run(self, what: str, url: str, fn: Callable[[], T]) -> T:
         try:
             return retry.call(fn, what=what, url=url, transient=retry.is_transient_os_error)
         except FileNotFoundError as e:
@@ -173,7 +176,7 @@ class LocalStore(Store):
             folder = folder.parent
 
     # -- reads --------------------------------------------------------------------------
-    def _open(self, key: str):  # type: ignore[no-untyped-def]
+    def _open(self, key: str) -> io.BufferedReader:
         """The object's file opened for reading, refusing anything but a regular file.
 
         Non-blocking open, so a FIFO cannot hang us; the type is checked on the open descriptor

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from sparsesync.errors import ConfigError, ObjectNotFoundError, StoreAuthError, StoreError
 from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
+
+T = TypeVar("T")
 
 _AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AuthorizationHeaderMalformed",
@@ -111,7 +113,7 @@ class S3Store(Store):
         creds = self._session.get_credentials()
         return (creds.secret_key, creds.token) if creds else ()
 
-    def _call(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
+    def _call(self, what: str, url: str, fn: Callable[[], T]) -> T:
         try:
             return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
         except StoreError:
@@ -367,7 +369,7 @@ def _is_transient(e: BaseException) -> bool:
     return retry.is_transient_os_error(e)
 
 
-def _unwrap_transfer(fn):  # type: ignore[no-untyped-def]
+def _unwrap_transfer(fn: Callable[[], T]) -> T:
     """boto3's managed transfers wrap the real error; re-raise the cause so it is classified."""
     from boto3.exceptions import S3UploadFailedError
 
@@ -377,7 +379,7 @@ def _unwrap_transfer(fn):  # type: ignore[no-untyped-def]
         raise (e.__cause__ or e.__context__ or e) from e
 
 
-def _parallel(jobs: list) -> None:  # type: ignore[type-arg]
+def _parallel(jobs: list[Callable[[], object]]) -> None:
     """Run jobs on a small thread pool; wait for all, then raise the first failure."""
     if len(jobs) <= 1:
         for job in jobs:
@@ -385,6 +387,6 @@ def _parallel(jobs: list) -> None:  # type: ignore[type-arg]
         return
     with ThreadPoolExecutor(max_workers=min(_WORKERS, len(jobs))) as pool:
         futures = [pool.submit(job) for job in jobs]
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:
         raise errors[0]

@@ -146,12 +146,15 @@ def sharding(model: torch.nn.Module | None = None) -> str | None:
     if model is not None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        wrappers: tuple[type, ...] = (FullyShardedDataParallel,)
         try:
             from torch.distributed.fsdp import FSDPModule
+
+            wrappers += (FSDPModule,)
         except ImportError:  # torch < 2.6
-            FSDPModule = FullyShardedDataParallel  # noqa: N806
+            pass
         for m in model.modules():
-            if isinstance(m, FullyShardedDataParallel | FSDPModule):
+            if isinstance(m, wrappers):
                 return f"the model is wrapped by {type(m).__name__}"
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             return "the model's parameters are partitioned by DeepSpeed ZeRO-3"

@@ -111,10 +111,10 @@ def resume_info(run: Run, version: int | None) -> dict[str, Any] | SparsesyncErr
     except SparsesyncError as e:
         return e
     abandoned = [c for c in commits if c.version > n]
-    reuse = target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units)
+    reuse = target if target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units) else None
     info["rewind"] = {
-        "anchor": list(target.anchor) if reuse else None, "anchor_bytes": sum(o.size for o in target.anchor) if reuse else 0,
-        "state_digest": target.state_digest if reuse else None, "version": n, "rewind_from": newest.version,
+        "anchor": list(reuse.anchor) if reuse else None, "anchor_bytes": sum(o.size for o in reuse.anchor) if reuse else 0,
+        "state_digest": reuse.state_digest if reuse else None, "version": n, "rewind_from": newest.version,
         "rewind_from_epoch": max(c.epoch for c in abandoned), "abandoned": [c.version for c in abandoned]}
     return info
 

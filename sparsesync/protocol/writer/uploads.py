@@ -269,7 +269,8 @@ class UploadQueue:
     # -- the uploader's side ------------------------------------------------------------------
     def parts_of(self, item: PendingVersion, put: Callable[[EncodedPart], PartRef]) -> list[PartRef] | None:
         """`put` each part of `item` as it is encoded; their references, or None when encoding failed half-way."""
-        refs, i = [], 0
+        refs: list[PartRef] = []
+        i = 0
         assert item.parts is not None
         while True:
             with self._cv:

@@ -32,7 +32,7 @@ from sparsesync.checkpoint import checkpoint_state
 from sparsesync.codec import Snapshot, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
-from sparsesync.protocol.records import AdapterMeta, CommitRecord
+from sparsesync.protocol.records import AdapterMeta, CommitRecord, PartRef
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
@@ -151,7 +151,7 @@ class WholeState:
         """Uploader thread: store `item`'s objects, then its commit record (fenced, confirmed
         visible); the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
         t0 = time.perf_counter()
-        refs = []
+        refs: list[PartRef] | None = []
         if item.parts is not None:
             base = item.base_version
             assert base is not None
