@@ -47,9 +47,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sparsesync.errors import ConfigError, RewindRefusedError
+
+if TYPE_CHECKING:
+    from sparsesync.codec.patch import Effort
 
 __all__ = ["PullResult", "PushResult", "RewindPlan", "checkpoint_step", "pull", "push"]
 
@@ -177,7 +180,8 @@ def push(
 
     source = Path(source)
     say = progress or (lambda _description: None)
-    PublisherConfig(effort=effort).validate()  # before anything is read or written
+    checked = PublisherConfig(effort=cast("Effort", effort))  # a user's string: checked on the next line
+    checked.validate()  # before anything is read or written
     step_from, ignored = step_source, None
     if step is None:
         found, ignored = _step_of(source)
@@ -215,7 +219,7 @@ def push(
                 f"refusing to rewind: {planned.describe()}", newest=newest.version, version=step, abandoned=abandoning,
                 hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
                      "to publish the checkpoint as a new version")
-    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
+    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=checked.effort, extra_files=extra)
     try:
         if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
             say(f"rewinding to version {step}")

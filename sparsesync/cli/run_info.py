@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,7 +47,7 @@ def log(
     run = Run(url)
     commits = run.commits()
     _warn_rejected(run.rejected)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in commits:
         m = c.metrics
         rows.append({
@@ -116,7 +117,7 @@ def inspect(
             fail(f"version {version} of {run.url} is an anchor alone: it has no delta to inspect",
                  f"`sparsesync log {target}` lists the versions with a delta")
         for ref in refs:  # a version in parts: one header per part
-            _show_header(fetch_header(lambda start, length, key=ref.key: run.store.get_range(key, start, length)), as_json)
+            _show_header(fetch_header(functools.partial(run.store.get_range, ref.key)), as_json)
         return
     if Path(target).exists():
         if not Path(target).is_file():  # a FIFO or a device would hang or never end

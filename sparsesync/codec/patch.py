@@ -42,9 +42,10 @@ Effort = Literal["size", "speed"]
 
 def check_effort(effort: str) -> Effort:
     """`effort` if it is one of `Effort`'s values, else ValueError naming them."""
-    if effort not in get_args(Effort):
-        raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
-    return effort  # type: ignore[return-value]
+    for value in get_args(Effort):
+        if effort == value:
+            return value
+    raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
 
 
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors

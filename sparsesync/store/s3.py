@@ -14,6 +14,7 @@ only when required, which keeps third-party S3 servers that reject CRC trailers 
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable, Sequence
@@ -198,7 +199,7 @@ class S3Store(Store):
     def put_many(self, items: Sequence[tuple[str, bytes | Path]]) -> None:
         for key, _ in items:
             check_key(key, self.url)
-        _parallel([lambda k=k, d=d: self.put(k, d) for k, d in items])
+        _parallel([functools.partial(self.put, k, d) for k, d in items])
 
     def put_new(self, key: str, data: bytes) -> bool:
         if not self.has_create_only:
@@ -307,7 +308,7 @@ class S3Store(Store):
     def get_many(self, items: Sequence[tuple[str, Path]]) -> None:
         for key, _ in items:
             check_key(key, self.url)
-        _parallel([lambda k=k, d=d: self.get_file(k, d) for k, d in items])
+        _parallel([functools.partial(self.get_file, k, d) for k, d in items])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, self.url)

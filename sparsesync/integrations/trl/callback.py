@@ -119,12 +119,12 @@ def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, 
         return adapter
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
     if peft:
-        model.merge_adapter()  # type: ignore[operator]
+        model.merge_adapter()  # type: ignore[operator]  # a PEFT model's method (checked above), not nn.Module's
     try:
         return inference_state(model.state_dict().items(), dtype)
     finally:
         if peft:
-            model.unmerge_adapter()  # type: ignore[operator]
+            model.unmerge_adapter()  # type: ignore[operator]  # (the same)
 
 
 def sharding(model: torch.nn.Module | None = None) -> str | None:

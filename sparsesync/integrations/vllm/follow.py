@@ -194,7 +194,7 @@ class ServerHook(ApplyHook):
                                     hint=dtype_hint(tensors, {k: v.dtype for k, v in self.state.items()}, "vLLM server")
                                     or "the run was published from another model; start the server with that model")
 
-    def _apply(self, version: int, write: Callable[[], None]) -> None:
+    def _apply(self, version: int, write: Callable[[], object]) -> None:
         with self._lock:
             t0 = time.perf_counter()
             self.control.pause(self.pause_mode)

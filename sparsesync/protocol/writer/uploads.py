@@ -219,7 +219,7 @@ class UploadQueue:
 
         def on_part(part: EncodedPart) -> None:
             with self._cv:
-                item.parts.append(part)  # type: ignore[union-attr]
+                item.parts.append(part)  # type: ignore[union-attr]  # a parted item (on_part is passed only then)
                 self._cv.notify_all()
 
         try:

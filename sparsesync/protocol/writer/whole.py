@@ -151,13 +151,14 @@ class WholeState:
         """Uploader thread: store `item`'s objects, then its commit record (fenced, confirmed
         visible); the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
         t0 = time.perf_counter()
-        refs: list[PartRef] | None = []
+        refs: list[PartRef] = []
         if item.parts is not None:
             base = item.base_version
             assert base is not None
-            refs = self.queue.parts_of(item, lambda part: self.commits.put_part(base, item.version, item.uid, part))
-            if refs is None:
+            got = self.queue.parts_of(item, lambda part: self.commits.put_part(base, item.version, item.uid, part))
+            if got is None:
                 return None  # encoding failed half-way (publish() raised it): nothing to commit
+            refs = got
         rec = CommitRecord(
             version=item.version, epoch=self.commits.epoch, writer=self.commits.writer, state_digest=item.state_digest,
             created_at=time.time(), base_version=item.base_version, base_state_digest=item.base_state_digest,
