@@ -325,10 +325,10 @@ def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = N
             client.bind(self)
         self.add_callback(_FinalSync(self))
 
-    generation.VLLMClient = _client  # type: ignore[assignment,misc]  # swapped in for this block: TRL builds its client here
-    GRPOTrainer.__init__ = _init  # type: ignore[method-assign]  # wrapped for this block, restored below
+    generation.VLLMClient = _client
+    GRPOTrainer.__init__ = _init
     try:
         yield
     finally:
-        generation.VLLMClient = original  # type: ignore[misc]  # TRL's own class, put back
-        GRPOTrainer.__init__ = original_init  # type: ignore[method-assign]  # (the same)
+        generation.VLLMClient = original
+        GRPOTrainer.__init__ = original_init
