@@ -41,7 +41,7 @@ objects stored for the next version and fetches and decodes them before its comm
 check pass).
 
 The parts: `mirror_steps` (what the mirror holds and how a version gets into it), `engine_steps`
-(how a verified version reaches the engine, and its recovery), `polling` (the background loop);
+(how a verified version reaches the engine, and its recovery), `polling` (how long the background loop waits);
 this module plans each sync and keeps the status.
 """
 
@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-from sparsesync.errors import MirrorMismatchError, SparsesyncError, StoreError
+from sparsesync.errors import MirrorMismatchError, RunKindError, SparsesyncError, StoreError
 from sparsesync.protocol import lineage
 from sparsesync.protocol.follower.backoff import Backoff
 from sparsesync.protocol.follower.engine_steps import EngineSteps
@@ -60,7 +60,7 @@ from sparsesync.protocol.follower.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.follower.hooks import ApplyHook, FollowerStatus, NoHook
 from sparsesync.protocol.follower.mirror import release_freed_memory
 from sparsesync.protocol.follower.mirror_steps import BAD_OBJECT, HeldMirror
-from sparsesync.protocol.follower.polling import follow
+from sparsesync.protocol.follower.polling import next_wait, streaming
 from sparsesync.protocol.follower.refusals import Refusals
 from sparsesync.protocol.parts_reader import Prefetcher
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
@@ -228,7 +228,7 @@ class Follower:
         if self._thread is not None:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=lambda: follow(self), name="sparsesync-follow", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="sparsesync-follow", daemon=True)
         self._thread.start()
         if self.fleet is not None:
             self.fleet.start()
@@ -261,6 +261,24 @@ class Follower:
                 self._changed.wait(timeout=left)
 
     # -- internals --------------------------------------------------------------------
+    def _loop(self) -> None:
+        """`start`'s thread: sync, then wait as `polling` says, until `stop()`; nothing else stops it
+        (a refused commit or a bug is recorded in `status()`)."""
+        interval = self.poll_interval
+        while not self._stop.is_set():
+            before = self.current_version
+            try:
+                self.sync_once(backoff=True)
+            except RunKindError as e:  # a refused commit (check_follow): logged once, by the refusals
+                self._degrade(e)
+            except Exception as e:  # noqa: BLE001 - a bug must not stop the replica from serving
+                log.exception("follower of %s hit an unexpected error", self.store.url)
+                self._degrade(e)
+            moved = self.current_version != before or streaming(self._parts_seen_at)
+            interval, wait = next_wait(interval, moved=moved, poll_interval=self.poll_interval,
+                                       max_poll_interval=self.max_poll_interval, retry_at=self._backoff.retry_at)
+            self.store.wait_for_change(wait, self._stop)
+
     def _execute(self, steps: list[Step]) -> None:
         """Each step into the mirror, then into the engine. The engine gets a patch only when it
         held the mirror's previous version; otherwise (`EngineSteps.behind`) the whole mirror."""
