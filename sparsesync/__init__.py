@@ -12,7 +12,9 @@ The front door:
     store = sparsesync.open_store(url)                    # the bucket itself
 
 with the types those calls take and return (`FleetOptions`, `ApplyHook`, `FollowerStatus`,
-`AdapterMeta`, `SparseUpdate`, `PushResult`, `PullResult`, `Store`), and every error the library
+`AdapterMeta`, `SparseUpdate`, `PushResult`, `PullResult`, `Store`; `AdapterMeta` is what every
+commit of a LoRA adapter run says about its adapter: pass it as `Publisher(url, adapter=...)` to
+publish an adapter state dict), and every error the library
 raises on purpose (`sparsesync.SparsesyncError` and its subclasses, from `sparsesync.errors`).
 The names load on first use (PEP 562, `sparsesync._lazy`), so `import sparsesync` (and
 `sparsesync --help`) imports neither torch nor any store client. `_HOMES` says where each name
@@ -20,8 +22,9 @@ lives; the `TYPE_CHECKING` imports and `__all__` list the same names (tests/test
 
 The packages underneath, low to high (each imports only its own layer or lower; `pyproject.toml`
 `[tool.importlinter]` checks it): `errors`, `codec` (change detection and the patch codec),
-`store` (object stores), `protocol` (the run layout, publisher and follower; with `checkpoint`,
-`adapter`, `adapter_config`), `transfer` (push/pull), `integrations` (vLLM, TRL), the apps
+`store` (object stores), `checkpoint` (checkpoint folders), `lora` (LoRA adapters: the PEFT
+bridge, the config bounds, `AdapterMeta`), `protocol` (the run layout, publisher and follower),
+`transfer` (push/pull), `integrations` (vLLM, TRL), the apps
 (`sparsesync.deploy`; `trainer`, `inference_space`, `env_space` beside this package) and the
 `sparsesync` CLI (`sparsesync.cli`).
 """
@@ -65,10 +68,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         VersionNotFoundError,
         WeightUpdateError,
     )
+    from sparsesync.lora.meta import AdapterMeta
     from sparsesync.protocol.follower.fleet_member import FleetOptions
     from sparsesync.protocol.follower.follower import Follower
     from sparsesync.protocol.follower.hooks import ApplyHook, FollowerStatus
-    from sparsesync.protocol.records import AdapterMeta
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import Store, open_store
     from sparsesync.transfer import PullResult, PushResult, pull, push
@@ -90,7 +93,7 @@ _HOMES: dict[str, str] = {
     "FleetOptions": "sparsesync.protocol.follower.fleet_member",
     "ApplyHook": "sparsesync.protocol.follower.hooks",
     "FollowerStatus": "sparsesync.protocol.follower.hooks",
-    "AdapterMeta": "sparsesync.protocol.records",
+    "AdapterMeta": "sparsesync.lora.meta",
     "SparseUpdate": "sparsesync.codec.apply",
     "PushResult": "sparsesync.transfer",
     "PullResult": "sparsesync.transfer",
