@@ -97,7 +97,7 @@ def compress(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(raw)
 
 
-def table_bytes(rows: list[Row]) -> bytes:
+def table_bytes(rows: list[Row]) -> bytes:  # noqa: C901 - writes the records field by field in their format's order (docs/format.md): one loop per column
     """The records of `rows`, not compressed (format 4's group section embeds them)."""
     out = bytearray()
     _varint(out, len(rows))
@@ -250,7 +250,7 @@ def parse_table(data: bytes) -> list[Row]:
     return rows
 
 
-def read_rows(rd: Reader) -> list[Row]:
+def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bounds-checks the records field by field in their format's order (docs/format.md); split, that order would be spread over functions
     """The records at `rd`'s position (a record count, then the columns); `rd` is left after them."""
     data = rd.data
     t = rd.varint("record count")

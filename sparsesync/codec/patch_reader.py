@@ -50,7 +50,7 @@ def _int_field(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
+def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # noqa: C901 - one check per field of a header entry, in docs/format.md's order
     where = f"tensor '{name}'"
     if not isinstance(raw, dict):
         raise _fmt(f"{where}: entry is {type(raw).__name__}, expected an object")

@@ -37,17 +37,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 from sparsesync.errors import ConfigError, ObjectNotFoundError, StoreAuthError, StoreError
 from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +119,8 @@ class HfBucketStore(Store):
             f"{self.endpoint}/api/buckets/{self.bucket_id}", timeout=_PROBE_TIMEOUT_S, follow_redirects=False),
             what=what, url=url, hint=fix, timeouts=(httpx2.TimeoutException,))
 
-    def _call(self, what: str, url: str, fn: Callable[[], T]) -> T:
-        try:
-            self._first_contact(what, url)
-            return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
-        except StoreError:
-            raise
-        except Exception as e:
-            raise self._translate(e, what, url) from e
+    def _transient(self, e: BaseException) -> bool:
+        return _is_transient(e)
 
     def _translate(self, e: Exception, what: str, url: str) -> StoreError:
         from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError, HfHubHTTPError

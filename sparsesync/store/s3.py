@@ -28,8 +28,6 @@ from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
 from sparsesync.store.base import ObjectInfo, Store
 
-T = TypeVar("T")
-
 _AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "AuthorizationHeaderMalformed",
                          "InvalidClientTokenId", "UnrecognizedClientException", "Forbidden", "Unauthorized"})
@@ -114,13 +112,8 @@ class S3Store(Store):
         creds = self._session.get_credentials()
         return (creds.secret_key, creds.token) if creds else ()
 
-    def _call(self, what: str, url: str, fn: Callable[[], T]) -> T:
-        try:
-            return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
-        except StoreError:
-            raise
-        except Exception as e:
-            raise self._translate(e, what, url) from e
+    def _transient(self, e: BaseException) -> bool:
+        return _is_transient(e)
 
     def _translate(self, e: Exception, what: str, url: str) -> StoreError:
         from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
@@ -368,6 +361,9 @@ def _is_transient(e: BaseException) -> bool:
                       ConnectionError, ResponseStreamingError, IncompleteReadError, Urllib3Error)):
         return True
     return retry.is_transient_os_error(e)
+
+
+T = TypeVar("T")
 
 
 def _unwrap_transfer(fn: Callable[[], T]) -> T:
