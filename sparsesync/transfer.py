@@ -33,7 +33,8 @@ it; the newer versions are abandoned either way. So a stray re-push of an old ch
 roll a fleet back, a rewind happens only when asked for (`rewind=True`, or a `rewind` callable
 that approves the `RewindPlan`, naming the versions it abandons, before anything is written);
 else RewindRefusedError, and nothing is written. A step the newest version already holds with
-these weights pushes nothing (`PushResult.held`).
+these weights pushes nothing (`PushResult.held`). That planning is the library's one function
+for it, `protocol.writer.rewind.plan_push`; this module only carries it out.
 
 Both import torch only when called. Errors are `sparsesync.errors` classes (`ConfigError`,
 `OutputError`, store and protocol errors), each naming the object and carrying a `hint`.
@@ -47,11 +48,21 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sparsesync.errors import ConfigError, RewindRefusedError
+if TYPE_CHECKING:
+    from sparsesync.protocol.writer.rewind import RewindPlan
 
 __all__ = ["PullResult", "PushResult", "RewindPlan", "checkpoint_step", "pull", "push"]
+
+
+def __getattr__(name: str) -> Any:
+    """`RewindPlan` (`protocol.writer.rewind`), loaded when first named: this module imports no torch until called."""
+    if name == "RewindPlan":
+        from sparsesync.protocol.writer.rewind import RewindPlan
+
+        return RewindPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 Progress = Callable[[str], None]
 """Called with a short description of each phase ("diff + encode", "writing DEST", ...)."""
@@ -76,38 +87,6 @@ class PushResult:
     abandoned: list[int] | None = None
     """A push at or below the newest version (a rewind): the versions of the older attempt it
     abandoned, each once, ascending (None for any other push)."""
-
-
-@dataclass(frozen=True)
-class RewindPlan:
-    """A rewind `push` is about to do, before anything is written (what `rewind` approves)."""
-
-    url: str
-    """The run's URL."""
-    newest: int
-    """The run's newest version."""
-    version: int
-    """The version the checkpoint becomes."""
-    step_from: str
-    """Where `version` came from."""
-    abandoned: list[int]
-    """The versions the rewind abandons, each once, ascending."""
-
-    def describe(self) -> str:
-        """One line: what the rewind does."""
-        return (f"version {self.version} (from {self.step_from}) is not above version {self.newest}, the newest of "
-                f"{self.url}: pushing it rewinds the run and abandons {_versions_text(self.abandoned)}")
-
-
-def _versions_text(versions: list[int]) -> str:
-    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or 'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
-    if len(versions) == 1:
-        return f"version {versions[0]}"
-    if len(versions) <= 8:
-        return "versions " + ", ".join(map(str, versions))
-    if versions == list(range(versions[0], versions[-1] + 1)):
-        return f"versions {versions[0]}..{versions[-1]} ({len(versions)} versions)"
-    return f"versions {', '.join(map(str, versions[:3]))} ... {', '.join(map(str, versions[-2:]))} ({len(versions)} versions)"
 
 
 @dataclass(frozen=True)
@@ -173,6 +152,7 @@ def push(
     from sparsesync.protocol.run import Run
     from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.protocol.writer.publisher import Publisher
+    from sparsesync.protocol.writer.rewind import plan_push, pushed_abandoned
     from sparsesync.store import open_store
 
     source = Path(source)
@@ -204,29 +184,21 @@ def push(
         meta, state = adapter_runs.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
                                                    newest, store.url)
     adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
-    below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
-    plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
-    if plan == "held":
+    plan = plan_push(run, newest, state, step, step_from=step_from, step_source=step_source, rewind=rewind,
+                     rewind_source=rewind_source)  # docs/protocol.md, "Rewinds": nothing written yet
+    if plan.how == "held":
         return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
-    if below_newest and newest is not None:  # a rewind: only when asked for, named before anything is written
-        planned = RewindPlan(url=store.url, newest=newest.version, version=step, step_from=step_from, abandoned=abandoning)
-        if not (rewind(planned) if callable(rewind) else rewind is True):
-            raise RewindRefusedError(
-                f"refusing to rewind: {planned.describe()}", newest=newest.version, version=step, abandoned=abandoning,
-                hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
-                     "to publish the checkpoint as a new version")
     pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
     try:
-        if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
+        if plan.how == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
             say(f"rewinding to version {step}")
             pub.resume(state, version=step)
             version = step
         else:
-            base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
-            if base_version is not None:
-                _rec, base, _digests = run.reconstruct(base_version)
-                if below_newest:  # continue below the newest: the commit of `step` abandons the newer versions
-                    pub.continue_below(base, base_version)
+            if plan.base is not None:
+                _rec, base, _digests = run.reconstruct(plan.base)
+                if plan.how == "below":  # continue below the newest: the commit of `step` abandons the newer versions
+                    pub.continue_below(base, plan.base)
                 else:
                     pub.resume(base)
                 del base
@@ -236,37 +208,10 @@ def push(
             pub.flush()
     finally:
         pub.close()
-    abandoned = None
-    if below_newest and pub.metrics[-1].get("kind") == "rewind":
-        abandoned = sorted(set(pub.metrics[-1]["abandoned"]))
-    elif below_newest:  # a delta below the newest: every older commit from `step` on is abandoned
-        abandoned = sorted({v for a in Run(store).abandoned()
-                            if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions})
+    abandoned = pushed_abandoned(Run(store), plan, pub.epoch, pub.metrics[-1])
     files = [f.name for f in Run(store).commit(version).files]
     return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,
                       abandoned=abandoned)
-
-
-def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: str, url: str) -> tuple[str | int, list[int]]:
-    """How `push` publishes version `step` at or below the run's newest (docs/protocol.md,
-    "Rewinds"): "held" (the newest already is these weights), "rewind" (these weights are the
-    run's version `step`: the run is rewound to it), or the newest version below `step` to
-    continue from (the checkpoint then becomes version `step`, abandoning the newer versions);
-    with the versions it abandons (each once, ascending)."""
-    from sparsesync.checkpoint import checkpoint_digest
-
-    commits = run.commits()
-    same = next((c for c in commits if c.version == step), None)
-    if same is not None and same.state_digest == checkpoint_digest(state):
-        if same is commits[-1]:
-            return "held", []
-        return "rewind", sorted({c.version for c in commits if c.version > step})
-    below = [c.version for c in commits if c.version < step]
-    if not below:
-        raise ConfigError(f"version {step} (from {step_from}) is not newer than version {commits[-1].version}, the newest "
-                          f"of {url}, and the run has no version below it to continue from",
-                          hint=f"pass {step_source} N with a larger N, or push to a new run URL")
-    return below[-1], sorted({c.version for c in commits if c.version >= step})
 
 
 _STEP_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")
