@@ -40,7 +40,8 @@ import torch
 from sparsesync.checkpoint import checkpoint_digest
 from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
-from sparsesync.protocol.adapter_runs import adapter_state, check_publish
+from sparsesync.lora.state import adapter_state
+from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.extras import collect_files
 from sparsesync.protocol.keys import MAX_VERSION, check_version
 from sparsesync.protocol.records import AdapterMeta
@@ -75,7 +76,7 @@ class Publisher:
             `hf://buckets/<namespace>/<bucket>/<prefix>` (created when missing), or an open store.
         adapter (`AdapterMeta`, *optional*):
             Publish a LoRA adapter run of this base and config (a `peft.PeftModel` passed to
-            `publish` brings its own; see `sparsesync.adapter`).
+            `publish` brings its own; see `sparsesync.lora.bridge`).
         extra_files (`str`, `Path` or `Mapping[str, bytes]`, *optional*):
             The checkpoint's non-weight files every commit carries: a `save_pretrained` folder (of
             which only config, generation config and tokenizer files are taken) or `{name: bytes}`;
