@@ -64,4 +64,5 @@ def rewind_line(a: Abandoned) -> str:
     """What a rewind abandoned, in one line (docs/protocol.md, "Rewinds")."""
     vs = a.versions
     span = f"version {vs[0]}" if len(vs) == 1 else f"versions {vs[0]}..{vs[-1]}"
-    return f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} are no longer trusted"
+    return (f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} "
+            "are no longer trusted")

@@ -67,4 +67,5 @@ def test_status_renders_the_library_fleet_report() -> None:
               if isinstance(v, ast.Constant) and isinstance(v.value, str)]
     assert not [(rule, t) for rule in HEALTH_RULES for t in texts if rule in t]
     defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    assert defined <= {"status", "_title", "_table", "_str", "_safe"}, defined - {"status", "_title", "_table", "_str", "_safe"}
+    renderers = {"status", "_title", "_table", "_str", "_safe"}
+    assert defined <= renderers, defined - renderers

@@ -24,7 +24,7 @@ from sparsesync.protocol.records import KINDS, CommitMetrics, Heartbeat
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.publisher import Publisher
 from sparsesync.protocol.writer.rewind import RewindPlan, plan_push, pushed_abandoned
-from sparsesync.store import open_store
+from sparsesync.store import Store, open_store
 from tests.support.weights import make_state, train_step
 
 
@@ -45,7 +45,7 @@ def _run(url: str, states: list[dict[str, torch.Tensor]]) -> int:
         return pub.epoch
 
 
-def _beat(store, replica: str, version: int | None, digest: str | None, *, health: str = "following",  # type: ignore[no-untyped-def]
+def _beat(store: Store, replica: str, version: int | None, digest: str | None, *, health: str = "following",
           written_at: float | None = None, last_error: str | None = None) -> None:
     rec = Heartbeat(replica=replica, written_at=time.time() if written_at is None else written_at, interval_s=30.0,
                     health=health, version=version, state_digest=digest, newest_version=version, lag=0,

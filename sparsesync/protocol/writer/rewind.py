@@ -212,14 +212,16 @@ class RewindPlan:
 
 
 def _versions_text(versions: list[int]) -> str:
-    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or 'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
+    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or
+    'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
     if len(versions) == 1:
         return f"version {versions[0]}"
     if len(versions) <= 8:
         return "versions " + ", ".join(map(str, versions))
     if versions == list(range(versions[0], versions[-1] + 1)):
         return f"versions {versions[0]}..{versions[-1]} ({len(versions)} versions)"
-    return f"versions {', '.join(map(str, versions[:3]))} ... {', '.join(map(str, versions[-2:]))} ({len(versions)} versions)"
+    head, tail = ", ".join(map(str, versions[:3])), ", ".join(map(str, versions[-2:]))
+    return f"versions {head} ... {tail} ({len(versions)} versions)"
 
 
 @dataclass(frozen=True)
@@ -268,10 +270,12 @@ def plan_push(run: Run, newest: CommitRecord | None, state: Mapping[str, Any], v
                               f"the newest of {run.url}, and the run has no version below it to continue from",
                               hint=f"pass {step_source} N with a larger N, or push to a new run URL")
         plan = PushPlan("below", version, below[-1], sorted({c.version for c in commits if c.version >= version}))
-    asked = RewindPlan(url=run.url, newest=newest.version, version=version, step_from=step_from, abandoned=plan.abandoning)
+    asked = RewindPlan(url=run.url, newest=newest.version, version=version, step_from=step_from,
+                       abandoned=plan.abandoning)
     if not (rewind(asked) if callable(rewind) else rewind is True):
         raise RewindRefusedError(
-            f"refusing to rewind: {asked.describe()}", newest=newest.version, version=version, abandoned=plan.abandoning,
+            f"refusing to rewind: {asked.describe()}", newest=newest.version, version=version,
+            abandoned=plan.abandoning,
             hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
                  "to publish the checkpoint as a new version")
     return plan
