@@ -94,7 +94,7 @@ class ShardCommits:
         """One try of `_store_local`."""
         if err := item.metrics.get("_anchor_error"):
             raise SparsesyncError(err)
-        refs: list[PartRef] | None = []
+        refs: list[PartRef] = []
         if item.parts is not None:
             base = item.base_version
             assert base is not None

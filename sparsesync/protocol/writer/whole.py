@@ -38,7 +38,7 @@ from sparsesync.codec import Snapshot, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
 from sparsesync.protocol.adapter_runs import adapter_state, check_publish
-from sparsesync.protocol.records import CommitRecord
+from sparsesync.protocol.records import CommitRecord, PartRef
 from sparsesync.protocol.writer.anchors import AnchorHistory
 from sparsesync.protocol.writer.config import served_dtype
 from sparsesync.protocol.writer.mode import WriterContext, WriterMode
@@ -229,7 +229,7 @@ class WholeState:
         the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
         t0 = time.perf_counter()
         adapter = self.tally.adapter
-        refs = []
+        refs: list[PartRef] = []
         if item.parts is not None:
             base = item.base_version
             assert base is not None
