@@ -16,7 +16,7 @@ import torch
 
 import sparsesync.protocol.writer.publisher as publisher_module
 from sparsesync import Publisher
-from sparsesync.errors import ConfigError
+from sparsesync.errors import ConfigError, PatchMismatchError
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.choice import Passive, Undecided
 from sparsesync.protocol.writer.mode import Tally, WriterMode
@@ -122,3 +122,24 @@ class Publisher:
         return self._mode.publish(state) if self._mode is not None else 0
 '''
     assert len(mode_branches(source)) == 3
+
+
+def test_a_version_whose_encoding_fails_half_way_is_never_committed(tmp_path):
+    """The mode encodes a delta in parts into the queue (`stream.PartStream`): the uploader takes
+    its first parts while the last one fails to encode; nothing of that version is committed and
+    the publisher stops (the snapshot holds it in some parts only)."""
+    url = str(tmp_path / "run")
+    state = {n: torch.zeros(1000, dtype=torch.bfloat16) for n in "abc"}  # one part per tensor
+    pub = Publisher(url, part_bytes=2048, anchor_every=0)
+    pub.publish(state, 0)
+    pub.flush()
+    bad = {n: t + 1 for n, t in state.items()} | {"c": torch.zeros(999, dtype=torch.bfloat16)}  # the last part
+    with pytest.raises(PatchMismatchError, match="tensor 'c': shape") as first:
+        pub.publish(bad, 1)
+    with pytest.raises(PatchMismatchError) as again:
+        pub.flush(timeout=10)  # the uploader stopped waiting for the parts that never came
+    assert again.value is first.value
+    with pytest.raises(PatchMismatchError):
+        pub.publish({n: t + 2 for n, t in state.items()}, 2)
+    pub.close()
+    assert pub.committed_version == 0 and [c.version for c in Run(url).commits()] == [0]
