@@ -44,10 +44,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import adam_direction, make_weights, qwen_like_shapes  # noqa: E402
 
-from sparsesync.adapter import base_digest  # noqa: E402
 from sparsesync.codec import Snapshot, tensor_digests  # noqa: E402
+from sparsesync.lora.bridge import base_digest  # noqa: E402
+from sparsesync.lora.meta import AdapterMeta  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
-from sparsesync.protocol.records import AdapterMeta  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

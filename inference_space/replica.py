@@ -7,7 +7,8 @@ Guarantees:
 - Fetch, verify and decode run on the follower's thread while the engine keeps generating; the
   engine is paused only inside the hook (see `engines.base` for the in-flight policy).
 - When the run is a LoRA adapter run (its newest commit at start says so), the engine serves
-  the run's base model (checked against its digest) plus the adapter (`engines.adapters`).
+  the run's base model (checked against its digest) plus the adapter (the LoRA variant of its
+  engine, `engines.make_engine(..., adapter=...)`).
 - Host memory: the follower's mirror is the replica's only host copy of the weights besides the
   engine's own (the vLLM engine keeps none), in a file map on local disk (`--mirror-dir`,
   `sparsesync.protocol.follower.mirror`); freed memory goes back to the OS after every version.
@@ -134,7 +135,7 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
         }
     else:
         kwargs = {"device": cfg.device}
-    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.adapter)
+    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.lora.bridge)
         from sparsesync.protocol.adapter_runs import read_run_adapter
 
         kwargs["adapter"] = read_run_adapter(cfg.bucket)

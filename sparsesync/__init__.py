@@ -11,14 +11,17 @@ The front door:
     sparsesync.pull(url, "policy/")                       # ... and out, bit-exact
     store = sparsesync.open_store(url)                    # the bucket itself
 
-and every error the library raises on purpose (`sparsesync.SparsesyncError` and its subclasses,
+`sparsesync.AdapterMeta` (what every commit of a LoRA adapter run says about its adapter: pass it
+as `Publisher(url, adapter=...)` to publish an adapter state dict), and every error the library
+raises on purpose (`sparsesync.SparsesyncError` and its subclasses,
 from `sparsesync.errors`). The names load on first use (PEP 562), so `import sparsesync` (and
 `sparsesync --help`) imports neither torch nor any store client.
 
 The packages underneath, low to high (each imports only its own layer or lower; `pyproject.toml`
 `[tool.importlinter]` checks it): `errors`, `codec` (change detection and the patch codec),
-`store` (object stores), `protocol` (the run layout, publisher and follower; with `checkpoint`,
-`adapter`, `adapter_config`), `transfer` (push/pull), `integrations` (vLLM, TRL), the apps
+`store` (object stores), `checkpoint` (checkpoint folders), `lora` (LoRA adapters: the PEFT
+bridge, the config bounds, `AdapterMeta`), `protocol` (the run layout, publisher and follower),
+`transfer` (push/pull), `integrations` (vLLM, TRL), the apps
 (`sparsesync.deploy`; `trainer`, `inference_space`, `env_space` beside this package) and the
 `sparsesync` CLI (`sparsesync.cli`).
 """
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         VersionNotFoundError,
         WeightUpdateError,
     )
+    from sparsesync.lora.meta import AdapterMeta
     from sparsesync.protocol.follower.follower import Follower
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
@@ -82,6 +86,7 @@ _HOMES: dict[str, str] = {
     "push": "sparsesync.transfer",
     "pull": "sparsesync.transfer",
     "open_store": "sparsesync.store",
+    "AdapterMeta": "sparsesync.lora.meta",
     **dict.fromkeys(_ERRORS, "sparsesync.errors"),
 }
 
@@ -92,6 +97,7 @@ __all__ = [
     "push",
     "pull",
     "open_store",
+    "AdapterMeta",
     "SparsesyncError",
     "ConfigError",
     "RunKindError",

@@ -66,7 +66,7 @@ def write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ada
             os.replace(stage / real.name, real)
             return [dest]
         if adapter is not None:
-            from sparsesync.adapter import write_adapter_folder
+            from sparsesync.lora.bridge import write_adapter_folder
 
             files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
         else:

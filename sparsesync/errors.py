@@ -47,7 +47,7 @@ class ConfigError(SparsesyncError):
 
 class RunKindError(ConfigError):
     """An adapter run met a full-weight publisher, follower or engine (or the reverse), or an
-    adapter of another base or configuration (`sparsesync.adapter`)."""
+    adapter of another base or configuration (`sparsesync.lora.bridge`)."""
 
 
 class BaseModelMismatchError(ConfigError):

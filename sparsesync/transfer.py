@@ -18,7 +18,7 @@ other files stay. What is written is the committed version bit for bit (every te
 against its digest while the chain is applied).
 A run mixing adapter and full-weight versions (or two adapters) is refused before anything is
 fetched, and an adapter version's config is checked against its tensors before the folder PEFT
-would load is written (`sparsesync.adapter_config`).
+would load is written (`sparsesync.lora.config`).
 
 `push` reads the checkpoint folder without leaving it: a file that links out of the folder, or
 is not a regular file (a FIFO, a device), is refused with a ConfigError naming it
@@ -166,8 +166,9 @@ def push(
         The version committed, where its number came from, its metrics, the files carried, and
         what a rewind held or abandoned.
     """
-    from sparsesync import adapter as lora
     from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.lora import bridge as lora
+    from sparsesync.lora.state import meta_for_folder
     from sparsesync.protocol import adapter_runs
     from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.run import Run
@@ -201,8 +202,8 @@ def push(
         step_from = f"{step_from}; {ignored}"
     meta = None
     if config is not None:
-        meta, state = adapter_runs.meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
-                                                   newest, store.url)
+        meta, state = meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
+                                      newest.adapter if newest is not None else None, store.url)
     adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
     below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
     plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
@@ -332,8 +333,8 @@ def pull(
     Returns:
         The version written, its state digest, the paths written and the checkpoint files carried.
     """
-    from sparsesync.adapter_config import check_one_kind
     from sparsesync.dest import write_dest
+    from sparsesync.protocol.adapter_runs import check_one_kind
     from sparsesync.protocol.run import Run
 
     dest = Path(dest)

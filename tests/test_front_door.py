@@ -34,6 +34,7 @@ def _assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 def test_front_door_names_are_the_library_objects() -> None:
     from sparsesync import errors, transfer
+    from sparsesync.lora.meta import AdapterMeta
     from sparsesync.protocol.follower.follower import Follower
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
@@ -41,6 +42,7 @@ def test_front_door_names_are_the_library_objects() -> None:
     assert sparsesync.Publisher is Publisher and sparsesync.Follower is Follower
     assert sparsesync.push is transfer.push and sparsesync.pull is transfer.pull
     assert sparsesync.open_store is open_store
+    assert sparsesync.AdapterMeta is AdapterMeta  # defined below the protocol (sparsesync.lora), records re-export it
     library_errors = {name for name, value in vars(errors).items()
                       if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == errors.__name__}
     assert "SparsesyncError" in library_errors and library_errors <= set(sparsesync.__all__)

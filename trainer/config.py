@@ -118,7 +118,7 @@ LORA_ALL_LINEAR = (  # every linear layer of a Qwen3/Llama block
 class LoraSection:
     """`[lora]`: train and publish a LoRA adapter (peft.LoraConfig fields) instead of full weights."""
 
-    enabled: bool = False  # true: the run is an adapter run (sparsesync.adapter); replicas serve base + adapter
+    enabled: bool = False  # true: the run is an adapter run (sparsesync.lora.bridge); replicas serve base + adapter
     r: int = 16  # rank
     lora_alpha: int = 32  # scaling numerator (scale = lora_alpha / r, or / sqrt(r) with use_rslora)
     target_modules: list[str] = field(default_factory=lambda: list(LORA_ALL_LINEAR))  # module names to adapt

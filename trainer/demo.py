@@ -273,7 +273,7 @@ def _outputs_check(urls: list[str], model_dir: Path, state: dict[str, Any], adap
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     if adapter is not None:
-        from sparsesync.adapter import attach_adapter
+        from sparsesync.lora.bridge import attach_adapter
 
         model = attach_adapter(model, adapter, state)
     else:

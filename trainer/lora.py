@@ -1,5 +1,5 @@
 """LoRA training (`[lora] enabled = true`): the policy is the base model plus a PEFT adapter,
-and what the trainer publishes is the adapter (an adapter run, sparsesync.adapter), not the
+and what the trainer publishes is the adapter (an adapter run, sparsesync.lora.bridge), not the
 merged weights.
 
 Guarantee: `lora_policy` is deterministic for a seed (the adapter's init draws from torch's
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from sparsesync.protocol.adapter_runs import meta_from_peft
-from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.meta import AdapterMeta
+from sparsesync.lora.state import meta_from_peft
 from sparsesync.protocol.writer.publisher import Publisher
 from trainer.config import TrainerConfig
 from trainer.policy import load_policy, publish_state, resolve_precision

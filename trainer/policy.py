@@ -51,7 +51,7 @@ def publish_state(model: torch.nn.Module, dtype: torch.dtype, *, cast: bool = Tr
     tensor, which the publisher sends once. `cast=False` (only where `publisher_casts`): the
     model's own tensors, for a `Publisher(dtype=dtype)` that casts them one at a time (no cast
     copy of the whole model; the same bytes)."""
-    from sparsesync.adapter import adapter_tensors, is_peft_model
+    from sparsesync.lora.bridge import adapter_tensors, is_peft_model
 
     if not cast:
         return model.state_dict()  # tied names share one tensor: the publisher keeps it once
@@ -63,7 +63,7 @@ def publisher_casts(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the publisher can cast `model`'s weights to `dtype` itself (`Publisher(dtype=...)`,
     `publish_state(cast=False)`): full weights (not a PEFT adapter) of floating tensors only, on
     the CPU, in another dtype than `dtype` (an fp32 master published as bf16)."""
-    from sparsesync.adapter import is_peft_model
+    from sparsesync.lora.bridge import is_peft_model
 
     if is_peft_model(model):
         return False

@@ -1,9 +1,9 @@
-"""The embedded engine serving base + LoRA adapter (PEFT) for an adapter run (sparsesync.adapter).
+"""The embedded engine serving base + LoRA adapter (PEFT) for an adapter run (sparsesync.lora.bridge).
 
 Guarantees (on top of `embedded.EmbeddedEngine`'s):
 - The base weights loaded from `model_dir` are checked once, at start, against the run's base
   digest (`BaseModelMismatchError` on a mismatch); they are never written afterwards.
-- The adapter config is bounded before PEFT allocates anything (`sparsesync.adapter.adapter_layout`:
+- The adapter config is bounded before PEFT allocates anything (`sparsesync.lora.bridge.adapter_layout`:
   numbers and regexes in bounds, the adapter no larger than the base): ConfigError otherwise.
 - The engine's weights are the adapter's tensors under their PEFT names (what
   `adapter_model.safetensors` holds), each mapped onto the live LoRA parameter of the model's
@@ -21,9 +21,9 @@ from typing import Any
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.embedded import EmbeddedEngine, _LiveMap
-from sparsesync.adapter import adapter_layout, adapter_tensors, attach_adapter, check_base
 from sparsesync.errors import EngineError
-from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.bridge import adapter_layout, adapter_tensors, attach_adapter, check_base
+from sparsesync.lora.meta import AdapterMeta
 
 
 class EmbeddedAdapterEngine(EmbeddedEngine):

@@ -1,8 +1,8 @@
-"""The vLLM engine serving base + LoRA adapter for an adapter run (sparsesync.adapter).
+"""The vLLM engine serving base + LoRA adapter for an adapter run (sparsesync.lora.bridge).
 
 vLLM is started with LoRA enabled on the base model folder; the base's weights are checked
 once, at start, against the run's base digest (`BaseModelMismatchError`) and never written; the
-adapter config is bounded before vLLM starts (`sparsesync.adapter.adapter_layout`).
+adapter config is bounded before vLLM starts (`sparsesync.lora.bridge.adapter_layout`).
 Each adapter version goes into a new adapter slot: the verified adapter is written as a PEFT
 folder, registered with vLLM under a fresh integer id (`LoRARequest`), and every request from
 then on names that slot; the previous slot is removed once its requests have finished. Under
@@ -31,11 +31,11 @@ import torch
 
 from inference_space.engines.base import TensorSpec
 from inference_space.engines.vllm_engine import VllmEngine
-from sparsesync.adapter import adapter_layout, check_base, write_adapter_folder
 from sparsesync.checkpoint import load_checkpoint
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
-from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.bridge import adapter_layout, check_base, write_adapter_folder
+from sparsesync.lora.meta import AdapterMeta
 
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 

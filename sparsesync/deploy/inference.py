@@ -73,7 +73,7 @@ def requirements(engine: str) -> str:
         lines += ["--extra-index-url https://download.pytorch.org/whl/cpu", pin("torch", "2.13")]
     lines += core
     lines += [pin("transformers", "5.16.1"), pin("fastapi", "0.115"), pin("uvicorn", "0.30"), pin("pydantic", "2.7")]
-    lines.append(pin("peft", "0.21"))  # replicas of LoRA adapter runs serve base + adapter (sparsesync.adapter)
+    lines.append(pin("peft", "0.21"))  # replicas of LoRA adapter runs serve base + adapter (sparsesync.lora.bridge)
     lines.append("setuptools>=77")  # compiles the codec's C passes in the image (sparsesync/codec/_build.py)
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,10 @@ read a run through the modules at this level.
 - The shared read model: keys (every object key), records/ (every JSON record, typed), run
   (reading a run's versions: the newest trusted commit, chains, anchors), parts_reader
   (fetching and applying a version's parts), extras (non-weight files), lineage (versions
-  across rewinds), fleet (the fleet's records and health), adapter_runs (what a commit's
-  `adapter` field means), gc, verify.
+  across rewinds), fleet (the fleet's records and health), adapter_runs (a commit's `adapter`
+  field checked against the run's other commits), gc, verify.
+
+Below the protocol, `sparsesync.lora` holds what an adapter is without a run (the PEFT bridge,
+the config bounds, `AdapterMeta`, the adapter state a publisher publishes): the protocol calls
+down into it, never the reverse.
 """

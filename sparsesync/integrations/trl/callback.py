@@ -25,7 +25,7 @@ the checkpoint's own key set (base-checkpoint names: DDP's `module.` stripped; a
 parameters TRL's stream leaves out taken from the model, then from the previous version), so
 a follower reconstructs it bit for bit and both engines load it. A PEFT model (a
 `GRPOTrainer` with a `peft_config`) publishes its adapter instead, as an adapter run
-(`sparsesync.adapter`: PEFT names, the base's digest in every commit); `pause` and
+(`sparsesync.lora.bridge`: PEFT names, the base's digest in every commit); `pause` and
 `resume` never block on replicas (with sparsesync a replica pauses only for its own local
 apply); publication never waits for the network except in `destroy` / `on_train_end`, which
 flush the last versions (`flush_timeout_s`), and, with `fleet_min_replicas` = n on
@@ -108,9 +108,9 @@ def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
 
 def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast: bool = True) -> dict[str, torch.Tensor]:
     """The inference weights of `model`, see `inference_state`; a PEFT model (GRPOTrainer with a
-    `peft_config`): its adapter, making the run an adapter run (sparsesync.adapter). `cast=False`:
+    `peft_config`): its adapter, making the run an adapter run (sparsesync.lora.bridge). `cast=False`:
     full weights all floating on CPU come uncast, for `Publisher(dtype=dtype)` to cast one at a time."""
-    from sparsesync.protocol.adapter_runs import peft_publish_state
+    from sparsesync.lora.state import peft_publish_state
 
     sd = model.state_dict() if not cast and not hasattr(model, "peft_config") else {}
     if sd and all(t.is_floating_point() and t.device.type == "cpu" for t in sd.values()):

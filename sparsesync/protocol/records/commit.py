@@ -19,10 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
-from sparsesync.adapter_config import check_config
 from sparsesync.errors import MalformedCommitError
+from sparsesync.lora.config import check_config
+from sparsesync.lora.meta import ADAPTER_DTYPES, AdapterMeta
 from sparsesync.protocol import keys
 from sparsesync.protocol.records.fields import Fields, check_list, load_object, show
 
@@ -42,7 +41,6 @@ FILE_NAMES = frozenset({
 MAX_FILES = 32
 MAX_FILE_BYTES = 64 << 20  # a large tokenizer.json is ~35 MB
 MAX_TOTAL_BYTES = 128 << 20
-ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
 _NUMERIC_METRICS = ("n_changed", "n_params", "density", "patch_bytes", "anchor_bytes", "diff_s", "encode_s",
                     "upload_s", "snapshot_s", "anchor_write_s", "bytes_per_changed")
 _MAX_ANCHOR_FILES = 10_000
@@ -146,43 +144,14 @@ class FileRef:
         return cls(name, key, f.integer("size", 0, MAX_FILE_BYTES), f.digest("xxh3"))
 
 
-@dataclass(frozen=True)
-class AdapterMeta:
-    """What every commit of an adapter run says about the adapter (the commit's `adapter` field;
-    `sparsesync.adapter` is the PEFT side)."""
-
-    base_model: str  # the base model's id or path, as the trainer named it
-    base_digest: str  # state digest of the base weights, checkpoint key set (codec.state_digest)
-    config: dict[str, Any] = field(default_factory=dict)  # the adapter_config.json content
-    dtype: str = ""  # the adapter tensors' dtype ("float32", "bfloat16"); "" until the first publish fills it
-
-    @property
-    def rank(self) -> int:
-        return int(self.config["r"])
-
-    @property
-    def alpha(self) -> float:
-        return float(self.config["lora_alpha"])
-
-    @property
-    def target_modules(self) -> list[str] | str:
-        return self.config["target_modules"]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"base_model": self.base_model, "base_digest": self.base_digest, "config": self.config, "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> AdapterMeta:
-        """Parse the commit field; ValueError with a one-line reason on anything else."""
-        f = Fields(raw, "adapter.", exactly=("base_model", "base_digest", "config", "dtype"))
-        dtype = f.choice("dtype", ADAPTER_DTYPES)
-        base, digest = f.text("base_model", max_len=1024), f.digest("base_digest")
-        check_config(f.get("config"), "adapter.config")
-        return cls(base, digest, f.get("config"), dtype)
+def read_adapter(raw: Any) -> AdapterMeta:
+    """A commit's `adapter` field (`sparsesync.lora.meta.AdapterMeta`); ValueError with a one-line
+    reason on anything else."""
+    f = Fields(raw, "adapter.", exactly=("base_model", "base_digest", "config", "dtype"))
+    dtype = f.choice("dtype", ADAPTER_DTYPES)
+    base, digest = f.text("base_model", max_len=1024), f.digest("base_digest")
+    check_config(f.get("config"), "adapter.config")
+    return AdapterMeta(base, digest, f.get("config"), dtype)
 
 
 # ------------------------------------------------------------------------------ the commit record
@@ -200,7 +169,7 @@ class CommitRecord:
     base_state_digest: str | None = None
     anchor: list[ObjectRef] = field(default_factory=list)  # full snapshot files, if any
     metrics: dict[str, Any] = field(default_factory=dict)
-    adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.adapter)
+    adapter: AdapterMeta | None = None  # set in LoRA adapter runs (sparsesync.lora)
     format: str = COMMIT_FORMAT
     parts: list[PartRef] = field(default_factory=list)  # format 2: the delta in parts (instead of `delta`)
     files: list[FileRef] = field(default_factory=list)  # the checkpoint's non-weight files (protocol.extras)
@@ -281,7 +250,7 @@ def _parse_commit(f: Fields, name: tuple[int, int]) -> CommitRecord:
         version=version, epoch=epoch, writer=f.text("writer"), state_digest=f.digest("state_digest"),
         created_at=created, delta=delta, base_version=base, base_state_digest=f.digest("base_state_digest", optional=True),
         anchor=anchor, metrics=metrics.raw, format=fmt, parts=parts,
-        adapter=None if f.get("adapter") is None else AdapterMeta.from_dict(f.get("adapter")),
+        adapter=None if f.get("adapter") is None else read_adapter(f.get("adapter")),
         files=_files(f.get("files"), version),
     )
 

@@ -12,6 +12,8 @@ The path of a version: `Publisher` -> mode (diff and encode against its snapshot
 version to the `UploadQueue`); the uploader thread -> the mode's `upload` (store the objects,
 then the commit record through `CommitWriter`). The queue only queues, coalesces and uploads.
 
+`WholeWriter` is what a rewind (`rewind`) uses of the whole-state mode.
+
 Guarantees of every mode: `publish`, `resume`, `version_of` and `continue_below` check what they
 are given before anything is written (a refusal is a SparsesyncError with a hint); `upload` is
 called only by the uploader thread, in commit order, and records each committed version in the
@@ -28,13 +30,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from sparsesync.codec import Snapshot
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.keys import check_version
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
 from sparsesync.protocol.run import Run
-from sparsesync.protocol.writer.anchors import AnchorPolicy
+from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
 from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
 from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.parts import PartedSnapshot
 from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
 
 
@@ -71,6 +75,28 @@ class WriterMode(Protocol):
     @property
     def state_digest(self) -> str | None:
         """State digest of the newest version published or resumed from (None: none yet, or none here)."""
+        ...
+
+
+class WholeWriter(Protocol):
+    """What `rewind.rewind` and `rewind.stand_below` use of the whole-state mode (`whole.WholeState`,
+    which calls them, so they name this protocol instead of importing it)."""
+
+    url: str
+    commits: CommitWriter
+    files: CheckpointFiles
+    staging: Path
+
+    def cast(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """`state` read in the publisher's `dtype`."""
+        ...
+
+    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int) -> Snapshot | PartedSnapshot:
+        """The snapshot of `state` as `version`."""
+        ...
+
+    def stand_at(self, snap: Snapshot | PartedSnapshot, history: AnchorHistory) -> None:
+        """Continue from `snap`, a version the run trusts: the next `publish` is a delta against it."""
         ...
 
 

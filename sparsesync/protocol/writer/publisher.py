@@ -71,7 +71,7 @@ class Publisher:
             `hf://buckets/<namespace>/<bucket>/<prefix>` (created when missing), or an open store.
         adapter (`AdapterMeta`, *optional*):
             Publish a LoRA adapter run of this base and config (a `peft.PeftModel` passed to
-            `publish` brings its own; see `sparsesync.adapter`).
+            `publish` brings its own; see `sparsesync.lora.bridge`).
         extra_files (`str`, `Path` or `Mapping[str, bytes]`, *optional*):
             The checkpoint's non-weight files every commit carries: a `save_pretrained` folder (of
             which only config, generation config and tokenizer files are taken) or `{name: bytes}`;

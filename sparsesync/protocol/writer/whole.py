@@ -37,7 +37,8 @@ from sparsesync.checkpoint import checkpoint_digest, checkpoint_state
 from sparsesync.codec import Snapshot, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
-from sparsesync.protocol.adapter_runs import adapter_state, check_publish
+from sparsesync.lora.state import adapter_state
+from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.records import CommitRecord, PartRef
 from sparsesync.protocol.writer.anchors import AnchorHistory
 from sparsesync.protocol.writer.config import served_dtype

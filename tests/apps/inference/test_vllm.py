@@ -446,7 +446,7 @@ def test_vllm_lora_slot_generates_like_a_fresh_engine_with_the_same_adapter(tmp_
     from inference_space.engines.vllm_adapter import VllmAdapterEngine
     from inference_space.engines.vllm_engine import VllmEngine
     from sparsesync.protocol.run import Run
-    from tests.protocol.test_lora import TARGETS, LoraTrainer
+    from tests.lora.test_lora import TARGETS, LoraTrainer
 
     base, bucket = build_tiny_model(tmp_path / "base", seed=0), str(tmp_path / "bucket")
     trainer = LoraTrainer(base, torch.bfloat16, seed=3, lr=3e-2, targets=TARGETS)

@@ -25,13 +25,10 @@ compiled:
   the config's rank for its module (`r`, or its `rank_pattern` entry, matched as PEFT does),
   and no rank in the config exceeds the largest present, so the config allocates no more than
   the tensors say.
-- `check_one_kind` (pull): a run whose commits mix adapter and full-weight versions, or two
-  adapters, is refused with the versions of each, before anything is fetched.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -41,7 +38,7 @@ from typing import Any
 
 import torch
 
-from sparsesync.errors import ConfigError, RunKindError
+from sparsesync.errors import ConfigError
 
 MAX_RANK = 1 << 16  # above the full rank of any layer of today's models
 MAX_ALPHA = float(1 << 20)
@@ -194,25 +191,3 @@ def check_state_ranks(state: Mapping[str, torch.Tensor], config: Mapping[str, An
                           f"rank {largest}",
                           hint="the adapter_config.json does not belong to these adapter tensors: save both with "
                                "model.save_pretrained(DIR)")
-
-
-def check_one_kind(commits: list[Any], url: str) -> None:
-    """RunKindError unless every commit of a run is of one kind (adapter or full weights) and,
-    in an adapter run, of one adapter (base, configuration, dtype): a version rebuilt across
-    kinds is neither a model nor an adapter."""
-    adapter = [c.version for c in commits if c.adapter is not None]
-    full = [c.version for c in commits if c.adapter is None]
-    if adapter and full:
-        raise RunKindError(f"{url} mixes adapter versions ({_versions(adapter)}) and full-weight versions "
-                           f"({_versions(full)})",
-                           hint="two publishers wrote this run: pull from a run of one kind, or delete the other "
-                                "kind's commits")
-    ids = {json.dumps(c.adapter.to_dict(), sort_keys=True): c.version for c in commits if c.adapter is not None}
-    if len(ids) > 1:
-        raise RunKindError(f"{url} holds versions of {len(ids)} different adapters (versions {_versions(list(ids.values()))} "
-                           "differ in base, adapter_config.json or dtype)",
-                           hint="two publishers wrote this run: pull from a run of one adapter")
-
-
-def _versions(vs: list[int]) -> str:
-    return ", ".join(map(str, vs[:5])) + (f", ... {len(vs)} in all" if len(vs) > 5 else "")

@@ -31,7 +31,7 @@ from sparsesync.errors import ConfigError, MalformedCommitError, RunKindError  #
 from sparsesync.protocol.records import CommitRecord  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
-from tests.protocol.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
+from tests.lora.test_lora import LoraTrainer, bases  # noqa: E402,F401  (bases: the module's fixture)
 
 CATASTROPHIC = [("target_modules", "(.+)+Z"), ("target_modules", r"(\w+\.?)+x$"), ("exclude_modules", "(a|aa)+$"),
                 ("rank_pattern", {"(.*q.*)+_nope": 8})]
@@ -85,7 +85,7 @@ def test_a_rank_the_tensors_do_not_have_is_refused_at_push_follow_and_pull(bases
     assert isinstance(res.exception, ConfigError) and "q_proj" in str(res.exception), res.output
     assert not (tmp_path / "run" / "commits").exists()
     # publish: the same through the library
-    from sparsesync.protocol.adapter_runs import meta_from_peft
+    from sparsesync.lora.state import meta_from_peft
 
     good = meta_from_peft(trainer.model)
     with Publisher(str(tmp_path / "lib"), adapter=replace(good, config={**good.config, "r": 4096})) as pub:

@@ -26,13 +26,13 @@ from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
 from inference_space.testing import PROMPTS  # noqa: E402
-from sparsesync.adapter import adapter_tensors  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
-from sparsesync.protocol.adapter_runs import meta_from_peft  # noqa: E402
+from sparsesync.lora.bridge import adapter_tensors  # noqa: E402
+from sparsesync.lora.meta import AdapterMeta  # noqa: E402
+from sparsesync.lora.state import meta_from_peft  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
-from sparsesync.protocol.records import AdapterMeta  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402

@@ -2,19 +2,18 @@
 
 An adapter run (docs/protocol.md, "Adapter runs") is an ordinary run whose tensors are what
 PEFT writes into `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, ...)
-and whose every commit record carries an `AdapterMeta` (`sparsesync.protocol.records`): the
-base model's id and digest and the adapter's `adapter_config.json`. This module knows PEFT and
-the adapter files, not runs: what a run's `adapter` field means to a publisher or a follower
-(the two kinds never confused, `AdapterMeta` built from a PEFT model or a folder) is
-`sparsesync.protocol.adapter_runs`, which builds on this one. Nothing here imports the protocol
-(`AdapterMeta` appears in annotations only; its fields are all this module reads).
+and whose every commit record carries an `AdapterMeta` (`sparsesync.lora.meta`): the base
+model's id and digest and the adapter's `adapter_config.json`. This module knows PEFT and the
+adapter files, not runs: the adapter state a publisher publishes is `sparsesync.lora.state`
+(built on this one), and what a run's `adapter` field means to a publisher or a follower is
+`sparsesync.protocol.adapter_runs`, above this package.
 
 Guarantees:
 - The base weights a replica serves the adapter on are checked against the run's base digest
   (`check_base`) before any adapter version is applied: a mismatch is `BaseModelMismatchError`.
 - `write_adapter_folder` writes a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)
   that `PeftModel.from_pretrained` loads; `read_adapter_folder` reads one back (no pickle).
-- An adapter config is bounded before PEFT sees it (`sparsesync.adapter_config`, `check_supported`):
+- An adapter config is bounded before PEFT sees it (`sparsesync.lora.config`, `check_supported`):
   its numbers and regexes on every read (a pushed folder, an engine), its ranks against the
   adapter tensors before a folder is written, and an engine refuses an adapter larger than its
   base before allocating it (`adapter_layout`).
@@ -33,18 +32,16 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from sparsesync.adapter_config import check_config as _check_config
-from sparsesync.adapter_config import check_state_ranks
 from sparsesync.checkpoint import checkpoint_digest, load_checkpoint, read_in_folder
 from sparsesync.codec.digest import state_digest, tensor_digests
 from sparsesync.errors import AdapterTargetError, BaseModelMismatchError, ConfigError
-
-if TYPE_CHECKING:  # annotations only: the protocol builds on this module, never the reverse
-    from sparsesync.protocol.records import AdapterMeta
+from sparsesync.lora.config import check_config as _check_config
+from sparsesync.lora.config import check_state_ranks
+from sparsesync.lora.meta import AdapterMeta
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -109,7 +106,7 @@ def peft_config_json(model: Any, adapter_name: str = "default") -> dict[str, Any
 
 def check_supported(config: dict[str, Any], what: str) -> None:
     """ConfigError (naming `what`) unless `config` is an adapter_config.json that adapter runs carry:
-    a LoRA config within `sparsesync.adapter_config`'s bounds, without `modules_to_save`."""
+    a LoRA config within `sparsesync.lora.config`'s bounds, without `modules_to_save`."""
     try:
         _check_config(config, what)
     except ValueError as e:
