@@ -42,9 +42,9 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 def bench(engine_kind: str, model_dir: Path, work: Path, versions: int, interval_s: float) -> dict:
     from inference_space.engines import SamplingParams, make_engine
-    from inference_space.testing import PROMPTS, Trainer
     from sparsesync.protocol.follower.follower import Follower
     from sparsesync.protocol.writer.publisher import Publisher
+    from tests.support.model_steps import PROMPTS, Trainer
 
     bucket = str(work / f"bucket-{engine_kind}")
     engine = make_engine(engine_kind, model_dir)
@@ -115,10 +115,10 @@ def bench(engine_kind: str, model_dir: Path, work: Path, versions: int, interval
 def pause_cell(engine_kind: str, hidden: int, layers: int, fractions: list[float], versions: int, work: Path) -> list[dict]:
     """Pause per version for each changed fraction, read-back on and off (one engine each)."""
     from inference_space.engines import make_engine
-    from inference_space.testing import Trainer
     from sparsesync.protocol.follower.follower import Follower
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import build_tiny_model
+    from tests.support.model_steps import Trainer
 
     model_dir = build_tiny_model(work / f"m{hidden}x{layers}", seed=0, hidden=hidden, layers=layers)
     n_params = sum(t.numel() for t in Trainer(model_dir).state.values())

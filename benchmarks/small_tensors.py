@@ -72,8 +72,7 @@ def one_element(st: dict[str, torch.Tensor], v: int) -> dict[str, torch.Tensor]:
 
 def run_case(case: str, density: float, reps: int) -> dict:
     """Times of `reps` versions (after one untimed warm-up delta) and of the baseline, interleaved."""
-    from sparsesync.protocol.follower.follower import Follower
-    from sparsesync.protocol.writer.publisher import Publisher
+    from sparsesync import Follower, Publisher  # the front door: the same in trees before and after the protocol moves
 
     st = adapter_state(extra=8 if case == "fixed" else 0)
     g = torch.Generator().manual_seed(1)

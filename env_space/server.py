@@ -26,11 +26,12 @@ from clients.py (the peer address, or `X-Forwarded-For` only from ENV_TRUSTED_PR
 
 Guarantees: every refusal is a 4xx (503 when full) with `{"detail", "error", "hint"}` (see
 errors.py), FastAPI's and Starlette's own refusals (404, 405, 422) included; bodies over
-ENV_MAX_BODY_BYTES get 413 before any parsing; JSON bodies and WebSocket messages whose strings
-are not valid Unicode (a lone surrogate such as "\ud800", which no UTF-8 text can carry) or that
-nest too deeply are refused at the boundary (400 `invalid_text`; an `error` frame on the
-WebSocket) before any handler or session sees them, so they cannot poison a session; handlers
-never block (the session store's critical sections are microseconds), so no request hangs another.
+ENV_MAX_BODY_BYTES get 413 before any parsing (the servers' one reader:
+`sparsesync.access.read_capped_body`); JSON bodies and WebSocket messages whose strings are not
+valid Unicode (a lone surrogate such as "\ud800", which no UTF-8 text can carry) or that nest too
+deeply are refused at the boundary (400 `invalid_text`; an `error` frame on the WebSocket) before
+any handler or session sees them, so they cannot poison a session; handlers never block (the
+session store's critical sections are microseconds), so no request hangs another.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from env_space.errors import (
 )
 from env_space.models import EpisodeState, TextAction, TextObservation
 from env_space.sessions import SessionStore
+from sparsesync.access import BodyRefusal, read_capped_body, replaying
 
 SESSION_HEADER = "X-Session-Id"
 log = logging.getLogger("env_space")
@@ -163,44 +165,17 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                await _send_error(send, EnvError(f"bad Content-Length {length!r}"))
-                return
-            if declared > self.max_bytes:
-                await _send_error(send, self._too_large(declared))
-                return
-        # buffer the (small, bounded) body so a chunked upload cannot exceed the limit either
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await _send_error(send, self._too_large(size, at_least=True))
-                return
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        if body and (why := _text_problem(body)):
+        got = await read_capped_body(scope, receive, self.max_bytes)  # bounded: a chunked upload cannot pass it either
+        if got is None:  # the client went away
+            return
+        if isinstance(got, BodyRefusal):
+            await _send_error(send, self._too_large(got.detail) if got.status == 413
+                              else EnvError(f"bad Content-Length {got.detail}"))
+            return
+        if got and (why := _text_problem(got)):
             await _send_error(send, _invalid_text(why))
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(got, receive), send)
 
     def _checked_ws(self, receive: Receive, send: Send) -> Receive:
         """`receive` that answers a text message which is not Unicode with an error frame (the
@@ -213,7 +188,7 @@ class BodyLimitMiddleware:
                 if text is None:
                     return message
                 if len(text) > self.max_bytes:
-                    err: EnvError | None = self._too_large(len(text))
+                    err: EnvError | None = self._too_large(str(len(text)))
                 else:
                     why = _text_problem(text)
                     err = _invalid_text(why) if why else None
@@ -224,8 +199,7 @@ class BodyLimitMiddleware:
 
         return checked
 
-    def _too_large(self, size: int, at_least: bool = False) -> PayloadTooLargeError:
-        what = f"more than {self.max_bytes}" if at_least else str(size)
+    def _too_large(self, what: str) -> PayloadTooLargeError:
         return PayloadTooLargeError(f"request body of {what} bytes exceeds the limit of {self.max_bytes} bytes",
                                     hint="send a shorter action, or raise ENV_MAX_BODY_BYTES on the server")
 

@@ -8,7 +8,8 @@
   (`sparsesync.access.check_key`: at least 8 printable characters); `""` is not "no key".
 - A body over `max_body_bytes` is a 413: at once when Content-Length says so (nothing of the body
   is read), otherwise as soon as the bytes received pass the cap (chunked uploads). The body is
-  buffered only up to the cap, so one request cannot make the replica hold more than that.
+  buffered only up to the cap, so one request cannot make the replica hold more than that (the
+  servers' one reader: `sparsesync.access.read_capped_body`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from __future__ import annotations
 import hmac
 import json
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sparsesync.access import bearer_matches, check_key
+from sparsesync.access import BodyRefusal, bearer_matches, check_key, read_capped_body, replaying
 
 OPEN_PATHS = frozenset({"/health"})
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # prompt batches of TRL-sized token ids fit many times over
@@ -48,40 +49,16 @@ class Guard:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                await _error(send, 400, f"bad Content-Length {length[:40]!r}", "invalid_request_error")
-                return
-            if declared > self.max_body_bytes:
-                await self._too_large(send, str(declared))
-                return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await self._too_large(send, f"more than {self.max_body_bytes}")
-                return
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        got = await read_capped_body(scope, receive, self.max_body_bytes)
+        if got is None:  # the client went away
+            return
+        if isinstance(got, BodyRefusal):
+            if got.status == 413:
+                await self._too_large(send, got.detail)
+            else:
+                await _error(send, got.status, f"bad Content-Length {got.detail}", "invalid_request_error")
+            return
+        await self.app(scope, replaying(got, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
         assert self._key is not None

@@ -14,6 +14,8 @@ Guarantees:
   `sparsesync.protocol.follower.mirror`); freed memory goes back to the OS after every version.
 - A replica whose sync fails (anchor fallback, store unreachable, bad patch, engine failure)
   keeps serving its last good version; `status()` then says state "degraded" with the error.
+- `build_replica` opens the bucket once: the run's adapter is read and the follower follows
+  through that one store, which the replica closes in `close()`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from inference_space.engines import Engine
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.follower.fleet_member import FleetOptions
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.store import Store
 
 
 @dataclass
@@ -56,8 +59,10 @@ class ReplicaConfig:
 class Replica:
     """An engine following a run (see module docstring)."""
 
-    def __init__(self, engine: Engine, bucket: str | None = None, *, poll_interval: float = 1.0, served_model_name: str | None = None,
-                 mirror_dir: str | None = None) -> None:
+    def __init__(self, engine: Engine, bucket: str | Store | None = None, *, poll_interval: float = 1.0,
+                 served_model_name: str | None = None, mirror_dir: str | None = None) -> None:
+        """`bucket`: the run to follow, a URL (the follower opens and closes its store) or an open
+        `Store` (the replica's from now on: `close()` closes it); None serves the model as is."""
         self.engine = engine
         self.bucket = bucket
         self.model_name = served_model_name or engine.model_name
@@ -68,6 +73,7 @@ class Replica:
             bucket, hook=engine, poll_interval=poll_interval, fleet=fleet, adapter=getattr(engine, "adapter", None),
             mirror_dir=mirror_dir,
         ) if bucket else None
+        self._store = bucket if isinstance(bucket, Store) else None
         self.started_at = time.time()
 
     def start(self) -> None:
@@ -80,6 +86,8 @@ class Replica:
 
     def close(self) -> None:
         self.stop()
+        if self._store is not None:
+            self._store.close()
         self.engine.close()
 
     @property
@@ -135,13 +143,21 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
         }
     else:
         kwargs = {"device": cfg.device}
-    if cfg.bucket:  # an adapter run: the engine serves its base + adapter (sparsesync.lora.bridge)
-        from sparsesync.protocol.adapter_runs import read_run_adapter
+    from sparsesync.store import open_store
 
-        kwargs["adapter"] = read_run_adapter(cfg.bucket)
-    engine = make_engine(cfg.engine, cfg.model, **kwargs)
+    store = open_store(cfg.bucket) if cfg.bucket else None  # once: the adapter is read and the run followed through it
+    try:
+        if store is not None:  # an adapter run: the engine serves its base + adapter (sparsesync.lora.bridge)
+            from sparsesync.protocol.adapter_runs import read_run_adapter
+
+            kwargs["adapter"] = read_run_adapter(store)
+        engine = make_engine(cfg.engine, cfg.model, **kwargs)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     engine.request_timeout_s, engine.max_hold_s = cfg.request_timeout_s, cfg.max_hold_s
-    replica = Replica(engine, cfg.bucket, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name,
+    replica = Replica(engine, store, poll_interval=cfg.poll_interval, served_model_name=cfg.served_model_name,
                       mirror_dir=cfg.mirror_dir)
     replica.model_aliases = (given,)
     return replica

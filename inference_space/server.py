@@ -27,6 +27,9 @@ however many generations are blocked; nothing a client sends can stop the follow
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -47,10 +50,20 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `replica`; starts its follower on startup when `manage_lifecycle`.
     With `api_key`, every route but /health needs `Authorization: Bearer <api_key>`."""
-    from contextlib import asynccontextmanager
+    app = FastAPI(title="sparsesync inference replica", lifespan=_lifespan(replica, manage_lifecycle))
+    app.state.replica = replica
+    _add_error_handlers(app)
+    _add_generation_routes(app, _Generation(replica))
+    _add_info_routes(app, replica)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+def _lifespan(replica: Replica, manage_lifecycle: bool) -> Any:
+    """Start the replica's follower with the app and stop it after (when `manage_lifecycle`)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
             replica.start()
         try:
@@ -59,8 +72,11 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
             if manage_lifecycle:
                 replica.stop()
 
-    app = FastAPI(title="sparsesync inference replica", lifespan=lifespan)
-    app.state.replica = replica
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in vLLM's one error shape (see module docstring), a bug's 500 included."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,8 +87,6 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # a bug: same error shape, logged
-        import logging
-
         logging.getLogger(__name__).exception("unexpected error serving %s", request.url.path)
         return JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}", "server_error", 500))
 
@@ -82,87 +96,107 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
         return JSONResponse(status_code=exc.status_code, headers=exc.headers,
                             content=error_body(str(exc.detail), kind, exc.status_code, getattr(exc, "param", None)))
 
-    def _bad(e: Exception) -> HTTPException:
-        if replica.engine.stopping:
+
+def _served_names(replica: Replica) -> set[str]:
+    """The served name, and what vLLM would call this model: the --model folder (or Hub id) as given."""
+    return {replica.model_name, str(replica.engine.model_dir), *replica.model_aliases}
+
+
+class _Generation:
+    """What the generation routes share: the request checks, the engine call and the response shaping."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.names = _served_names(replica)
+        self.tok = replica.engine.tokenizer  # type: ignore[attr-defined]
+        self.no_text = frozenset(getattr(self.tok, "all_special_ids", ()))  # what the completion text skips
+
+    def bad(self, e: Exception) -> HTTPException:
+        if self.replica.engine.stopping:
             return HTTPException(status_code=503, detail="the replica is shutting down")
         err = HTTPException(status_code=400, detail=str(e))
         err.param = getattr(e, "param", None)  # type: ignore[attr-defined]
         return err
 
-    # the served name, and what vLLM would call this model: the --model folder (or Hub id) as given
-    names = {replica.model_name, str(replica.engine.model_dir), *replica.model_aliases}
-
-    def _check_model(req: _Sampling) -> None:
-        if req.model is not None and req.model not in names:
+    def check_model(self, req: _Sampling) -> None:
+        if req.model is not None and req.model not in self.names:
             raise HTTPException(status_code=404, detail=f"The model `{req.model}` does not exist.")
 
-    def _max_tokens(wanted: int | None, default: int) -> int:
-        limit = replica.engine.max_model_len
+    def max_tokens(self, wanted: int | None, default: int) -> int:
+        limit = self.replica.engine.max_model_len
         if wanted is not None and wanted > limit:
             raise ConfigError(f"max_tokens={wanted}: more than the model's context of {limit} tokens",
                               hint=f"send max_tokens <= {limit}")
         return default if wanted is None else wanted
 
-    def _run(prompt: str | list[int], req: _Sampling, max_tokens: int) -> list[Completion]:
+    def run(self, prompt: str | list[int], req: _Sampling, max_tokens: int) -> list[Completion]:
         try:
             if isinstance(prompt, str):
                 check_text("prompt", prompt)
-            return replica.engine.generate(prompt, req.params(max_tokens))
+            return self.replica.engine.generate(prompt, req.params(max_tokens))
         except (ConfigError, EngineError) as e:
-            raise _bad(e) from e
+            raise self.bad(e) from e
 
-    tok = replica.engine.tokenizer  # type: ignore[attr-defined]
-    no_text = frozenset(getattr(tok, "all_special_ids", ()))  # what the completion text skips
+    def shaper(self, req: _Sampling, top_n: int) -> Shaper:
+        tok = self.tok
+        return Shaper(lambda ids, skip: tok.decode(ids, skip_special_tokens=skip), self.replica.model_name,
+                      req.return_tokens_as_token_ids, top_n, no_text=self.no_text)
 
-    def _shaper(req: _Sampling, top_n: int) -> Shaper:
-        return Shaper(lambda ids, skip: tok.decode(ids, skip_special_tokens=skip), replica.model_name,
-                      req.return_tokens_as_token_ids, top_n, no_text=no_text)
 
-    def _stream(lines: Any) -> StreamingResponse:
-        return StreamingResponse(lines, media_type="text/event-stream")
+def _stream(lines: Any) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="text/event-stream")
+
+
+def _add_generation_routes(app: FastAPI, gen: _Generation) -> None:
+    """POST /v1/completions and /v1/chat/completions (FastAPI's thread pool: they wait for the engine)."""
 
     @app.post("/v1/completions", response_model=None)
     def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
-        _check_model(req)
+        gen.check_model(req)
         try:
             prompts = req.prompts()
-            max_tokens = _max_tokens(req.max_tokens, 16)  # OpenAI's default for completions
+            max_tokens = gen.max_tokens(req.max_tokens, 16)  # OpenAI's default for completions
             top_n = req.params(max_tokens).logprobs  # refuse bad fields before any generation
         except ConfigError as e:
-            raise _bad(e) from e
-        outs = [c for p in prompts for c in _run(p, req, max_tokens)]
-        shaper = _shaper(req, top_n)
+            raise gen.bad(e) from e
+        outs = [c for p in prompts for c in gen.run(p, req, max_tokens)]
+        shaper = gen.shaper(req, top_n)
         if req.stream:
             return _stream(shaper.completion_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage)))
         return shaper.completion(outs, req.n)
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat(req: ChatRequest) -> dict[str, Any] | StreamingResponse:
-        _check_model(req)
+        gen.check_model(req)
         try:
             req.check_template()
-            _max_tokens(req.wanted_tokens(), 0)
+            gen.max_tokens(req.wanted_tokens(), 0)
             top_n = req.params(1).logprobs
         except ConfigError as e:
-            raise _bad(e) from e
+            raise gen.bad(e) from e
         try:
-            ids = replica.engine.apply_chat_template([m.template_dict() for m in req.messages])
+            ids = gen.replica.engine.apply_chat_template([m.template_dict() for m in req.messages])
         except Exception as e:  # template errors are the request's fault
             raise HTTPException(status_code=400, detail=f"cannot apply the chat template: {e}") from e
         # no max_tokens: the rest of the context (as OpenAI and vLLM)
-        room = replica.engine.max_model_len - len(ids)
-        outs = _run(ids, req, req.wanted_tokens() or max(room, 1))
-        shaper = _shaper(req, top_n)
+        room = gen.replica.engine.max_model_len - len(ids)
+        outs = gen.run(ids, req, req.wanted_tokens() or max(room, 1))
+        shaper = gen.shaper(req, top_n)
         if req.stream:
             return _stream(shaper.chat_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage)))
         return shaper.chat(outs, req.n, ids)
+
+
+def _add_info_routes(app: FastAPI, replica: Replica) -> None:
+    """GET /v1/models, /v1/models/{id}, /health and /sync: async, on the event loop, never queued
+    behind generations in the thread pool."""
+    names = _served_names(replica)
 
     def _model_card() -> dict[str, Any]:
         return {"id": replica.model_name, "object": "model", "created": int(replica.started_at), "owned_by": "sparsesync",
                 "root": replica.model_name, "parent": None, "weight_version": replica.weight_version,
                 "max_model_len": replica.engine.max_model_len}
 
-    # async: these run on the event loop, never queued behind generations in the thread pool
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card()]}
@@ -183,6 +217,3 @@ def create_app(replica: Replica, *, manage_lifecycle: bool = True, api_key: str 
     @app.get("/sync")
     async def sync() -> dict[str, Any]:
         return replica.status()
-
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
-    return app

@@ -283,7 +283,7 @@ uid=$(awk '/^Uid:/ {print $2}' "/proc/$spid/status")
 healthcheck "$ctr" localhost/replica-space:latest "sps-rep-$TAG" || die "replica image HEALTHCHECK failed"
 follow=$(cd "$ROOT" && ip netns exec "sps-rep-$TAG" "$PY" - "$WORK/tiny" "$WORK/bucket" <<'EOF'
 import json, sys, time, urllib.request
-from inference_space.testing import PROMPTS, Trainer
+from tests.support.model_steps import PROMPTS, Trainer
 from sparsesync.protocol.writer.publisher import Publisher
 url = "http://127.0.0.1:7860"
 def get(path):

@@ -1,7 +1,8 @@
-"""Who may reach a server: the API-key rule every sparsesync server applies at start-up.
+"""Who may reach a server, and how much one request may send: the rules every sparsesync server
+applies at its boundary.
 
-Shared by the replica app (`python -m inference_space`) and vLLM's own server following a run
-(`sparsesync.integrations.vllm.server`). Guarantees:
+Shared by the replica app (`python -m inference_space`), the environment server (`python -m
+env_space`) and vLLM's own server following a run (`sparsesync.integrations.vllm.server`). Guarantees:
 
 - `check_key`: a key is printable ASCII without spaces and at least `MIN_KEY_CHARS` (8)
   characters long (the environment server's minimum); anything else is a `ConfigError` naming
@@ -12,6 +13,11 @@ Shared by the replica app (`python -m inference_space`) and vLLM's own server fo
   `""`) binds every interface, so it is not loopback.
 - `bearer_matches`: `Authorization: Bearer <key>` against any of the keys, compared in constant
   time (sha256 digests, as vLLM's own middleware does, so the length says nothing either).
+- `read_capped_body`: an HTTP request's body, buffered only up to the cap: refused (413) at once
+  when Content-Length says more (nothing of the body is read), otherwise as soon as the bytes
+  received pass the cap (chunked uploads); a Content-Length that is no number is refused (400).
+  `replaying` hands the body read to the app as the request's one message. Pure ASGI (no web
+  framework imported); each server answers a refusal in its own error shape.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
 
 from sparsesync.errors import ConfigError
 
@@ -95,3 +103,58 @@ def bearer_matches(headers: Mapping[str, str] | Iterable[tuple[bytes, bytes]], k
     for key in keys:
         ok |= hmac.compare_digest(presented, hashlib.sha256(key.encode()).digest())
     return ok and bool(token)
+
+
+# -- the request-body cap (pure ASGI) ------------------------------------------------------------
+_Message = MutableMapping[str, Any]
+_Receive = Callable[[], Awaitable[_Message]]
+
+
+@dataclass(frozen=True)
+class BodyRefusal:
+    """A request body refused before it was read to the end: `status` 413 (over the cap) or 400 (a
+    Content-Length that is no number); `detail` is the size declared or seen ("more than N") for
+    413, the header's value (its first 40 bytes, quoted) for 400."""
+
+    status: int
+    detail: str
+
+
+async def read_capped_body(scope: Mapping[str, Any], receive: _Receive, max_bytes: int) -> bytes | BodyRefusal | None:
+    """The whole body of the HTTP request `scope`, or why it is refused (see module docstring);
+    None when the client disconnected before its end."""
+    length = dict(scope["headers"]).get(b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            return BodyRefusal(400, repr(length[:40]))
+        if declared > max_bytes:
+            return BodyRefusal(413, str(declared))
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > max_bytes:
+            return BodyRefusal(413, f"more than {max_bytes}")
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: _Receive) -> _Receive:
+    """A `receive` that hands the app `body` (read already) as the request's one message, then the
+    connection's own messages (a disconnect)."""
+    replayed = False
+
+    async def replay() -> _Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -166,19 +166,61 @@ def push(
         The version committed, where its number came from, its metrics, the files carried, and
         what a rewind held or abandoned.
     """
-    from sparsesync.checkpoint import load_checkpoint
-    from sparsesync.lora import bridge as lora
-    from sparsesync.lora.state import meta_for_folder
-    from sparsesync.protocol import adapter_runs
-    from sparsesync.protocol.keys import check_version
     from sparsesync.protocol.run import Run
     from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
 
-    source = Path(source)
     say = progress or (lambda _description: None)
     PublisherConfig(effort=effort).validate()  # before anything is read or written
+    ckpt = _read_checkpoint(Path(source), step, step_source, url)
+    store = open_store(url, create=True, private=not public)
+    say(f"reading the newest version of {store.url}")
+    run = Run(store)
+    newest = run.newest()
+    step, step_from = ckpt.number(newest)
+    meta, state = _adapter_meta(ckpt, newest, base_model, store.url)
+    below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
+    plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
+    if plan == "held":
+        return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
+    if below_newest and newest is not None:  # a rewind: only when asked for, named before anything is written
+        _approve_rewind(RewindPlan(url=store.url, newest=newest.version, version=step, step_from=step_from,
+                                   abandoned=abandoning), rewind, rewind_source, step_source)
+    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=ckpt.extra)
+    try:
+        version = _write(pub, run, state, step, plan, newest, below_newest, say)
+    finally:
+        pub.close()
+    return _pushed(store, pub, version, step_from, below_newest)
+
+
+# -- the phases of a push -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What `push` read from SOURCE before it touches the run."""
+
+    state: dict[str, Any]
+    config: dict[str, Any] | None  # a PEFT adapter folder's config (an adapter run), else None
+    extra: Path | None  # the folder whose config and tokenizer files travel with the version
+    step: int | None  # the version number given or found in the checkpoint, None: from the run
+    step_from: str
+    ignored: str | None  # why the folder's trainer_state.json was ignored
+
+    def number(self, newest: Any) -> tuple[int, str]:
+        """The version number and where it came from, given the run's `newest` commit (or None)."""
+        step, step_from = self.step, self.step_from
+        if step is None:
+            step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
+        return step, step_from if self.ignored is None else f"{step_from}; {self.ignored}"
+
+
+def _read_checkpoint(source: Path, step: int | None, step_source: str, url: str) -> _Checkpoint:
+    """SOURCE's tensors (nothing outside it is read) and its version number when it says one."""
+    from sparsesync.checkpoint import load_checkpoint
+    from sparsesync.lora import bridge as lora
+    from sparsesync.protocol.keys import check_version
+
     step_from, ignored = step_source, None
     if step is None:
         found, ignored = _step_of(source)
@@ -191,52 +233,61 @@ def push(
         state, config = lora.read_adapter_folder(source)
     else:
         state = load_checkpoint(source, folder=source if source.is_dir() else None)  # nothing outside SOURCE
-    extra = source if source.is_dir() else None
-    store = open_store(url, create=True, private=not public)
-    say(f"reading the newest version of {store.url}")
-    run = Run(store)
-    newest = run.newest()
-    if step is None:
-        step, step_from = (0, "a new run's first version") if newest is None else (newest.version + 1, "newest + 1")
-    if ignored is not None:
-        step_from = f"{step_from}; {ignored}"
-    meta = None
-    if config is not None:
-        meta, state = meta_for_folder(config, state, Path(base_model) if base_model is not None else None,
-                                      newest.adapter if newest is not None else None, store.url)
-    adapter_runs.check_publish(newest, meta, store.url)  # before resume() reads the run as this kind
-    below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
-    plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
-    if plan == "held":
-        return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
-    if below_newest and newest is not None:  # a rewind: only when asked for, named before anything is written
-        planned = RewindPlan(url=store.url, newest=newest.version, version=step, step_from=step_from, abandoned=abandoning)
-        if not (rewind(planned) if callable(rewind) else rewind is True):
-            raise RewindRefusedError(
-                f"refusing to rewind: {planned.describe()}", newest=newest.version, version=step, abandoned=abandoning,
-                hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
-                     "to publish the checkpoint as a new version")
-    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=extra)
-    try:
-        if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
-            say(f"rewinding to version {step}")
-            pub.resume(state, version=step)
-            version = step
+    return _Checkpoint(state, config, source if source.is_dir() else None, step, step_from, ignored)
+
+
+def _adapter_meta(ckpt: _Checkpoint, newest: Any, base_model: str | os.PathLike[str] | None,
+                  url: str) -> tuple[Any, dict[str, Any]]:
+    """The adapter run's `AdapterMeta` (None for full weights) and the tensors to publish, checked
+    against the run's kind before anything reads the run as this kind."""
+    from sparsesync.lora.state import meta_for_folder
+    from sparsesync.protocol import adapter_runs
+
+    meta, state = None, ckpt.state
+    if ckpt.config is not None:
+        meta, state = meta_for_folder(ckpt.config, state, Path(base_model) if base_model is not None else None,
+                                      newest.adapter if newest is not None else None, url)
+    adapter_runs.check_publish(newest, meta, url)  # before resume() reads the run as this kind
+    return meta, state
+
+
+def _approve_rewind(plan: RewindPlan, rewind: bool | Callable[[RewindPlan], bool], rewind_source: str,
+                    step_source: str) -> None:
+    """Go ahead with the rewind `plan` only when `rewind` allows it; else RewindRefusedError."""
+    if not (rewind(plan) if callable(rewind) else rewind is True):
+        raise RewindRefusedError(
+            f"refusing to rewind: {plan.describe()}", newest=plan.newest, version=plan.version, abandoned=plan.abandoned,
+            hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {plan.newest} "
+                 "to publish the checkpoint as a new version")
+
+
+def _write(pub: Any, run: Any, state: dict[str, Any], step: int, plan: str | int | None, newest: Any,
+           below_newest: bool, say: Progress) -> int:
+    """Publish `state` as version `step` through `pub` (resumed, rewound or continued below the
+    newest as `plan` says) and wait for its commit; the version committed."""
+    if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
+        say(f"rewinding to version {step}")
+        pub.resume(state, version=step)
+        return step
+    base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
+    if base_version is not None:
+        _rec, base, _digests = run.reconstruct(base_version)
+        if below_newest:  # continue below the newest: the commit of `step` abandons the newer versions
+            pub.continue_below(base, base_version)
         else:
-            base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
-            if base_version is not None:
-                _rec, base, _digests = run.reconstruct(base_version)
-                if below_newest:  # continue below the newest: the commit of `step` abandons the newer versions
-                    pub.continue_below(base, base_version)
-                else:
-                    pub.resume(base)
-                del base
-            say("diff + encode")
-            version = pub.publish(state, step)
-            say(f"uploading version {version}")
-            pub.flush()
-    finally:
-        pub.close()
+            pub.resume(base)
+        del base
+    say("diff + encode")
+    version = pub.publish(state, step)
+    say(f"uploading version {version}")
+    pub.flush()
+    return int(version)
+
+
+def _pushed(store: Any, pub: Any, version: int, step_from: str, below_newest: bool) -> PushResult:
+    """What the push did, read back from the run: the commit's files and what a rewind abandoned."""
+    from sparsesync.protocol.run import Run
+
     abandoned = None
     if below_newest and pub.metrics[-1].get("kind") == "rewind":
         abandoned = sorted(set(pub.metrics[-1]["abandoned"]))

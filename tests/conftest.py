@@ -32,6 +32,12 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 # hf_xet retries its own HTTP calls (token refresh) from ~1 s up; the same logic, shorter sleeps
 os.environ.setdefault("HF_XET_CLIENT_RETRY_BASE_DELAY", "50ms")
+# The apps (trainer/, inference_space/, env_space/) are folders of this checkout, not installed (the
+# wheel ships sparsesync only): the processes a test starts (`python -m inference_space`, torchrun's
+# ranks) find them from any working folder, as from the checkout's root
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
+if _CHECKOUT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
 
 HF_TEST_BUCKET = "sparsesync-test/store"  # pre-created on the session's hub_server
 HF_TEST_TOKEN = "hf_sparsesyncTestToken000"  # what tests send as HF_TOKEN (the server accepts any)

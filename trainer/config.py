@@ -306,23 +306,24 @@ def _coerce(tp: Any, v: Any, where: str) -> Any:
         if not isinstance(v, (list, tuple)) or len(v) != len(args):
             raise ConfigError(f"{where} = {v!r}: expected a list of {len(args)} values")
         return tuple(_coerce(a, x, where) for a, x in zip(args, v, strict=True))
-    if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{where} = {v!r}: expected a number")
-        return float(v)
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{where} = {v!r}: expected an integer")
-        return v
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ConfigError(f"{where} = {v!r}: expected true or false")
-        return v
-    if tp is str:
-        if not isinstance(v, str):
-            raise ConfigError(f"{where} = {v!r}: expected a string")
-        return v
-    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - a bug in this module
+    return _coerce_scalar(tp, v, where)
+
+
+# a scalar type -> the Python types a TOML value of it may have, and how a message names it
+_SCALARS: dict[type, tuple[tuple[type, ...], str]] = {
+    float: ((int, float), "a number"), int: ((int,), "an integer"), bool: ((bool,), "true or false"),
+    str: ((str,), "a string"),
+}
+
+
+def _coerce_scalar(tp: Any, v: Any, where: str) -> Any:
+    """Check `v` against the scalar type `tp` (a bool is no number; an int is accepted for a float)."""
+    if tp not in _SCALARS:
+        raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover - a bug in this module
+    kinds, what = _SCALARS[tp]
+    if not isinstance(v, kinds) or (tp is not bool and isinstance(v, bool)):
+        raise ConfigError(f"{where} = {v!r}: expected {what}")
+    return float(v) if tp is float else v
 
 
 def _toml_value(v: Any) -> str:

@@ -23,6 +23,7 @@ Ctrl-C (or SIGTERM) stops every process it started; the work folder is removed u
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -40,6 +41,10 @@ from trainer.config import LORA_ALL_LINEAR, LogConfig, ModelConfig, OptimConfig,
 from trainer.errors import DemoCheckError
 from trainer.metrics import MetricsLogger
 from trainer.processes import ProcessSet, free_port
+
+# The checkout holding the apps: the servers start as `python -m env_space` / `python -m inference_space`
+# with it on PYTHONPATH, from whatever folder the demo runs in (the wheel ships no app: sparsesync.apps).
+_CHECKOUT = Path(__file__).resolve().parents[1]
 
 DIGEST_KEYS = ("engine_state_digest", "weights_state_digest", "weights_digest", "state_digest")
 
@@ -133,7 +138,8 @@ def _run(opts: DemoOptions, console: Console, workdir: Path, bucket: Path, t_sta
         publish_initial_adapter(demo_config(opts, model_dir, bucket, ["http://127.0.0.1:1"], "http://127.0.0.1:1", workdir))
     py = sys.executable
     env = {"OMP_NUM_THREADS": str(opts.replica_threads), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
+           "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(_CHECKOUT), os.environ.get("PYTHONPATH", "")) if p)}
     with ProcessSet(workdir / "logs", env=env) as procs:
         env_port = free_port()
         env_srv = procs.start("env", [py, "-m", "env_space", "--host", "127.0.0.1", "--port", str(env_port),

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from trainer.policy import load_policy, publish_state, publisher_casts, resolve_
 from trainer.replicas import ReplicaPool
 from trainer.resume import first_version, wait_for_rewound_replicas
 from trainer.rollout import RolloutWorkers, SamplingParams
+from trainer.step_metrics import StatusPoller, grad_norm, replica_fields, sync_fields
 from trainer.trust import SampleJudge
 
 log = logging.getLogger(__name__)
@@ -107,28 +107,28 @@ def auth_headers(cfg: TrainerConfig) -> dict[str, str] | None:
     return {"Authorization": f"Bearer {token}"}
 
 
-class _StatusPoller:
-    """Polls every replica's /sync in the background so the learner never waits on it."""
+@dataclass
+class _Job:
+    """What one run holds between its phases (`AsyncGRPOTrainer.run`)."""
 
-    def __init__(self, pool: ReplicaPool, interval_s: float = 1.0) -> None:
-        self.pool = pool
-        self.interval_s = interval_s
-        self.latest: dict[str, dict[str, Any] | None] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="replica-status", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.latest = self.pool.sync_status()
-            self._stop.wait(self.interval_s)
+    ctx: DistContext | None
+    lead: bool  # rank 0 (or the one process): the rollout side, metrics and logging
+    model: torch.nn.Module
+    adapter: Any  # the adapter run's AdapterMeta, or None for full weights
+    params: list[torch.nn.Parameter]
+    opt: torch.optim.Optimizer
+    pool: ReplicaPool
+    buffer: RolloutBuffer
+    workers: RolloutWorkers
+    poller: StatusPoller
+    logger: MetricsLogger
+    publisher: Publisher | None = None
+    lazy: bool = False  # the publisher casts one tensor at a time; no cast copy of the model is kept
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the newest published weights (unless lazy)
+    full_bytes: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+    commits_logged: int = 0
+    t_prev: float = 0.0
 
 
 class AsyncGRPOTrainer:
@@ -152,11 +152,22 @@ class AsyncGRPOTrainer:
 
     def run(self) -> TrainResult:
         """Train for `optim.steps` steps; returns the result after the last version is committed."""
-        cfg, o = self.cfg, self.cfg.optim
         t_start = time.time()
-        torch.manual_seed(o.seed)
+        torch.manual_seed(self.cfg.optim.seed)
+        job = self._set_up()
+        try:
+            self._open_run(job)
+            for step in range(1, self.cfg.optim.steps + 1):
+                self._step(job, step)
+            return self._finish(job, t_start)
+        finally:
+            self._tear_down(job)
+
+    # -- the phases of a run ------------------------------------------------------------
+    def _set_up(self) -> _Job:
+        """The policy and its optimizer, the rollout side (not started) and the metrics logger."""
+        cfg, o, r = self.cfg, self.cfg.optim, self.cfg.rollout
         ctx = self._join_distributed()
-        lead = ctx is None or ctx.lead
         model = load_policy(cfg, self.device, self.master_dtype)
         adapter = None
         if cfg.lora.enabled:  # train and publish a LoRA adapter (trainer/lora.py)
@@ -168,7 +179,6 @@ class AsyncGRPOTrainer:
             shard_policy(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        r = cfg.rollout
         pool = ReplicaPool(r.replicas, timeout_s=r.request_timeout_s, cooldown_s=r.replica_cooldown_s,
                            headers=self.headers)
         buffer = RolloutBuffer(o.buffer_groups, max_staleness=o.max_staleness, policy=o.stale_policy)
@@ -177,8 +187,7 @@ class AsyncGRPOTrainer:
             params=SamplingParams(r.group_size, r.max_tokens, r.temperature, r.top_p),
             request_timeout_s=r.request_timeout_s, headers=self.headers,
         )
-        poller = _StatusPoller(pool)
-        publisher: Publisher | None = None
+        lead = ctx is None or ctx.lead
         if lead:
             logger = self.logger or MetricsLogger(
                 total_steps=o.steps, jsonl=cfg.log.jsonl or None, progress=cfg.log.progress,
@@ -186,129 +195,148 @@ class AsyncGRPOTrainer:
             )
         else:  # metrics and logging from rank 0 only
             logger = MetricsLogger(total_steps=o.steps, jsonl=None, progress=False, trackio_project="")
-        records: list[dict[str, Any]] = []
-        n_commits_seen = 0
+        return _Job(ctx=ctx, lead=lead, model=model, adapter=adapter, params=params, opt=opt, pool=pool, buffer=buffer,
+                    workers=workers, poller=StatusPoller(pool), logger=logger)
+
+    def _open_run(self, job: _Job) -> None:
+        """Open the publisher, publish (or resume from) the first version, then start the rollouts."""
+        cfg, ctx = self.cfg, job.ctx
+        # one process, fp32 master on CPU: the publisher casts one tensor at a time (no bf16 copy of the model)
+        job.lazy = ctx is None and publisher_casts(job.model, self.publish_dtype)
+        job.publisher = publisher = Publisher(
+            cfg.sync.bucket, anchor_every=cfg.sync.anchor_every, anchor_fraction=cfg.sync.anchor_fraction,
+            queue_size=cfg.sync.queue_size, effort=cfg.sync.effort, adapter=job.adapter,
+            dist_timeout_s=cfg.distributed.timeout_s, dtype=self.publish_dtype if job.lazy else None)
+        job.state = publish_state(job.model, self.publish_dtype)  # cast: the resume checks digest it whole
+        job.full_bytes = sum(t.numel() * t.element_size() for t in job.state.values())
+        self.version, rewound = first_version(publisher, job.state, cfg, ctx)  # trainer/resume.py
+        if job.lazy:
+            job.state = {}  # no cast copy of the model is kept while training
+        self._judge = SampleJudge(publisher.store)  # samples of versions a rewind abandoned are dropped
+        if job.lead:
+            with self._lead_alone(ctx):
+                self._wait_for_fleet(publisher)
+                if rewound:  # no rollout from weights the rewind abandoned
+                    wait_for_rewound_replicas(job.pool, publisher, self.version, cfg.sync.fleet_timeout_s)
+            job.workers.start()
+            job.poller.start()
+        job.t_prev = time.time()
+
+    def _step(self, job: _Job, step: int) -> None:
+        """One optimizer step on the step's groups, the version it publishes when due, and (rank 0)
+        its metrics record."""
+        o, ctx, publisher = self.cfg.optim, job.ctx, job.publisher
+        assert publisher is not None
+        t0 = time.time()
+        groups = self._step_groups(job.buffer, job.workers, o.groups_per_step, step, ctx)
+        t_wait = time.time() - t0
+        batch, staleness, rewards, token_norm = self._batch(groups, ctx)
+        t1 = time.time()
+        with self._collective(ctx, f"training step {step}"):
+            logp = token_logprobs(job.model, batch)
+            loss, stats = grpo_loss(logp, batch, clip_low=o.clip_low, clip_high=o.clip_high, is_cap=o.is_cap,
+                                    token_norm=token_norm)
+            job.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = grad_norm(torch.nn.utils.clip_grad_norm_(job.params, o.max_grad_norm or float("inf")))
+            job.opt.step()
+            if ctx is not None:  # the step's loss: the mean of the ranks' shares (see token_norm)
+                stats.loss = all_mean(stats.loss, ctx)
+        t_train = time.time() - t1
+        t2 = time.time()
+        if step % self.cfg.sync.publish_every == 0 or step == o.steps:
+            job.state = publish_state(job.model, self.publish_dtype, cast=not job.lazy)
+            with self._collective(ctx, f"publishing version {self.version + 1}"):
+                self.version = publisher.publish(job.state, self.version + 1)
+        t_publish = time.time() - t2
+        if not job.lead:
+            return
+        with self._lead_alone(ctx):
+            t_fleet = self._wait_for_fleet(publisher)
+        self._log_commits(job)  # per-version sync metrics arrive as the uploader commits
+        now = time.time()
+        n_samples = sum(len(g.samples) for g in groups)
+        rec: dict[str, Any] = {
+            "step": step,
+            "version": self.version,
+            "reward": sum(rewards) / len(rewards),
+            "reward_max": max(rewards),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "loss": stats.loss,
+            "clip_frac": stats.clip_frac,
+            "ratio_mean": stats.ratio_mean,
+            "kl_behaviour": stats.kl_behaviour,
+            "stale_weight_mean": stats.stale_weight_mean,
+            "grad_norm": norm,
+            "samples": n_samples,
+            "tokens": stats.tokens,
+            "samples_per_s": n_samples / max(now - job.t_prev, 1e-6),
+            "tokens_per_s": stats.tokens / max(now - job.t_prev, 1e-6),
+            "groups_generated": job.workers.groups_played,
+            "dropped_stale": job.buffer.stats.dropped_stale,
+            "wait_s": t_wait,
+            "train_s": t_train,
+            "publish_s": t_publish,
+            "fleet_wait_s": t_fleet,
+            "step_s": now - t0,
+            "full_bytes": job.full_bytes,
+            **sync_fields(publisher.metrics),
+            **replica_fields(job.poller.latest),
+        }
+        job.t_prev = now
+        job.records.append(rec)
+        job.logger.log_step(rec)
+        if self.on_step is not None:
+            self.on_step(rec)
+
+    def _log_commits(self, job: _Job) -> None:
+        """Log the commits the uploader made since the last call."""
+        assert job.publisher is not None
+        new_commits = job.publisher.metrics[job.commits_logged:]
+        job.commits_logged += len(new_commits)
+        for m in new_commits:
+            job.logger.log_event("commit", {"full_bytes": job.full_bytes, **m})
+
+    def _finish(self, job: _Job, t_start: float) -> TrainResult:
+        """Wait until the last version is committed; the run's result with the final weights' digest."""
+        cfg, ctx, publisher = self.cfg, job.ctx, job.publisher
+        assert publisher is not None
+        publisher.flush(cfg.sync.flush_timeout_s)
+        self._log_commits(job)
+        state = job.state
+        if ctx is not None:  # the digest of the gathered full weights (a collective)
+            with self._collective(ctx, "gathering the final weights"):
+                state = full_state(state, ctx.rank) or {}
+        if job.lazy:  # the publisher's snapshot holds the last version, the model's final weights, cast
+            final_digest = publisher.state_digest or ""
+        else:
+            final_digest = checkpoint_digest(state) if job.lead else ""  # in the run's key set
+        commit_digest = final_digest
+        if ctx is not None and job.lead:
+            commit_digest = publisher.run.commit(self.version).state_digest
+        return TrainResult(
+            steps=job.records, commits=list(publisher.metrics), final_version=self.version,
+            state_digest=final_digest, full_bytes=job.full_bytes,
+            buffer=dict(vars(job.buffer.stats)),
+            replicas={u: {"requests": s.requests, "failures": s.failures, "last_error": s.last_error}
+                      for u, s in job.pool.stats.items()},
+            wall_s=time.time() - t_start, rank=ctx.rank if ctx else 0, world=ctx.world if ctx else 1,
+            commit_digest=commit_digest,
+        )
+
+    def _tear_down(self, job: _Job) -> None:
+        """Stop the rollout side and close the publisher, whatever ended the run (never masking its error)."""
+        job.poller.stop()
+        job.workers.stop()
+        job.pool.close()
         try:
-            # one process, fp32 master on CPU: the publisher casts one tensor at a time (no bf16 copy of the model)
-            lazy = ctx is None and publisher_casts(model, self.publish_dtype)
-            publisher = Publisher(cfg.sync.bucket, anchor_every=cfg.sync.anchor_every,
-                                  anchor_fraction=cfg.sync.anchor_fraction, queue_size=cfg.sync.queue_size,
-                                  effort=cfg.sync.effort, adapter=adapter, dist_timeout_s=cfg.distributed.timeout_s,
-                                  dtype=self.publish_dtype if lazy else None)
-            state = publish_state(model, self.publish_dtype)  # cast: the resume checks digest it whole
-            full_bytes = sum(t.numel() * t.element_size() for t in state.values())
-            self.version, rewound = first_version(publisher, state, cfg, ctx)  # trainer/resume.py
-            if lazy:
-                state = {}  # no cast copy of the model is kept while training
-            self._judge = SampleJudge(publisher.store)  # samples of versions a rewind abandoned are dropped
-            if lead:
-                with self._lead_alone(ctx):
-                    self._wait_for_fleet(publisher)
-                    if rewound:  # no rollout from weights the rewind abandoned
-                        wait_for_rewound_replicas(pool, publisher, self.version, cfg.sync.fleet_timeout_s)
-                workers.start()
-                poller.start()
-            t_prev = time.time()
-            for step in range(1, o.steps + 1):
-                t0 = time.time()
-                groups = self._step_groups(buffer, workers, o.groups_per_step, step, ctx)
-                t_wait = time.time() - t0
-                batch, staleness, rewards, token_norm = self._batch(groups, ctx)
-                t1 = time.time()
-                with self._collective(ctx, f"training step {step}"):
-                    logp = token_logprobs(model, batch)
-                    loss, stats = grpo_loss(logp, batch, clip_low=o.clip_low, clip_high=o.clip_high, is_cap=o.is_cap,
-                                            token_norm=token_norm)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    grad_norm = _grad_norm(torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm or float("inf")))
-                    opt.step()
-                    if ctx is not None:  # the step's loss: the mean of the ranks' shares (see token_norm)
-                        stats.loss = all_mean(stats.loss, ctx)
-                t_train = time.time() - t1
-                t2 = time.time()
-                if step % cfg.sync.publish_every == 0 or step == o.steps:
-                    state = publish_state(model, self.publish_dtype, cast=not lazy)
-                    with self._collective(ctx, f"publishing version {self.version + 1}"):
-                        self.version = publisher.publish(state, self.version + 1)
-                t_publish = time.time() - t2
-                if not lead:
-                    continue
-                with self._lead_alone(ctx):
-                    t_fleet = self._wait_for_fleet(publisher)
-                # per-version sync metrics arrive as the uploader commits
-                new_commits = publisher.metrics[n_commits_seen:]
-                n_commits_seen += len(new_commits)
-                for m in new_commits:
-                    logger.log_event("commit", {"full_bytes": full_bytes, **m})
-                now = time.time()
-                n_samples = sum(len(g.samples) for g in groups)
-                rec: dict[str, Any] = {
-                    "step": step,
-                    "version": self.version,
-                    "reward": sum(rewards) / len(rewards),
-                    "reward_max": max(rewards),
-                    "staleness_mean": sum(staleness) / len(staleness),
-                    "staleness_max": max(staleness),
-                    "loss": stats.loss,
-                    "clip_frac": stats.clip_frac,
-                    "ratio_mean": stats.ratio_mean,
-                    "kl_behaviour": stats.kl_behaviour,
-                    "stale_weight_mean": stats.stale_weight_mean,
-                    "grad_norm": grad_norm,
-                    "samples": n_samples,
-                    "tokens": stats.tokens,
-                    "samples_per_s": n_samples / max(now - t_prev, 1e-6),
-                    "tokens_per_s": stats.tokens / max(now - t_prev, 1e-6),
-                    "groups_generated": workers.groups_played,
-                    "dropped_stale": buffer.stats.dropped_stale,
-                    "wait_s": t_wait,
-                    "train_s": t_train,
-                    "publish_s": t_publish,
-                    "fleet_wait_s": t_fleet,
-                    "step_s": now - t0,
-                    "full_bytes": full_bytes,
-                    **_sync_fields(publisher.metrics),
-                    **_replica_fields(poller.latest),
-                }
-                t_prev = now
-                records.append(rec)
-                logger.log_step(rec)
-                if self.on_step is not None:
-                    self.on_step(rec)
-            publisher.flush(cfg.sync.flush_timeout_s)
-            for m in publisher.metrics[n_commits_seen:]:
-                logger.log_event("commit", {"full_bytes": full_bytes, **m})
-            if ctx is not None:  # the digest of the gathered full weights (a collective)
-                with self._collective(ctx, "gathering the final weights"):
-                    state = full_state(state, ctx.rank) or {}
-            if lazy:  # the publisher's snapshot holds the last version, the model's final weights, cast
-                final_digest = publisher.state_digest or ""
-            else:
-                final_digest = checkpoint_digest(state) if lead else ""  # in the run's key set
-            commit_digest = final_digest
-            if ctx is not None and lead:
-                commit_digest = publisher.run.commit(self.version).state_digest
-            return TrainResult(
-                steps=records, commits=list(publisher.metrics), final_version=self.version,
-                state_digest=final_digest, full_bytes=full_bytes,
-                buffer=dict(vars(buffer.stats)),
-                replicas={u: {"requests": s.requests, "failures": s.failures, "last_error": s.last_error}
-                          for u, s in pool.stats.items()},
-                wall_s=time.time() - t_start, rank=ctx.rank if ctx else 0, world=ctx.world if ctx else 1,
-                commit_digest=commit_digest,
-            )
-        finally:
-            poller.stop()
-            workers.stop()
-            pool.close()
-            try:
-                if publisher is not None:
-                    publisher.close(timeout=cfg.sync.flush_timeout_s)
-            except Exception as e:  # noqa: BLE001 - do not mask the error that ended the run
-                log.warning("publisher did not close cleanly: %s", e)
-            if self.logger is None or not lead:
-                logger.close()
+            if job.publisher is not None:
+                job.publisher.close(timeout=self.cfg.sync.flush_timeout_s)
+        except Exception as e:  # noqa: BLE001 - do not mask the error that ended the run
+            log.warning("publisher did not close cleanly: %s", e)
+        if self.logger is None or not job.lead:
+            job.logger.close()
 
     # -- internals --------------------------------------------------------------------
     def _join_distributed(self) -> DistContext | None:
@@ -401,29 +429,3 @@ class AsyncGRPOTrainer:
             [s.advantage for s in mine], [s.stale for s in mine], device=self.device,
         )
         return batch, staleness, [s.reward for s in samples], token_norm
-
-
-def _grad_norm(norm: torch.Tensor) -> float:
-    """clip_grad_norm_'s total norm as a float (a DTensor under FSDP2: the same value on every rank)."""
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
-
-
-def _sync_fields(commits: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sync metrics of the newest committed delta (None before the first delta)."""
-    for m in reversed(commits):
-        if "patch_bytes" in m:
-            return {"sync_version": m.get("version"), "sync_bytes": m["patch_bytes"],
-                    "density": m.get("density"), "n_changed": m.get("n_changed"), "upload_s": m.get("upload_s")}
-    return {"sync_version": None, "sync_bytes": None, "density": None, "n_changed": None, "upload_s": None}
-
-
-def _replica_fields(status: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
-    """lag/<i>, version/<i>, pause_s/<i> of each replica (i = its index in the config)."""
-    out: dict[str, Any] = {}
-    for i, (_url, st) in enumerate(status.items()):
-        st = st or {}
-        out[f"lag/{i}"] = st.get("lag")
-        out[f"replica_version/{i}"] = st.get("current_version")
-        out[f"pause_s/{i}"] = st.get("last_apply_s")
-    return out

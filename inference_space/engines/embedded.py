@@ -103,61 +103,27 @@ class EmbeddedEngine(Engine):
                 f"{self.model.config.max_position_embeddings}",
                 hint="send a shorter prompt",
             )
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
-        finish: list[FinishReason | None] = [None] * n
-        stop_texts: list[str | None] = [None] * n  # text cut before a stop string
-        stop_hit: list[str | None] = [None] * n  # the stop string that ended it (vLLM's stop_reason)
+        rows = _Rows(n, params, self.tokenizer, self._eos)
         cut: str | None = None
         past = None
         step_ids = input_ids
         for _ in range(max_new):
             if (cut := self._cut_reason()) is not None:
-                finish = [f or "abort" for f in finish]
+                rows.finish = [f or "abort" for f in rows.finish]
                 break
             out = self.model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             raw_logp = torch.log_softmax(logits, dim=-1)
-            if params.repetition_penalty != 1.0:  # as transformers and vLLM: divide positive logits, multiply negative
-                logits = logits.clone()
-                for i in range(n):
-                    seen = torch.tensor(prompt_ids + tokens[i], dtype=torch.long, device=logits.device).unique()
-                    row = logits[i, seen]
-                    logits[i, seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+            if params.repetition_penalty != 1.0:
+                logits = _penalized(logits, prompt_ids, rows.tokens, params.repetition_penalty)
             next_ids = self._sample(logits, params, gen)
             for i in range(n):
-                if finish[i] is not None:
-                    continue
-                tok = int(next_ids[i])
-                tokens[i].append(tok)
-                logps[i].append(float(raw_logp[i, tok]))
-                if params.logprobs:  # the k most likely, most likely first
-                    vals, idx = raw_logp[i].topk(params.logprobs)
-                    tops[i].append(dict(zip(idx.tolist(), vals.tolist(), strict=True)))
-                if tok in self._eos and not params.ignore_eos:
-                    finish[i] = "stop"
-                elif params.stop:
-                    text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-                    hits = [(p, s) for s in params.stop if (p := text.find(s)) >= 0]
-                    if hits:
-                        at, stop_hit[i] = min(hits, key=lambda h: h[0])
-                        finish[i], stop_texts[i] = "stop", text[:at]
-            if all(f is not None for f in finish):
+                rows.take(i, int(next_ids[i]), raw_logp)
+            if all(f is not None for f in rows.finish):
                 break
             step_ids = next_ids.view(n, 1).to(self.device)
-        result = []
-        for i in range(n):
-            reason: FinishReason = finish[i] or "length"
-            text = stop_texts[i]
-            if text is None:
-                body = tokens[i][:-1] if reason == "stop" and tokens[i] and tokens[i][-1] in self._eos else tokens[i]
-                text = self.tokenizer.decode(body, skip_special_tokens=True)
-            result.append(Completion(i, text, list(prompt_ids), tokens[i], logps[i], reason, None,
-                                     stop_reason=cut if reason == "abort" else stop_hit[i],
-                                     top_logprobs=tops[i] if params.logprobs else None))
-        return result
+        return rows.completions(prompt_ids, cut)
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
@@ -377,3 +343,61 @@ def _expert_view(name: str, runtime: Mapping[str, torch.Tensor]) -> torch.Tensor
         return None
     half = fused.shape[1] // 2
     return fused[e, :half] if proj in ("gate_proj", "w1") else fused[e, half:]
+
+
+def _penalized(logits: torch.Tensor, prompt_ids: list[int], tokens: list[list[int]], penalty: float) -> torch.Tensor:
+    """`logits` with each row's repetition penalty applied, as transformers and vLLM do: positive
+    logits of tokens seen (prompt or completion) divided by `penalty`, negative ones multiplied."""
+    logits = logits.clone()
+    for i, row_tokens in enumerate(tokens):
+        seen = torch.tensor(prompt_ids + row_tokens, dtype=torch.long, device=logits.device).unique()
+        row = logits[i, seen]
+        logits[i, seen] = torch.where(row > 0, row / penalty, row * penalty)
+    return logits
+
+
+class _Rows:
+    """The `n` completions of one request while they are generated: each row's tokens, logprobs
+    and top logprobs, and why it finished (a stop string cuts its text there)."""
+
+    def __init__(self, n: int, params: SamplingParams, tokenizer: Any, eos: Any) -> None:
+        self.params, self.tokenizer, self.eos = params, tokenizer, eos
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logps: list[list[float]] = [[] for _ in range(n)]
+        self.tops: list[list[dict[int, float]]] = [[] for _ in range(n)]
+        self.finish: list[FinishReason | None] = [None] * n
+        self.stop_texts: list[str | None] = [None] * n  # text cut before a stop string
+        self.stop_hit: list[str | None] = [None] * n  # the stop string that ended it (vLLM's stop_reason)
+
+    def take(self, i: int, tok: int, raw_logp: torch.Tensor) -> None:
+        """Row `i` takes its next token `tok` (nothing once it finished)."""
+        params = self.params
+        if self.finish[i] is not None:
+            return
+        self.tokens[i].append(tok)
+        self.logps[i].append(float(raw_logp[i, tok]))
+        if params.logprobs:  # the k most likely, most likely first
+            vals, idx = raw_logp[i].topk(params.logprobs)
+            self.tops[i].append(dict(zip(idx.tolist(), vals.tolist(), strict=True)))
+        if tok in self.eos and not params.ignore_eos:
+            self.finish[i] = "stop"
+        elif params.stop:
+            text = self.tokenizer.decode(self.tokens[i], skip_special_tokens=True)
+            hits = [(p, s) for s in params.stop if (p := text.find(s)) >= 0]
+            if hits:
+                at, self.stop_hit[i] = min(hits, key=lambda h: h[0])
+                self.finish[i], self.stop_texts[i] = "stop", text[:at]
+
+    def completions(self, prompt_ids: list[int], cut: str | None) -> list[Completion]:
+        """The finished rows (`cut`: why the batch was cut, its rows' stop reason)."""
+        result = []
+        for i, tokens in enumerate(self.tokens):
+            reason: FinishReason = self.finish[i] or "length"
+            text = self.stop_texts[i]
+            if text is None:
+                body = tokens[:-1] if reason == "stop" and tokens and tokens[-1] in self.eos else tokens
+                text = self.tokenizer.decode(body, skip_special_tokens=True)
+            result.append(Completion(i, text, list(prompt_ids), tokens, self.logps[i], reason, None,
+                                     stop_reason=cut if reason == "abort" else self.stop_hit[i],
+                                     top_logprobs=self.tops[i] if self.params.logprobs else None))
+        return result

@@ -1,6 +1,7 @@
 """`sparsesync demo`: the whole disaggregated RL job on this machine, in one command.
 
-A thin wrapper over `trainer.demo.run_demo` (imported lazily so `sparsesync --help` stays fast).
+A thin wrapper over `trainer.demo.run_demo` (imported lazily so `sparsesync --help` stays fast), from
+the checkout the library was installed from (`sparsesync.apps`: the wheel ships no app).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def demo(
     lora: Annotated[bool, typer.Option("--lora/--no-lora", help="Train a LoRA adapter (r=8, every linear layer and the LM head) and ship adapter versions; default lr 2e-2.")] = False,
 ) -> None:
     """Run a local async RL job: env server, inference replicas and trainer sharing weights only through a bucket folder."""
+    from sparsesync.apps import import_app
+
+    import_app("trainer")  # the checkout's trainer/ (the wheel ships no app): sparsesync.apps
     from trainer.demo import DemoOptions, run_demo
 
     if engine not in ("embedded", "vllm"):

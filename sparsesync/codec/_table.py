@@ -88,6 +88,16 @@ def _model(out: bytearray, f: list[int]) -> None:
 
 def build_table(rows: list[Row]) -> bytes:
     """The zstd-compressed table of `rows` (sorted by name, models already quantized)."""
+    return compress(table_bytes(rows))
+
+
+def compress(raw: bytes) -> bytes:
+    """One zstd frame with its content size (what `inflate` reads)."""
+    return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(raw)
+
+
+def table_bytes(rows: list[Row]) -> bytes:  # noqa: C901 - writes the records field by field in their format's order (docs/format.md): one loop per column
+    """The records of `rows`, not compressed (format 4's group section embeds them)."""
     out = bytearray()
     _varint(out, len(rows))
     prev = b""
@@ -132,7 +142,7 @@ def build_table(rows: list[Row]) -> bytes:
         out += bytes.fromhex(r.base_digest)[::-1]
     for r in rows:
         out += bytes.fromhex(r.target_digest)[::-1]
-    return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(bytes(out))
+    return bytes(out)
 
 
 def _unit(role: str, dtype: str) -> int:
@@ -152,13 +162,16 @@ def _bad(msg: str) -> PatchFormatError:
     return PatchFormatError(f"patch table: {msg}", hint="the file is corrupt or not a sparsesync patch of format 3; fetch it again")
 
 
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
+class Reader:
+    def __init__(self, data: bytes, what: str = "patch table", fmt: int = 3) -> None:
+        self.data, self.pos, self.what, self.fmt = data, 0, what, fmt
+
+    def bad(self, msg: str) -> PatchFormatError:
+        return PatchFormatError(f"{self.what}: {msg}", hint=f"the file is corrupt or not a sparsesync patch of format {self.fmt}; fetch it again")
 
     def byte(self, what: str) -> int:
         if self.pos >= len(self.data):
-            raise _bad(f"ends inside {what} (at byte {self.pos})")
+            raise self.bad(f"ends inside {what} (at byte {self.pos})")
         self.pos += 1
         return self.data[self.pos - 1]
 
@@ -169,25 +182,27 @@ class _Reader:
         """`count` varints (LEB128, at most 9 bytes, no overlong forms), each at most `hi`."""
         values, pos, v, status = _native.varints(self.data, self.pos, count, hi)
         if status == 1:
-            raise _bad(f"ends inside {what} (at byte {pos})")
+            raise self.bad(f"ends inside {what} (at byte {pos})")
         if status == 2:
-            raise _bad(f"{what} is {v} (overlong varint), expected at most {hi}")
+            raise self.bad(f"{what} is {v} (overlong varint), expected at most {hi}")
         if status == 3:
-            raise _bad(f"{what} is over {hi}, expected at most {hi}")
+            raise self.bad(f"{what} is over {hi}, expected at most {hi}")
         if status == 4:
-            raise _bad(f"{what}: varint longer than 9 bytes")
+            raise self.bad(f"{what}: varint longer than 9 bytes")
         self.pos = pos
         return values
 
     def take(self, n: int, what: str) -> bytes:
         if self.pos + n > len(self.data):
-            raise _bad(f"ends inside {what} ({n} bytes needed at byte {self.pos}, {len(self.data) - self.pos} left)")
+            raise self.bad(f"ends inside {what} ({n} bytes needed at byte {self.pos}, {len(self.data) - self.pos} left)")
         self.pos += n
         return self.data[self.pos - n : self.pos]
 
 
-def inflate(data: bytes) -> bytes:
-    """The table's single zstd frame, inflated; its declared size must be known and at most MAX_TABLE_BYTES."""
+def inflate(data: bytes, what: str = "patch table", fmt: int = 3) -> bytes:
+    """The table's single zstd frame, inflated; its declared size must be known and at most MAX_TABLE_BYTES
+    (`what`, `fmt`: named in errors)."""
+    _bad = Reader(b"", what, fmt).bad
     try:
         size = zstandard.get_frame_parameters(data).content_size
     except zstandard.ZstdError as e:
@@ -203,68 +218,77 @@ def inflate(data: bytes) -> bytes:
     return out
 
 
-def _thresholds(rd: _Reader, what: str) -> list[int]:
+def _thresholds(rd: Reader, what: str) -> list[int]:
     n = rd.byte(f"{what} threshold count")
     t = list(rd.take(n, f"{what} thresholds"))
     if n >= _MAX_CLASSES or not all(1 <= x <= 127 for x in t) or any(a >= b for a, b in zip(t, t[1:])):
-        raise _bad(f"{what} thresholds {t}, expected fewer than {_MAX_CLASSES} increasing integers in [1, 127]")
+        raise rd.bad(f"{what} thresholds {t}, expected fewer than {_MAX_CLASSES} increasing integers in [1, 127]")
     return t
 
 
-def _read_model(rd: _Reader, what: str) -> list[int]:
+def _read_model(rd: Reader, what: str) -> list[int]:
     e = rd.byte(f"{what} alphabet size")
     if e == 0:
         return [0, 0]
     if e > _MAX_ALPHABET:
-        raise _bad(f"{what} alphabet size {e}, expected 1..{_MAX_ALPHABET}")
+        raise rd.bad(f"{what} alphabet size {e}, expected 1..{_MAX_ALPHABET}")
     f = rd.varints(f"{what} frequency", e, PROB_M)
     if sum(f) > PROB_M:
-        raise _bad(f"{what} frequencies sum to {sum(f)}, expected at most {PROB_M}")
+        raise rd.bad(f"{what} frequencies sum to {sum(f)}, expected at most {PROB_M}")
     return f + [PROB_M - sum(f)]
 
 
 def parse_table(data: bytes) -> list[Row]:
     """The records of an inflated table (see the module docstring for what is checked here;
     stream sizes against the data section are checked by the caller)."""
-    rd = _Reader(data)
+    rd = Reader(data)
+    rows = read_rows(rd)
+    if rd.pos != len(data):
+        raise rd.bad(f"{len(data) - rd.pos} bytes left after the last field")
+    return rows
+
+
+def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bounds-checks the records field by field in their format's order (docs/format.md); split, that order would be spread over functions
+    """The records at `rd`'s position (a record count, then the columns); `rd` is left after them."""
+    data = rd.data
     t = rd.varint("record count")
     if t * _MIN_RECORD > len(data):
-        raise _bad(f"declares {t} records, but {len(data)} bytes hold at most {len(data) // _MIN_RECORD}")
+        raise rd.bad(f"declares {t} records, but {len(data)} bytes hold at most {len(data) // _MIN_RECORD}")
     names, prev = [], b""
     for i in range(t):
         shared = rd.varint(f"name {i}: shared prefix length", len(prev))
         nb = prev[:shared] + rd.take(rd.varint(f"name {i}: suffix length", MAX_NAME_BYTES), f"name {i}")
         if i and nb <= prev:
-            raise _bad(f"name {i} ({nb[:80]!r}) does not sort after name {i - 1} ({prev[:80]!r}); names must be unique and sorted")
+            raise rd.bad(f"name {i} ({nb[:80]!r}) does not sort after name {i - 1} ({prev[:80]!r}); names must be unique and sorted")
         if not nb or len(nb) > MAX_NAME_BYTES:
-            raise _bad(f"name {i} has {len(nb)} bytes, expected 1..{MAX_NAME_BYTES}")
+            raise rd.bad(f"name {i} has {len(nb)} bytes, expected 1..{MAX_NAME_BYTES}")
         try:
             names.append(nb.decode("utf-8"))
         except UnicodeDecodeError:
-            raise _bad(f"name {i} is not UTF-8") from None
+            raise rd.bad(f"name {i} is not UTF-8") from None
         prev = nb
     dts = []
     for i, c in enumerate(rd.take(t, "dtypes")):
         if c >= len(DTYPE_CODES):
-            raise _bad(f"tensor '{names[i]}': dtype code {c}, expected 0..{len(DTYPE_CODES) - 1}")
+            raise rd.bad(f"tensor '{names[i]}': dtype code {c}, expected 0..{len(DTYPE_CODES) - 1}")
         dts.append(DTYPE_CODES[c])
     shapes = []
     for i in range(t):
         nd = rd.byte(f"tensor '{names[i]}': ndim")
         if nd > 16:
-            raise _bad(f"tensor '{names[i]}': {nd} dims, expected at most 16")
+            raise rd.bad(f"tensor '{names[i]}': {nd} dims, expected at most 16")
         shape, numel = [], 1
         for _ in range(nd):
             d = rd.varint(f"tensor '{names[i]}': dim", 1 << 48)
             shape.append(d)
             numel *= d
             if numel > 1 << 48:
-                raise _bad(f"tensor '{names[i]}': shape {shape}... has more than 2^48 elements")
+                raise rd.bad(f"tensor '{names[i]}': shape {shape}... has more than 2^48 elements")
         shapes.append(tuple(shape))
     encs = []
     for i, c in enumerate(rd.take(t, "encodings")):
         if c & 15 >= len(POS_CODES) or c >> 4 >= len(VAL_CODES):
-            raise _bad(f"tensor '{names[i]}': encoding code {c:#04x}, expected positions 0..{len(POS_CODES) - 1} | values 0..{len(VAL_CODES) - 1} << 4")
+            raise rd.bad(f"tensor '{names[i]}': encoding code {c:#04x}, expected positions 0..{len(POS_CODES) - 1} | values 0..{len(VAL_CODES) - 1} << 4")
         encs.append((POS_CODES[c & 15], VAL_CODES[c >> 4]))
     n_changed = [0] * t
     for i in range(t):
@@ -281,7 +305,7 @@ def parse_table(data: bytes) -> list[Row]:
                 if n:
                     k = rd.byte(f"{what} k")
                     if k > _MAX_K:
-                        raise _bad(f"{what} k={k}, expected at most {_MAX_K}")
+                        raise rd.bad(f"{what} k={k}, expected at most {_MAX_K}")
                     counts = _read_model(rd, f"{what} quotient model")
                 else:
                     k, counts = 0, [PROB_M, 0]
@@ -300,8 +324,6 @@ def parse_table(data: bytes) -> list[Row]:
             sizes[i][role] = rd.varint(f"tensor '{names[i]}': size of '{role}'", 1 << 48) * _unit(role, dts[i])
     base = rd.take(8 * t, "base digests")
     target = rd.take(8 * t, "target digests")
-    if rd.pos != len(data):
-        raise _bad(f"{len(data) - rd.pos} bytes left after the last field")
     return [
         Row(names[i], dts[i], shapes[i], n_changed[i], encs[i][0], pparams[i], encs[i][1], vparams[i],
             base[8 * i : 8 * i + 8][::-1].hex(), target[8 * i : 8 * i + 8][::-1].hex(), sizes[i])

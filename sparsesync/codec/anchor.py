@@ -141,7 +141,8 @@ def _read_into(f: BinaryIO, t: torch.Tensor, start: int, nbytes: int, path: Path
         got += n
 
 
-def load_anchor(files: Sequence[Path], *, alloc: Alloc | None = None,
+def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that checks each header, version and digest as it reads (docs/format.md); the checks share the read state
+    files: Sequence[Path], *, alloc: Alloc | None = None,
                 written: Callable[[torch.Tensor], object] | None = None) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
     """Load an anchor from its files (shards, with or without the index) on CPU, verifying every
     tensor's digest and that all files agree on the version.

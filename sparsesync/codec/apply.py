@@ -15,17 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
+from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
-from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digests
-from sparsesync.codec.patch import Patch, TensorEntry, ctx_for
+from sparsesync.codec.digest import put_and_digest, put_and_digests, tensor_digest, tensor_digests
+from sparsesync.codec.patch import GROUPED, Group, Patch, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
+R = TypeVar("R")
 
 
 @dataclass
@@ -58,7 +61,13 @@ def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
-    flat = bits_view(t)
+    idx, vals = _decode_bits(patch, e, bits_view(t))
+    values = torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)
+    return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), values)
+
+
+def _decode_bits(patch: Patch, e: TensorEntry, flat: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted flat indices, their new bits) of `e`'s changes to the element bits `flat`."""
 
     def base_bits(idx: np.ndarray | None) -> np.ndarray:
         if idx is None:
@@ -70,7 +79,7 @@ def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
         return to_np_bits(flat[torch.from_numpy(idx).to(flat.device)])
 
     ctx = ctx_for(e, base_bits, patch.header.format_version)
-    streams = {role: patch.stream(e.name, role) for role in e.streams}
+    streams = {role: patch.stream(e.name, role, e) for role in e.streams}
     try:
         idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)
         if e.positions not in ("dense", "gaps"):  # gaps decode to n_changed strictly increasing positions in range by construction
@@ -88,8 +97,7 @@ def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
     if e.positions == "dense":  # report only what actually changes
         keep = vals != base_bits(None)
         idx, vals = np.flatnonzero(keep), vals[keep]
-    values = torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)
-    return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), values)
+    return idx, vals
 
 
 def _signed(dt: np.dtype) -> np.dtype:
@@ -121,23 +129,73 @@ def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor], *, kno
         )
 
 
+def _units(patch: Patch) -> tuple[list[str | Group], list[str | Group]]:
+    """What decodes on its own: every tensor coded alone (by name) and every group; (in name
+    order, the first failing one is reported; biggest first, which keeps both threads busy)."""
+    h = patch.header
+    units: list[str | Group] = sorted([*(n for n, e in h.tensors.items() if e.positions != GROUPED), *h.groups], key=_unit_name)
+    return units, sorted(units, key=lambda u: (-_unit_numel(patch, u), _unit_name(u)))
+
+
+def _unit_name(u: str | Group) -> str:
+    return u if isinstance(u, str) else u.coding.name
+
+
+def _unit_numel(patch: Patch, u: str | Group) -> int:
+    return patch.header.tensors[u].numel if isinstance(u, str) else u.coding.numel
+
+
+def _settled(patch: Patch, fn: Callable[[str | Group], dict[str, R]]) -> dict[str, R | BaseException]:
+    """`fn` of every unit on the codec's pool, merged by tensor name (a unit that failed: its
+    exception under its name)."""
+    names, order = _units(patch)
+    with _parallel.gc_paused():
+        results = _parallel.map_settled(fn, order, weights=[_unit_numel(patch, u) for u in order])
+    by_unit = {_unit_name(u): r for u, r in zip(order, results)}
+    out: dict[str, R | BaseException] = {}
+    for u in names:
+        r = by_unit[_unit_name(u)]
+        out.update({_unit_name(u): r} if isinstance(r, BaseException) else r)
+    return out
+
+
+def _decode_group(patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each member's (sorted flat indices, new bits), decoded from its group's coding against a
+    copy of the members' base bits laid end to end (read-only). A member that does not get
+    exactly the changes the section declares for it is PatchFormatError."""
+    views = [bits_view(tensors[n]) for n in g.members]
+    flat = cat_into("base", views)
+    idx, vals = _decode_bits(patch, g.coding, flat)
+    cuts = np.searchsorted(idx, g.offsets)
+    got = np.diff(cuts)
+    if not np.array_equal(got, g.n_changed):
+        i = int(np.argmax(got != g.n_changed))
+        raise PatchFormatError(f"group '{g.coding.name}': member '{g.members[i]}' decodes to {int(got[i])} changes, the group section says {int(g.n_changed[i])}",
+                               hint="the patch is corrupt; fetch it again")
+    return {n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)}
+
+
+def _update(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> SparseUpdate:
+    return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype))
+
+
 def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True) -> dict[str, SparseUpdate]:
     """Decode and validate `patch` against `tensors` (read-only). Raises before returning if
     anything does not fit: PatchMismatchError (layout, base digest) or PatchFormatError (streams)."""
     _check_layout(patch, tensors)
     if check_base_digest:
         check_base_digests(patch, tensors)
-    names = list(patch.header.tensors)  # sorted: the first failing tensor in name order is reported
-    # biggest first keeps both threads busy to the end; errors are still raised in name order
-    order = sorted(names, key=lambda n: (-patch.header.tensors[n].numel, n))
-    with _parallel.gc_paused():
-        results = _parallel.map_settled(lambda n: _decode_one(patch, patch.header.tensors[n], tensors[n]), order,
-                                          weights=[patch.header.tensors[n].numel for n in order])
-    by_name = dict(zip(order, results))
-    for n in names:
-        if isinstance(by_name[n], BaseException):
-            raise by_name[n]
-    return {n: by_name[n] for n in names}
+
+    def one(u: str | Group) -> dict[str, SparseUpdate]:
+        if isinstance(u, str):
+            return {u: _decode_one(patch, patch.header.tensors[u], tensors[u])}
+        return {n: _update(tensors[n], i, v) for n, (i, v) in _decode_group(patch, u, tensors).items()}
+
+    by_name = _settled(patch, one)
+    for r in by_name.values():
+        if isinstance(r, BaseException):
+            raise r
+    return {n: by_name[n] for n in patch.header.tensors}  # type: ignore[misc]
 
 
 def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) -> tuple[SparseUpdate, str | None, str | None]:
@@ -162,6 +220,19 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool) 
     old_vals = flat[idx].cpu().view(t.dtype)
     flat[idx] = u.values.view(flat.dtype).to(flat.device)
     return SparseUpdate(u.indices, old_vals), None, None
+
+
+def _write_small(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: bool, before: bool) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
+    """`_write_one` for a member of a group (CPU; small, so hashed whole before and after the
+    writes, no blocks): (the update, the overwritten old values, digest after, digest before)."""
+    flat = bits_view(t)
+    bits = to_np_bits(flat)
+    h_before = tensor_digest(t) if before else None
+    old = put_bits(bits, idx, vals.view(bits.dtype), keep_old=True)
+    h_after = tensor_digest(t) if digest else None
+    ti = torch.from_numpy(idx.astype(np.int64, copy=False))
+    return (SparseUpdate(ti, torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)),
+            SparseUpdate(ti, torch.from_numpy(old.view(_signed(old.dtype))).view(t.dtype)), h_after, h_before)
 
 
 def write_updates(
@@ -254,24 +325,33 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
     """`apply_patch` for CPU tensors: decode and write tensor by tensor (biggest first, on the
     codec's pool), then check the digests hashed in the writes; undo everything on any failure."""
     h = patch.header
-    names = list(h.tensors)  # sorted: the first failing tensor in name order is reported
-    order = sorted(names, key=lambda n: (-h.tensors[n].numel, n))
+    names = list(h.tensors)
 
-    def one(name: str) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
-        u = _decode_one(patch, h.tensors[name], tensors[name])
-        r = (u, *_write_one(tensors[name], u, digest=verify, before=check_base_digest))
-        if written is not None:
-            written(tensors[name])
+    def one(u: str | Group) -> dict[str, tuple[SparseUpdate, SparseUpdate, str | None, str | None]]:
+        if isinstance(u, str):
+            d = _decode_one(patch, h.tensors[u], tensors[u])
+            r = {u: (d, *_write_one(tensors[u], d, digest=verify, before=check_base_digest))}
+            if written is not None:
+                written(tensors[u])
+            return r
+        decoded, r = _decode_group(patch, u, tensors), {}
+        try:
+            for n, (i, v) in decoded.items():
+                r[n] = _write_small(tensors[n], i, v, digest=verify, before=check_base_digest)
+                if written is not None:
+                    written(tensors[n])
+        except BaseException:
+            write_updates(tensors, {n: x[1] for n, x in r.items()})  # a group's writes are undone together
+            raise
         return r
 
-    with _parallel.gc_paused():
-        results = dict(zip(order, _parallel.map_settled(one, order, weights=[h.tensors[n].numel for n in order])))
+    results = _settled(patch, one)
     done = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
 
     def undo() -> None:
         write_updates(tensors, {n: r[1] for n, r in done.items()})
 
-    failed = [results[n] for n in names if isinstance(results[n], BaseException)]
+    failed = [r for r in results.values() if isinstance(r, BaseException)]
     if failed:
         undo()
         if check_base_digest and isinstance(failed[0], PatchFormatError):

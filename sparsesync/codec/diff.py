@@ -226,7 +226,7 @@ def _change_of(t: torch.Tensor, found: list[tuple[np.ndarray, np.ndarray, np.nda
                         _joined([p[1] for p in parts]), _joined([p[2] for p in parts]))
 
 
-def diff_state(
+def diff_state(  # noqa: C901, PLR0915 - the sliced diff loop (CPU or CUDA, one or two devices, native or torch pass) over one set of per-slice buffers it reuses
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
     *,

@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 
-from sparsesync.codec import _container, _encodings, _parallel, _table
+from sparsesync.codec import _container, _encodings, _groups, _parallel, _table
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 3  # what the encoder writes
-READABLE_VERSIONS = (1, 2, 3)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table (docs/format.md)
+FORMAT_VERSION = 4  # what the encoder writes when it groups small tensors (else 3, which older readers read)
+READABLE_VERSIONS = (1, 2, 3, 4)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 adds groups (docs/format.md)
 DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
 
 # What an encoder favors when it has the base. "size" (the default): the smallest patches, with
@@ -47,6 +47,8 @@ def check_effort(effort: str) -> Effort:
 
 
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors
+GROUPS_KEY = "groups"  # format 4's third, between them
+GROUPED = "group"  # positions and values of a member of a group (its changes are coded by the group)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,16 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Format 4: touched small tensors coded as one flat tensor, their concatenation in `members` order."""
+
+    coding: TensorEntry  # the concatenation's encodings and streams (named by the first member, 1-D)
+    members: tuple[str, ...]
+    offsets: object  # numpy int64: each member's start in the concatenation, then the total
+    n_changed: object  # numpy int64 per member
+
+
+@dataclass(frozen=True)
 class PatchHeader:
     """Everything a patch says about itself; readable from the file's header alone."""
 
@@ -91,6 +103,7 @@ class PatchHeader:
     target_state_digest: str
     tensors: dict[str, TensorEntry]
     streams_start: int = 0  # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
+    groups: tuple[Group, ...] = ()  # format 4: members are in `tensors` too (positions GROUPED), coded by their group
 
     def byte_ranges(self, names: list[str] | None = None) -> dict[str, tuple[int, int]]:
         """Format 3: the file's [start, end) holding all streams of each tensor of `names`
@@ -100,8 +113,13 @@ class PatchHeader:
             raise ValueError(f"patch format {self.format_version} does not place each tensor's streams together; read the whole file")
         out, off = {}, self.streams_start
         for name, e in self.tensors.items():
-            out[name] = (off, off + e.nbytes)
-            off += e.nbytes
+            if e.positions != GROUPED:
+                out[name] = (off, off + e.nbytes)
+                off += e.nbytes
+        for g in self.groups:  # after the table's tensors; a member's range is its group's
+            for m in g.members:
+                out[m] = (off, off + g.coding.nbytes)
+            off += g.coding.nbytes
         return out if names is None else {n: out[n] for n in names}
 
 
@@ -117,9 +135,9 @@ class Patch:
     def nbytes(self) -> int:
         return len(self.data)
 
-    def stream(self, name: str, role: str) -> bytes:
-        """The raw bytes of one of tensor `name`'s streams."""
-        s = self._streams[self.header.tensors[name].streams[role]]
+    def stream(self, name: str, role: str, entry: TensorEntry | None = None) -> bytes:
+        """The raw bytes of one of tensor `name`'s streams (`entry`: a group's coding)."""
+        s = self._streams[(entry or self.header.tensors[name]).streams[role]]
         return self.data[s.start : s.end]
 
 
@@ -192,40 +210,58 @@ def assemble_patch(
     target_digests: Mapping[str, str],
     base_state_digest: str,
     target_state_digest: str,
+    groups: Sequence[tuple[EncodedTensor, _groups.Members]] = (),
 ) -> bytes:
-    """The patch file from encoded tensors plus versions and digests."""
+    """The patch file from encoded tensors plus versions and digests; `groups`: the encoded
+    concatenation of each group's touched members and who they are (format 4; without groups
+    the file is format 3, which older readers read)."""
     if not (type(base_version) is int and type(target_version) is int and 0 <= base_version < target_version):
         raise PatchFormatError(f"versions {base_version} -> {target_version}, expected 0 <= base < target", hint="pass the published version numbers")
-    missing = sorted(n for n in encoded if n not in base_digests or n not in target_digests)
+    member_names = [n for _, m in groups for n in m.names]
+    missing = sorted(n for n in [*encoded, *member_names] if n not in base_digests or n not in target_digests)
     if missing:
         raise PatchFormatError(f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes")
     for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
-        (f"digest of '{n}'", dg) for n in encoded for dg in (base_digests[n], target_digests[n])
+        (f"digest of '{n}'", dg) for n in [*encoded, *member_names] for dg in (base_digests[n], target_digests[n])
     ]:
         if not isinstance(d, str) or not DIGEST_RE.match(d):
             raise PatchFormatError(f"{what} {d!r}, expected 16 lowercase hex digits", hint="use codec.tensor_digest / codec.state_digest")
-    rows, blobs = [], []
-    for name in sorted(encoded):
-        e = encoded[name]
-        pp, vp = e.position_params, e.value_params
-        if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
-            pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
-        if e.values == "delta":
-            vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
-        explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
-        rows.append(_table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digests[name], target_digests[name],
-                               {role: len(e.streams[role][2]) for role in explicit}))
-        blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
+    if len(set(member_names)) != len(member_names) or set(member_names) & set(encoded):
+        raise PatchFormatError("a tensor is in two groups, or in a group and coded alone", hint="code each tensor once")
+    blobs: list[bytes] = []
+    rows = [_row(name, encoded[name], base_digests[name], target_digests[name], blobs) for name in sorted(encoded)]
+    grows = [_row(m.names[0], e, _ZERO, _ZERO, blobs) for e, m in groups]
     meta = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION if groups else 3),
         "base_version": str(base_version),
         "target_version": str(target_version),
         "base_state_digest": base_state_digest,
         "target_state_digest": target_state_digest,
     }
     table = _table.build_table(rows)
-    return _container.write_container(meta, [(TABLE_KEY, "U8", (len(table),), table), (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
+    tensors = [(TABLE_KEY, "U8", (len(table),), table)]
+    if groups:
+        section = _groups.build_section(grows, [m for _, m in groups], base_digests, target_digests)
+        tensors.append((GROUPS_KEY, "U8", (len(section),), section))
+    return _container.write_container(meta, [*tensors, (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
+
+
+_ZERO = "0" * 16  # a group's own digests (unused: its members carry theirs)
+
+
+def _row(name: str, e: EncodedTensor, base_digest: str, target_digest: str, blobs: list[bytes]) -> _table.Row:
+    """The table record of one encoded tensor (models quantized as the coder does); its streams
+    are appended to `blobs` in the data section's order."""
+    pp, vp = e.position_params, e.value_params
+    if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
+        pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
+    if e.values == "delta":
+        vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
+    explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
+    blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
+    return _table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digest, target_digest,
+                      {role: len(e.streams[role][2]) for role in explicit})
 
 
 def encode_changes(

@@ -16,14 +16,17 @@ import os
 import re
 from collections.abc import Callable
 
-from sparsesync.codec import _container, _encodings, _table
+from sparsesync.codec import _container, _encodings, _groups, _table
 from sparsesync.codec._container import Stream
 from sparsesync.codec.patch import (
     DIGEST_RE,
     FORMAT_NAME,
+    GROUPED,
+    GROUPS_KEY,
     READABLE_VERSIONS,
     STREAMS_KEY,
     TABLE_KEY,
+    Group,
     Patch,
     PatchHeader,
     TensorEntry,
@@ -47,7 +50,7 @@ def _int_field(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:
+def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # noqa: C901 - one check per field of a header entry, in docs/format.md's order
     where = f"tensor '{name}'"
     if not isinstance(raw, dict):
         raise _fmt(f"{where}: entry is {type(raw).__name__}, expected an object")
@@ -113,7 +116,7 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
             hint="upgrade sparsesync to read newer patches",
         )
     version = int(meta["format_version"])
-    keys = _META_KEYS_V3 if version == 3 else _META_KEYS
+    keys = _META_KEYS_V3 if version >= 3 else _META_KEYS
     if set(meta) != keys:
         raise _fmt(f"metadata keys {sorted(meta)}, expected {sorted(keys)}")
     versions = []
@@ -126,9 +129,9 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
     for key in ("base_state_digest", "target_state_digest"):
         if not DIGEST_RE.match(meta[key]):
             raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected 16 lowercase hex digits")
-    start = 0
-    if version == 3:
-        tensors, streams = _table_entries(table, buf)
+    start, groups = 0, ()
+    if version >= 3:
+        tensors, streams, groups = _table_entries(table, buf, version)
         start = table[STREAMS_KEY].start
     else:
         try:
@@ -142,49 +145,71 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
         extra = sorted(set(table) - used)
         if extra:
             raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
-    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start), streams
+    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start, groups), streams
 
 
-def _table_entries(table: dict[str, Stream], buf: bytes) -> tuple[dict[str, TensorEntry], dict[str, Stream]]:
-    """Format 3: the entries of the binary table and where each tensor's streams lie in `streams`."""
-    if set(table) != {TABLE_KEY, STREAMS_KEY} or table[TABLE_KEY].end != table[STREAMS_KEY].start:
-        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly '{TABLE_KEY}' then '{STREAMS_KEY}' (format 3)")
+def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[dict[str, TensorEntry], dict[str, Stream], tuple[Group, ...]]:
+    """Formats 3 and 4: the entries of the binary table (and format 4's groups, whose members
+    are entries too, positions GROUPED) and where each tensor's streams lie in `streams`."""
+    keys = [TABLE_KEY, GROUPS_KEY, STREAMS_KEY] if version == 4 else [TABLE_KEY, STREAMS_KEY]
+    if set(table) != set(keys) or any(table[a].end != table[b].start for a, b in zip(keys, keys[1:])):
+        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly {' then '.join(repr(k) for k in keys)} (format {version})")
     t, d = table[TABLE_KEY], table[STREAMS_KEY]
-    if t.dtype != "U8" or d.dtype != "U8":
-        raise _fmt(f"'{TABLE_KEY}' is {t.dtype} and '{STREAMS_KEY}' {d.dtype}, expected U8")
-    if len(buf) < t.end:
-        raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {t.end}")
+    if any(table[k].dtype != "U8" for k in keys):
+        raise _fmt(f"'{TABLE_KEY}' is {t.dtype}" + "".join(f" and '{k}' {table[k].dtype}" for k in keys[1:]) + ", expected U8")
+    end = table[keys[-2]].end
+    if len(buf) < end:
+        raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {end}")
     rows = _table.parse_table(_table.inflate(bytes(buf[t.start : t.end])))
+    parsed = _groups.parse_section(_table.inflate(bytes(buf[table[GROUPS_KEY].start : end]), "patch group section", 4), {r.name for r in rows}) if version == 4 else []
     off, located, tensors = d.start, {}, {}
     for r in rows:
-        where = f"tensor '{r.name}'"
-        numel = math.prod(r.shape)
-        if not 1 <= r.n_changed <= max(numel, 1):
-            raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
-        probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest, r.position_params, r.value_params)
-        ctx = ctx_for(probe)
-        layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
-        roles = {}
-        for role in (x for x in _table.ROLE_ORDER if x in layout):
-            sdt, sshape = layout[role]
-            if sshape is not None:
-                size = math.prod(sshape) * _container.ST_DTYPES[sdt][1]
-            elif role == "gaps_low":
-                size = (sum(c["n"] * c["k"] for c in r.position_params["classes"]) + 7) // 8
-            else:
-                size = r.sizes[role]
-            key = stream_key(r.name, role)
-            located[key] = Stream(key, sdt, sshape if sshape is not None else (size,), off, off + size)
-            roles[role] = key
-            off += size
-            if off > d.end:
-                raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
-        raw = {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
-               "values": r.values, "value_params": r.value_params, "base_digest": r.base_digest, "target_digest": r.target_digest, "streams": roles}
-        tensors[r.name] = _entry(r.name, raw, located)
+        off, tensors[r.name] = _locate(r, off, d, located, f"tensor '{r.name}'")
+    groups = []
+    for g in parsed:
+        off, coding = _locate(g.row, off, d, located, f"group '{g.row.name}'")
+        groups.append(Group(coding, g.names, g.offsets, g.n_changed))
+        for i, name in enumerate(g.names):
+            tensors[name] = TensorEntry(name, g.row.dtype, g.shapes[i], int(g.n_changed[i]), GROUPED, GROUPED, g.base_digests[i], g.target_digests[i])
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
-    return tensors, located
+    if groups:
+        tensors = dict(sorted(tensors.items()))
+    return tensors, located, tuple(groups)
+
+
+def _raw(r: _table.Row, roles: dict[str, str]) -> dict:
+    return {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
+            "values": r.values, "value_params": r.value_params, "base_digest": r.base_digest, "target_digest": r.target_digest, "streams": roles}
+
+
+def _locate(r: _table.Row, off: int, d: Stream, located: dict[str, Stream], where: str) -> tuple[int, TensorEntry]:
+    """Place the streams of record `r` from data byte `off` on (into `located`); returns where
+    the next record's streams start and `r`'s checked entry."""
+    numel = math.prod(r.shape)
+    if not 1 <= r.n_changed <= max(numel, 1):
+        raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
+    probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, r.base_digest, r.target_digest, r.position_params, r.value_params)
+    ctx = ctx_for(probe)
+    layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
+    roles = {}
+    for role in (x for x in _table.ROLE_ORDER if x in layout):
+        sdt, sshape = layout[role]
+        if sshape is not None:
+            size = math.prod(sshape) * _container.ST_DTYPES[sdt][1]
+        elif role == "gaps_low":
+            size = (sum(c["n"] * c["k"] for c in r.position_params["classes"]) + 7) // 8
+        else:
+            size = r.sizes[role]
+        key = stream_key(r.name, role)
+        if key in located:
+            raise _fmt(f"{where}: stream '{key}' is placed twice")
+        located[key] = Stream(key, sdt, sshape if sshape is not None else (size,), off, off + size)
+        roles[role] = key
+        off += size
+        if off > d.end:
+            raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
+    return off, _entry(r.name, _raw(r, roles), located)
 
 
 def header_length(first8: bytes) -> int:
@@ -201,8 +226,12 @@ def header_span(prefix: bytes) -> int:
         return n
     meta, table = _container.parse_header_json(bytes(prefix[8:n]))
     info = table.get(TABLE_KEY)
-    if meta.get("format_version") != "3" or not isinstance(info, dict):
+    if meta.get("format_version") not in ("3", "4") or not isinstance(info, dict):
         return n
+    if meta["format_version"] == "4":
+        info = table.get(GROUPS_KEY)
+        if not isinstance(info, dict):
+            return n
     offs = info.get("data_offsets")
     if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1] <= _table.MAX_TABLE_BYTES):
         raise _fmt(f"'{TABLE_KEY}' data_offsets {offs!r:.80}, expected [start, end] with end at most {_table.MAX_TABLE_BYTES}")

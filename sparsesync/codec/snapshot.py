@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _parallel
+from sparsesync.codec._flat_group import Done, FlatGroup
+from sparsesync.codec._groups import plan_groups
 from sparsesync.codec.cast import layout, owned_copy, uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import put_and_digest, state_digest, tensor_digest
@@ -66,6 +68,14 @@ class Snapshot:
         self.effort = check_effort(effort)
         self.version = version
         self.state: dict[str, torch.Tensor] = {n: owned_copy(state, n, dev) for n in state}  # one tensor cast at a time
+        # small tensors live end to end in one flat tensor per group (`state` holds views of it):
+        # a group is diffed and encoded as one tensor (format 4; `codec._groups`)
+        self._groups: list[FlatGroup] = []
+        if dev.type == "cpu":
+            for names in plan_groups({n: (t.dtype, t.numel()) for n, t in self.state.items()}):
+                g = FlatGroup(names, [self.state[n] for n in names])
+                self._groups.append(g)
+                self.state.update(zip(names, g.views))
         self.digests: dict[str, str] = {n: tensor_digest(t) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
 
@@ -83,8 +93,9 @@ class Snapshot:
         base_digests = dict(self.digests)
         base_sd = self.state_digest
         with _parallel.gc_paused(), _parallel.interrupts_deferred():  # a Ctrl-C waits: the snapshot advances whole or not at all
+            groups: list = []
             if self._fusable(current):
-                changes, encoded, diff_s = self._diff_encode_fused(current, chunk_bytes)
+                changes, encoded, groups, diff_s = self._diff_encode_fused(current, chunk_bytes)
             else:
                 changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
                 diff_s = time.perf_counter() - t0
@@ -98,6 +109,7 @@ class Snapshot:
                 target_digests=self.digests,
                 base_state_digest=base_sd,
                 target_state_digest=self.state_digest,
+                groups=groups,
             )
         t2 = time.perf_counter()
         base_version, self.version = self.version, target_version
@@ -125,44 +137,54 @@ class Snapshot:
                 return False
         return True
 
-    def _diff_encode_fused(self, current: Mapping[str, torch.Tensor], chunk_bytes: int) -> tuple[dict[str, TensorChange], dict, float]:
-        """Diff, encode and advance each tensor in one task on the codec's pool (no barrier
-        between the phases; a tensor's changes are encoded while they are in cache). A failure
-        in any task puts every advanced tensor back (its change holds the old bits)."""
+    def _diff_encode_fused(self, current: Mapping[str, torch.Tensor], chunk_bytes: int) -> tuple[dict[str, TensorChange], dict, list, float]:
+        """Diff, encode and advance each tensor (or group of small tensors) in one task on the
+        codec's pool (no barrier between the phases; a tensor's changes are encoded while they
+        are in cache). A failure in any task puts every advanced tensor back (its change holds
+        the old bits)."""
+        grouped = {n for g in self._groups for n in g.names}
+        units: list[str | FlatGroup] = [n for n in self.state if n not in grouped] + list(self._groups)
+        weight = [self.state[u].numel() if isinstance(u, str) else u.numel for u in units]
+        order = sorted(range(len(units)), key=lambda i: (-weight[i], i))  # biggest first keeps every thread busy to the end
 
-        def one(name: str) -> tuple[TensorChange | None, object, str | None, float, float]:
+        def one(i: int) -> Done:
+            u = units[i]
+            if isinstance(u, FlatGroup):
+                return u.diff_encode(current, self.effort, chunk_bytes)
             ta = time.perf_counter()
-            ch = diff_cpu_tensor(self.state[name], uncast(current, name), chunk_bytes=chunk_bytes)  # casts in slices
+            ch = diff_cpu_tensor(self.state[u], uncast(current, u), chunk_bytes=chunk_bytes)  # casts in slices
             tb = time.perf_counter()
             if ch is None:
-                return None, None, None, tb - ta, 0.0
-            enc = encode_tensor(name, ch, self.state[name], effort=self.effort)  # needs the base: before advancing
+                return Done(diff_s=tb - ta)
+            enc = encode_tensor(u, ch, self.state[u], effort=self.effort)  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
-                digest = put_and_digest(to_np_bits(bits_view(self.state[name])), ch.indices, ch.target_bits)
+                digest = put_and_digest(to_np_bits(bits_view(self.state[u])), ch.indices, ch.target_bits)
             except BaseException:
-                self._put(name, ch.indices, ch.base_bits)
+                self._put(u, ch.indices, ch.base_bits)
                 raise
-            return ch, enc, digest, tb - ta, time.perf_counter() - tb
+            return Done({u: ch}, {u: enc}, None, {u: digest}, tb - ta, time.perf_counter() - tb, lambda: self._put(u, ch.indices, ch.base_bits))
 
         t0 = time.perf_counter()
-        names = sorted(self.state, key=lambda n: (-self.state[n].numel(), n))  # biggest first keeps every thread busy to the end
-        results = _parallel.map_settled(one, names, weights=[self.state[n].numel() for n in names])
+        results = _parallel.map_settled(one, order, weights=[weight[i] for i in order])
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
-            for name, r in zip(names, results):
-                if not isinstance(r, Exception) and r[0] is not None:
-                    self._put(name, r[0].indices, r[0].base_bits)
+            for r in results:
+                if not isinstance(r, Exception) and r.undo is not None:
+                    r.undo()
             raise failed[0]
         wall = time.perf_counter() - t0
-        changes, encoded = {}, {}
-        for name, (ch, enc, digest, _, _) in sorted(zip(names, results)):
-            if ch is not None:
-                changes[name], encoded[name] = ch, enc
-                self.digests[name] = digest
+        changes, encoded, groups = {}, {}, []
+        for r in results:
+            changes.update(r.changes)
+            encoded.update(r.encoded)
+            self.digests.update(r.digests)
+            if r.group is not None:
+                groups.append(r.group)
         if changes:
             self.state_digest = state_digest(self.digests)
-        cpu_diff, cpu_all = sum(r[3] for r in results), sum(r[3] + r[4] for r in results)
-        return changes, encoded, wall * cpu_diff / cpu_all if cpu_all else 0.0
+        cpu_diff, cpu_all = sum(r.diff_s for r in results), sum(r.diff_s + r.encode_s for r in results)
+        groups.sort(key=lambda g: g[1].names[0])
+        return dict(sorted(changes.items())), dict(sorted(encoded.items())), groups, wall * cpu_diff / cpu_all if cpu_all else 0.0
 
     def _put(self, name: str, indices: np.ndarray, bits: np.ndarray) -> None:
         """Write `bits` at `indices` of a CPU snapshot tensor."""

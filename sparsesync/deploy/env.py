@@ -2,7 +2,9 @@
 
 The rendered folder is the Docker build context: `Dockerfile`, `README.md` (the Space card),
 `requirements.txt` (OpenEnv and the server's runtime dependencies, pinned to what this install
-runs) and the `env_space/` package with its word lists. It boots locally as a plain process too:
+runs), the `env_space/` package with its word lists, and the `sparsesync/` package (the server
+reads only its standard-library parts: the request-body cap of `sparsesync.access`, shared with the
+replica; nothing of it is compiled or installed). It boots locally as a plain process too:
 `cd <folder> && ENV_...=... python -m env_space`.
 
 Guarantee: the server's configuration travels as Space variables (`ENV_*`, the same names
@@ -24,10 +26,16 @@ APP_PORT = 8000
 
 
 def app_dir() -> Path:
-    """The env_space package folder (light import: it loads nothing heavy)."""
-    import env_space
+    """The env_space package folder of the checkout (`sparsesync.apps`; light import: it loads nothing heavy)."""
+    from sparsesync.apps import import_app
 
-    return Path(env_space.__file__).resolve().parent
+    return Path(import_app("env_space").__file__ or "").resolve().parent
+
+
+def _library_dir() -> Path:
+    import sparsesync
+
+    return Path(sparsesync.__file__).resolve().parent
 
 
 def requirements() -> str:
@@ -46,6 +54,7 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
                    task: str = "wordle", max_sessions: int = 256, idle_timeout_s: float = 300.0,
                    max_body_bytes: int = 65536, api_key: str | None = None) -> SpaceSpec:
     """The Space that serves env_space with these settings."""
+    app_dir()  # the checkout's env_space/, or ConfigError
     from env_space import TASKS
 
     if task not in TASKS:
@@ -57,7 +66,7 @@ def env_space_spec(space_id: str, *, hardware: str = "cpu-basic", private: bool 
     name = space_id.split("/")[-1]
     return SpaceSpec(
         space_id=space_id,
-        sources={"env_space": src, "Dockerfile": src / "Dockerfile"},
+        sources={"env_space": src, "sparsesync": _library_dir(), "Dockerfile": src / "Dockerfile"},
         readme=src / "README.md",
         card={"title": f"{name} (sparsesync env)", "app_port": APP_PORT},
         extra_files={"requirements.txt": requirements()},

@@ -39,10 +39,10 @@ DEFAULT_HARDWARE = {"vllm": "l4x1", "embedded": "cpu-upgrade"}
 
 
 def app_dir() -> Path:
-    """The inference_space package folder (importing it loads nothing heavy)."""
-    import inference_space
+    """The inference_space package folder of the checkout (`sparsesync.apps`; importing it loads nothing heavy)."""
+    from sparsesync.apps import import_app
 
-    return Path(inference_space.__file__).resolve().parent
+    return Path(import_app("inference_space").__file__ or "").resolve().parent
 
 
 def _library_dir() -> Path:

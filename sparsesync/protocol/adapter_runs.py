@@ -26,6 +26,7 @@ from sparsesync.errors import RunKindError, SparsesyncError
 from sparsesync.lora.meta import AdapterMeta
 from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
+from sparsesync.store import Store
 
 
 # -- the writer side --------------------------------------------------------------------------
@@ -90,9 +91,10 @@ def run_adapter(commits: list[CommitRecord]) -> AdapterMeta | None:
     return commits[-1].adapter if commits else None
 
 
-def read_run_adapter(url: str) -> AdapterMeta | None:
-    """The adapter of the run at `url` as its newest commit says; None for a full-weight run, and
-    when no version can be read yet (a follower then refuses adapter versions by name)."""
+def read_run_adapter(url: str | Store) -> AdapterMeta | None:
+    """The adapter of the run at `url` (a URL, or its open store) as its newest commit says; None
+    for a full-weight run, and when no version can be read yet (a follower then refuses adapter
+    versions by name)."""
     try:
         return run_adapter(Run(url).commits())
     except SparsesyncError:

@@ -13,15 +13,24 @@ Guarantees every backend keeps:
 - auth failures raise `StoreAuthError` with the fix; tokens never appear in messages or `url`.
 - `list(prefix)` returns every object whose key starts with `prefix` (a plain string match),
   recursively, sorted by key. Listings may be stale on some backends; callers re-list.
+
+Every backend runs each operation through the one wrapper `Store._call` (retries, then its own
+translation of what failed into a `StoreError`); a backend supplies only the hooks.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from sparsesync.errors import StoreError
+from sparsesync.store import retry
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,38 @@ class Store(abc.ABC):
     def object_url(self, key: str) -> str:
         """The printable URL of one object."""
         return f"{self.url.rstrip('/')}/{key}"
+
+    # -- the one wrapper of every backend operation, and its hooks -------------------------------
+    def _call(self, what: str, url: str, fn: Callable[[], T]) -> T:
+        """Run `fn`, the operation `what` on `url`: the backend's first-contact check, then
+        `fn` retried while `_transient` says its failure may pass (`retry.call`). A `StoreError`
+        passes through; any other failure becomes the `StoreError` `_translate` makes of it, or
+        leaves unchanged where `_translate` makes none (a bug, not a store's answer)."""
+        try:
+            self._first_contact(what, url)
+            return retry.call(fn, what=what, url=url, transient=self._transient, secrets=self._secrets())
+        except StoreError:
+            raise
+        except Exception as e:
+            err = self._translate(e, what, url)
+            if err is None:
+                raise
+            raise err from e
+
+    def _first_contact(self, what: str, url: str) -> None:
+        """Fail fast before the first operation reaches an endpoint that cannot be reached (default: nothing to check)."""
+
+    def _transient(self, e: BaseException) -> bool:
+        """Whether the failure `e` may pass on a retry (default: a transient OS error)."""
+        return retry.is_transient_os_error(e)
+
+    def _secrets(self) -> tuple[str | None, ...]:
+        """Credential values to mask in messages (default: none)."""
+        return ()
+
+    def _translate(self, e: Exception, what: str, url: str) -> StoreError | None:
+        """The `StoreError` that says what the failure `e` of `what` on `url` means, or None to raise `e` unchanged."""
+        return None
 
     # -- writes -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -119,14 +119,8 @@ class HfBucketStore(Store):
             f"{self.endpoint}/api/buckets/{self.bucket_id}", timeout=_PROBE_TIMEOUT_S, follow_redirects=False),
             what=what, url=url, hint=fix, timeouts=(httpx2.TimeoutException,))
 
-    def _call(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
-        try:
-            self._first_contact(what, url)
-            return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
-        except StoreError:
-            raise
-        except Exception as e:
-            raise self._translate(e, what, url) from e
+    def _transient(self, e: BaseException) -> bool:
+        return _is_transient(e)
 
     def _translate(self, e: Exception, what: str, url: str) -> StoreError:
         from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError, HfHubHTTPError

@@ -47,7 +47,7 @@ class LocalStore(Store):
         self.root = Path(root).expanduser().absolute()
         self.url = url or str(self.root)
         if create:
-            self._run("create", self.url, lambda: self.root.mkdir(parents=True, exist_ok=True))
+            self._call("create", self.url, lambda: self.root.mkdir(parents=True, exist_ok=True))
         elif self.root.exists() and not self.root.is_dir():
             raise StoreError(f"{self.url} is a file, not a folder", url=self.url,
                              hint="point the store at a folder")
@@ -59,23 +59,22 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key, self.url)
 
-    def _run(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
-        try:
-            return retry.call(fn, what=what, url=url, transient=retry.is_transient_os_error)
-        except FileNotFoundError as e:
-            raise ObjectNotFoundError(f"no object at {url}", url=url,
-                                      hint="check the key; the writer may not have committed it yet") from e
-        except PermissionError as e:
-            raise StoreAuthError(f"permission denied for {what} of {url}", url=url,
-                                 hint=f"give this user read/write access to {self.root}") from e
-        except NotADirectoryError as e:  # a parent of the key is an object, so the key cannot exist
-            raise ObjectNotFoundError(f"no object at {url}", url=url, hint="check the key") from e
-        except IsADirectoryError as e:
-            raise ObjectNotFoundError(f"{url} is a folder, not an object", url=url,
-                                      hint="name a file key, or list() the prefix") from e
-        except OSError as e:
-            raise StoreError(f"{what} of {url} failed: {retry.describe(e)}", url=url,
-                             hint="check free disk space and that the folder is writable") from e
+    def _translate(self, e: Exception, what: str, url: str) -> StoreError | None:
+        if isinstance(e, FileNotFoundError):
+            return ObjectNotFoundError(f"no object at {url}", url=url,
+                                       hint="check the key; the writer may not have committed it yet")
+        if isinstance(e, PermissionError):
+            return StoreAuthError(f"permission denied for {what} of {url}", url=url,
+                                  hint=f"give this user read/write access to {self.root}")
+        if isinstance(e, NotADirectoryError):  # a parent of the key is an object, so the key cannot exist
+            return ObjectNotFoundError(f"no object at {url}", url=url, hint="check the key")
+        if isinstance(e, IsADirectoryError):
+            return ObjectNotFoundError(f"{url} is a folder, not an object", url=url,
+                                       hint="name a file key, or list() the prefix")
+        if isinstance(e, OSError):
+            return StoreError(f"{what} of {url} failed: {retry.describe(e)}", url=url,
+                              hint="check free disk space and that the folder is writable")
+        return None
 
     def _write_temp(self, dest: Path, data: bytes | Path) -> Path:
         tmp = dest.with_name(f"{_TMP}{uuid.uuid4().hex}-{dest.name}")
@@ -117,7 +116,7 @@ class LocalStore(Store):
                 tmp.unlink(missing_ok=True)
                 raise
 
-        self._run("write", self.object_url(key), _put)
+        self._call("write", self.object_url(key), _put)
 
     def _check_no_file_in_the_way(self, key: str) -> None:
         """A folder cannot also be a file: 'a' and 'a/b' cannot both be objects here."""
@@ -146,7 +145,7 @@ class LocalStore(Store):
             finally:
                 tmp.unlink(missing_ok=True)
 
-        return self._run("create-only write", self.object_url(key), _put_new)
+        return self._call("create-only write", self.object_url(key), _put_new)
 
     def delete(self, keys: Sequence[str]) -> None:
         paths = [self._path(k) for k in keys]
@@ -159,7 +158,7 @@ class LocalStore(Store):
                     continue
                 self._prune(p.parent)
 
-        self._run("delete", self.url, _delete)
+        self._call("delete", self.url, _delete)
 
     def _prune(self, folder: Path) -> None:
         """Remove folders left empty by a delete, up to (not including) the root."""
@@ -196,7 +195,7 @@ class LocalStore(Store):
             with self._open(key) as f:
                 return f.read()
 
-        return self._run("read", self.object_url(key), _read)
+        return self._call("read", self.object_url(key), _read)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
@@ -208,7 +207,7 @@ class LocalStore(Store):
                 f.seek(start)
                 return f.read(length)
 
-        return self._run("range read", self.object_url(key), _read)
+        return self._call("range read", self.object_url(key), _read)
 
     def get_file(self, key: str, dest: Path) -> None:
         dest = Path(dest)
@@ -224,7 +223,7 @@ class LocalStore(Store):
                 tmp.unlink(missing_ok=True)
                 raise
 
-        self._run("download", self.object_url(key), _copy)
+        self._call("download", self.object_url(key), _copy)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, self.url)
@@ -252,11 +251,11 @@ class LocalStore(Store):
             out.sort(key=lambda o: o.key)
             return out
 
-        return self._run("list", self.url + ("/" + prefix if prefix else ""), _walk)
+        return self._call("list", self.url + ("/" + prefix if prefix else ""), _walk)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        return self._run("stat", self.object_url(key), path.is_file)
+        return self._call("stat", self.object_url(key), path.is_file)
 
 
 def _kind(mode: int) -> str:

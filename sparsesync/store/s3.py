@@ -111,13 +111,8 @@ class S3Store(Store):
         creds = self._session.get_credentials()
         return (creds.secret_key, creds.token) if creds else ()
 
-    def _call(self, what: str, url: str, fn):  # type: ignore[no-untyped-def]
-        try:
-            return retry.call(fn, what=what, url=url, transient=_is_transient, secrets=self._secrets())
-        except StoreError:
-            raise
-        except Exception as e:
-            raise self._translate(e, what, url) from e
+    def _transient(self, e: BaseException) -> bool:
+        return _is_transient(e)
 
     def _translate(self, e: Exception, what: str, url: str) -> StoreError:
         from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError

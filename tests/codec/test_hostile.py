@@ -384,9 +384,9 @@ def test_reject_bad_encoding_parameters():
 def test_reject_unknown_format_version():
     data = _golden_patch()
     base = {"w": torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -0.0, 8.0, 0.25], dtype=torch.bfloat16)}
-    for v in ("4", "0", "3.0", "3 ", ""):
+    for v in ("5", "0", "3.0", "3 ", ""):
         bad = _edit_header(data, lambda h, v=v: h["__metadata__"].update(format_version=v))
-        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected one of 1, 2, 3")
+        err = _rejects(bad, _clone(base), PatchFormatError, f"format_version {v!r}", "expected one of 1, 2, 3, 4")
         assert "upgrade sparsesync" in err.hint
         with pytest.raises(PatchFormatError, match="format_version"):
             parse_header(bad[: header_span(bad)])

@@ -15,6 +15,7 @@ from sparsesync.codec import (
     state_digest,
     tensor_digests,
 )
+from sparsesync.codec import _flat_group as flat_group_module
 from sparsesync.codec import snapshot as snapshot_module
 from tests.support.patches import DTYPES, assert_bit_equal, bits, make_pair, roundtrip
 
@@ -67,26 +68,35 @@ def test_snapshot_fused_and_phased_paths_write_the_same_patch():
     assert_bit_equal(fused.state, target)
 
 
-def test_snapshot_left_as_it_was_when_one_tensor_fails_to_encode(monkeypatch):
-    base = {f"t{i}": make_pair(i, torch.bfloat16, (64, 64 * (i + 1)), 0.0)[0] for i in range(4)}
+@pytest.mark.parametrize("grouped", [False, True])
+def test_snapshot_left_as_it_was_when_one_tensor_fails_to_encode(monkeypatch, grouped):
+    # grouped: t0..t3 are small (one group, coded as one tensor named by its first member), "big"
+    # is coded alone and advanced before the group's encoder fails
+    shape = (lambda i: (64, 64 * (i + 1))) if grouped else (lambda i: (600, 512 * (i + 1)))
+    base = {f"t{i}": make_pair(i, torch.bfloat16, shape(i), 0.0)[0] for i in range(4)}
+    if grouped:
+        base["big"] = make_pair(9, torch.bfloat16, (600, 512), 0.0)[0]
     target = {k: _perturb(v, i) for i, (k, v) in enumerate(base.items())}
     snap = Snapshot(base, 0)
     before = (dict(snap.digests), snap.state_digest)
-    real = snapshot_module.encode_tensor
+    module = flat_group_module if grouped else snapshot_module
+    real = module.encode_tensor
 
     def failing(name, change, b=None, **kw):  # the fault: one tensor's encoder runs out of memory
-        if name == "t1":
+        if name == ("t0" if grouped else "t1"):
             raise MemoryError("injected")
         return real(name, change, b, **kw)
 
-    monkeypatch.setattr(snapshot_module, "encode_tensor", failing)
+    monkeypatch.setattr(module, "encode_tensor", failing)
     with pytest.raises(MemoryError):
         snap.diff_encode(target, 1)
     assert_bit_equal(snap.state, base)  # the tensors already advanced were put back
     assert (snap.digests, snap.state_digest, snap.version) == (*before, 0)
-    monkeypatch.setattr(snapshot_module, "encode_tensor", real)
+    monkeypatch.setattr(module, "encode_tensor", real)
     follower = {k: v.clone() for k, v in base.items()}
-    apply_patch(read_patch(snap.diff_encode(target, 1).data), follower)
+    data = snap.diff_encode(target, 1).data
+    assert len(read_patch(data).header.groups) == grouped
+    apply_patch(read_patch(data), follower)
     assert_bit_equal(follower, target)
 
 

@@ -27,12 +27,12 @@ import torch
 pytest.importorskip("transformers", reason="the engine and trainer paths need transformers")
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
-from inference_space.testing import Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from tests.support.generation import greedy  # noqa: E402
+from tests.support.model_steps import Trainer  # noqa: E402
 from tests.support.weights import assert_bit_equal  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

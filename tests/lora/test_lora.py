@@ -25,7 +25,6 @@ from typer.testing import CliRunner  # noqa: E402
 from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.engines.embedded_adapter import EmbeddedAdapterEngine  # noqa: E402
-from inference_space.testing import PROMPTS  # noqa: E402
 from sparsesync.cli import app  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import BaseModelMismatchError, ConfigError, OutputError, RunKindError  # noqa: E402
@@ -37,6 +36,7 @@ from sparsesync.protocol.run import Run  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import greedy  # noqa: E402
+from tests.support.model_steps import PROMPTS  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 ONE = SamplingParams(max_tokens=1, temperature=0.0)

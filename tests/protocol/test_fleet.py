@@ -415,9 +415,9 @@ def test_an_inference_replica_reports_its_engine_and_place(tmp_path, monkeypatch
     pytest.importorskip("transformers", reason="the embedded engine needs transformers")
     from inference_space.engines.embedded import EmbeddedEngine
     from inference_space.replica import Replica
-    from inference_space.testing import Trainer
     from sparsesync.deploy.inference import inference_space_specs
     from sparsesync.tiny_model import build_tiny_model
+    from tests.support.model_steps import Trainer
 
     specs = inference_space_specs("me/rep", bucket=str(tmp_path), model="org/model", engine="embedded",
                                   regions=["us", "eu"], replicas=2, allow_local_bucket=True)
@@ -558,9 +558,9 @@ def test_a_full_weight_replica_reports_a_commit_it_refuses_once_and_until_it_is_
 
     from inference_space.engines.embedded import EmbeddedEngine
     from inference_space.replica import Replica
-    from inference_space.testing import Trainer
     from sparsesync.tiny_model import build_tiny_model
     from tests.apps.inference.test_server import Server, wait_sync
+    from tests.support.model_steps import Trainer
 
     monkeypatch.setenv("SPARSESYNC_REPLICA_ID", "rep")
     monkeypatch.setenv("SPARSESYNC_HEARTBEAT_S", "0.1")

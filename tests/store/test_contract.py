@@ -293,3 +293,30 @@ def test_s3_endpoint_in_url(s3_server, monkeypatch: pytest.MonkeyPatch) -> None:
     store.put("k", b"v")
     assert store.url == url and store.object_url("k") == f"s3://url-endpoint-bucket/p/k?endpoint={s3_server.direct_url}"
     assert s3_server.client().get_object(Bucket="url-endpoint-bucket", Key="p/k")["Body"].read() == b"v"
+
+
+# -- the one wrapper -------------------------------------------------------------------------
+def test_every_backend_runs_its_operations_through_the_one_wrapper(store: Store) -> None:
+    """`Store._call` is written once: no backend keeps its own copy; on each, a failure that is not
+    transient is tried once and leaves as the backend translates it (S3, HF: a StoreError naming the
+    operation; a folder: only OS errors are a store's answer, anything else leaves unchanged)."""
+    from sparsesync.store.hf_bucket import HfBucketStore
+    from sparsesync.store.local import LocalStore
+    from sparsesync.store.s3 import S3Store
+
+    assert [c.__name__ for c in (LocalStore, S3Store, HfBucketStore) if "_call" in vars(c)] == []
+    calls = []
+
+    def bug() -> None:
+        calls.append(1)
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises((ZeroDivisionError, StoreError)) as err:
+        store._call("probe", store.url, bug)  # type: ignore[attr-defined]
+    assert calls == [1]  # not retried: only a transient failure is
+    if isinstance(err.value, StoreError):
+        assert "probe of" in str(err.value) and isinstance(err.value.__cause__, ZeroDivisionError)
+    else:
+        assert store.url.startswith("file://") or "://" not in store.url
+    with pytest.raises(ObjectNotFoundError):
+        store.get("no/such/key")

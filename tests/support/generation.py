@@ -1,10 +1,10 @@
 """Greedy generation, the way the engine tests compare two engines: the token ids and logprobs of
-every prompt of `inference_space.testing.PROMPTS`, sampled greedily (temperature 0)."""
+every prompt of `tests.support.model_steps.PROMPTS`, sampled greedily (temperature 0)."""
 
 from __future__ import annotations
 
 from inference_space.engines import Engine, SamplingParams
-from inference_space.testing import PROMPTS
+from tests.support.model_steps import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -109,9 +109,9 @@ def test_rendered_folder_boots_as_a_plain_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env.update(spec.variables, ENV_PORT=str(port), ENV_HOST="127.0.0.1")
-    where = subprocess.run([sys.executable, "-c", "import env_space; print(env_space.__file__)"], cwd=folder,
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(where).resolve().is_relative_to(folder.resolve())  # the rendered copy, not the repo's
+    where = subprocess.run([sys.executable, "-c", "import env_space, sparsesync.access as a; print(env_space.__file__); "
+                            "print(a.__file__)"], cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert all(Path(w).resolve().is_relative_to(folder.resolve()) for w in where), where  # the rendered copies, not the repo's
     proc = subprocess.Popen([sys.executable, "-m", "env_space"], cwd=folder, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -252,3 +252,14 @@ def test_apply_turns_hub_errors_into_deploy_errors(space_hub, tmp_path):
     with pytest.raises(DeployError, match="set variable ENV_TASK=wordle failed: HTTP 404") as e:
         space.apply(broken, HfApi(endpoint=space_hub, token=TOKEN))
     assert TOKEN not in str(e.value)
+
+
+def test_the_env_space_reads_only_the_standard_library_of_sparsesync(tmp_path):
+    """The env Space ships sparsesync/ for its request-body cap (sparsesync.access) and installs none
+    of sparsesync's dependencies: that import needs nothing beyond the standard library."""
+    folder = space.render(env_space_spec("me/env", task="repeat"), tmp_path / "space")
+    code = ("import sys; sys.path.insert(0, '.'); import sparsesync.access; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sparsesync', 'torch', 'numpy')))")
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "['sparsesync', 'sparsesync.access', 'sparsesync.errors']", res.stdout

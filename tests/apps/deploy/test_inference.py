@@ -21,9 +21,9 @@ from sparsesync.deploy.inference import inference_space_specs
 
 pytest.importorskip("transformers", reason="the embedded engine needs transformers (pip install -e '.[embedded]')")
 
-from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from tests.apps.inference.test_server import free_port  # noqa: E402
+from tests.support.model_steps import PROMPTS, Trainer  # noqa: E402
 
 
 def test_specs_private_by_default_token_only_as_secret(tiny):

@@ -28,10 +28,10 @@ from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.openai_api import Shaper  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
 from inference_space.server import create_app  # noqa: E402
-from inference_space.testing import PROMPTS  # noqa: E402
 from sparsesync.access import MIN_KEY_CHARS, check_access  # noqa: E402
 from sparsesync.errors import ConfigError, SparsesyncError  # noqa: E402
 from tests.apps.inference.test_server import Server, free_port  # noqa: E402
+from tests.support.model_steps import PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 KEY = "sk-boundary-0123456789"

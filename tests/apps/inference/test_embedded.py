@@ -16,13 +16,13 @@ pytest.importorskip("transformers", reason="the embedded engine needs transforme
 
 from inference_space.engines import SamplingParams  # noqa: E402
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
-from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.errors import WeightUpdateError  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import GREEDY, greedy  # noqa: E402
+from tests.support.model_steps import PROMPTS, Trainer  # noqa: E402
 
 
 def test_embedded_replica_follows_six_versions(tiny, tmp_path):
@@ -155,7 +155,7 @@ def test_a_stale_tied_head_is_caught_by_the_read_back(tmp_path):
     /sync degraded, and the follower never reports the version as followed."""
     import torch
 
-    from inference_space.testing import follow_then_break
+    from tests.support.model_steps import follow_then_break
 
     engine = EmbeddedEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"))
 
@@ -231,7 +231,7 @@ def test_a_replica_whose_parameter_was_replaced_never_serves_stale_weights(tiny,
     copy, v2 arrives. Today's main wrote v2 into the orphaned tensor, checked that tensor, and
     served v2's label with v1's down_proj. Now the sparse apply fails its check and the
     follower's full reload writes into the live parameters: v2, equal to a fresh engine."""
-    from inference_space.testing import follow_then_break
+    from tests.support.model_steps import follow_then_break
 
     engine = EmbeddedEngine(tiny)
     with caplog.at_level("ERROR"):

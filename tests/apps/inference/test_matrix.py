@@ -30,10 +30,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from inference_space.engines import SamplingParams, make_engine  # noqa: E402
-from inference_space.testing import Trainer  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import ARCHS, build_tiny_model  # noqa: E402
+from tests.support.model_steps import Trainer  # noqa: E402
 
 try:
     import vllm  # noqa: F401

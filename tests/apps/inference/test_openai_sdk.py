@@ -22,9 +22,9 @@ pytest.importorskip("transformers", reason="the embedded engine needs transforme
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
-from inference_space.testing import PROMPTS  # noqa: E402
 from sparsesync.checkpoint import load_checkpoint  # noqa: E402
 from tests.apps.inference.test_server import Server  # noqa: E402
+from tests.support.model_steps import PROMPTS  # noqa: E402
 
 KEY = "sk-test-0123456789abcdef"
 

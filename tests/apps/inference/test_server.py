@@ -18,8 +18,8 @@ pytest.importorskip("transformers", reason="the embedded engine needs transforme
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from inference_space.replica import Replica  # noqa: E402
-from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
+from tests.support.model_steps import PROMPTS, Trainer  # noqa: E402
 
 
 def free_port() -> int:

@@ -20,12 +20,12 @@ from tests.support.vllm_guard import VLLM_MARKS
 pytestmark = VLLM_MARKS
 
 from inference_space.engines import SamplingParams  # noqa: E402
-from inference_space.testing import PROMPTS, Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.tiny_model import build_tiny_model  # noqa: E402
 from tests.support.generation import GREEDY, greedy  # noqa: E402
+from tests.support.model_steps import PROMPTS, Trainer  # noqa: E402
 
 _KEEP: list[object] = []  # fresh reference engines (see test_vllm_replica_follows_six_versions)
 
@@ -319,8 +319,8 @@ def test_vllm_read_back_catches_a_stale_tied_head(tmp_path, monkeypatch):
     packed LM head: the update raises EngineCheckError, the engine serves no version, the
     follower reports no version either, with state degraded."""
     from inference_space.engines.vllm_engine import VllmEngine
-    from inference_space.testing import follow_then_break
     from sparsesync.integrations.vllm import backend
+    from tests.support.model_steps import follow_then_break
 
     engine = VllmEngine(build_tiny_model(tmp_path / "tied", seed=0, arch="qwen3-tied"), kv_cache_memory_bytes=16 << 20)
     _KEEP.append(engine)
@@ -386,7 +386,7 @@ import os, sys
 from pathlib import Path
 from inference_space.engines import SamplingParams
 from inference_space.engines.vllm_engine import VllmEngine
-from inference_space.testing import Trainer
+from tests.support.model_steps import Trainer
 from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.writer.publisher import Publisher
 

@@ -17,11 +17,11 @@ pytest.importorskip("transformers", reason="the embedded engine needs transforme
 import torch  # noqa: E402
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
-from inference_space.testing import Trainer  # noqa: E402
 from sparsesync.codec import tensor_digests  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from tests.support.generation import greedy  # noqa: E402
+from tests.support.model_steps import Trainer  # noqa: E402
 
 NORM = "model.norm.weight"  # what the hostile edit changes; version 2 leaves it as version 1 had it
 

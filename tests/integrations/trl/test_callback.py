@@ -212,7 +212,7 @@ def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_
     assert _bits_equal(replica.engine.state_dict(), saved)
     # a fresh engine loaded from the final model (in the replica's dtype) generates what the replica does
     from inference_space.engines import SamplingParams
-    from inference_space.testing import PROMPTS
+    from tests.support.model_steps import PROMPTS
 
     trainer.model.to(torch.bfloat16).save_pretrained(str(tmp_path / "final-bf16"))
     trainer.processing_class.save_pretrained(str(tmp_path / "final-bf16"))

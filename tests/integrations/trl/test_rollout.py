@@ -137,11 +137,11 @@ def test_samples_of_a_version_a_rewind_abandoned_are_told_from_the_new_one(tmp_p
     """A replica (embedded engine, real HTTP server) returns with each completion the state digest
     of the weights that made it, read with its version; after a rewind to 2 and a new version 3,
     the rollout loop's check drops a sample of the abandoned 3 and keeps the new 3's."""
-    from inference_space.testing import PROMPTS, Trainer
     from sparsesync.integrations.trl.rollout import SparsesyncRolloutLoop
     from sparsesync.protocol.lineage import TrustedCommits
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
+    from tests.support.model_steps import PROMPTS, Trainer
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     bucket = str(tmp_path / "bucket")

@@ -225,12 +225,12 @@ def _wait_version(get, version: int, what: str, timeout: float = 120) -> None:  
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here; see scripts/setup.sh")
 def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
-    from inference_space.testing import Trainer
     from sparsesync.integrations.vllm.sidecar import sidecar_runner
     from sparsesync.protocol.fleet import read_fleet
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.store import open_store
     from sparsesync.tiny_model import build_tiny_model
+    from tests.support.model_steps import Trainer
 
     tiny = build_tiny_model(tmp_path / "model", seed=0)
     trainer = Trainer(tiny, seed=1)

@@ -64,9 +64,9 @@ def test_cpu_serve_gets_a_kv_cache_size_only_when_none_was_given(capsys):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here; see scripts/setup.sh")
 def test_readme_vllm_serve_command_starts_follows_and_stops_cleanly(tmp_path, monkeypatch):
-    from inference_space.testing import Trainer
     from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import build_tiny_model
+    from tests.support.model_steps import Trainer
 
     monkeypatch.chdir(tmp_path)
     tiny = build_tiny_model(tmp_path / "base-model", seed=0)

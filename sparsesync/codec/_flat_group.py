@@ -1,0 +1,98 @@
+"""The writer's side of a group of small tensors: held end to end, diffed and encoded as one.
+
+Guarantee: `FlatGroup.diff_encode` gives the same changes, element for element, as diffing each
+member on its own, codes them as one flat tensor (the touched members' concatenation in name
+order; a single touched member is coded alone, as format 3 does), and advances the members to
+`current` only once the encoding succeeded; its `undo` puts the old bits back. Memory: the
+group holds its members' bytes once (the snapshot's copy); a version adds a copy of the
+current members (the concatenation diffed) and, when only some members changed, of theirs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparsesync.codec import _groups
+from sparsesync.codec._scratch import cat_into
+from sparsesync.codec.cast import uncast
+from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, put_bits, to_np_bits
+from sparsesync.codec.digest import tensor_digest
+from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
+
+
+@dataclass
+class Done:
+    """What one task of `Snapshot.diff_encode` did (empty when nothing changed)."""
+
+    changes: dict[str, TensorChange] = field(default_factory=dict)  # per tensor, its own indices
+    encoded: dict[str, EncodedTensor] = field(default_factory=dict)  # tensors coded alone
+    group: tuple[EncodedTensor, _groups.Members] | None = None  # a group's coding and touched members
+    digests: dict[str, str] = field(default_factory=dict)  # target digests of the changed tensors
+    diff_s: float = 0.0
+    encode_s: float = 0.0
+    undo: Callable[[], None] | None = None  # puts the old bits back
+
+
+class FlatGroup:
+    """Members of one group (`_groups.plan_groups`) copied end to end into one flat tensor;
+    `views` are the members, shaped, over it."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names = names
+        self.shapes = [tuple(t.shape) for t in tensors]
+        numels = [t.numel() for t in tensors]
+        self.offsets = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(numels, out=self.offsets[1:])
+        self.numel = int(self.offsets[-1])
+        self.flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.views = [self.flat[a:b].view(s) for a, b, s in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes)]
+
+    def diff_encode(self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int) -> Done:
+        """Diff the members against `current`, encode, advance (see the module docstring)."""
+        ta = time.perf_counter()
+        cur = cat_into("current", [uncast(current, n) for n in self.names])  # a cast state is cast by the diff, in slices
+        ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
+        del cur
+        tb = time.perf_counter()
+        if ch is None:
+            return Done(diff_s=tb - ta)
+        offs = self.offsets
+        cuts = np.searchsorted(ch.indices, offs)
+        counts = np.diff(cuts)
+        touched = np.flatnonzero(counts).tolist()
+        dtype = self.flat.dtype
+        changes = {self.names[m]: TensorChange(dtype, self.shapes[m], ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
+                                               ch.base_bits[cuts[m] : cuts[m + 1]], ch.target_bits[cuts[m] : cuts[m + 1]]) for m in touched}
+        group, encoded = None, {}
+        if len(touched) == 1:  # coded alone: the file stays format 3
+            name = self.names[touched[0]]
+            encoded[name] = encode_tensor(name, changes[name], self.views[touched[0]], effort=effort)
+        else:
+            if len(touched) == len(self.names):
+                vidx, base = ch.indices, self.flat
+            else:  # the touched members' concatenation: shift each member's indices to its place there
+                sizes = offs[1:] - offs[:-1]
+                starts = np.concatenate([[0], np.cumsum(sizes[touched])[:-1]])
+                vidx = ch.indices - np.repeat(offs[touched] - starts, counts[touched])
+                base = cat_into("base", [self.flat[offs[m] : offs[m + 1]] for m in touched])
+            vch = TensorChange(dtype, (int(base.numel()),), vidx, ch.base_bits, ch.target_bits)
+            first = self.names[touched[0]]
+            group = (encode_tensor(first, vch, base, effort=effort),
+                     _groups.Members([self.names[m] for m in touched], [self.shapes[m] for m in touched], [int(counts[m]) for m in touched]))
+        bits = to_np_bits(bits_view(self.flat))
+
+        def undo() -> None:
+            put_bits(bits, ch.indices, ch.base_bits)
+
+        put_bits(bits, ch.indices, ch.target_bits)
+        try:
+            digests = {self.names[m]: tensor_digest(self.views[m]) for m in touched}
+        except BaseException:
+            undo()
+            raise
+        return Done(changes, encoded, group, digests, tb - ta, time.perf_counter() - tb, undo)

@@ -1,0 +1,172 @@
+"""Small tensors coded together (format 4's group section; spec: docs/format.md, "Groups").
+
+A LoRA adapter is hundreds of small tensors; coding each on its own costs more (a table row,
+entropy models, Python calls on both sides) than its changed elements. Format 4 codes the
+touched tensors of a group, each of at most SMALL_NUMEL elements and all of one dtype, as ONE
+flat tensor, their concatenation in name order: one positions/values coding (a format-3 table
+record, named by the group's first member), one run of streams. The group section lists every
+member with its shape, its count of changed elements and its base and target digests, so each
+member is still checked on its own.
+
+Guarantees: `plan_groups` is deterministic (the same names, dtypes and sizes give the same
+groups). `parse_groups` either returns groups whose members are unique, sorted inside their
+group, in none of the table's rows, whose element counts sum to their group's, and whose changed
+counts are each at least 1 and sum to their group's, or raises PatchFormatError naming the
+field; it allocates nothing beyond the section's inflated size (capped) and a few objects per
+member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsesync.codec import _table
+from sparsesync.errors import PatchFormatError
+
+SMALL_NUMEL = 1 << 17  # tensors of at most this many elements are grouped (256 KiB of bf16)
+GROUP_NUMEL = 1 << 18  # a group holds at most this many elements (groups encode in parallel; bounds a task's temporaries)
+MAX_MEMBERS = 1 << 20  # members a reader accepts in one patch
+
+
+def plan_groups(layouts: Mapping[str, tuple[object, int]]) -> list[list[str]]:
+    """The groups of `layouts` ({name: (dtype, numel)}): the names of each dtype's tensors of
+    1..SMALL_NUMEL elements in sorted order, cut greedily before a group would pass GROUP_NUMEL.
+    Groups of one tensor are left out (nothing to share). Ordered by first member."""
+    by_dtype: dict[object, list[str]] = {}
+    for name in sorted(layouts):
+        dtype, numel = layouts[name]
+        if 0 < numel <= SMALL_NUMEL:
+            by_dtype.setdefault(dtype, []).append(name)
+    groups = []
+    for names in by_dtype.values():
+        cur, size = [], 0
+        for n in names:
+            numel = layouts[n][1]
+            if cur and size + numel > GROUP_NUMEL:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(n)
+            size += numel
+        groups.append(cur)
+    return sorted((g for g in groups if len(g) > 1), key=lambda g: g[0])
+
+
+@dataclass
+class Members:
+    """The writer's record of one group's touched members (in concatenation order)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    n_changed: list[int]
+
+
+def _put_names(out: bytearray, names: Sequence[str]) -> None:
+    prev = b""
+    for name in names:
+        nb = name.encode("utf-8")
+        shared = 0
+        while shared < min(len(nb), len(prev)) and nb[shared] == prev[shared]:
+            shared += 1
+        _table._varint(out, shared)
+        _table._varint(out, len(nb) - shared)
+        out += nb[shared:]
+        prev = nb
+
+
+def build_section(rows: list[_table.Row], members: list[Members], base_digests: Mapping[str, str], target_digests: Mapping[str, str]) -> bytes:
+    """The zstd-compressed group section: the groups' coding records (a format-3 table of
+    `rows`, each named by its first member), then the members of every group."""
+    out = bytearray(_table.table_bytes(rows))
+    for m in members:
+        _table._varint(out, len(m.names))
+    names = [n for m in members for n in m.names]
+    _put_names(out, names)
+    for m in members:
+        for shape in m.shapes:
+            out.append(len(shape))
+            for d in shape:
+                _table._varint(out, d)
+    for m in members:
+        for c in m.n_changed:
+            _table._varint(out, c)
+    out += b"".join(bytes.fromhex(base_digests[n])[::-1] for n in names)
+    out += b"".join(bytes.fromhex(target_digests[n])[::-1] for n in names)
+    return _table.compress(bytes(out))
+
+
+@dataclass(frozen=True)
+class ParsedGroup:
+    """One group as the section states it (checked against itself and the table's names)."""
+
+    row: _table.Row  # the coding of the concatenation, named by the first member
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: np.ndarray  # int64: where each member starts in the concatenation, then the total
+    n_changed: np.ndarray  # int64 per member
+    base_digests: tuple[str, ...]
+    target_digests: tuple[str, ...]
+
+
+def _bad(msg: str) -> PatchFormatError:
+    return PatchFormatError(f"patch group section: {msg}", hint="the file is corrupt or not a sparsesync patch of format 4; fetch it again")
+
+
+def parse_section(raw: bytes, table_names: set[str]) -> list[ParsedGroup]:
+    """The groups of an inflated group section (see the module docstring for the checks)."""
+    rd = _table.Reader(raw, "patch group section", 4)
+    rows = _table.read_rows(rd)
+    counts = [rd.varint(f"group '{r.name}': member count", MAX_MEMBERS) for r in rows]
+    total = sum(counts)
+    if total > MAX_MEMBERS or total * 18 > len(raw):  # each member takes at least 18 bytes (name 2, ndim 1, count 1, digests 16)
+        raise _bad(f"declares {total} members, but {len(raw)} bytes hold at most {len(raw) // 18}")
+    names, prev = [], b""
+    for i in range(total):
+        shared = rd.varint(f"member {i}: shared prefix length", len(prev))
+        nb = prev[:shared] + rd.take(rd.varint(f"member {i}: suffix length", _table.MAX_NAME_BYTES), f"member {i}")
+        if not nb or len(nb) > _table.MAX_NAME_BYTES:
+            raise _bad(f"member {i} has {len(nb)} bytes, expected 1..{_table.MAX_NAME_BYTES}")
+        try:
+            names.append(nb.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _bad(f"member {i} is not UTF-8") from None
+        prev = nb
+    shapes = []
+    for name in names:
+        nd = rd.byte(f"member '{name}': ndim")
+        if nd > 16:
+            raise _bad(f"member '{name}': {nd} dims, expected at most 16")
+        shapes.append(tuple(rd.varints(f"member '{name}': dim", nd, 1 << 48)) if nd else ())
+    changed = rd.varints("member n_changed", total, 1 << 48) if total else []
+    base = rd.take(8 * total, "member base digests")
+    target = rd.take(8 * total, "member target digests")
+    if rd.pos != len(raw):
+        raise _bad(f"{len(raw) - rd.pos} bytes left after the last field")
+    if len(set(names)) != total or table_names.intersection(names):
+        dup = sorted(set(n for n in names if names.count(n) > 1) | table_names.intersection(names))[:3]
+        raise _bad(f"members {dup} appear twice (in two groups, or in a group and the table); each tensor must be coded once")
+    out, start = [], 0
+    for r, m in zip(rows, counts):
+        where = f"group '{r.name}'"
+        gn = names[start : start + m]
+        if not m or gn[0] != r.name:
+            raise _bad(f"{where}: first member {gn[0] if m else None!r:.80}, expected the group's name (a group has at least one member)")
+        if any(a.encode() >= b.encode() for a, b in zip(gn, gn[1:])):
+            raise _bad(f"{where}: members not sorted by name")
+        if len(r.shape) != 1:
+            raise _bad(f"{where}: shape {list(r.shape)}, expected one dimension (the members' concatenation)")
+        numels = [int(np.prod(s, dtype=np.int64)) if s else 1 for s in shapes[start : start + m]]
+        if any(n > 1 << 48 for n in numels) or sum(numels) != r.shape[0]:
+            raise _bad(f"{where}: members hold {sum(numels)} elements, the group's coding {r.shape[0]}")
+        ch = changed[start : start + m]
+        if min(ch) < 1 or any(c > n for c, n in zip(ch, numels)) or sum(ch) != r.n_changed:
+            raise _bad(f"{where}: members' n_changed {ch[:8]}... (sum {sum(ch)}), expected each in [1, its elements], summing to the group's {r.n_changed}")
+        offs = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(numels, out=offs[1:])
+        out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, np.asarray(ch, dtype=np.int64),
+                               tuple(base[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m)),
+                               tuple(target[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m))))
+        start += m
+    return out
