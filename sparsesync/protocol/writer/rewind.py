@@ -41,8 +41,8 @@ from sparsesync.protocol.records import AdapterMeta, CommitMetrics, CommitRecord
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory
 
-if TYPE_CHECKING:
-    from sparsesync.protocol.writer.whole import WholeState
+if TYPE_CHECKING:  # `whole` calls this module: what it offers here is a protocol (`mode.WholeWriter`)
+    from sparsesync.protocol.writer.mode import WholeWriter
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def resume_info(run: Run, version: int | None) -> dict[str, Any] | SparsesyncErr
     return info
 
 
-def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord],
+def rewind(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord],
            adapter: AdapterMeta | None) -> CommitRecord:
     """Make `state` (an adapter's tensors when `adapter` is set) version `version` of the run,
     abandoning the newer versions (see module docstring), through the writer's parts (`whole`
@@ -162,7 +162,7 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
     return rec
 
 
-def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, uid: str) -> list[ObjectRef]:
+def _upload_anchor(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, uid: str) -> list[ObjectRef]:
     folder = whole.staging / f"rewind-{version}-{uid}"
     try:
         files = write_anchor(dict(state), folder, version=version)
@@ -172,7 +172,7 @@ def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version
 
 
 # ------------------------------------------------------------------------------ push --step N <= newest
-def stand_below(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
+def stand_below(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
     """Stand the writer (not published yet) at the trusted `version`, whose weights `state` holds
     (checked by state digest), without committing anything: its next `publish(state, N)` (N above
     `version`, at or below the run's newest) is a delta `version -> N` whose commit abandons the
