@@ -11,11 +11,14 @@ The front door:
     sparsesync.pull(url, "policy/")                       # ... and out, bit-exact
     store = sparsesync.open_store(url)                    # the bucket itself
 
-`sparsesync.AdapterMeta` (what every commit of a LoRA adapter run says about its adapter: pass it
-as `Publisher(url, adapter=...)` to publish an adapter state dict), and every error the library
-raises on purpose (`sparsesync.SparsesyncError` and its subclasses,
-from `sparsesync.errors`). The names load on first use (PEP 562), so `import sparsesync` (and
-`sparsesync --help`) imports neither torch nor any store client.
+with the types those calls take and return (`FleetOptions`, `ApplyHook`, `FollowerStatus`,
+`AdapterMeta`, `SparseUpdate`, `PushResult`, `PullResult`, `Store`; `AdapterMeta` is what every
+commit of a LoRA adapter run says about its adapter: pass it as `Publisher(url, adapter=...)` to
+publish an adapter state dict), and every error the library
+raises on purpose (`sparsesync.SparsesyncError` and its subclasses, from `sparsesync.errors`).
+The names load on first use (PEP 562, `sparsesync._lazy`), so `import sparsesync` (and
+`sparsesync --help`) imports neither torch nor any store client. `_HOMES` says where each name
+lives; the `TYPE_CHECKING` imports and `__all__` list the same names (tests/test_front_door.py).
 
 The packages underneath, low to high (each imports only its own layer or lower; `pyproject.toml`
 `[tool.importlinter]` checks it): `errors`, `codec` (change detection and the patch codec),
@@ -28,14 +31,13 @@ bridge, the config bounds, `AdapterMeta`), `protocol` (the run layout, publisher
 
 from __future__ import annotations
 
-import importlib
+from sparsesync._lazy import lazy_names
 
 __version__ = "0.1.0"
 
 TYPE_CHECKING = False  # typing's own flag without importing typing (type checkers take any TYPE_CHECKING as True)
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily (__getattr__)
-    from typing import Any
-
+    from sparsesync.codec.apply import SparseUpdate
     from sparsesync.errors import (
         AdapterTargetError,
         BaseModelMismatchError,
@@ -67,10 +69,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
         WeightUpdateError,
     )
     from sparsesync.lora.meta import AdapterMeta
+    from sparsesync.protocol.follower.fleet_member import FleetOptions
     from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.follower.hooks import ApplyHook, FollowerStatus
     from sparsesync.protocol.writer.publisher import Publisher
-    from sparsesync.store import open_store
-    from sparsesync.transfer import pull, push
+    from sparsesync.store import Store, open_store
+    from sparsesync.transfer import PullResult, PushResult, pull, push
 
 _ERRORS = (
     "SparsesyncError", "ConfigError", "RunKindError", "BaseModelMismatchError", "AdapterTargetError",
@@ -86,7 +90,14 @@ _HOMES: dict[str, str] = {
     "push": "sparsesync.transfer",
     "pull": "sparsesync.transfer",
     "open_store": "sparsesync.store",
+    "FleetOptions": "sparsesync.protocol.follower.fleet_member",
+    "ApplyHook": "sparsesync.protocol.follower.hooks",
+    "FollowerStatus": "sparsesync.protocol.follower.hooks",
     "AdapterMeta": "sparsesync.lora.meta",
+    "SparseUpdate": "sparsesync.codec.apply",
+    "PushResult": "sparsesync.transfer",
+    "PullResult": "sparsesync.transfer",
+    "Store": "sparsesync.store",
     **dict.fromkeys(_ERRORS, "sparsesync.errors"),
 }
 
@@ -97,7 +108,14 @@ __all__ = [
     "push",
     "pull",
     "open_store",
+    "FleetOptions",
+    "ApplyHook",
+    "FollowerStatus",
     "AdapterMeta",
+    "SparseUpdate",
+    "PushResult",
+    "PullResult",
+    "Store",
     "SparsesyncError",
     "ConfigError",
     "RunKindError",
@@ -129,14 +147,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # once loaded, a plain module attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

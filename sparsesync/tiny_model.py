@@ -115,21 +115,22 @@ def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, 
         return tiny_config(vocab_size, eos_token_id, **size)
     if arch == "qwen3-tied":
         return tiny_config(vocab_size, eos_token_id, tie_word_embeddings=True, **size)
-    ids = dict(bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    # one dict of keywords, as `tiny_config`: transformers' configs take rope_theta through **kwargs
+    common: dict[str, Any] = dict(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+                                  rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+                                  pad_token_id=eos_token_id)
     if arch == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-                           rms_norm_eps=1e-6, rope_theta=10000.0, **size, **ids)
+        return LlamaConfig(**common, **size)
     from transformers import Qwen3MoeConfig
 
     experts, top_k, norm, step, extra = _MOE[arch]
     size["num_hidden_layers"] = layers + extra
     dense = [layers + extra - 1] if extra else []  # the last layer: dense by mlp_only_layers (the even ones by the step)
-    return Qwen3MoeConfig(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-                          rms_norm_eps=1e-6, rope_theta=10000.0, moe_intermediate_size=hidden // 2, num_experts=experts,
-                          num_experts_per_tok=top_k, decoder_sparse_step=step, mlp_only_layers=dense, norm_topk_prob=norm,
-                          **size, **ids)
+    moe: dict[str, Any] = dict(moe_intermediate_size=hidden // 2, num_experts=experts, num_experts_per_tok=top_k,
+                               decoder_sparse_step=step, mlp_only_layers=dense, norm_topk_prob=norm)
+    return Qwen3MoeConfig(**common, **moe, **size)
 
 
 def build_tiny_model(
@@ -152,7 +153,7 @@ def build_tiny_model(
     tokenizer.chat_template = CHAT_TEMPLATE
     eos_id = raw.token_to_id("<|endoftext|>")
     config = arch_config(arch, raw.get_vocab_size(), eos_id, hidden=hidden, layers=layers)
-    config.dtype = dtype  # type: ignore[attr-defined]
+    config.dtype = dtype
     torch.manual_seed(seed)  # the only source of randomness in init: same seed, same weights
     gen_state = torch.random.get_rng_state()
     try:

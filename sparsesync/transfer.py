@@ -33,7 +33,8 @@ it; the newer versions are abandoned either way. So a stray re-push of an old ch
 roll a fleet back, a rewind happens only when asked for (`rewind=True`, or a `rewind` callable
 that approves the `RewindPlan`, naming the versions it abandons, before anything is written);
 else RewindRefusedError, and nothing is written. A step the newest version already holds with
-these weights pushes nothing (`PushResult.held`).
+these weights pushes nothing (`PushResult.held`). That planning is the library's one function
+for it, `protocol.writer.rewind.plan_push`; this module only carries it out.
 
 Both import torch only when called. Errors are `sparsesync.errors` classes (`ConfigError`,
 `OutputError`, store and protocol errors), each naming the object and carrying a `hint`.
@@ -47,11 +48,22 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sparsesync.errors import ConfigError, RewindRefusedError
+if TYPE_CHECKING:
+    from sparsesync.codec.patch import Effort
+    from sparsesync.protocol.writer.rewind import PushPlan, RewindPlan
 
 __all__ = ["PullResult", "PushResult", "RewindPlan", "checkpoint_step", "pull", "push"]
+
+
+def __getattr__(name: str) -> Any:
+    """`RewindPlan` (`protocol.writer.rewind`), loaded when first named: this module imports no torch until called."""
+    if name == "RewindPlan":
+        from sparsesync.protocol.writer.rewind import RewindPlan
+
+        return RewindPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 Progress = Callable[[str], None]
 """Called with a short description of each phase ("diff + encode", "writing DEST", ...)."""
@@ -76,38 +88,6 @@ class PushResult:
     abandoned: list[int] | None = None
     """A push at or below the newest version (a rewind): the versions of the older attempt it
     abandoned, each once, ascending (None for any other push)."""
-
-
-@dataclass(frozen=True)
-class RewindPlan:
-    """A rewind `push` is about to do, before anything is written (what `rewind` approves)."""
-
-    url: str
-    """The run's URL."""
-    newest: int
-    """The run's newest version."""
-    version: int
-    """The version the checkpoint becomes."""
-    step_from: str
-    """Where `version` came from."""
-    abandoned: list[int]
-    """The versions the rewind abandons, each once, ascending."""
-
-    def describe(self) -> str:
-        """One line: what the rewind does."""
-        return (f"version {self.version} (from {self.step_from}) is not above version {self.newest}, the newest of "
-                f"{self.url}: pushing it rewinds the run and abandons {_versions_text(self.abandoned)}")
-
-
-def _versions_text(versions: list[int]) -> str:
-    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or 'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
-    if len(versions) == 1:
-        return f"version {versions[0]}"
-    if len(versions) <= 8:
-        return "versions " + ", ".join(map(str, versions))
-    if versions == list(range(versions[0], versions[-1] + 1)):
-        return f"versions {versions[0]}..{versions[-1]} ({len(versions)} versions)"
-    return f"versions {', '.join(map(str, versions[:3]))} ... {', '.join(map(str, versions[-2:]))} ({len(versions)} versions)"
 
 
 @dataclass(frozen=True)
@@ -169,10 +149,12 @@ def push(
     from sparsesync.protocol.run import Run
     from sparsesync.protocol.writer.config import PublisherConfig
     from sparsesync.protocol.writer.publisher import Publisher
+    from sparsesync.protocol.writer.rewind import plan_push
     from sparsesync.store import open_store
 
     say = progress or (lambda _description: None)
-    PublisherConfig(effort=effort).validate()  # before anything is read or written
+    checked = PublisherConfig(effort=cast("Effort", effort))  # a user's string: checked on the next line
+    checked.validate()  # before anything is read or written
     ckpt = _read_checkpoint(Path(source), step, step_source, url)
     store = open_store(url, create=True, private=not public)
     say(f"reading the newest version of {store.url}")
@@ -180,19 +162,16 @@ def push(
     newest = run.newest()
     step, step_from = ckpt.number(newest)
     meta, state = _adapter_meta(ckpt, newest, base_model, store.url)
-    below_newest = newest is not None and step <= newest.version  # docs/protocol.md, "Rewinds"
-    plan, abandoning = _plan_rewind(run, state, step, step_from, step_source, store.url) if below_newest else (None, [])
-    if plan == "held":
+    plan = plan_push(run, newest, state, step, step_from=step_from, step_source=step_source, rewind=rewind,
+                     rewind_source=rewind_source)  # docs/protocol.md, "Rewinds": nothing written yet
+    if plan.how == "held":
         return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
-    if below_newest and newest is not None:  # a rewind: only when asked for, named before anything is written
-        _approve_rewind(RewindPlan(url=store.url, newest=newest.version, version=step, step_from=step_from,
-                                   abandoned=abandoning), rewind, rewind_source, step_source)
-    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=effort, extra_files=ckpt.extra)
+    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=checked.effort, extra_files=ckpt.extra)
     try:
-        version = _write(pub, run, state, step, plan, newest, below_newest, say)
+        version = _write(pub, run, state, plan, say)
     finally:
         pub.close()
-    return _pushed(store, pub, version, step_from, below_newest)
+    return _pushed(store, pub, version, step_from, plan)
 
 
 # -- the phases of a push -------------------------------------------------------------------
@@ -251,29 +230,18 @@ def _adapter_meta(ckpt: _Checkpoint, newest: Any, base_model: str | os.PathLike[
     return meta, state
 
 
-def _approve_rewind(plan: RewindPlan, rewind: bool | Callable[[RewindPlan], bool], rewind_source: str,
-                    step_source: str) -> None:
-    """Go ahead with the rewind `plan` only when `rewind` allows it; else RewindRefusedError."""
-    if not (rewind(plan) if callable(rewind) else rewind is True):
-        raise RewindRefusedError(
-            f"refusing to rewind: {plan.describe()}", newest=plan.newest, version=plan.version, abandoned=plan.abandoned,
-            hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {plan.newest} "
-                 "to publish the checkpoint as a new version")
-
-
-def _write(pub: Any, run: Any, state: dict[str, Any], step: int, plan: str | int | None, newest: Any,
-           below_newest: bool, say: Progress) -> int:
-    """Publish `state` as version `step` through `pub` (resumed, rewound or continued below the
-    newest as `plan` says) and wait for its commit; the version committed."""
-    if plan == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
+def _write(pub: Any, run: Any, state: dict[str, Any], plan: PushPlan, say: Progress) -> int:
+    """Publish `state` as version `plan.version` through `pub` (resumed, rewound or continued below
+    the newest as `plan` says) and wait for its commit; the version committed."""
+    step = plan.version
+    if plan.how == "rewind":  # the checkpoint is the run's version `step`: the run goes on from it
         say(f"rewinding to version {step}")
         pub.resume(state, version=step)
         return step
-    base_version = plan if isinstance(plan, int) else None if newest is None else newest.version
-    if base_version is not None:
-        _rec, base, _digests = run.reconstruct(base_version)
-        if below_newest:  # continue below the newest: the commit of `step` abandons the newer versions
-            pub.continue_below(base, base_version)
+    if plan.base is not None:
+        _rec, base, _digests = run.reconstruct(plan.base)
+        if plan.how == "below":  # continue below the newest: the commit of `step` abandons the newer versions
+            pub.continue_below(base, plan.base)
         else:
             pub.resume(base)
         del base
@@ -284,42 +252,15 @@ def _write(pub: Any, run: Any, state: dict[str, Any], step: int, plan: str | int
     return int(version)
 
 
-def _pushed(store: Any, pub: Any, version: int, step_from: str, below_newest: bool) -> PushResult:
+def _pushed(store: Any, pub: Any, version: int, step_from: str, plan: PushPlan) -> PushResult:
     """What the push did, read back from the run: the commit's files and what a rewind abandoned."""
     from sparsesync.protocol.run import Run
+    from sparsesync.protocol.writer.rewind import pushed_abandoned
 
-    abandoned = None
-    if below_newest and pub.metrics[-1].get("kind") == "rewind":
-        abandoned = sorted(set(pub.metrics[-1]["abandoned"]))
-    elif below_newest:  # a delta below the newest: every older commit from `step` on is abandoned
-        abandoned = sorted({v for a in Run(store).abandoned()
-                            if (a.version, a.by_epoch) == (version, pub.epoch) for v in a.versions})
+    abandoned = pushed_abandoned(Run(store), plan, pub.epoch, pub.metrics[-1])
     files = [f.name for f in Run(store).commit(version).files]
     return PushResult(version=version, step_from=step_from, url=store.url, metrics=dict(pub.metrics[-1]), files=files,
                       abandoned=abandoned)
-
-
-def _plan_rewind(run: Any, state: Any, step: int, step_from: str, step_source: str, url: str) -> tuple[str | int, list[int]]:
-    """How `push` publishes version `step` at or below the run's newest (docs/protocol.md,
-    "Rewinds"): "held" (the newest already is these weights), "rewind" (these weights are the
-    run's version `step`: the run is rewound to it), or the newest version below `step` to
-    continue from (the checkpoint then becomes version `step`, abandoning the newer versions);
-    with the versions it abandons (each once, ascending)."""
-    from sparsesync.checkpoint import checkpoint_digest
-    from sparsesync.codec import algo_of
-
-    commits = run.commits()
-    same = next((c for c in commits if c.version == step), None)
-    if same is not None and same.state_digest == checkpoint_digest(state, algo_of(same.state_digest)):
-        if same is commits[-1]:
-            return "held", []
-        return "rewind", sorted({c.version for c in commits if c.version > step})
-    below = [c.version for c in commits if c.version < step]
-    if not below:
-        raise ConfigError(f"version {step} (from {step_from}) is not newer than version {commits[-1].version}, the newest "
-                          f"of {url}, and the run has no version below it to continue from",
-                          hint=f"pass {step_source} N with a larger N, or push to a new run URL")
-    return below[-1], sorted({c.version for c in commits if c.version >= step})
 
 
 _STEP_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")

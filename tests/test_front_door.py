@@ -1,12 +1,16 @@
-"""The front door: `import sparsesync` gives Publisher, Follower, push, pull, open_store and the
-library's errors, loaded on first use (so `import sparsesync` and `sparsesync --help` import no
+"""The front door: `import sparsesync` gives Publisher, Follower, push, pull, open_store, the types
+they take and return (every name the README's Python uses) and the library's errors, loaded on first use (so `import sparsesync` and `sparsesync --help` import no
 torch); `push`/`pull` are library calls that return what they did (the CLI only prints it)."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -111,3 +115,45 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
     pushed = sparsesync.push(tmp_path / "checkpoint-7", url, step=8, rewind=True)
     assert (pushed.version, pushed.abandoned, pushed.held) == (8, [9], False)
     _assert_bit_equal(load_file(str(sparsesync.pull(url, tmp_path / "v8.safetensors").files[0])), first)
+
+
+# what the README's Python and prose call from the front door, beyond Publisher/Follower/push/pull
+README_TYPES = ("FleetOptions", "ApplyHook", "FollowerStatus", "AdapterMeta", "SparseUpdate", "PushResult", "PullResult", "Store")
+
+
+def _static_names(package: ModuleType) -> dict[str, str]:
+    """name -> module of the `from M import name` lines under the package's `if TYPE_CHECKING:`."""
+    tree = ast.parse(Path(package.__file__ or "").read_text())
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imp in node.body:
+                if isinstance(imp, ast.ImportFrom) and imp.module is not None and imp.module.startswith("sparsesync"):
+                    out.update({a.asname or a.name: imp.module for a in imp.names})
+    return out
+
+
+@pytest.mark.parametrize("name", ["sparsesync", "sparsesync.integrations.trl"])
+def test_static_and_lazy_lists_agree(name: str) -> None:
+    """The TYPE_CHECKING imports (what type checkers and IDEs see), the lazy table (what loads at
+    run time) and `__all__` name the same names, each from the same module."""
+    package = importlib.import_module(name)
+    homes = package._HOMES
+    assert _static_names(package) == homes
+    assert set(package.__all__) - {"__version__"} == set(homes)
+    assert len(package.__all__) == len(set(package.__all__))
+    assert set(package.__all__) <= set(dir(package))
+
+
+def test_every_front_door_name_loads_from_its_home() -> None:
+    for name, home in sparsesync._HOMES.items():
+        assert getattr(sparsesync, name) is getattr(importlib.import_module(home), name), name
+
+
+def test_the_readme_python_imports_from_the_front_door() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    imported = {n.strip() for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+                for names in re.findall(r"^from sparsesync import \(?([^)\n]*)", block, re.M) for n in names.split(",")}
+    assert {"Publisher", "Follower"} <= imported
+    assert imported | set(README_TYPES) <= set(sparsesync.__all__)
+    from sparsesync import AdapterMeta, ApplyHook, FleetOptions, FollowerStatus, PullResult, PushResult, SparseUpdate, Store  # noqa: F401

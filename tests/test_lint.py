@@ -1,8 +1,10 @@
 """Repo-wide static checks, part of the README's test command (so of CI): `ruff check .` (the rules
-of pyproject.toml's `[tool.ruff]`) and `lint-imports` (the contracts of `[tool.importlinter]`: the
+of pyproject.toml's `[tool.ruff]`), `lint-imports` (the contracts of `[tool.importlinter]`: the
 layers errors < codec < store < protocol < transfer < integrations < apps < cli, the library
-below the apps never importing them, no import cycles). Each runs as a subprocess from the
-repository root, exactly as a developer would, and fails with the tool's own output.
+below the apps never importing them, no import cycles) and `mypy` (the types of `sparsesync/`,
+`[tool.mypy]`: any error fails, and so does a `type: ignore` that hides nothing or names no error
+code). Each runs as a subprocess from the repository root, exactly as a developer would, and fails
+with the tool's own output.
 
 What remains of issue 41 (the exceptions the config still grants; delete each once it is gone):
 - after the last branches merge, `ruff check --fix .` for the import order they bring.
@@ -43,3 +45,10 @@ def test_import_contracts_hold() -> None:
     edge is gone, lint-imports fails on its now unmatched line until it is deleted."""
     res = _run(_tool("lint-imports"), "--no-logo", "--no-cache")
     assert res.returncode == 0, "lint-imports (the contracts are [tool.importlinter] in pyproject.toml):\n" + res.stdout + res.stderr
+
+
+def test_types_check() -> None:
+    """mypy over sparsesync/ (`[tool.mypy]` in pyproject.toml). Its cache (.mypy_cache) makes a
+    rerun take seconds; a cold run about a minute of CPU."""
+    res = _run(_tool("mypy"))
+    assert res.returncode == 0, "mypy (the settings are [tool.mypy] in pyproject.toml):\n" + res.stdout + res.stderr

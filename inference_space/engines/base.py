@@ -33,7 +33,7 @@ that cannot stop a batch part-way, i.e. vLLM's blocking `LLM.generate`, ignore b
 What the read-back covers: a full load checks every tensor. A sparse update is refused
 (`EngineCheckError`, so the caller reloads fully) when the engine cannot vouch for the rest:
 after any failed write or check every tensor is stale until a full load passed, and a caller
-that names the update's `base_version` is refused when the engine holds another version. Beyond
+that names the update's `base_version` (the follower does) is refused when the engine holds another version. Beyond
 the tensors an update touches, something in the process may have changed any other one (an
 in-place `zero_()`, a replaced Parameter): so the caller may hand over the version's per-tensor
 digests (`digests=`, every checkpoint tensor; the follower does), and each engine checks the
@@ -62,6 +62,7 @@ import torch
 
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
+from sparsesync.protocol.follower.hooks import ApplyHook
 
 FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
 MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
@@ -211,7 +212,7 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
-class Engine(ABC):
+class Engine(ApplyHook, ABC):
     """An inference engine that follows a run (see the module docstring for its guarantees)."""
 
     name: str = "engine"
@@ -305,6 +306,7 @@ class Engine(ABC):
     # -- the ApplyHook ------------------------------------------------------------------
     takes_state_digest = True  # the follower hands over each version's state digest (`state_digest=`)
     takes_digests = True  # ... and its per-tensor digests (`digests=`), for the whole-state check
+    takes_base_version = True  # ... and the version a delta is from (`base_version=`): refused unless held
 
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
                   digests: Mapping[str, str] | None = None) -> None:

@@ -44,7 +44,7 @@ class _NoTypeOnFlags:
             _no_type(p)
 
     def get_help_option(self, ctx: Any) -> Any:
-        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        opt = super().get_help_option(ctx)  # type: ignore[misc]  # a mixin: the click class after it in the MRO has it
         if opt is not None:
             _no_type(opt)
         return opt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +19,7 @@ from sparsesync.cli._errors import fail
 console = CliConsole()
 
 
-def _fmt_count(n: int) -> str:
+def _fmt_count(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
 
 
@@ -41,53 +42,34 @@ def log(
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print one JSON object per version.")] = False,
 ) -> None:
     """List the committed versions of a run: kind, density, bytes and timings."""
+    from sparsesync.protocol.history import log_rows, rewind_line
     from sparsesync.protocol.run import Run
 
     run = Run(url)
-    commits = run.commits()
+    rows = log_rows(run)
     _warn_rejected(run.rejected)
-    rows = []
-    for c in commits:
-        m = c.metrics
-        rows.append({
-            "version": c.version, "base_version": c.base_version, "kind": m.get("kind"),
-            "epoch": c.epoch, "writer": c.writer, "state_digest": c.state_digest,
-            "n_changed": m.get("n_changed"), "n_params": m.get("n_params"), "density": m.get("density"),
-            "patch_bytes": sum(o.size for o in c.delta_objects()) if c.has_delta else None,
-            "anchor_bytes": sum(o.size for o in c.anchor) if c.anchor else None,
-            "diff_s": m.get("diff_s"), "encode_s": m.get("encode_s"), "upload_s": m.get("upload_s"),
-            "coalesced": m.get("coalesced"),
-            **({"rewind_from": m.get("rewind_from"), "abandoned": m.get("abandoned")} if m.get("kind") == "rewind" else {}),
-        })
     if as_json:
         for r in rows:
-            print(json.dumps(r))
+            print(json.dumps(r.to_dict()))
         return
     if not rows:
         fail(f"no committed version under {url}", "check the URL, or publish with `sparsesync push`")
-    _show_rewinds(run)
+    for a in run.abandoned():  # one line per rewind: the versions of the older epoch it abandoned
+        console.print(rewind_line(a), soft_wrap=True)
     title = escape(f"{url}: {len(rows)} committed version(s); diff, enc(ode), up(load) in seconds")
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))  # compact: fits 80 columns
     for col in ("version", "base", "kind", "changed", "density", "patch", "anchor", "diff", "enc", "up"):
         t.add_column(col, justify="right" if col not in ("kind",) else "left", no_wrap=True)
     for r in rows:
+        m = r.metrics
         t.add_row(
-            str(r["version"]), "" if r["base_version"] is None else str(r["base_version"]), escape(r["kind"] or ""),
-            "" if r["n_changed"] is None else _fmt_count(r["n_changed"]),
-            "" if r["density"] is None else f"{r['density']:.3%}",
-            _fmt_bytes(r["patch_bytes"]), _fmt_bytes(r["anchor_bytes"]),
-            _secs(r["diff_s"]), _secs(r["encode_s"]), _secs(r["upload_s"]),
+            str(r.version), "" if r.base_version is None else str(r.base_version), escape(m.kind_text or ""),
+            "" if m.n_changed is None else _fmt_count(m.n_changed),
+            "" if m.density is None else f"{m.density:.3%}",
+            _fmt_bytes(r.patch_bytes), _fmt_bytes(r.anchor_bytes),
+            _secs(m.diff_s), _secs(m.encode_s), _secs(m.upload_s),
         )
     console.print_table(t, title)
-
-
-def _show_rewinds(run: Any) -> None:
-    """One line per rewind: the versions of the older epoch it abandoned (docs/protocol.md, "Rewinds")."""
-    for a in run.abandoned():
-        vs = a.versions
-        span = f"version {vs[0]}" if len(vs) == 1 else f"versions {vs[0]}..{vs[-1]}"
-        console.print(f"rewind to version {a.version} (epoch {a.by_epoch}): the commits of {span} by epoch {a.epoch} "
-                      "are no longer trusted", soft_wrap=True)
 
 
 def _warn_rejected(rejected: dict[str, str]) -> None:
@@ -116,7 +98,7 @@ def inspect(
             fail(f"version {version} of {run.url} is an anchor alone: it has no delta to inspect",
                  f"`sparsesync log {target}` lists the versions with a delta")
         for ref in refs:  # a version in parts: one header per part
-            _show_header(fetch_header(lambda start, length, key=ref.key: run.store.get_range(key, start, length)), as_json)
+            _show_header(fetch_header(functools.partial(run.store.get_range, ref.key)), as_json)
         return
     if Path(target).exists():
         if not Path(target).is_file():  # a FIFO or a device would hang or never end

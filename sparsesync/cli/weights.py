@@ -96,6 +96,7 @@ def push(
     A version at or below the run's newest rewinds the run, abandoning the newer versions: only
     with --rewind (or confirmed at the prompt, on a terminal)."""
     from sparsesync import transfer
+    from sparsesync.protocol.records import CommitMetrics
 
     with _Spinner() as spinner:
         result = transfer.push(source, url, step=step, step_source="--step", anchor_every=anchor_every, public=public,
@@ -111,8 +112,7 @@ def push(
     if as_json:
         console.print_json(json.dumps({**m, "files": result.files}))
         return
-    kind = m["kind"]
-    msg = f"pushed version {result.version} ({kind}; version from {result.step_from}) to {result.url}"
+    msg = f"pushed version {result.version} ({CommitMetrics.of(m).kind}; version from {result.step_from}) to {result.url}"
     if "n_changed" in m:
         msg += f": {m['n_changed']:,} of {m['n_params']:,} elements changed ({m['density']:.3%}), {m['patch_bytes']:,} bytes"
     if "anchor_bytes" in m:

@@ -34,16 +34,22 @@ class Ctx:
     np_bits: np.dtype  # unsigned dtype of one element's bits
     numel: int
     n_changed: int
-    base_bits: Callable[[np.ndarray | None], np.ndarray]  # base bits at indices (None: whole tensor)
+    base_bits: Callable[[np.ndarray | None], np.ndarray] | None  # base bits at indices (None: whole tensor); None: no base (encoding)
     format_version: int = 2  # of the patch being read: picks the entropy decoder
     # (positions, the base bits there) when the positions decoder read them on its way (class-
     # conditioned gaps): `base_bits` of that same array returns them without a second gather
     base_at_positions: tuple[np.ndarray, np.ndarray] | None = None
 
+    def base(self, idx: np.ndarray | None) -> np.ndarray:
+        """The base bits at `idx` (None: the whole tensor); only a decoder reading against a base asks."""
+        if self.base_bits is None:
+            raise _bad(self, "its coding is conditioned on the base, and no base was given")
+        return self.base_bits(idx)
+
 
 # ---------------------------------------------------------------------------- helpers
 def zstd_compress(data: bytes | np.ndarray, level: int = 3) -> bytes:
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(bytes(memoryview(data)))
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data if isinstance(data, bytes) else data.tobytes())
 
 
 def zstd_decompress(ctx: Ctx, role: str, data: bytes, expected: int) -> bytes:
@@ -245,7 +251,8 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
     candidate histograms come from one C pass over its gaps; the costs of
     all classes' candidates are evaluated together. Both are chosen on every step-th gap of
     large classes (about 2^16 of them: size only, never correctness)."""
-    rows, plans = [], []
+    rows: list[np.ndarray] = []
+    plans: list[tuple[int, int, int, int] | None] = []  # per class: (k0, gaps sampled, first row, rows), None: no gaps
     for r in ranks:
         if r.size == 0:
             plans.append(None)
@@ -265,6 +272,7 @@ def _gap_params(ranks: list[np.ndarray]) -> list[tuple[int, int]]:
         if plan is None:
             out.append((0, 1))
             continue
+        assert bits is not None and es is not None  # a plan has rows
         k0, n_sample, r0, nk = plan
         j = int(np.argmin(bits[r0 : r0 + nk] + (k0 + np.arange(nk)) * n_sample))  # first of equal costs: smallest k
         out.append((k0 + j, int(es[r0 + j])))
@@ -314,7 +322,7 @@ def _gaps_dec(params: dict, streams: dict[str, bytes], ctx: Ctx) -> np.ndarray:
         raise _bad(ctx, f"stream 'gaps_escape' has {esc_data.size * 8} bytes, expected {off_e * 8}")
     if not thresholds:
         return ranks
-    base = ctx.base_bits(None)
+    base = ctx.base(None)
     at_idx = np.empty(ranks.size, dtype=base.dtype)
     idx, bad = class_select(base, thresholds, ranks, ns, out_bits=at_idx)
     if bad >= 0:
@@ -400,7 +408,7 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
     if not isinstance(counts_all, list) or len(counts_all) != len(thresholds) + 1:
         raise _bad(ctx, f"delta counts for {len(counts_all) if isinstance(counts_all, list) else '?'} classes, expected {len(thresholds) + 1}")
     counts_all = [_check_counts(ctx, c, "delta") for c in counts_all]
-    base = np.ascontiguousarray(ctx.base_bits(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx))
+    base = np.ascontiguousarray(ctx.base(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx))
     n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)
     sizes = key_counts(cls)[:n_cls].tolist() if thresholds else [base.size]

@@ -42,7 +42,8 @@ def plan_groups(layouts: Mapping[str, tuple[object, int]]) -> list[list[str]]:
             by_dtype.setdefault(dtype, []).append(name)
     groups = []
     for names in by_dtype.values():
-        cur, size = [], 0
+        cur: list[str] = []
+        size = 0
         for n in names:
             numel = layouts[n][1]
             if cur and size + numel > GROUP_NUMEL:

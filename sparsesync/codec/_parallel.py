@@ -102,11 +102,12 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors",
     elements): light items share one task (see `SMALL_ITEM`)."""
     if len(items) <= 1 or workers() == 1:
         return [fn(x) for x in items]
-    results = _run(fn, items, kind, weights)
-    for r in results:
+    out: list[R] = []
+    for r in _run(fn, items, kind, weights):
         if isinstance(r, _Failed):
             raise r.error
-    return results  # type: ignore[return-value]
+        out.append(r)
+    return out
 
 
 def map_settled(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None) -> list[R | Exception]:

@@ -10,6 +10,7 @@ object per record. `build_table` is deterministic and `parse_table(build_table(r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import zstandard
 
@@ -190,6 +191,7 @@ class Reader:
         if status == 4:
             raise self.bad(f"{what}: varint longer than 9 bytes")
         self.pos = pos
+        assert values is not None  # status 0
         return values
 
     def take(self, n: int, what: str) -> bytes:
@@ -299,7 +301,7 @@ def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bound
         if encs[i][0] == "gaps":
             what = f"tensor '{names[i]}': gaps"
             thr = _thresholds(rd, what)
-            classes = []
+            classes: list[dict[str, Any]] = []
             for _ in range(len(thr) + 1):
                 n = rd.varint(f"{what} class size", 1 << 48)
                 if n:

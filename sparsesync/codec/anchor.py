@@ -11,11 +11,11 @@ the index's `metadata` holds `total_size`, `sparsesync.version` and `sparsesync.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -129,11 +129,11 @@ def _shard_header(path: Path) -> tuple[dict[str, str], dict[str, Stream]]:
 Alloc = Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], dict[str, torch.Tensor]]
 
 
-def _read_into(f: BinaryIO, t: torch.Tensor, start: int, nbytes: int, path: Path) -> None:
+def _read_into(f: io.RawIOBase, t: torch.Tensor, start: int, nbytes: int, path: Path) -> None:
     """Read `nbytes` at `start` of `f` straight into `t`'s memory (no intermediate copy)."""
     if nbytes == 0:
         return
-    buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    buf = t.reshape(-1).view(torch.uint8).numpy().data  # the tensor's memory
     f.seek(start)
     got = 0
     while got < nbytes:

@@ -195,10 +195,15 @@ def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_bas
         return {n: _update(tensors[n], i, v) for n, (i, v) in _decode_group(patch, u, tensors).items()}
 
     by_name = _settled(patch, one)
+    out: dict[str, SparseUpdate] = {}
     for r in by_name.values():
         if isinstance(r, BaseException):
             raise r
-    return {n: by_name[n] for n in patch.header.tensors}  # type: ignore[misc]
+    for n in patch.header.tensors:
+        r = by_name[n]
+        assert not isinstance(r, BaseException)  # raised above
+        out[n] = r
+    return out
 
 
 def patch_algo(header: PatchHeader) -> str:
@@ -224,9 +229,9 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool, 
             else:
                 h_after = put_and_digest(bits, idx, vals, old, algo)
         return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), h_after if digest else None, h_before
-    idx = u.indices.to(flat.device)
-    old_vals = flat[idx].cpu().view(t.dtype)
-    flat[idx] = u.values.view(flat.dtype).to(flat.device)
+    at = u.indices.to(flat.device)
+    old_vals = flat[at].cpu().view(t.dtype)
+    flat[at] = u.values.view(flat.dtype).to(flat.device)
     return SparseUpdate(u.indices, old_vals), None, None
 
 
@@ -237,6 +242,7 @@ def _write_small(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: 
     bits = to_np_bits(flat)
     h_before = tensor_digest(t, algo) if before else None
     old = put_bits(bits, idx, vals.view(bits.dtype), keep_old=True)
+    assert old is not None  # keep_old
     h_after = tensor_digest(t, algo) if digest else None
     ti = torch.from_numpy(idx.astype(np.int64, copy=False))
     return (SparseUpdate(ti, torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)),

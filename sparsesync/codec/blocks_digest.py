@@ -46,9 +46,14 @@ def auto_threads(nbytes: int) -> int:
     return max(1, min(cpus, nbytes // _THREAD_BYTES))
 
 
+def _bytes(buf: np.ndarray | memoryview | bytes) -> memoryview:
+    """`buf`'s bytes, not copied (TypeError if they are not contiguous)."""
+    return (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+
+
 def block_digests(buf: np.ndarray | memoryview | bytes, threads: int = 1, hw: int = -1) -> np.ndarray:
     """XXH3-64 of each block of `buf` (the last zero-padded), uint64; the GIL is released."""
-    mv = memoryview(buf).cast("B")
+    mv = _bytes(buf)
     out = np.empty(n_blocks(mv.nbytes), dtype=np.uint64)
     _native.block_digests(mv, out, threads, hw)
     return out
@@ -56,7 +61,7 @@ def block_digests(buf: np.ndarray | memoryview | bytes, threads: int = 1, hw: in
 
 def digest_bytes(buf: np.ndarray | memoryview | bytes, threads: int | None = None) -> str:
     """The "xxh3b" digest of `buf`'s bytes (`threads`: None picks `auto_threads`)."""
-    mv = memoryview(buf).cast("B")
+    mv = _bytes(buf)
     n = mv.nbytes
     out = np.empty(-(-n // BLOCK), dtype=np.uint64)
     _native.block_digests(mv, out, (auto_threads(n) if n >= 2 * _THREAD_BYTES else 1) if threads is None else threads)
@@ -72,7 +77,7 @@ class Hasher:
         self._nbytes = 0
 
     def update(self, buf: np.ndarray | memoryview | bytes) -> None:
-        mv = memoryview(buf).cast("B")
+        mv = _bytes(buf)
         if self._nbytes % BLOCK:
             raise ValueError(f"xxh3b: {self._nbytes} bytes hashed so far are not a whole number of {BLOCK}-byte blocks; "
                              "only the last piece may be shorter")

@@ -96,10 +96,10 @@ def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO, *, threads: int | N
         return tensor_digest_torch(flat)
     h = xxhash.xxh3_64()
     if flat.device.type == "cpu":
-        h.update(memoryview(flat.numpy()))
+        h.update(flat.numpy().data)
     else:
         for start in range(0, flat.numel(), _HASH_CHUNK):
-            h.update(memoryview(flat[start : start + _HASH_CHUNK].cpu().numpy()))
+            h.update(flat[start : start + _HASH_CHUNK].cpu().numpy().data)
     return h.hexdigest()
 
 
@@ -155,14 +155,14 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
     for b, hi in enumerate(cuts):
         block = src = flat[b * per : (b + 1) * per]
         if h0 is not None:
-            h0.update(memoryview(src.view(np.uint8)))
+            h0.update(src.view(np.uint8).data)
         if hi > lo and aside:
             block = scratch[: src.size]
             block[:] = src
             _native.put(block, w, idx[lo:hi] - b * per, values[lo:hi], keep)
         elif hi > lo:
             _native.put(dst, w, idx[lo:hi], values[lo:hi], keep if old is None else old[lo:hi])
-        h.update(memoryview(block.view(np.uint8)))
+        h.update(block.view(np.uint8).data)
         lo = hi
     return (h0.hexdigest() if h0 is not None else None), h.hexdigest()
 

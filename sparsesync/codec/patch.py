@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _groups, _parallel, _table, blocks_digest
@@ -42,9 +43,10 @@ Effort = Literal["size", "speed"]
 
 def check_effort(effort: str) -> Effort:
     """`effort` if it is one of `Effort`'s values, else ValueError naming them."""
-    if effort not in get_args(Effort):
-        raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
-    return effort  # type: ignore[return-value]
+    for value in get_args(Effort):
+        if effort == value:
+            return value
+    raise ValueError(f"effort={effort!r}, expected one of {list(get_args(Effort))}")
 
 
 TABLE_KEY, STREAMS_KEY = "table", "streams"  # format 3's two safetensors tensors
@@ -89,8 +91,8 @@ class Group:
 
     coding: TensorEntry  # the concatenation's encodings and streams (named by the first member, 1-D)
     members: tuple[str, ...]
-    offsets: object  # numpy int64: each member's start in the concatenation, then the total
-    n_changed: object  # numpy int64 per member
+    offsets: np.ndarray  # int64: each member's start in the concatenation, then the total
+    n_changed: np.ndarray  # int64 per member
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ def bare_hex(digest: str) -> str:
     return digest.removeprefix(blocks_digest.PREFIX)
 
 
-def ctx_for(entry: TensorEntry, base_bits=None, format_version: int = FORMAT_VERSION) -> _encodings.Ctx:  # noqa: ANN001 - callable or None
+def ctx_for(entry: TensorEntry, base_bits: Callable[[np.ndarray | None], np.ndarray] | None = None,
+            format_version: int = FORMAT_VERSION) -> _encodings.Ctx:
     dtype = _container.ST_DTYPES[entry.dtype][0]
     return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version)
 

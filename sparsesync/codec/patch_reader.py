@@ -133,7 +133,8 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
     for key in ("base_state_digest", "target_state_digest"):
         if not (meta[key].startswith(prefix) and DIGEST_RE.match(meta[key][len(prefix):])):
             raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected {prefix!r} and 16 lowercase hex digits (format {version})")
-    start, groups = 0, ()
+    start = 0
+    groups: tuple[Group, ...] = ()
     if version >= 3:
         tensors, streams, groups = _table_entries(table, buf, version)
         start = table[STREAMS_KEY].start
@@ -170,7 +171,9 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
     rows = _table.parse_table(_table.inflate(bytes(buf[t.start : t.end])))
     parsed = _groups.parse_section(_table.inflate(bytes(buf[table[GROUPS_KEY].start : end]), "patch group section", version), {r.name for r in rows}, version) if grouped else []
     prefix = digest_prefix(version)
-    off, located, tensors = d.start, {}, {}
+    off = d.start
+    located: dict[str, Stream] = {}
+    tensors: dict[str, TensorEntry] = {}
     for r in rows:
         off, tensors[r.name] = _locate(r, off, d, located, f"tensor '{r.name}'", prefix)
     groups = []

@@ -175,8 +175,11 @@ class Snapshot:
                     r.undo()
             raise failed[0]
         wall = time.perf_counter() - t0
-        changes, encoded, groups = {}, {}, []
-        for r in results:
+        done = [r for r in results if not isinstance(r, Exception)]  # all of them: a failure raised above
+        changes: dict[str, TensorChange] = {}
+        encoded: dict = {}
+        groups = []
+        for r in done:
             changes.update(r.changes)
             encoded.update(r.encoded)
             self.digests.update(r.digests)
@@ -184,7 +187,7 @@ class Snapshot:
                 groups.append(r.group)
         if changes:
             self.state_digest = state_digest(self.digests)
-        cpu_diff, cpu_all = sum(r.diff_s for r in results), sum(r.diff_s + r.encode_s for r in results)
+        cpu_diff, cpu_all = sum(r.diff_s for r in done), sum(r.diff_s + r.encode_s for r in done)
         groups.sort(key=lambda g: g[1].names[0])
         return dict(sorted(changes.items())), dict(sorted(encoded.items())), groups, wall * cpu_diff / cpu_all if cpu_all else 0.0
 

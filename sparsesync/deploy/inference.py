@@ -203,7 +203,7 @@ def inference_space_specs(
         model_var = model  # a Hub model id, downloaded by the replica at start
     else:
         raise DeployError(f"model {model!r} is neither a local folder nor a Hub model id (NS/NAME)", space_id=space_id)
-    regions = regions or [None]  # type: ignore[list-item]
+    zones: list[str | None] = list(regions) if regions else [None]  # None: the Hub's default region
     secret_bucket = has_credentials(bucket)
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
                **({"SPARSESYNC_API_KEY": api_key} if api_key else {}), **dict(extra_secrets or {})}
@@ -220,6 +220,7 @@ def inference_space_specs(
     specs = []
     for i, sid in enumerate(replica_space_ids(space_id, replicas)):
         name = sid.split("/")[-1]
+        zone = zones[i % len(zones)]
         specs.append(
             SpaceSpec(
                 space_id=sid,
@@ -228,11 +229,11 @@ def inference_space_specs(
                 card={"title": f"{name} (sparsesync replica)", "app_port": APP_PORT},
                 extra_files=extra_files,
                 variables={**variables, "SPARSESYNC_SERVED_MODEL_NAME": name,
-                           **({"SPARSESYNC_REGION": regions[i % len(regions)]} if regions[i % len(regions)] else {})},
+                           **({"SPARSESYNC_REGION": zone} if zone else {})},
                 secrets=secrets,
                 hardware=hardware or DEFAULT_HARDWARE[engine],
                 private=private,
-                region=regions[i % len(regions)],
+                region=zone,
                 # the package copy leaves out what lives at the Space root
                 ignore=(*DEFAULT_IGNORE, "Dockerfile", "README.md"),
             )

@@ -149,7 +149,7 @@ def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tenso
             if is_adapter_key(name):
                 p.data = p.data.to(meta.torch_dtype)
     if state is not None:
-        result = set_peft_model_state_dict(model, dict(state))
+        result: Any = set_peft_model_state_dict(model, dict(state))  # torch's _IncompatibleKeys (PEFT annotates `-> namedtuple`)
         missing = [k for k in result.missing_keys if is_adapter_key(k)]
         if missing or result.unexpected_keys:
             raise ConfigError(f"the adapter state does not fit {meta.base_model!r}: missing {missing[:3]}, "
@@ -162,13 +162,16 @@ def _peft_model(base: Any, meta: AdapterMeta, where: str) -> Any:
     model, the modules it has, the fix) instead of PEFT's error when they select no module of `base`."""
     from peft import get_peft_model
 
+    no_match: type[Exception] = ValueError  # older PEFT: a ValueError "Target modules ... not found in the base model"
     try:
         from peft.utils.error import NoMatchingPeftModuleError
-    except ImportError:  # older PEFT: a ValueError "Target modules ... not found in the base model"
-        NoMatchingPeftModuleError = ValueError  # noqa: N806
+
+        no_match = NoMatchingPeftModuleError
+    except ImportError:
+        pass
     try:
         return get_peft_model(base, peft_config(meta), autocast_adapter_dtype=False)
-    except NoMatchingPeftModuleError as e:
+    except no_match as e:
         if type(e) is ValueError and "not found in the base model" not in str(e):
             raise
         asked = ", ".join(f"{k}={json.dumps(meta.config[k])[:120]}" for k in _SELECTORS if meta.config.get(k) is not None)

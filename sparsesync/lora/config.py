@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from re import _constants as _sre  # type: ignore[attr-defined]
-from re import _parser as _sre_parse  # type: ignore[attr-defined]
+from re import _constants as _sre  # type: ignore[attr-defined]  # CPython's private regex internals: no stubs
+from re import _parser as _sre_parse  # type: ignore[attr-defined]  # (the same)
 from typing import Any
 
 import torch

@@ -58,7 +58,7 @@ def meta_from_peft(model: Any, adapter_name: str = "default", base_model: str | 
     return _with_dtype({k: v.to(dtype) for k, v in state.items()} if dtype is not None else state, meta)[1]
 
 
-class AdapterState(dict):  # type: ignore[type-arg]
+class AdapterState(dict[str, torch.Tensor]):
     """An adapter version's tensors (PEFT names) carrying the `AdapterMeta` of their run, so a
     publisher handed it publishes an adapter run (what `peft_publish_state` returns)."""
 

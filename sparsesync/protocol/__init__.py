@@ -10,11 +10,13 @@ read a run through the modules at this level.
 - `follower/`: the replica's side. `follower.follower.Follower` (poll, fetch, verify, apply),
   its mirror (the verified host copy), hooks (what an engine plugs in), backoff, fleet_member
   (heartbeats and coordinated switches as a member), refusals (commits it refuses, reported).
-- The shared read model: keys (every object key), records/ (every JSON record, typed), run
-  (reading a run's versions: the newest trusted commit, chains, anchors), parts_reader
-  (fetching and applying a version's parts), extras (non-weight files), lineage (versions
-  across rewinds), fleet (the fleet's records and health), adapter_runs (a commit's `adapter`
-  field checked against the run's other commits), gc, verify.
+- The shared read model: keys (every object key), records/ (every JSON record, typed; a
+  commit's metrics too), run (`Run`, the one reader of a run's versions: the newest trusted
+  commit, chains, anchors), parts_reader (fetching and applying a version's parts), extras
+  (non-weight files), lineage (versions across rewinds), fleet (the fleet's records and its
+  health report, `fleet_report`), history (`log`'s rows and rewind lines), adapter_runs (a
+  commit's `adapter` field checked against the run's other commits), gc, verify. The CLI and
+  `transfer` only render and carry out what these return.
 
 Below the protocol, `sparsesync.lora` holds what an adapter is without a run (the PEFT bridge,
 the config bounds, `AdapterMeta`, the adapter state a publisher publishes): the protocol calls

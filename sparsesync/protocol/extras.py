@@ -54,9 +54,9 @@ def collect_files(source: str | Path | Mapping[str, bytes] | None, *, adapter: b
         if not folder.is_dir():
             raise ConfigError(f"{folder} is not a folder", hint="pass the folder save_pretrained wrote")
         for name in sorted(FILE_NAMES):
-            data = _read_bounded(folder / name)
-            if data is not None:
-                out[name] = data
+            read = _read_bounded(folder / name)
+            if read is not None:
+                out[name] = read
     if adapter:
         out = {n: d for n, d in out.items() if n not in MODEL_FILES}
     for name, data in out.items():

@@ -24,6 +24,9 @@ Guarantees:
   record dated in the future is not live), and its health is not "stopped".
 - Switch records are written once (create-only where the store has it); `wait_for_fleet`
   returns or raises `FleetTimeoutError` by its timeout.
+- Health (`fleet_report`, what `sparsesync status` prints): a `FleetReport` whose `problems`
+  list every threshold crossed, one line each, and `ok` is True exactly when there are none.
+  The rules live here only; the CLI renders the report and adds nothing.
 
 The records themselves (`Heartbeat`, `SwitchRecord`: fields, bounds, parsing) are in `records`,
 their names in `keys`; the replica side (writing heartbeats, holding a staged version until the
@@ -39,10 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sparsesync.errors import ConfigError, FleetTimeoutError, ObjectNotFoundError, StoreError
+from sparsesync.errors import ConfigError, FleetTimeoutError, ObjectNotFoundError, RunNotFoundError, StoreError
 from sparsesync.protocol.keys import COMMITS, FLEET, epoch_switch_key, parse_commit_key, parse_heartbeat_key, switch_key
 from sparsesync.protocol.lineage import Lineage
 from sparsesync.protocol.records import MAX_LEAD_S, MAX_RECORD_BYTES, MAX_TEXT, Heartbeat, SwitchRecord, clean_text
+from sparsesync.protocol.run import Run
 from sparsesync.store import Store
 
 log = logging.getLogger(__name__)
@@ -89,7 +93,7 @@ def read_fleet(store: Store, *, now: float | None = None, max_age_s: float | Non
     overrides each record's own expiry."""
     listing = store.list(FLEET)
     skipped: list[tuple[str, str]] = []
-    keys = []
+    keys: list[str] = []
     for obj in listing:
         if parse_heartbeat_key(obj.key) is None:
             skipped.append((obj.key, "not a heartbeat name (fleet/<replica-id>.json)"))
@@ -222,6 +226,109 @@ def reached(rec: Heartbeat, version: int, staged: bool) -> bool:
     if rec.version is not None and rec.version >= version:
         return True
     return staged and rec.staged_version is not None and rec.staged_version >= version
+
+
+# ------------------------------------------------------------------------------ health
+@dataclass(frozen=True)
+class ReplicaHealth:
+    """One replica in a `FleetReport`: its heartbeat as seen, how far behind the newest version
+    it is (None: it serves none, or the run has no trusted version), and whether it serves a
+    version a rewind abandoned."""
+
+    seen: Seen
+    behind: int | None
+    abandoned: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.seen.to_dict(), "behind": self.behind, "abandoned": self.abandoned}
+
+
+@dataclass(frozen=True)
+class FleetReport:
+    """The fleet's health at one look (`fleet_report`): the run's newest trusted version, every
+    heartbeat, and the thresholds crossed (`problems`, in the order `sparsesync status` prints
+    them: refused commit names, too few live replicas, then per replica)."""
+
+    url: str
+    newest_version: int | None
+    newest_committed_at: float | None
+    refused: list[tuple[str, str]]
+    """Commit names newer than the newest trusted version whose object is not a commit record (key, reason)."""
+    read_at: float
+    live: int
+    """How many replicas' heartbeats are live."""
+    replicas: list[ReplicaHealth]
+    """Every heartbeat (live or not), by replica name."""
+    skipped: list[tuple[str, str]]
+    """Fleet records that were not read or did not parse (key, reason)."""
+    min_replicas: int
+    max_lag: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Whether no threshold is crossed (`sparsesync status` exits 0)."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as `sparsesync status --json` prints it."""
+        return {
+            "url": self.url, "newest_version": self.newest_version, "newest_committed_at": self.newest_committed_at,
+            "refused": [{"key": k, "reason": why} for k, why in self.refused],
+            "read_at": self.read_at, "live": self.live, "replicas": [r.to_dict() for r in self.replicas],
+            "skipped": [{"key": k, "reason": why} for k, why in self.skipped],
+            "thresholds": {"min_replicas": self.min_replicas, "max_lag": self.max_lag},
+            "problems": list(self.problems), "ok": self.ok,
+        }
+
+
+def fleet_report(store: Store, *, min_replicas: int = 1, max_lag: int = 2) -> FleetReport:
+    """The fleet's health: a problem for each commit name above the newest trusted version that
+    is not a commit record, for fewer than `min_replicas` live replicas, and per live replica:
+    serving a version a rewind abandoned, no version or more than `max_lag` versions behind the
+    newest, or "degraded" (its error, and when it tries again). RunNotFoundError when the run has
+    no commit name at all; store errors propagate."""
+    head = Run(store).head()  # reads only the records fencing and the newest names need
+    if head.record is None and not head.refused:
+        raise RunNotFoundError(f"no committed version under {store.url}",
+                               hint="check the URL, or publish a first version with `sparsesync push`")
+    newest = head.record
+    view = read_fleet(store)
+    lineage = Lineage(store)  # a replica still on a version a rewind abandoned (reads only those records)
+    rows: list[ReplicaHealth] = []
+    problems: list[str] = []
+    newest_version = None if newest is None else newest.version
+    for seen in sorted(view.replicas, key=lambda s: s.record.replica):
+        r = seen.record
+        behind = None if r.version is None or newest is None else max(newest.version - r.version, 0)
+        abandoned = lineage.judge(r.version, r.state_digest) == "abandoned"
+        rows.append(ReplicaHealth(seen, behind, abandoned))
+        if seen.live:
+            problems += _replica_problems(r, behind, abandoned, newest_version, max_lag, view.read_at)
+    n_live = len(view.live)
+    if n_live < min_replicas:
+        problems.insert(0, f"{n_live} live replica(s), fewer than {min_replicas}")
+    problems[:0] = [f"commit {key} is not a commit record, every reader refuses it: {why} (newest trusted version: "
+                    f"{'none' if newest is None else newest.version})" for key, why in head.refused]
+    return FleetReport(url=store.url, newest_version=newest_version,
+                       newest_committed_at=None if newest is None else newest.created_at, refused=list(head.refused),
+                       read_at=view.read_at, live=n_live, replicas=rows, skipped=list(view.skipped),
+                       min_replicas=min_replicas, max_lag=max_lag, problems=problems)
+
+
+def _replica_problems(r: Heartbeat, behind: int | None, abandoned: bool, newest_version: int | None, max_lag: int,
+                      read_at: float) -> list[str]:
+    """The thresholds a live replica's heartbeat `r` crosses, one line each."""
+    out = []
+    if abandoned:
+        out.append(f"{r.replica} serves version {r.version} of an abandoned attempt (state {r.state_digest}); "
+                   f"the run was rewound, newest is {newest_version}")
+    elif r.version is None or (behind is not None and behind > max_lag):
+        out.append(f"{r.replica} serves version {r.version}, newest is {newest_version} (max lag {max_lag})")
+    if r.health == "degraded":
+        retry = "" if r.retry_at is None else f" (next attempt in {max(r.retry_at - read_at, 0.0):.0f} s)"
+        out.append(f"{r.replica} is degraded: {r.last_error}{retry}")
+    return out
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -83,7 +83,7 @@ def plan_gc(store: Store, *, keep_anchors: int = 1) -> GcPlan:
     kept = [c for c in commits if c.version >= keep_from]
     plan.kept_versions = [c.version for c in kept]
     plan.old_commits = sorted(_key(c) for c in commits if c.version < keep_from)
-    referenced = {ref.key for c in kept for ref in [*c.objects(), *c.files]}
+    referenced = {ref.key for c in kept for ref in c.objects()} | {f.key for c in kept for f in c.files}
     for key in sizes:
         if not key.startswith((ANCHORS, DELTAS, FILES)) or key in referenced:
             continue

@@ -1,5 +1,9 @@
 """Reading a run: which versions are committed, how to reach one, and fetching verified objects.
 
+`Run` is the one reader of a run's commits: `commits()` (every trusted version), `head()` /
+`newest()` (the newest trusted commit, and the commit names above it that are refused),
+`commit(version)`, `abandoned()` (what rewinds abandoned). The CLI and `transfer` read through it.
+
 Guarantees: only committed versions (under the fencing rule of `keys.valid_commits`) are
 ever returned; every object's bytes are checked against the size and xxh3 digest recorded in
 its commit before anything parses them; `reconstruct` returns a state whose digest equals the
@@ -31,11 +35,22 @@ from sparsesync.errors import (
     VersionNotFoundError,
 )
 from sparsesync.protocol.keys import COMMITS, Abandoned, abandoned_by_rewinds, valid_commits
-from sparsesync.protocol.parts_reader import apply_parts
-from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, ObjectRef
+from sparsesync.protocol.parts_reader import Prefetcher, apply_parts
+from sparsesync.protocol.records import MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef
 from sparsesync.store import Store, open_store
 
 State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Head:
+    """The newest trusted commit of a run at one listing (`Run.head`)."""
+
+    record: CommitRecord | None
+    """The newest trusted commit record; None when the run has none (or every name's object is refused)."""
+    refused: list[tuple[str, str]]
+    """The commit names newer than `record` whose object is not a commit record, with the reason, newest first.
+    Every reader passes over them."""
 
 
 @dataclass(frozen=True)
@@ -119,9 +134,27 @@ class Run:
         commit records), from a fresh listing."""
         return abandoned_by_rewinds([o.key for o in self.store.list(COMMITS)], self.is_commit)
 
+    def head(self) -> Head:
+        """The newest trusted commit and the refused names above it (`Head`), from a fresh listing.
+
+        Reads records from the newest trusted name down, stopping at the first commit record
+        (plus what fencing needs), not every record: the same commit as `commits()[-1]`. Names
+        whose object is gone are passed over, as every reader does.
+        """
+        keys = [o.key for o in self.store.list(COMMITS)]
+        listed = set(keys)
+        self.rejected = {k: r for k, r in self.rejected.items() if k in listed}
+        refused: list[tuple[str, str]] = []
+        for _v, _e, key in reversed(valid_commits(keys, self.is_commit)):
+            if (rec := self.record(key)) is not None:
+                return Head(rec, refused)
+            if key in self.rejected:
+                refused.append((key, self.rejected[key]))
+        return Head(None, refused)
+
     def newest(self) -> CommitRecord | None:
-        commits = self.commits()
-        return commits[-1] if commits else None
+        """The newest trusted commit record (`head().record`); None for a run without one."""
+        return self.head().record
 
     def commit(self, version: int | None, commits: list[CommitRecord] | None = None) -> CommitRecord:
         """The commit of `version` (newest when None); raises RunNotFound/VersionNotFound."""
@@ -217,7 +250,7 @@ class Run:
         return steps
 
     # -- objects ----------------------------------------------------------------------
-    def fetch(self, ref: ObjectRef) -> bytes:
+    def fetch(self, ref: ObjectRef | FileRef) -> bytes:
         """The object's bytes, checked against the size and digest its commit recorded (reading
         at most one byte more than the recorded size)."""
         data = read_at_most(self.store, ref.key, ref.size)
@@ -301,7 +334,7 @@ class Run:
         digests.update(after)
         return updates
 
-    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched=None, *,  # type: ignore[no-untyped-def]
+    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched: Prefetcher | None = None, *,
                     written: Written | None = None) -> dict[str, SparseUpdate]:
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
         updating `digests`. All or nothing, one file (`apply_loaded`) or parts

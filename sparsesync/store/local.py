@@ -13,6 +13,7 @@ a hostile folder can neither hang a reader nor feed it endless bytes.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import uuid
@@ -29,7 +30,7 @@ _TMP = ".sparsesync-tmp-"
 _CHUNK = 1 << 20
 
 
-def _copy_stream(src: BinaryIO, dst: BinaryIO) -> None:
+def _copy_stream(src: io.BufferedIOBase, dst: BinaryIO) -> None:
     """Copy `src` to `dst` through one reused buffer of `_CHUNK` bytes (memory bounded by that,
     not by the object: a model-sized anchor costs 1 MiB, not two blocks of 8)."""
     buf = bytearray(_CHUNK)
@@ -172,7 +173,7 @@ class LocalStore(Store):
             folder = folder.parent
 
     # -- reads --------------------------------------------------------------------------
-    def _open(self, key: str):  # type: ignore[no-untyped-def]
+    def _open(self, key: str) -> io.BufferedReader:
         """The object's file opened for reading, refusing anything but a regular file.
 
         Non-blocking open, so a FIFO cannot hang us; the type is checked on the open descriptor

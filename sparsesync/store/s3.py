@@ -14,12 +14,13 @@ only when required, which keeps third-party S3 servers that reject CRC trailers 
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from sparsesync.errors import ConfigError, ObjectNotFoundError, StoreAuthError, StoreError
@@ -191,7 +192,7 @@ class S3Store(Store):
     def put_many(self, items: Sequence[tuple[str, bytes | Path]]) -> None:
         for key, _ in items:
             check_key(key, self.url)
-        _parallel([lambda k=k, d=d: self.put(k, d) for k, d in items])
+        _parallel([functools.partial(self.put, k, d) for k, d in items])
 
     def put_new(self, key: str, data: bytes) -> bool:
         if not self.has_create_only:
@@ -300,7 +301,7 @@ class S3Store(Store):
     def get_many(self, items: Sequence[tuple[str, Path]]) -> None:
         for key, _ in items:
             check_key(key, self.url)
-        _parallel([lambda k=k, d=d: self.get_file(k, d) for k, d in items])
+        _parallel([functools.partial(self.get_file, k, d) for k, d in items])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, self.url)
@@ -362,7 +363,10 @@ def _is_transient(e: BaseException) -> bool:
     return retry.is_transient_os_error(e)
 
 
-def _unwrap_transfer(fn):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+def _unwrap_transfer(fn: Callable[[], T]) -> T:
     """boto3's managed transfers wrap the real error; re-raise the cause so it is classified."""
     from boto3.exceptions import S3UploadFailedError
 
@@ -372,7 +376,7 @@ def _unwrap_transfer(fn):  # type: ignore[no-untyped-def]
         raise (e.__cause__ or e.__context__ or e) from e
 
 
-def _parallel(jobs: list) -> None:  # type: ignore[type-arg]
+def _parallel(jobs: list[Callable[[], object]]) -> None:
     """Run jobs on a small thread pool; wait for all, then raise the first failure."""
     if len(jobs) <= 1:
         for job in jobs:
@@ -380,6 +384,6 @@ def _parallel(jobs: list) -> None:  # type: ignore[type-arg]
         return
     with ThreadPoolExecutor(max_workers=min(_WORKERS, len(jobs))) as pool:
         futures = [pool.submit(job) for job in jobs]
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:
         raise errors[0]

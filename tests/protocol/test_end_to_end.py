@@ -12,6 +12,7 @@ import torch
 from sparsesync.codec import state_digest, tensor_digests
 from sparsesync.errors import FencedWriterError
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.keys import COMMITS, DELTAS
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
@@ -21,7 +22,7 @@ from sparsesync.store import open_store
 from tests.support.weights import assert_bit_equal, make_state, train_step
 
 
-class RecordingHook:
+class RecordingHook(ApplyHook):
     """An engine stand-in that keeps its own copy of the weights, as a real replica does."""
 
     def __init__(self) -> None:

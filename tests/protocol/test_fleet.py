@@ -26,6 +26,7 @@ from sparsesync.errors import FleetTimeoutError
 from sparsesync.protocol.fleet import read_fleet, read_switch
 from sparsesync.protocol.follower.fleet_member import FleetOptions
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.keys import heartbeat_key, switch_key
 from sparsesync.protocol.records import MAX_RECORD_BYTES, Heartbeat
 from sparsesync.protocol.writer.publisher import Publisher
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 local_and_s3 = pytest.mark.parametrize("store_backend", ["local", "s3"], indirect=True)
 
 
-class TimedHook:
+class TimedHook(ApplyHook):
     """An engine stand-in: keeps its weights and the wall-clock time each version went live."""
 
     def __init__(self) -> None:

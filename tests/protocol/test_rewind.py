@@ -28,6 +28,7 @@ from sparsesync.errors import (
 from sparsesync.protocol.fleet import wait_for_fleet
 from sparsesync.protocol.follower.fleet_member import FleetOptions
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.gc import apply_gc, plan_gc
 from sparsesync.protocol.keys import heartbeat_key
 from sparsesync.protocol.records import Heartbeat
@@ -43,7 +44,7 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return state_digest(tensor_digests(state))
 
 
-class ServingEngine:
+class ServingEngine(ApplyHook):
     """An engine stand-in: its own weights, and the digest of every state it served, in order."""
 
     def __init__(self) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from sparsesync.codec import state_digest, tensor_digests
+from sparsesync.protocol.follower.hooks import ApplyHook
 
 
-class ServedDigests:
+class ServedDigests(ApplyHook):
     """`engine` (an EmbeddedEngine) as the follower's hook; `served` holds the state digest of
     the engine's weights after each version it took, read back from the engine itself."""
 

@@ -16,8 +16,9 @@ Importing this package imports no trainer library: each name loads its submodule
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from sparsesync._lazy import lazy_names
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily (__getattr__)
     from sparsesync.integrations.trl.callback import (
@@ -38,19 +39,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     )
 
 _HOMES = {
-    "SparsesyncCallback": "callback",
-    "SparsesyncWeightTransfer": "callback",
-    "VersionedPublisher": "callback",
-    "checkpoint_name": "callback",
-    "inference_state": "callback",
-    "model_state": "callback",
-    "sharding": "callback",
-    "SparsesyncVLLMClient": "client",
-    "sparsesync_server_mode": "client",
-    "SparsesyncRolloutLoop": "rollout",
-    "SparsesyncRolloutWorker": "rollout",
-    "follow_replicas": "rollout",
-    "parse_replica_urls": "rollout",
+    "SparsesyncCallback": "sparsesync.integrations.trl.callback",
+    "SparsesyncWeightTransfer": "sparsesync.integrations.trl.callback",
+    "VersionedPublisher": "sparsesync.integrations.trl.callback",
+    "checkpoint_name": "sparsesync.integrations.trl.callback",
+    "inference_state": "sparsesync.integrations.trl.callback",
+    "model_state": "sparsesync.integrations.trl.callback",
+    "sharding": "sparsesync.integrations.trl.callback",
+    "SparsesyncVLLMClient": "sparsesync.integrations.trl.client",
+    "sparsesync_server_mode": "sparsesync.integrations.trl.client",
+    "SparsesyncRolloutLoop": "sparsesync.integrations.trl.rollout",
+    "SparsesyncRolloutWorker": "sparsesync.integrations.trl.rollout",
+    "follow_replicas": "sparsesync.integrations.trl.rollout",
+    "parse_replica_urls": "sparsesync.integrations.trl.rollout",
 }
 
 __all__ = [
@@ -70,14 +71,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value  # once loaded, a plain module attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

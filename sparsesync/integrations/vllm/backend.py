@@ -226,9 +226,9 @@ def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.T
         if impl is None or sorted(experts) != list(range(mod.w13_weight.shape[0])):
             continue
         try:
-            w13 = torch.stack([torch.cat([experts[e].get("gate_proj", experts[e].get("w1")), experts[e].get("up_proj", experts[e].get("w3"))]) for e in sorted(experts)])
-            w2 = torch.stack([experts[e].get("down_proj", experts[e].get("w2")) for e in sorted(experts)])
-        except (TypeError, RuntimeError):
+            w13 = torch.stack([torch.cat([_proj(experts[e], "gate_proj", "w1"), _proj(experts[e], "up_proj", "w3")]) for e in sorted(experts)])
+            w2 = torch.stack([_proj(experts[e], "down_proj", "w2") for e in sorted(experts)])
+        except (KeyError, TypeError, RuntimeError):
             continue
         for param, plain in ((mod.w13_weight, w13), (mod.w2_weight, w2)):
             if param.shape == plain.shape and torch.equal(param.detach().cpu(), plain.to(param.dtype)):
@@ -237,7 +237,15 @@ def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.T
                 param.data.copy_(packed)
 
 
-def _repack(head: torch.nn.Module) -> None:
+def _proj(expert: dict[str, torch.Tensor], *names: str) -> torch.Tensor:
+    """An expert's projection under the first of its names it has (KeyError: none)."""
+    for name in names:
+        if name in expert:
+            return expert[name]
+    raise KeyError(names[0])
+
+
+def _repack(head: readback.Layer) -> None:
     """Re-run the head's weight processing from its (tied, reloaded) weight: on CPU the logits
     kernel holds a packed copy made at startup, which vLLM's reload path does not refresh."""
     head.quant_method.process_weights_after_loading(head)
@@ -287,9 +295,10 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
     def _load_dense(self, tensors: dict[str, torch.Tensor], verify: dict[str, Any]) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        model: readback.Layer = self.model
+        initialize_layerwise_reload(model)
         try:
-            self.model.load_weights(_layer_by_layer(tensors))
+            model.load_weights(_layer_by_layer(tensors))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
             release_freed_memory()

@@ -43,6 +43,7 @@ from sparsesync.checkpoint import TIED_ALIASES
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def engine_failure(what: str, e: Exception) -> EngineError:
     return EngineError(msg, hint="see the vLLM server log")
 
 
-class ServerHook:
+class ServerHook(ApplyHook):
     """The follower's `ApplyHook` for a vLLM server reached through `control` (see module docstring)."""
 
     name = "vllm"
@@ -154,13 +155,15 @@ class ServerHook:
         self._lock = threading.Lock()
 
     # -- ApplyHook ----------------------------------------------------------------------
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, digests: Mapping[str, str] | None = None) -> None:
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
+                  digests: Mapping[str, str] | None = None) -> None:
         tensors = self._drop_aliases(tensors)
         missing = sorted(set(self.state) - set(tensors))
         self._check_layout(tensors, [f"tensor '{n}': missing" for n in missing])
         self._apply(version, lambda: self.sync.load(version, tensors, digests))
 
     def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *,
+                     base_version: int | None = None, state_digest: str | None = None,
                      digests: Mapping[str, str] | None = None) -> None:
         full = self._drop_aliases(full)
         updates = {k: v for k, v in updates.items() if k in full}
@@ -191,7 +194,7 @@ class ServerHook:
                                     hint=dtype_hint(tensors, {k: v.dtype for k, v in self.state.items()}, "vLLM server")
                                     or "the run was published from another model; start the server with that model")
 
-    def _apply(self, version: int, write) -> None:  # type: ignore[no-untyped-def]
+    def _apply(self, version: int, write: Callable[[], object]) -> None:
         with self._lock:
             t0 = time.perf_counter()
             self.control.pause(self.pause_mode)

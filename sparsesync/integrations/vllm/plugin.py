@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Container, Mapping
 
 from sparsesync.errors import ConfigError
 
@@ -33,11 +34,11 @@ def register() -> None:
     check_endpoint_enabled()
 
 
-def check_endpoint_enabled(environ: dict[str, str] | None = None, modules: object = None) -> None:
+def check_endpoint_enabled(environ: Mapping[str, str] | None = None, modules: Container[str] | None = None) -> None:
     """In vLLM's API server: SPARSESYNC_BUCKET needs VLLM_PLUGINS naming `sparsesync`."""
     env = os.environ if environ is None else environ
     loaded = sys.modules if modules is None else modules
-    if not (env.get("SPARSESYNC_BUCKET") or "").strip() or not any(m in loaded for m in _API_SERVER_MODULES):  # type: ignore[operator]
+    if not (env.get("SPARSESYNC_BUCKET") or "").strip() or not any(m in loaded for m in _API_SERVER_MODULES):
         return
     allowed = env.get("VLLM_PLUGINS")
     if allowed is None or BACKEND not in allowed.split(","):

@@ -38,12 +38,16 @@ import torch
 from sparsesync.integrations.vllm.layout import Layout, Location
 from sparsesync.protocol.follower.mirror import pager, release_freed_memory
 
+# a vLLM layer or model: what its kernels set at run time (cpu_linear, w13_weight, num_heads, load_weights, ...)
+# is not declared on nn.Module, so it is read as Any
+Layer = Any
+
 _PROBE_ROWS = 1024  # identity rows per kernel call (bounds the probe's memory)
 _COMPARE_ELEMS = 1 << 18  # elements compared at once (bounds the comparison's float temporaries)
 _PERMS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
 
-def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
+def module_of(model: torch.nn.Module, loc: Location) -> Layer:
     try:
         mod = model.get_submodule(loc.module)
     except AttributeError as e:
@@ -54,7 +58,7 @@ def module_of(model: torch.nn.Module, loc: Location) -> torch.nn.Module:
     raise KeyError(f"vLLM module '{loc.module}' has no parameter '{loc.param}'")
 
 
-def _probe(mod: torch.nn.Module, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _probe(mod: Layer, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """W [N, K] as the layer's CPU kernel computes with it, written block by block into one
     tensor (memory: W once, plus one block of identity rows and its product)."""
     w: torch.Tensor | None = None
@@ -104,7 +108,7 @@ def _prepack_perm(shape: tuple[int, ...], isa: str) -> torch.Tensor:
     return _PERMS[key]
 
 
-def _kernel_reads_parameter(mod: torch.nn.Module, p: torch.Tensor) -> bool:
+def _kernel_reads_parameter(mod: Layer, p: torch.Tensor) -> bool:
     """Whether the layer's CPU kernel multiplies with the parameter it is handed (vLLM's
     F.linear fallback) rather than a packed copy: a zero weight handed in then gives zeros."""
     if p.numel() == 0 or p.dim() != 2:

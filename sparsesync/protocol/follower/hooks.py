@@ -5,18 +5,23 @@ and shapes of the trainer's state dict). For each new version it fetches, verifi
 the patch while the replica keeps serving, applies it to the mirror (all-or-nothing, target
 digests verified), and only then calls the hook, which is the only step that touches the
 engine. If the hook raises, the follower reloads the engine from the mirror with `load_full`.
-A hook whose class sets `takes_state_digest = True` also gets `state_digest=` (the commit's state
-digest of `version`) on both calls, so it can report which commit its weights are, not only which
-version number (a rewind commits a number again with other weights). A hook whose class sets
-`takes_digests = True` also gets `digests=` on both calls: the version's per-tensor digests (every
-tensor, as verified in the mirror; a tensor published in row units is missing), against which it
-checks the whole state it serves, not only what the version touched, before reporting it.
-A hook whose class sets `pages_out_mirror = True` gets a follower that keeps the mirror out of the
-process's RSS (`mirror.pager`: each tensor unmapped once read or written, the bits kept in the
-page cache): for engines whose update reads what it touches of the mirror once and costs far more
-than mapping it back (vLLM: +1-10% lag, total RSS peak 2.39 -> 1.69 copies of a 96 MB model). An
-engine with cheap in-place updates keeps it mapped (the embedded engine: +23-34% lag otherwise;
-its total RSS is engine + mirror, 2.05-2.09 copies). The page cache holds the mirror either way.
+
+What a hook takes beyond the weights is declared on `ApplyHook` and read by the follower as typed
+fields (a hook subclasses `ApplyHook`, so each defaults to False):
+- `takes_state_digest`: both calls also get `state_digest=` (the commit's state digest of
+  `version`), so the hook can report which commit its weights are, not only which version number
+  (a rewind commits a number again with other weights).
+- `takes_digests`: both calls also get `digests=`, the version's per-tensor digests (every tensor,
+  as verified in the mirror; a tensor published in row units is missing), against which it checks
+  the whole state it serves, not only what the version touched, before reporting it.
+- `takes_base_version`: `apply_sparse` also gets `base_version=`, the version the update is a
+  delta from (the engine refuses it when it holds another; the follower then reloads it in full).
+- `pages_out_mirror`: the follower keeps the mirror out of the process's RSS (`mirror.pager`:
+  each tensor unmapped once read or written, the bits kept in the page cache): for engines whose
+  update reads what it touches of the mirror once and costs far more than mapping it back (vLLM:
+  +1-10% lag, total RSS peak 2.39 -> 1.69 copies of a 96 MB model). An engine with cheap in-place
+  updates keeps it mapped (the embedded engine: +23-34% lag otherwise; its total RSS is engine +
+  mirror, 2.05-2.09 copies). The page cache holds the mirror either way.
 """
 
 from __future__ import annotations
@@ -31,9 +36,18 @@ from sparsesync.codec.apply import SparseUpdate
 
 
 class ApplyHook(Protocol):
-    """Implemented by an inference engine (vLLM adapter, embedded transformers engine)."""
+    """Implemented by an inference engine (vLLM adapter, embedded transformers engine).
 
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    A hook subclasses it: the capability fields below then default to False, and the follower
+    passes a keyword only to a hook whose field says it takes it (module docstring)."""
+
+    takes_state_digest: bool = False  # `state_digest=` on both calls
+    takes_digests: bool = False  # `digests=` on both calls
+    takes_base_version: bool = False  # `base_version=` on `apply_sparse`
+    pages_out_mirror: bool = False  # the follower keeps the mirror out of the process's RSS
+
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
+                  digests: Mapping[str, str] | None = None) -> None:
         """Replace all weights (cold start, anchor fallback, recovery). Pauses the engine."""
 
     def apply_sparse(
@@ -41,6 +55,10 @@ class ApplyHook(Protocol):
         version: int,
         updates: Mapping[str, SparseUpdate],
         full: Mapping[str, torch.Tensor],
+        *,
+        base_version: int | None = None,
+        state_digest: str | None = None,
+        digests: Mapping[str, str] | None = None,
     ) -> None:
         """Apply one verified version: `updates` holds the changed elements per tensor (flat
         indices and target values); `full` holds the complete new value of each touched tensor
@@ -48,13 +66,40 @@ class ApplyHook(Protocol):
         pauses only for the in-place write and reports `version` from then on."""
 
 
-class NoHook:
+@dataclass(frozen=True)
+class HookLabels:
+    """What the follower hands a hook beside the weights of one version; `for_load`/`for_patch`
+    give the keywords the hook's capability fields say it takes (never one it does not)."""
+
+    state_digest: str | None
+    digests: Mapping[str, str]
+    base_version: int | None = None
+
+    def for_load(self, hook: ApplyHook) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if hook.takes_state_digest:
+            kw["state_digest"] = self.state_digest
+        if hook.takes_digests:
+            kw["digests"] = self.digests
+        return kw
+
+    def for_patch(self, hook: ApplyHook) -> dict[str, Any]:
+        kw = self.for_load(hook)
+        if hook.takes_base_version:
+            kw["base_version"] = self.base_version
+        return kw
+
+
+class NoHook(ApplyHook):
     """The hook of a follower with no engine: the mirror is the replica (CLI pull --follow, tests)."""
 
-    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
+                  digests: Mapping[str, str] | None = None) -> None:
         pass
 
-    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *,
+                     base_version: int | None = None, state_digest: str | None = None,
+                     digests: Mapping[str, str] | None = None) -> None:
         pass
 
 

@@ -66,7 +66,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -248,9 +248,17 @@ class MirrorDir:
         out = {}
         for name, (dtype, shape) in layout.items():
             t = torch.empty(0, dtype=dtype)
-            t.set_(storage, offsets[name] // t.element_size(), tuple(shape))
+            t.set_(storage, offsets[name] // t.element_size(), tuple(shape), _contiguous_strides(shape))
             out[name] = t
         return out
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def is_file_backed(t: torch.Tensor) -> bool:
@@ -302,7 +310,7 @@ def pager(tensors: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], int]:
     page = mmap.PAGESIZE
 
     def drop(t: torch.Tensor) -> int:
-        if not mapped or t.device.type != "cpu":
+        if not mapped or lib is None or t.device.type != "cpu":
             return 0
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
@@ -323,18 +331,20 @@ def drop_resident(tensors: Iterable[torch.Tensor]) -> int:
     return sum(drop(t) for t in ts)
 
 
-_LIBC: ctypes.CDLL | None | bool = False
+_LIBC: ctypes.CDLL | None = None
+_LIBC_LOOKED = False  # whether _LIBC was looked up (None then: no glibc)
 
 
 def _libc() -> ctypes.CDLL | None:
-    global _LIBC
-    if _LIBC is False:
+    global _LIBC, _LIBC_LOOKED
+    if not _LIBC_LOOKED:
         try:
             lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC = lib if hasattr(lib, "malloc_trim") else None
         except OSError:
             _LIBC = None
-    return _LIBC  # type: ignore[return-value]
+        _LIBC_LOOKED = True
+    return _LIBC
 
 
 def release_freed_memory() -> None:

@@ -1,7 +1,8 @@
 """Every record a run writes to or reads from a bucket, as typed dataclasses (docs/protocol.md).
 
     CommitRecord   commits/v{version}-e{epoch}.json   makes a version visible; its fields are
-                   ObjectRef, PartRef (+ Unit), FileRef and AdapterMeta          (`commit.py`)
+                   ObjectRef, PartRef (+ Unit), FileRef and AdapterMeta          (`commit.py`);
+                   its `metrics` typed: CommitMetrics, CommitKind             (`metrics.py`)
     WriterClaim    writers/e{epoch}-{writer}.json     a writer's claim of an epoch (`commit.py`)
     Heartbeat      fleet/{replica}.json                a replica's report of itself (`replica.py`)
     SwitchRecord   switches/v{version}.json            "switch to this version at apply_at" (`replica.py`)
@@ -33,6 +34,7 @@ from sparsesync.protocol.records.commit import (
     WriterClaim,
 )
 from sparsesync.protocol.records.fields import Fields, check_list, clean_text, load_object, show
+from sparsesync.protocol.records.metrics import KINDS, CommitKind, CommitMetrics
 from sparsesync.protocol.records.replica import (
     HEARTBEAT_FORMAT,
     MAX_DURATION,
@@ -46,8 +48,9 @@ from sparsesync.protocol.records.replica import (
 )
 
 __all__ = [
-    "ADAPTER_DTYPES", "COMMIT_FORMAT", "COMMIT_FORMAT_PARTS", "FILE_NAMES", "HEARTBEAT_FORMAT", "MAX_CLAIM_BYTES", "MAX_COMMIT_BYTES",
-    "MAX_DURATION", "MAX_FILES", "MAX_FILE_BYTES", "MAX_LEAD_S", "MAX_OBJECT_BYTES", "MAX_RECORD_BYTES", "MAX_TEXT",
-    "MAX_TIME", "MAX_TOTAL_BYTES", "SWITCH_FORMAT", "AdapterMeta", "CommitRecord", "Fields", "FileRef", "Heartbeat",
-    "ObjectRef", "PartRef", "SwitchRecord", "Unit", "WriterClaim", "check_list", "clean_text", "load_object", "show",
+    "ADAPTER_DTYPES", "COMMIT_FORMAT", "COMMIT_FORMAT_PARTS", "FILE_NAMES", "HEARTBEAT_FORMAT", "KINDS",
+    "MAX_CLAIM_BYTES", "MAX_COMMIT_BYTES", "MAX_DURATION", "MAX_FILES", "MAX_FILE_BYTES", "MAX_LEAD_S",
+    "MAX_OBJECT_BYTES", "MAX_RECORD_BYTES", "MAX_TEXT", "MAX_TIME", "MAX_TOTAL_BYTES", "SWITCH_FORMAT",
+    "AdapterMeta", "CommitKind", "CommitMetrics", "CommitRecord", "Fields", "FileRef", "Heartbeat", "ObjectRef",
+    "PartRef", "SwitchRecord", "Unit", "WriterClaim", "check_list", "clean_text", "load_object", "show",
 ]

@@ -24,6 +24,7 @@ from sparsesync.lora.config import check_config
 from sparsesync.lora.meta import ADAPTER_DTYPES, AdapterMeta
 from sparsesync.protocol import keys
 from sparsesync.protocol.records.fields import Fields, check_list, load_object, show
+from sparsesync.protocol.records.metrics import CommitKind, CommitMetrics
 
 COMMIT_FORMAT = "sparsesync-commit/1"
 COMMIT_FORMAT_PARTS = "sparsesync-commit/2"  # a version in parts (docs/protocol.md, "Versions in parts")
@@ -182,6 +183,16 @@ class CommitRecord:
     def has_delta(self) -> bool:
         """Whether the record carries a delta from `base_version`: one file or parts."""
         return self.delta is not None or bool(self.parts)
+
+    @property
+    def stats(self) -> CommitMetrics:
+        """`metrics`, typed (`records.metrics.CommitMetrics`: the kind, sizes, timings, what a rewind abandoned)."""
+        return CommitMetrics.of(self.metrics)
+
+    @property
+    def kind(self) -> CommitKind | None:
+        """anchor, delta, delta+anchor or rewind (None: the record names none this release writes)."""
+        return self.stats.kind
 
     def delta_objects(self) -> list[ObjectRef]:
         return [self.delta] if self.delta else list(self.parts)

@@ -102,7 +102,7 @@ class Fields:
             return default
         bounds = f" in [{lo:g}, {hi:g}{')' if below else ']'}" if math.isfinite(lo) or math.isfinite(hi) else ""
         bad = ValueError(f"{self.where}{name} is {self._show(name)}, expected a finite number{bounds}")
-        if type(v) not in (int, float):
+        if not isinstance(v, int | float) or isinstance(v, bool):
             raise bad
         try:
             f = float(v)

@@ -20,41 +20,36 @@ epochs that do not fit the object names (10 and 6 digits) are refused before any
 
 The Publisher is a facade over small parts (`sparsesync.protocol.writer`), each stating its own
 guarantees: `config` (options), `commits` (epoch claim, fencing, commit record, visibility),
-`uploads` (the queue, coalescing, retries), `anchors` (anchor policy) and one of two modes,
-picked without the caller asking: `whole` (one process encodes the whole state; parts streamed
-as encoded) or `sharded` (under torch.distributed with DTensors in the state, every rank its own
-shard; decided at the first `publish`/`resume`, alike on every rank).
+`uploads` (the queue, coalescing, retries), `anchors` (anchor policy) and a mode (`mode.WriterMode`),
+picked without the caller asking (`choice`): `whole` (one process encodes the whole state; parts
+streamed as encoded), `sharded` (under torch.distributed with DTensors in the state, every rank
+its own shard) or passive (replicated weights, rank > 0); distributed, decided at the first
+`publish`/`resume`/`version_of`, alike on every rank. The Publisher delegates every call to its
+mode and never asks which one it is.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_digest
-from sparsesync.codec import Effort, algo_of
+from sparsesync.codec import Effort
 from sparsesync.errors import ConfigError
-from sparsesync.lora.state import adapter_state
-from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.extras import collect_files
-from sparsesync.protocol.keys import MAX_VERSION, check_version
+from sparsesync.protocol.keys import MAX_VERSION
 from sparsesync.protocol.records import AdapterMeta
 from sparsesync.protocol.run import Run
-from sparsesync.protocol.writer.anchors import AnchorPolicy
-from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
-from sparsesync.protocol.writer.config import PublisherConfig, served_dtype
+from sparsesync.protocol.writer.choice import open_mode
+from sparsesync.protocol.writer.commits import CheckpointFiles
+from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.protocol.writer.mode import Tally
 from sparsesync.protocol.writer.parts import DEFAULT_PART_BYTES
-from sparsesync.protocol.writer.ranks import Ranks, holds_shards
-from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
-from sparsesync.protocol.writer.sharded import ShardedState
-from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
-from sparsesync.protocol.writer.whole import WholeState
+from sparsesync.protocol.writer.ranks import Ranks
 from sparsesync.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -119,32 +114,21 @@ class Publisher:
                  retry_backoff_s: float = 0.5, writer: str = "", part_bytes: int = DEFAULT_PART_BYTES,
                  effort: Effort = "size", dist_timeout_s: float = 300.0, group: Any = None,
                  dtype: torch.dtype | None = None) -> None:
-        self._files = CheckpointFiles(collect_files(extra_files))  # checked before anything is written
+        files = CheckpointFiles(collect_files(extra_files))  # checked before anything is written
         self.config = PublisherConfig(anchor_every=anchor_every, anchor_fraction=anchor_fraction,
                                       queue_size=queue_size, retry_backoff_s=retry_backoff_s, writer=writer,
                                       part_bytes=part_bytes, dist_timeout_s=dist_timeout_s, effort=effort,
                                       dtype=dtype)
         self.config.validate()
-        self.adapter = adapter
-        self._ranks = Ranks.of(group)
+        ranks = Ranks.of(group)
         self.store = open_store(url, create=True) if isinstance(url, str) else url
         self.run = Run(self.store)
-        self.metrics: list[dict[str, Any]] = []  # one per committed version, in commit order
-        newest = self.run.newest()
-        self._newest = newest  # its kind (adapter or full weights) is checked at the first publish
-        self.committed_version: int | None = newest.version if newest else None
-        self._last_version = self.committed_version
-        self._commits = CommitWriter(self.store, self.config.writer_id())
-        if self._ranks is None or self._ranks.rank == 0:  # other ranks learn rank 0's epoch (`ShardedState`)
-            self._commits.claim()
-        self._staging = Path(tempfile.mkdtemp(prefix="sparsesync-publish-"))
-        self._anchors = AnchorPolicy(self.config)
-        self._queue = UploadQueue(self.store.url, self.config, self._upload)
-        # None: not decided yet (distributed: the first publish/resume decides), or a rank other
-        # than 0 under replicated weights, which publishes nothing
-        self._dtype_picked = dtype is not None  # else the first publish/resume picks it (`_pick_dtype`)
-        self._mode: WholeState | ShardedState | None = self._whole() if self._ranks is None else None
-        self._decided = self._ranks is None
+        newest = self.run.newest()  # its kind (adapter or full weights) is checked at the first publish
+        committed = newest.version if newest else None
+        self._tally = Tally(self.store.url, newest=newest, adapter=adapter, committed=committed, last=committed)
+        # distributed: undecided until the first publish/resume/version_of (`choice`)
+        self._ctx, self._mode = open_mode(self.run, self.config, files, self._tally, ranks)
+        self._files, self._queue = files, self._ctx.queue
 
     # -- public API -------------------------------------------------------------------
     def publish(self, state: Mapping[str, torch.Tensor] | Any, step: int | None = None) -> int:
@@ -156,30 +140,8 @@ class Publisher:
         Returns after diff+encode (and anchor serialization on anchor versions; sharded, the
         gather of its tensors); the upload happens in the background.
         """
-        mode = self._mode if self._decided else self._choose(state)
-        if mode is None:
-            # replicated weights, rank > 0: nothing is published here, so nothing is checked against
-            # the run (which rank 0 may already have moved past when this rank opened it): the
-            # version rank 0 gives `step`
-            self._last_version = step if step is not None else 0 if self._last_version is None else self._last_version + 1
-            return self._last_version
-        if isinstance(mode, ShardedState):
-            if self.adapter is not None:
-                raise ConfigError("a sharded publisher publishes full weights only, not a LoRA adapter run",
-                                  hint="publish the adapter from rank 0 alone (Publisher(url, group=None)): it is small")
-            self._check_open()
-            version = self._next_version(step)
-            mode.publish(state, version)
-        else:
-            self._check_open()
-            state, self.adapter = adapter_state(state, self.adapter)
-            check_publish(self._newest, self.adapter, self.store.url)
-            self._pick_dtype(state)
-            state = mode.checkpoint(state)
-            version = self._next_version(step)
-            mode.publish(state, version)
-        self._last_version = version
-        return version
+        self._mode = self._mode.settle(state)
+        return self._mode.publish(state, step)
 
     def set_extra_files(self, source: str | Path | Mapping[str, bytes] | None) -> None:
         """Carry these checkpoint files (config.json, tokenizer files, ...; `protocol.extras`) in
@@ -207,47 +169,16 @@ class Publisher:
             raise ConfigError(f"resume(version={version!r}) for {self.store.url}: a version is an int in [0, {MAX_VERSION}]",
                               hint="pass the version the weights hold (e.g. the optimizer step) as an int, or leave "
                                    "version out to continue from the newest")
-        if self._ranks is not None:
-            if holds_shards(state) and self._decided and not isinstance(self._mode, ShardedState):
-                raise ConfigError("resume() must come before the first publish()")
-            if not self._decided:
-                self._choose(state)
-        mode = self._mode
-        if isinstance(mode, WholeState):
-            self._pick_dtype(state)
-        if isinstance(mode, WholeState) and version is not None:
-            commits = mode.commits_to_resume()
-            if version != commits[-1].version:  # a rewind (docs/protocol.md, "Rewinds")
-                state, self.adapter = adapter_state(state, self.adapter)
-                rec = rewind(mode, state, version, commits, self.adapter)
-                self._newest, self.committed_version, self._last_version = rec, version, version
-                self.metrics.append(rec.metrics)
-                return
-            mode.resume(state, commits)
-        elif isinstance(mode, ShardedState):
-            mode.resume(state, version)
-            if mode.published is not None and mode.published != self._last_version:  # a rewind, committed
-                self.committed_version = self._last_version = mode.published
-        elif mode is not None:
-            mode.resume(state)
-        elif version is not None:  # replicated weights, rank > 0: rank 0 resumes (or rewinds) for all
-            self._last_version = version
+        self._mode = self._mode.settle(state)
+        self._mode.resume(state, version)
 
     def version_of(self, state: Mapping[str, torch.Tensor] | Any) -> int | None:
         """The newest version the run trusts whose weights `state` holds (by state digest), or None:
         which version a checkpoint is, before `resume(state, version=...)`. Distributed with
         DTensors: a collective, on every rank, before the first publish (the weights are hashed
         over the units of the run's commits); replicated weights: rank 0's answer, None elsewhere."""
-        if self._ranks is not None and not self._decided:
-            self._choose(state)
-        if isinstance(self._mode, ShardedState):
-            return self._mode.held_version(state)
-        if self._mode is None:
-            return None
-        state, _adapter = adapter_state(state, self.adapter)
-        commits = self.run.commits()  # hashed in the run's digest algorithm (the newest commit's)
-        same = version_with_digest(commits, checkpoint_digest(state, algo_of(commits[-1].state_digest))) if commits else None
-        return None if same is None else same.version
+        self._mode = self._mode.settle(state)
+        return self._mode.version_of(state)
 
     def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
         """Stand (before the first `publish`) at the run's trusted `version`, below its newest,
@@ -255,14 +186,7 @@ class Publisher:
         next `publish(state, N)` (N above `version`, at or below the run's newest) is a delta
         `version -> N` whose commit abandons the older epochs' versions from N on (`sparsesync
         push --step N`; `sparsesync.protocol.writer.rewind.stand_below`). One process only."""
-        if not isinstance(self._mode, WholeState):
-            raise ConfigError(f"a distributed publisher cannot continue {self.store.url} below its newest version",
-                              hint="resume from the run's newest version, or publish to a new run URL")
-        commits = self._mode.commits_to_resume()
-        state, self.adapter = adapter_state(state, self.adapter)
-        check_publish(commits[-1], self.adapter, self.store.url)
-        stand_below(self._mode, state, version, commits)
-        self.committed_version = self._last_version = version
+        self._mode.continue_below(state, version)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed (or raise the uploader's error).
@@ -278,7 +202,7 @@ class Publisher:
                 self._queue.flush(timeout)
         finally:
             self._queue.close()
-            shutil.rmtree(self._staging, ignore_errors=True)
+            shutil.rmtree(self._ctx.staging, ignore_errors=True)
 
     def __enter__(self) -> Publisher:
         return self
@@ -308,7 +232,7 @@ class Publisher:
     def state_digest(self) -> str | None:
         """State digest of the newest version this publisher published or resumed from (sharded:
         the global digest of the newest committed version; ConfigError until it is committed)."""
-        return self._mode.state_digest if self._mode is not None else None
+        return self._mode.state_digest
 
     @property
     def pending(self) -> int:
@@ -318,76 +242,35 @@ class Publisher:
     @property
     def epoch(self) -> int:
         """The writer epoch this publisher claimed (distributed: rank 0's, known from the first sharded publish)."""
-        return self._commits.epoch
+        return self._ctx.commits.epoch
 
     @property
     def writer(self) -> str:
         """The writer id recorded in claims and commits."""
-        return self._commits.writer
+        return self._ctx.commits.writer
 
     @property
     def rank(self) -> int:
         """This process's rank in the publishing group (0 for a single process)."""
-        return self._ranks.rank if self._ranks is not None else 0
+        return self._ctx.rank
 
     @property
     def world(self) -> int:
         """How many ranks publish together (1 for a single process)."""
-        return self._ranks.world if self._ranks is not None else 1
+        return self._ctx.world
 
-    # -- internals --------------------------------------------------------------------
-    def _choose(self, state: Any) -> WholeState | ShardedState | None:
-        """Distributed: the mode, from the first state given (alike on every rank): DTensors:
-        sharded (a collective); else whole on rank 0, nothing elsewhere."""
-        assert self._ranks is not None
-        if holds_shards(state):
-            if self.config.dtype is not None:
-                raise ConfigError("a sharded publisher publishes its shards as given: dtype= is for whole-state publishing",
-                                  hint="cast the sharded state before publish(), or leave dtype unset")
-            self._mode = ShardedState(state, ranks=self._ranks, newest=self.committed_version, config=self.config,
-                                      run=self.run, commits=self._commits, files=self._files, queue=self._queue,
-                                      anchors=self._anchors, staging=self._staging)
-        elif self._ranks.rank == 0:
-            self._mode = self._whole()
-        self._decided = True
-        return self._mode
+    @property
+    def adapter(self) -> AdapterMeta | None:
+        """The adapter run's base and config (None: full weights; a `peft.PeftModel` passed to
+        `publish` sets it)."""
+        return self._tally.adapter
 
-    def _pick_dtype(self, state: Any) -> None:
-        """Whole state, no `dtype=` given: at the first publish/resume, publish an fp32 master in
-        the 16-bit dtype its config.json declares (`served_dtype`), for the rest of the run."""
-        adapter_run = self.adapter is not None or getattr(self._newest, "adapter", None) is not None
-        if self._dtype_picked or adapter_run or not isinstance(state, Mapping):
-            return
-        self._dtype_picked = True
-        if self.config.dtype is None and (dtype := served_dtype(self._files.get("config.json"), state)) is not None:
-            self.config.dtype = dtype
-            log.info("publishing the fp32 state as %s, the dtype its config.json declares (replicas serve it); "
-                     "Publisher(dtype=torch.float32) keeps fp32", str(dtype).removeprefix("torch."))
+    @property
+    def committed_version(self) -> int | None:
+        """The newest version committed (or resumed from); None in an empty run."""
+        return self._tally.committed
 
-    def _whole(self) -> WholeState:
-        return WholeState(config=self.config, run=self.run, commits=self._commits, files=self._files,
-                          queue=self._queue, anchors=self._anchors, staging=self._staging)
-
-    def _check_open(self) -> None:
-        self._queue.raise_error()
-        if self._queue.closed:
-            raise ConfigError("publish() after close()")
-
-    def _next_version(self, step: int | None) -> int:
-        """The version `publish(step)` publishes; ConfigError before anything is written if it cannot."""
-        version = step if step is not None else 0 if self._last_version is None else self._last_version + 1
-        check_version(version, self.store.url)
-        if self._last_version is not None and version <= self._last_version:
-            raise ConfigError(
-                f"version {version} is not newer than the last version {self._last_version} of {self.store.url}",
-                hint="pass a larger step, or publish to a new run URL",
-            )
-        return version
-
-    def _upload(self, item: PendingVersion) -> None:
-        """Uploader thread: commit `item` through the mode; record what was committed."""
-        assert self._mode is not None
-        metrics = self._mode.upload(item, self.adapter)
-        if metrics is not None:
-            self.committed_version = item.version
-            self.metrics.append(metrics)
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """One dict per committed version, in commit order."""
+        return self._tally.metrics

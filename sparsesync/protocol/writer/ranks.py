@@ -142,7 +142,9 @@ def checkpoint_shards(state: Mapping[str, torch.Tensor], rank: int, world: int,
         mine = split_fused_experts(name, local, first=start) or {}
         chunk = math.ceil(rows / world)
         for n, t in whole.items():
-            holder = int(EXPERT_KEY.match(n)["e"]) // chunk  # type: ignore[index]
+            m = EXPERT_KEY.match(n)
+            assert m is not None  # split_fused_experts names each expert so
+            holder = int(m["e"]) // chunk
             out.append(ShardedTensor(n, tuple(t.shape), v.dtype, holder, mine.get(n)))
     return out
 

@@ -11,6 +11,12 @@ A sharded writer (`writer.sharded.ShardedState.resume`) does the same on every r
 `resume_info` (rank 0's view of the run) with `check_checkpoint`, its rewind commit written
 through its uploader as any version. `stand_below`: `sparsesync push --step N` below the newest.
 
+`push`'s planning (`sparsesync.transfer.push`, `sparsesync push`) is one call: `plan_push` decides,
+before anything is written, how a checkpoint becomes version N of the run (the next version; the
+newest already held; a rewind to N; or a delta from the newest version below N), names what it
+abandons and asks for approval (`RewindPlan`); `pushed_abandoned` says afterwards what it did
+abandon.
+
 The reader side (which versions a rewind abandoned, whether a replica serves one) is
 `protocol.keys.abandoned_by_rewinds` and `protocol.lineage.Lineage`.
 """
@@ -20,23 +26,23 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_state
+from sparsesync.checkpoint import checkpoint_digest, checkpoint_state
 from sparsesync.codec import algo_of, write_anchor
-from sparsesync.errors import ConfigError, PatchMismatchError, SparsesyncError
+from sparsesync.errors import ConfigError, PatchMismatchError, RewindRefusedError, SparsesyncError
 from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.keys import new_uid
-from sparsesync.protocol.records import AdapterMeta, CommitRecord, ObjectRef
+from sparsesync.protocol.records import AdapterMeta, CommitMetrics, CommitRecord, ObjectRef
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.anchors import AnchorHistory
 
-if TYPE_CHECKING:
-    from sparsesync.protocol.writer.whole import WholeState
+if TYPE_CHECKING:  # `whole` calls this module: what it offers here is a protocol (`mode.WholeWriter`)
+    from sparsesync.protocol.writer.mode import WholeWriter
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +117,15 @@ def resume_info(run: Run, version: int | None) -> dict[str, Any] | SparsesyncErr
     except SparsesyncError as e:
         return e
     abandoned = [c for c in commits if c.version > n]
-    reuse = target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units)
+    reuse = target if target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units) else None
     info["rewind"] = {
-        "anchor": list(target.anchor) if reuse else None, "anchor_bytes": sum(o.size for o in target.anchor) if reuse else 0,
-        "state_digest": target.state_digest if reuse else None, "version": n, "rewind_from": newest.version,
+        "anchor": list(reuse.anchor) if reuse else None, "anchor_bytes": sum(o.size for o in reuse.anchor) if reuse else 0,
+        "state_digest": reuse.state_digest if reuse else None, "version": n, "rewind_from": newest.version,
         "rewind_from_epoch": max(c.epoch for c in abandoned), "abandoned": [c.version for c in abandoned]}
     return info
 
 
-def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord],
+def rewind(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord],
            adapter: AdapterMeta | None) -> CommitRecord:
     """Make `state` (an adapter's tensors when `adapter` is set) version `version` of the run,
     abandoning the newer versions (see module docstring), through the writer's parts (`whole`
@@ -156,7 +162,7 @@ def rewind(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, c
     return rec
 
 
-def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, uid: str, algo: str) -> list[ObjectRef]:
+def _upload_anchor(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, uid: str, algo: str) -> list[ObjectRef]:
     folder = whole.staging / f"rewind-{version}-{uid}"
     try:
         files = write_anchor(dict(state), folder, version=version, algo=algo)
@@ -166,7 +172,7 @@ def _upload_anchor(whole: WholeState, state: Mapping[str, torch.Tensor], version
 
 
 # ------------------------------------------------------------------------------ push --step N <= newest
-def stand_below(whole: WholeState, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
+def stand_below(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
     """Stand the writer (not published yet) at the trusted `version`, whose weights `state` holds
     (checked by state digest), without committing anything: its next `publish(state, N)` (N above
     `version`, at or below the run's newest) is a delta `version -> N` whose commit abandons the
@@ -181,3 +187,108 @@ def stand_below(whole: WholeState, state: Mapping[str, torch.Tensor], version: i
     whole.stand_at(snap, AnchorHistory.of([c for c in commits if c.version <= version]))
 
 
+
+
+# ------------------------------------------------------------------------------ push's plan
+@dataclass(frozen=True)
+class RewindPlan:
+    """A rewind `push` is about to do, before anything is written (what `rewind` approves)."""
+
+    url: str
+    """The run's URL."""
+    newest: int
+    """The run's newest version."""
+    version: int
+    """The version the checkpoint becomes."""
+    step_from: str
+    """Where `version` came from."""
+    abandoned: list[int]
+    """The versions the rewind abandons, each once, ascending."""
+
+    def describe(self) -> str:
+        """One line: what the rewind does."""
+        return (f"version {self.version} (from {self.step_from}) is not above version {self.newest}, the newest of "
+                f"{self.url}: pushing it rewinds the run and abandons {_versions_text(self.abandoned)}")
+
+
+def _versions_text(versions: list[int]) -> str:
+    """'version 5', 'versions 4, 5', 'versions 3..900 (898 versions)' or
+    'versions 1, 4, 7 ... 99, 120 (40 versions)'."""
+    if len(versions) == 1:
+        return f"version {versions[0]}"
+    if len(versions) <= 8:
+        return "versions " + ", ".join(map(str, versions))
+    if versions == list(range(versions[0], versions[-1] + 1)):
+        return f"versions {versions[0]}..{versions[-1]} ({len(versions)} versions)"
+    head, tail = ", ".join(map(str, versions[:3])), ", ".join(map(str, versions[-2:]))
+    return f"versions {head} ... {tail} ({len(versions)} versions)"
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """How `push` publishes a checkpoint as version `version` (`plan_push`).
+
+    next: above the newest (or a new run): a delta from `base` (None: a new run's first anchor).
+    held: the newest version already is these weights: nothing to push.
+    rewind: these weights are the run's version `version`: the run is rewound to it (`Publisher.resume(version=)`).
+    below: the checkpoint becomes `version` as a delta from `base`, the newest version below it
+    (`Publisher.continue_below`).
+    """
+
+    how: Literal["next", "held", "rewind", "below"]
+    version: int
+    base: int | None
+    abandoning: list[int]
+    """The versions it abandons, each once, ascending (empty for next and held)."""
+
+    @property
+    def below_newest(self) -> bool:
+        """Whether the version is at or below the run's newest (a rewind, held, or below)."""
+        return self.how != "next"
+
+
+def plan_push(run: Run, newest: CommitRecord | None, state: Mapping[str, Any], version: int, *, step_from: str,
+              step_source: str, rewind: bool | Callable[[RewindPlan], bool], rewind_source: str) -> PushPlan:
+    """How `push` publishes `state` as `version` of `run`, whose newest trusted commit is `newest`
+    (docs/protocol.md, "Rewinds"). Writes nothing. At or below the newest: held when the newest
+    already is these weights (by state digest); else the plan abandons versions, so it goes ahead
+    only when `rewind` is True or approves the `RewindPlan` naming them, else RewindRefusedError.
+    ConfigError when the run has no version below `version` to continue from. `step_source` and
+    `rewind_source` name the options in messages ("--step", "--rewind")."""
+    if newest is None or version > newest.version:
+        return PushPlan("next", version, None if newest is None else newest.version, [])
+    commits = run.commits()
+    same = next((c for c in commits if c.version == version), None)
+    if same is not None and same.state_digest == checkpoint_digest(state, algo_of(same.state_digest)):  # in the run's digest algorithm
+        if same is commits[-1]:
+            return PushPlan("held", version, None, [])
+        plan = PushPlan("rewind", version, None, sorted({c.version for c in commits if c.version > version}))
+    else:
+        below = [c.version for c in commits if c.version < version]
+        if not below:
+            raise ConfigError(f"version {version} (from {step_from}) is not newer than version {commits[-1].version}, "
+                              f"the newest of {run.url}, and the run has no version below it to continue from",
+                              hint=f"pass {step_source} N with a larger N, or push to a new run URL")
+        plan = PushPlan("below", version, below[-1], sorted({c.version for c in commits if c.version >= version}))
+    asked = RewindPlan(url=run.url, newest=newest.version, version=version, step_from=step_from,
+                       abandoned=plan.abandoning)
+    if not (rewind(asked) if callable(rewind) else rewind is True):
+        raise RewindRefusedError(
+            f"refusing to rewind: {asked.describe()}", newest=newest.version, version=version,
+            abandoned=plan.abandoning,
+            hint=f"pass {rewind_source} to rewind the run, or {step_source} N with N above {newest.version} "
+                 "to publish the checkpoint as a new version")
+    return plan
+
+
+def pushed_abandoned(run: Run, plan: PushPlan, epoch: int, metrics: Mapping[str, Any]) -> list[int] | None:
+    """What the push of `plan` abandoned once committed by `epoch` with `metrics` (its commit's):
+    the versions of the older attempt, each once, ascending; None for a push above the newest.
+    A rewind commit names them; a delta below the newest abandoned every older commit from its
+    version on (read from a fresh listing of `run`)."""
+    if not plan.below_newest:
+        return None
+    m = CommitMetrics.of(metrics)
+    if m.is_rewind:
+        return sorted(set(m.abandoned or []))
+    return sorted({v for a in run.abandoned() if (a.version, a.by_epoch) == (plan.version, epoch) for v in a.versions})

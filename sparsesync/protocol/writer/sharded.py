@@ -44,19 +44,18 @@ digest; otherwise (another world size, or an anchor) the weights are hashed over
 own units, each tensor gathered to one rank as for an anchor. `state_digest` is the global digest
 of the newest committed version (after `flush()`; ConfigError before).
 
-This module is the mode (`ShardedState`: publish, resume, upload, commit); what each rank holds
-and the collectives that gather across ranks are in `writer.ranks`.
+This module is the mode (`ShardedState`, a `mode.WriterMode`: publish, resume, encode); each
+rank's uploads and rank 0's commit are in `writer.sharded_commit` (the uploader's thread), what
+each rank holds and the collectives that gather across ranks in `writer.ranks`.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,38 +63,29 @@ import torch.distributed as dist
 
 from sparsesync.checkpoint import check_key_set, shared_aliases
 from sparsesync.codec import state_digest, tensor_digest
-from sparsesync.codec.anchor import write_anchor_index, write_anchor_shard
-from sparsesync.errors import (
-    ConfigError,
-    RankFailedError,
-    RunNotFoundError,
-    SparsesyncError,
-    StoreUnavailableError,
-)
-from sparsesync.protocol.records import CommitRecord, ObjectRef, PartRef, Unit
-from sparsesync.protocol.run import Run
-from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
-from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
-from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.codec.anchor import write_anchor_shard
+from sparsesync.errors import ConfigError, RunNotFoundError, SparsesyncError
+from sparsesync.protocol.records import Unit
+from sparsesync.protocol.writer.anchors import AnchorHistory
+from sparsesync.protocol.writer.mode import WriterContext, WriterMode
 from sparsesync.protocol.writer.parts import PartedSnapshot, group_by_bytes
 from sparsesync.protocol.writer.ranks import (
-    RANK_DIED,
     Ranks,
     ShardedTensor,
     anchor_plan,
     checkpoint_shards,
     collective,
-    combined_metrics,
     digests_over,
     gather_whole,
     local_units,
     shard_rows,
 )
 from sparsesync.protocol.writer.rewind import check_checkpoint, resume_info
-from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue, coalesce, wait_to_retry
+from sparsesync.protocol.writer.sharded_commit import ShardCommits, anchor_folder
+from sparsesync.protocol.writer.stream import PartStream
+from sparsesync.protocol.writer.uploads import PendingVersion, coalesce
 
 log = logging.getLogger(__name__)
-STORE_TRIES = 5  # store outages retried (with backoff) before a rank reports failure to the others
 
 
 class ShardedState:
@@ -106,25 +96,23 @@ class ShardedState:
     tensor, so it sees every tie; a rank with an empty shard could not, and every rank must plan
     the same key set)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor], *, ranks: Ranks, config: PublisherConfig, run: Run,
-                 commits: CommitWriter, files: CheckpointFiles, queue: UploadQueue, anchors: AnchorPolicy,
-                 staging: Path, newest: int | None) -> None:
-        self.r, self.config, self.run, self.commits, self.files = ranks, config, run, commits, files
-        self.queue, self.anchors, self.staging, self.url = queue, anchors, staging, run.store.url
+    def __init__(self, state: Mapping[str, torch.Tensor], *, ranks: Ranks, ctx: WriterContext) -> None:
+        self.r, self.ctx, self.config, self.run, self.commits = ranks, ctx, ctx.config, ctx.run, ctx.commits
+        self.queue, self.anchors, self.staging, self.tally = ctx.queue, ctx.anchors, ctx.staging, ctx.tally
+        self.url = self.run.store.url
         self.snapshot: PartedSnapshot | None = None  # this rank's units of the last published (or resumed) version
-        self.published = self.committed = newest  # the last version published here, the newest committed
+        self.published = self.committed = ctx.tally.committed  # the last version published here, the newest committed
         self.committed_digest: str | None = None  # the global state digest of `committed`
         self.key_set: list[ShardedTensor] | None = None  # the run's tensors (from the first version), no data
-        timeout = timedelta(seconds=config.dist_timeout_s)
+        timeout = timedelta(seconds=self.config.dist_timeout_s)
         self._ctl = dist.new_group(ranks=list(ranks.ranks), backend="gloo", timeout=timeout)
-        self._up = dist.new_group(ranks=list(ranks.ranks), backend="gloo", timeout=timeout)
-        got: list[Any] = [(commits.epoch, commits.writer, shared_aliases(state) if ranks.rank == 0 else None)]
+        up = dist.new_group(ranks=list(ranks.ranks), backend="gloo", timeout=timeout)
+        got: list[Any] = [(self.commits.epoch, self.commits.writer, shared_aliases(state) if ranks.rank == 0 else None)]
         dist.broadcast_object_list(got, src=ranks.src, group=self._ctl)
-        commits.epoch, commits.writer, self.aliases = got[0]
-
-    @property
-    def started(self) -> bool:
-        return self.snapshot is not None
+        self.commits.epoch, self.commits.writer, self.aliases = got[0]
+        self._uploads = ShardCommits(ranks=ranks, group=up, config=self.config, commits=self.commits, files=ctx.files,
+                                     queue=self.queue, staging=self.staging, url=self.url)
+        self.queue.start(self.upload)
 
     @property
     def state_digest(self) -> str | None:
@@ -134,10 +122,51 @@ class ShardedState:
                               hint="call flush() first: a sharded version's digest covers every rank's part")
         return self.committed_digest
 
-    # -- publish ----------------------------------------------------------------------
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Publish this rank's share of `state` as `version` (every rank calls it with the same
-        version). Returns after diff+encode (and, on anchor versions, the gather to rank 0)."""
+    # -- the writer interface (`mode.WriterMode`) -------------------------------------------
+    def settle(self, state: Mapping[str, torch.Tensor] | Any) -> WriterMode:
+        """Itself: decided."""
+        return self
+
+    def publish(self, state: Mapping[str, torch.Tensor] | Any, step: int | None) -> int:
+        """Publish this rank's share of `state` as version `step` (None: the next one; every rank
+        calls it with the same step), full weights only. Returns after diff+encode (and, on anchor
+        versions, the gather of its tensors)."""
+        if self.tally.adapter is not None:
+            raise ConfigError("a sharded publisher publishes full weights only, not a LoRA adapter run",
+                              hint="publish the adapter from rank 0 alone (Publisher(url, group=None)): it is small")
+        self.ctx.check_open()
+        version = self.tally.next_version(step)
+        self.encode(state, version)
+        self.tally.last = version
+        return version
+
+    def resume(self, state: Mapping[str, torch.Tensor] | Any, version: int | None) -> None:
+        """`resume_shards`, then the publisher stands at the version it resumed (or rewound) to."""
+        self.resume_shards(state, version)
+        if self.published is not None and self.published != self.tally.last:  # a rewind, committed
+            self.tally.committed = self.tally.last = self.published
+
+    def version_of(self, state: Mapping[str, torch.Tensor] | Any) -> int | None:
+        """`held_version` (a collective, on every rank)."""
+        return self.held_version(state)
+
+    def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
+        """ConfigError: only a single process continues below the newest version."""
+        raise ConfigError(f"a distributed publisher cannot continue {self.url} below its newest version",
+                          hint="resume from the run's newest version, or publish to a new run URL")
+
+    def upload(self, item: PendingVersion) -> None:
+        """Uploader thread (`sharded_commit.ShardCommits.upload`): this rank's objects, one
+        collective, rank 0's commit; then the version is committed here too (RankFailedError: nowhere)."""
+        metrics, digest = self._uploads.upload(item)
+        self.committed, self.committed_digest = item.version, digest
+        self.tally.committed_as(item.version, metrics)
+
+    # -- the mode's own steps -------------------------------------------------------------
+    def encode(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Diff and encode this rank's share of `state` as `version` and queue it (every rank
+        calls it with the same version). Returns after diff+encode (and, on anchor versions, the
+        gather to rank 0)."""
         rank, world = self.r.rank, self.r.world
         tensors = self._with_frozen(checkpoint_shards(state, rank, world, self.aliases))
         local, units = local_units(tensors, rank, world)
@@ -160,14 +189,14 @@ class ShardedState:
             assert self.snapshot is not None
             after = pinned if merge else None
 
-            def enqueue(item: PendingVersion) -> None:
+            with PartStream(self.queue, self.snapshot, version, after=after) as stream:
+                item = stream.encode(local)
+                self.anchors.add_delta(int(item.metrics["patch_bytes"]))
+            if not stream.streamed:
                 self.queue.append(item if after is None else coalesce(after, item))
-
-            self.queue.encode_streamed(self.snapshot, local, version, after=after, enqueue=enqueue,
-                                       seal=lambda item: self.anchors.add_delta(int(item.metrics["patch_bytes"])))
         self.published = version
 
-    def resume(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+    def resume_shards(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Continue the run from its newest committed version, whose weights `state` holds (a
         collective, on every rank): the next `publish` is a delta against it once the weights are
         checked to be that version; PatchMismatchError on every rank when they are not. When that
@@ -259,127 +288,12 @@ class ShardedState:
                  "world's units", version, self.url, time.perf_counter() - t0)
         return digests
 
-    # -- upload (the uploader's thread) ------------------------------------------------------
-    def upload(self, item: PendingVersion, adapter: Any = None) -> dict[str, Any]:
-        """Store this rank's objects, then one collective; rank 0 commits; all learn the outcome.
-        The commit's metrics (this rank's); RankFailedError when any rank failed."""
-        t0 = time.perf_counter()
-        report: dict[str, Any] = {"rank": self.r.rank, "version": item.version, "error": None}
-        try:
-            refs, anchor = self._store_local(item)
-            report.update(parts=refs, anchor=anchor, digests=item.digests, base_digests=item.base_digests or {},
-                          anchor_digests=item.metrics.get("_anchor_digests", {}),
-                          metrics={k: v for k, v in item.metrics.items() if not k.startswith("_")})
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            report["error"] = f"{type(e).__name__}: {e}"
-        reports: list[Any] = [None] * self.r.world
-        outcome: list[Any] = [None]
-        with collective(f"version {item.version} of {self.url} was not committed", "a rank did not report its part",
-                         hint=f"{RANK_DIED}: the next writer continues from the newest committed version"):
-            dist.all_gather_object(reports, report, group=self._up)
-            if self.r.rank == 0:
-                outcome = [self._commit_all(item, reports, t0)]
-            dist.broadcast_object_list(outcome, src=self.r.src, group=self._up)  # (error or None, state digest)
-        error, digest = outcome[0]
-        if error is not None:
-            raise RankFailedError(f"version {item.version} of {self.url} was not committed: {error}",
-                                  hint="fix the failing rank and restart the job: the next writer continues from the newest committed version")
-        if item.anchor_dir is not None:
-            shutil.rmtree(item.anchor_dir, ignore_errors=True)
-        self.committed, self.committed_digest = item.version, digest
-        out = {k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version}
-        if rewind := item.metrics.get("_rewind"):  # what rank 0's commit says of the rewind, on every rank
-            out |= {k: v for k, v in rewind.items() if k not in ("anchor", "state_digest")} | {"kind": "rewind"}
-        return out
-
-    def _store_local(self, item: PendingVersion) -> tuple[list[PartRef], list[ObjectRef]]:
-        """Upload this rank's parts (and its anchor file), retrying store outages a few times
-        (the last one is reported to every rank)."""
-        backoff = self.config.retry_backoff_s
-        for _ in range(STORE_TRIES - 1):
-            try:
-                return self._store_objects(item)
-            except StoreUnavailableError as e:
-                backoff = wait_to_retry(f"rank {self.r.rank}: upload of version {item.version}", e, backoff)
-        return self._store_objects(item)
-
-    def _store_objects(self, item: PendingVersion) -> tuple[list[PartRef], list[ObjectRef]]:
-        """One try of `_store_local`."""
-        if err := item.metrics.get("_anchor_error"):
-            raise SparsesyncError(err)
-        refs: list[PartRef] | None = []
-        if item.parts is not None:
-            base = item.base_version
-            assert base is not None
-            refs = self.queue.parts_of(item, lambda part: self.commits.put_part(base, item.version, item.uid, part))
-        if refs is None:
-            raise SparsesyncError(f"encoding version {item.version} failed on this rank")
-        anchor = self.commits.put_anchor(item.version, item.uid, sorted(item.anchor_dir.iterdir())) if item.anchor_dir else []
-        return refs, anchor
-
-    def _commit_all(self, item: PendingVersion, reports: list[dict[str, Any]], t0: float) -> tuple[str | None, str]:
-        """Rank 0: write the commit record from every rank's report (and an anchor's index);
-        (the error text or None, the version's state digest)."""
-        bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"]]
-        bad += [f"rank {r['rank']} published version {r['version']}, rank 0 {item.version}" for r in reports
-                if not r["error"] and r["version"] != item.version]
-        if bad:
-            return "; ".join(bad), ""
-        try:
-            anchor = sorted((o for r in reports for o in r["anchor"]), key=lambda o: o.key)
-            parts = [p for r in reports for p in r["parts"]]
-            digests = {k: d for r in reports for k, d in r["digests"].items()}
-            rewind = item.metrics.get("_rewind")
-            if parts:
-                sd = state_digest(digests)
-                base_sd = state_digest({k: d for r in reports for k, d in r["base_digests"].items()})
-            elif rewind is not None and rewind["anchor"] is not None:  # the rewound version's own anchor
-                anchor, sd, base_sd = list(rewind["anchor"]), rewind["state_digest"], None
-            else:
-                (sd, index), base_sd = self._anchor_index(item, reports), None
-                anchor += index
-            rec = CommitRecord(
-                version=item.version, epoch=self.commits.epoch, writer=self.commits.writer, state_digest=sd,
-                created_at=time.time(), base_version=item.base_version if parts else None, base_state_digest=base_sd,
-                anchor=anchor, parts=parts, files=self.files.refs(self.commits, item.version, item.uid, adapter_run=False),
-            )
-            rec.metrics = {**combined_metrics([r["metrics"] for r in reports]), "version": item.version,
-                           "base_version": rec.base_version, "ranks": self.r.world,
-                           "upload_s": time.perf_counter() - t0, "kind": "delta" if parts else "anchor"}
-            if rewind is not None:  # docs/protocol.md, "Rewinds"
-                rec.metrics |= {k: v for k, v in rewind.items() if k not in ("anchor", "state_digest")} | {
-                    "kind": "rewind", "anchor_bytes": sum(o.size for o in anchor), "reused_anchor": rewind["anchor"] is not None}
-            self.commits.commit(rec)
-        except Exception as e:  # noqa: BLE001 - every rank raises it
-            return f"rank 0 could not commit: {type(e).__name__}: {e}", ""
-        return None, sd
-
-    def _anchor_index(self, item: PendingVersion, reports: list[dict[str, Any]]) -> tuple[str, list[ObjectRef]]:
-        """Rank 0, an anchor version: its state digest (whole tensors), and the index it stores
-        beside the ranks' files when there are several ([] when one file holds it all)."""
-        plan = item.metrics["_anchor_plan"]
-        digests = {k: d for r in reports for k, d in r["anchor_digests"].items()}
-        if set(digests) != set(plan.owner):
-            raise SparsesyncError(f"the ranks' anchor files hold {len(digests)} tensors, the plan {len(plan.owner)}")
-        if len(plan.files) == 1:
-            return state_digest(digests), []
-        path = write_anchor_index(self._anchor_folder(item), plan.weight_map, digests, version=item.version,
-                                  total_size=plan.total_size)
-        return state_digest(digests), self.commits.put_anchor(item.version, item.uid, [path])
-
     # -- internals --------------------------------------------------------------------
     def _shard_snapshot(self, local: dict[str, torch.Tensor], units: list[Unit], version: int) -> PartedSnapshot:
         """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of `part_bytes`."""
         by_key = {u.key: u for u in units}
         groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
         return PartedSnapshot(groups, local, version, effort=self.config.effort)
-
-    def _anchor_folder(self, item: PendingVersion) -> Path:
-        """The staging folder of the anchor files of `item` (created, and set as its `anchor_dir`)."""
-        d = self.staging / f"anchor-{item.version}-{item.uid}"
-        d.mkdir(parents=True, exist_ok=True)
-        item.anchor_dir = d
-        return d
 
     def _with_frozen(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
         """`tensors` in the run's key set, as `checkpoint_state` completes a whole state: the first
@@ -422,7 +336,7 @@ class ShardedState:
         nbytes = 0
         if self.r.rank in plan.files:
             try:
-                path = self._anchor_folder(item) / plan.files[self.r.rank]
+                path = anchor_folder(self.staging, item) / plan.files[self.r.rank]
                 item.metrics["_anchor_digests"] = write_anchor_shard(mine, path, version=item.version,
                                                                      alone=len(plan.files) == 1)
                 nbytes = path.stat().st_size

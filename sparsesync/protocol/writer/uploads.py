@@ -1,18 +1,21 @@
 """The upload queue: versions wait here for the background uploader, which never makes training
-wait on the network.
+wait on the network. It only queues, coalesces and uploads: the writer modes (`whole`,
+`sharded`) encode, and the uploader hands each version to the mode that started it
+(`start(mode.upload)`), which stores its objects and commits.
 
 When it blocks: never on the network. `put` hands a version to the uploader and returns; when
 `queue_size` versions are already waiting, the newest waiting delta is coalesced with the new
-one (B->N-1 and N-1->N become B->N; version N-1 is never committed). A delta in parts is
-streamed (`encode_streamed`): when no other version waits, the uploader takes each part as soon
-as it is encoded, while the next one is encoded; the commit still waits for the last part.
+one (B->N-1 and N-1->N become B->N; version N-1 is never committed). A delta in parts may be
+handed over before it is encoded (`open_stream`, by `stream.PartStream`): when no other version
+waits, the uploader takes each part as soon as it is added (`encoded_parts`), while the next one
+is encoded; the commit still waits until the version is sealed.
 Memory: at most `queue_size` encoded versions wait (plus the one uploading); a committed version
 is let go at once.
 
 Retries: a store outage (the store's own retries ran out) is retried with backoff
 (`retry_backoff_s`, doubling, at most 30 s); meanwhile newer pure deltas that queued behind are
 merged into the one retried. Any other failure stops the uploader: it is raised from the
-publisher's next `publish`/`flush` (`raise_error`).
+publisher's next `publish`/`flush` (`raise_error`), as is a failed encoding (`fail`).
 """
 
 from __future__ import annotations
@@ -22,19 +25,16 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sparsesync.codec import TensorChange, compose_changes, encode_changes
 from sparsesync.errors import SparsesyncError, StoreUnavailableError
 from sparsesync.protocol.keys import new_uid
-from sparsesync.protocol.records import PartRef
 from sparsesync.protocol.writer.config import PublisherConfig
-from sparsesync.protocol.writer.parts import EncodedPart, PartedSnapshot, coalesce_parts, combined_stats
+from sparsesync.protocol.writer.parts import EncodedPart, coalesce_parts, combined_stats
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
@@ -126,17 +126,24 @@ def coalesce(old: PendingVersion, new: PendingVersion,
 
 class UploadQueue:
     """The versions waiting for upload and the uploader thread that commits them in order
-    through `upload` (a writer mode's; it raises StoreUnavailableError to be retried)."""
+    through `upload` (a writer mode's, given to `start`; it raises StoreUnavailableError to be retried)."""
 
-    def __init__(self, url: str, config: PublisherConfig, upload: Callable[[PendingVersion], None]) -> None:
+    def __init__(self, url: str, config: PublisherConfig) -> None:
         self.url = url
         self.config = config
-        self._upload = upload
+        self._upload: Callable[[PendingVersion], None] | None = None
         self._pending: deque[PendingVersion] = deque()
         self._busy = False
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
+        self._thread: threading.Thread | None = None  # started by the mode that uploads (a passive rank: none)
+
+    def start(self, upload: Callable[[PendingVersion], None]) -> None:
+        """Start the uploader thread, which commits each queued version through `upload` (once)."""
+        if self._thread is not None:
+            raise RuntimeError(f"the uploader of {self.url} runs already")
+        self._upload = upload
         self._thread = threading.Thread(target=self._loop, name="sparsesync-upload", daemon=True)
         self._thread.start()
 
@@ -196,52 +203,41 @@ class UploadQueue:
                 self._cv.wait(timeout=1.0)
         self.raise_error()
 
-    def encode_streamed(self, snap: PartedSnapshot, state: Mapping[str, torch.Tensor], version: int, *,
-                        seal: Callable[[PendingVersion], None], enqueue: Callable[[PendingVersion], None],
-                        after: PendingVersion | None = None) -> None:
-        """Diff and encode a delta in parts against `snap`; when no other version waits (and no
-        `after`), the uploader takes each part as soon as it is encoded (the commit still waits
-        for the last part). `seal` completes the version once encoded (anchor bookkeeping); a
-        version not streamed is then handed to `enqueue` (which queues, coalesces or merges it).
-        `after`: the newest waiting version, taken off the queue by the caller (`take_newest`)
-        to merge this one into; if encoding fails, `after` is queued again. A failure half-way
-        stops the publisher: the snapshot may hold this version in some parts only."""
-        item = PendingVersion(
-            version=version, base_version=snap.version, state_digest="", base_state_digest=snap.state_digest,
-            digests={}, base_digests=snap.digests, changes=None, delta=None, anchor_dir=None, metrics={},
-            parts=[], sealed=False,
-        )
+    # -- a delta in parts, handed over while it is encoded (`stream.PartStream`) ---------------
+    def open_stream(self, item: PendingVersion, after: PendingVersion | None = None) -> bool:
+        """Queue `item` (a delta in parts, not sealed) at once when no other version waits and no
+        `after` is pinned: the uploader then takes each part as it is added (`add_part`) and
+        commits once `item` is sealed. False: nothing queued (the caller queues it once sealed)."""
         with self._cv:
-            stream = after is None and not self._pending  # else: encoded whole, then queued or coalesced
-            if stream:
-                self._pending.append(item)
-                self._cv.notify_all()
+            if after is not None or self._pending:
+                return False
+            self._pending.append(item)
+            self._cv.notify_all()
+            return True
 
-        def on_part(part: EncodedPart) -> None:
-            with self._cv:
-                item.parts.append(part)  # type: ignore[union-attr]
-                self._cv.notify_all()
+    def add_part(self, item: PendingVersion, part: EncodedPart) -> None:
+        """One more encoded part of `item` (which may be uploading already)."""
+        with self._cv:
+            assert item.parts is not None
+            item.parts.append(part)
+            self._cv.notify_all()
 
-        try:
-            parts = snap.diff_encode(state, version, on_part)
-            item.state_digest, item.digests = snap.state_digest, snap.digests
-            item.metrics = combined_stats(parts)
-            seal(item)
-        except BaseException as e:
-            with self._cv:  # the snapshot may hold this version in some parts only: nothing more can be published
-                if after is not None:
-                    self._pending.append(after)
-                item.failed = True
-                self._error = e if isinstance(e, SparsesyncError) else SparsesyncError(
-                    f"encoding version {version} for {self.url} failed half-way: {e!r}",
-                    hint="start a new Publisher (its first version is an anchor)")
-                self._cv.notify_all()
-            raise
+    def seal(self, item: PendingVersion) -> None:
+        """Every part of `item` is added, its digests and metrics set: the uploader may commit it."""
         with self._cv:
             item.sealed = True
             self._cv.notify_all()
-        if not stream:
-            enqueue(item)
+
+    def fail(self, item: PendingVersion, error: SparsesyncError, after: PendingVersion | None = None) -> None:
+        """Encoding `item` stopped half-way: it is never committed, `error` stops the publisher
+        (raised from its next `publish`/`flush`), and `after` (taken off the queue to merge
+        `item` into) is queued again."""
+        with self._cv:
+            if after is not None:
+                self._pending.append(after)
+            item.failed = True
+            self._error = error
+            self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is committed (or raise the uploader's error)."""
@@ -264,23 +260,23 @@ class UploadQueue:
         self._closed = True
         with self._cv:
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     # -- the uploader's side ------------------------------------------------------------------
-    def parts_of(self, item: PendingVersion, put: Callable[[EncodedPart], PartRef]) -> list[PartRef] | None:
-        """`put` each part of `item` as it is encoded; their references, or None when encoding failed half-way."""
-        refs, i = [], 0
+    def encoded_parts(self, item: PendingVersion) -> Iterator[EncodedPart]:
+        """`item`'s parts, each as soon as it is encoded; the iteration ends once `item` is sealed
+        and every part was given, or early when its encoding failed (`item.failed`: never commit it)."""
+        i = 0
         assert item.parts is not None
         while True:
             with self._cv:
                 while len(item.parts) <= i and not item.sealed and not item.failed:
                     self._cv.wait(timeout=1.0)
-                if item.failed:
-                    return None
-                if len(item.parts) <= i:
-                    return refs
+                if item.failed or len(item.parts) <= i:
+                    return
                 part = item.parts[i]
-            refs.append(put(part))
+            yield part
             i += 1
 
     def _loop(self) -> None:
@@ -296,6 +292,7 @@ class UploadQueue:
             try:
                 while True:
                     try:
+                        assert self._upload is not None  # set before the thread starts
                         self._upload(item)
                         backoff = self.config.retry_backoff_s
                         break

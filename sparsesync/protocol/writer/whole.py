@@ -10,51 +10,60 @@ is diffed, so no cast copy of the whole state exists.
 Parts (`part_bytes`, default 256 MiB of tensor bytes; 0, or a model no larger than one part: one
 file per version): the version's delta is diffed and encoded in groups of whole tensors
 (`sparsesync.protocol.writer.parts`), and each part is uploaded as soon as it is encoded, while the next
-one is encoded (`UploadQueue.encode_streamed`); the commit record (format 2, listing the parts)
+one is encoded (`stream.PartStream`); the commit record (format 2, listing the parts)
 is still written last. A version is streamed this way when no other version waits for upload;
 otherwise it is encoded whole and queued (and coalesced).
 
 `upload` (on the uploader's thread) stores the version's objects, then the commit record
-through `CommitWriter.commit` (fenced, confirmed visible).
+through `CommitWriter.commit` (fenced, confirmed visible), then records it in the `Tally`.
+
+A `mode.WriterMode`: `publish`/`resume`/`version_of`/`continue_below` take the caller's state
+(a state dict, or a `peft.PeftModel` whose adapter is published: an adapter run), check it
+against the run (`adapter_runs.check_publish`) and bring it to the checkpoint's key set before
+anything is written. Under torch.distributed with replicated weights this is rank 0's mode.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from sparsesync.checkpoint import checkpoint_state
+from sparsesync.checkpoint import checkpoint_digest, checkpoint_state
 from sparsesync.codec import DEFAULT_ALGO, Snapshot, algo_of, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
 from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
-from sparsesync.protocol.records import AdapterMeta, CommitRecord
-from sparsesync.protocol.run import Run
-from sparsesync.protocol.writer.anchors import AnchorHistory, AnchorPolicy
-from sparsesync.protocol.writer.commits import CheckpointFiles, CommitWriter
-from sparsesync.protocol.writer.config import PublisherConfig
+from sparsesync.lora.state import adapter_state
+from sparsesync.protocol.adapter_runs import check_publish
+from sparsesync.protocol.records import CommitRecord, PartRef
+from sparsesync.protocol.writer.anchors import AnchorHistory
+from sparsesync.protocol.writer.config import served_dtype
+from sparsesync.protocol.writer.mode import WriterContext, WriterMode
 from sparsesync.protocol.writer.parts import PartedSnapshot
-from sparsesync.protocol.writer.uploads import PendingVersion, UploadQueue
+from sparsesync.protocol.writer.ranks import holds_shards
+from sparsesync.protocol.writer.rewind import rewind, stand_below, version_with_digest
+from sparsesync.protocol.writer.stream import PartStream
+from sparsesync.protocol.writer.uploads import PendingVersion
+
+log = logging.getLogger(__name__)
 
 
 class WholeState:
-    """The whole-state writer mode of one process (see the module docstring)."""
+    """The whole-state writer mode of one process (see the module docstring); `distributed`:
+    rank 0 of a group with replicated weights. Starts the uploader."""
 
-    def __init__(self, *, config: PublisherConfig, run: Run, commits: CommitWriter, files: CheckpointFiles,
-                 queue: UploadQueue, anchors: AnchorPolicy, staging: Path) -> None:
-        self.config, self.run, self.commits, self.files = config, run, commits, files
-        self.queue, self.anchors, self.staging = queue, anchors, staging
-        self.url = run.store.url
+    def __init__(self, ctx: WriterContext, *, distributed: bool = False) -> None:
+        self.config, self.run, self.commits, self.files = ctx.config, ctx.run, ctx.commits, ctx.files
+        self.queue, self.anchors, self.staging, self.tally = ctx.queue, ctx.anchors, ctx.staging, ctx.tally
+        self.ctx, self.distributed = ctx, distributed
+        self.url = self.run.store.url
         self.snapshot: Snapshot | PartedSnapshot | None = None  # the last published (or resumed) version
-
-    @property
-    def started(self) -> bool:
-        """Whether a version was published or resumed from (the next one is then a delta)."""
-        return self.snapshot is not None
+        self._dtype_picked = self.config.dtype is not None  # else the first publish/resume picks it (`_pick_dtype`)
+        self.queue.start(self.upload)
 
     @property
     def state_digest(self) -> str | None:
@@ -71,7 +80,73 @@ class WholeState:
         no whole-state cast); `state` itself when `dtype` is None."""
         return state if self.config.dtype is None else CastState(state, self.config.dtype)
 
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    # -- the writer interface (`mode.WriterMode`) -------------------------------------------
+    def settle(self, state: Mapping[str, torch.Tensor] | Any) -> WriterMode:
+        """Itself: decided."""
+        return self
+
+    def publish(self, state: Mapping[str, torch.Tensor] | Any, step: int | None) -> int:
+        """Publish `state` (a state dict, or a `peft.PeftModel`: its adapter) as version `step`
+        (None: the next one): checked against the run (an adapter run or not) and brought to its
+        key set, then diffed, encoded and queued (`encode`). Nothing is written when it is refused."""
+        tally = self.tally
+        self.ctx.check_open()
+        state, tally.adapter = adapter_state(state, tally.adapter)
+        check_publish(tally.newest, tally.adapter, self.url)
+        self._pick_dtype(state)
+        state = self.checkpoint(state)
+        version = tally.next_version(step)
+        self.encode(state, version)
+        tally.last = version
+        return version
+
+    def resume(self, state: Mapping[str, torch.Tensor] | Any, version: int | None) -> None:
+        """Continue from the run's newest version (`version` None or the newest), whose weights
+        `state` holds (PatchMismatchError when it is not exactly that version); `version` below
+        the newest: a rewind (`writer.rewind.rewind`, docs/protocol.md "Rewinds"), committed before
+        this returns."""
+        if self.distributed and holds_shards(state):  # rank 0 of replicated weights decided already
+            raise ConfigError("resume() must come before the first publish()")
+        self._pick_dtype(state)
+        if version is None:
+            self._resume_newest(state)
+            return
+        commits = self.commits_to_resume()
+        if version == commits[-1].version:
+            self._resume_newest(state, commits)
+            return
+        tally = self.tally
+        state, tally.adapter = adapter_state(state, tally.adapter)
+        rec = rewind(self, state, version, commits, tally.adapter)
+        tally.newest, tally.committed, tally.last = rec, version, version
+        tally.metrics.append(rec.metrics)
+
+    def version_of(self, state: Mapping[str, torch.Tensor] | Any) -> int | None:
+        """The newest trusted version whose state digest is `state`'s (in the checkpoint's key set), or None."""
+        state, _adapter = adapter_state(state, self.tally.adapter)
+        commits = self.run.commits()  # hashed in the run's digest algorithm (the newest commit's)
+        same = version_with_digest(commits, checkpoint_digest(state, algo_of(commits[-1].state_digest))) if commits else None
+        return None if same is None else same.version
+
+    def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
+        """Stand at the run's trusted `version` (below its newest), whose weights `state` holds
+        (`writer.rewind.stand_below`), nothing committed: the next `publish` is a delta from it."""
+        commits = self.commits_to_resume()
+        tally = self.tally
+        state, tally.adapter = adapter_state(state, tally.adapter)
+        check_publish(commits[-1], tally.adapter, self.url)
+        stand_below(self, state, version, commits)
+        tally.committed = tally.last = version
+
+    def upload(self, item: PendingVersion) -> None:
+        """Uploader thread: store `item`'s objects, then its commit record (fenced, confirmed
+        visible), then record it in the tally; nothing when its encoding failed half-way."""
+        metrics = self._commit(item)
+        if metrics is not None:
+            self.tally.committed_as(item.version, metrics)
+
+    # -- the mode's own steps -------------------------------------------------------------
+    def encode(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Diff and encode `state` (from `checkpoint`) as `version` and queue it for upload."""
         if self.snapshot is None:
             t0 = time.perf_counter()
@@ -84,7 +159,11 @@ class WholeState:
             )
             self.write_anchor(item)
         elif isinstance(self.snapshot, PartedSnapshot):
-            self.queue.encode_streamed(self.snapshot, state, version, seal=self._seal, enqueue=self._enqueue)
+            with PartStream(self.queue, self.snapshot, version) as stream:
+                item = stream.encode(state)
+                self._seal(item)
+            if not stream.streamed:
+                self._enqueue(item)
             return
         else:
             base_digests = dict(self.snapshot.digests)
@@ -110,7 +189,7 @@ class WholeState:
             raise RunNotFoundError(f"nothing to resume under {self.url}", hint="publish() starts a run")
         return commits
 
-    def resume(self, state: Mapping[str, torch.Tensor], commits: list[CommitRecord] | None = None) -> None:
+    def _resume_newest(self, state: Mapping[str, torch.Tensor], commits: list[CommitRecord] | None = None) -> None:
         """Continue the run (`commits`, listed afresh when None) from its newest committed version,
         whose weights `state` holds. PatchMismatchError when `state` is not exactly that version."""
         commits = self.commits_to_resume() if commits is None else commits
@@ -148,16 +227,17 @@ class WholeState:
         item.metrics["anchor_bytes"] = self.anchors.anchor_bytes
         item.metrics["anchor_write_s"] = time.perf_counter() - t0
 
-    def upload(self, item: PendingVersion, adapter: AdapterMeta | None) -> dict[str, Any] | None:
-        """Uploader thread: store `item`'s objects, then its commit record (fenced, confirmed
-        visible); the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
+    def _commit(self, item: PendingVersion) -> dict[str, Any] | None:
+        """`upload`: store `item`'s objects, then its commit record (fenced, confirmed visible);
+        the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
         t0 = time.perf_counter()
-        refs = []
+        adapter = self.tally.adapter
+        refs: list[PartRef] = []
         if item.parts is not None:
             base = item.base_version
             assert base is not None
-            refs = self.queue.parts_of(item, lambda part: self.commits.put_part(base, item.version, item.uid, part))
-            if refs is None:
+            refs = [self.commits.put_part(base, item.version, item.uid, part) for part in self.queue.encoded_parts(item)]
+            if item.failed:
                 return None  # encoding failed half-way (publish() raised it): nothing to commit
         rec = CommitRecord(
             version=item.version, epoch=self.commits.epoch, writer=self.commits.writer, state_digest=item.state_digest,
@@ -189,6 +269,18 @@ class WholeState:
         return Snapshot(state, version, effort=self.config.effort, algo=algo)
 
     # -- internals --------------------------------------------------------------------
+    def _pick_dtype(self, state: Any) -> None:
+        """No `dtype=` given: at the first publish/resume, publish an fp32 master in the 16-bit
+        dtype its config.json declares (`served_dtype`), for the rest of the run."""
+        adapter_run = self.tally.adapter is not None or getattr(self.tally.newest, "adapter", None) is not None
+        if self._dtype_picked or adapter_run or not isinstance(state, Mapping):
+            return
+        self._dtype_picked = True
+        if self.config.dtype is None and (dtype := served_dtype(self.files.get("config.json"), state)) is not None:
+            self.config.dtype = dtype
+            log.info("publishing the fp32 state as %s, the dtype its config.json declares (replicas serve it); "
+                     "Publisher(dtype=torch.float32) keeps fp32", str(dtype).removeprefix("torch."))
+
     def _seal(self, item: PendingVersion) -> None:
         """A delta in parts is encoded: count its bytes, and serialize an anchor when one is due."""
         self.anchors.add_delta(int(item.metrics["patch_bytes"]))

@@ -30,6 +30,7 @@ from sparsesync.protocol import run as run_mod  # noqa: E402
 from sparsesync.protocol.fleet import read_fleet  # noqa: E402
 from sparsesync.protocol.follower.fleet_member import FleetOptions  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.keys import heartbeat_key, switch_key  # noqa: E402
 from sparsesync.protocol.writer.publisher import Publisher  # noqa: E402
 from sparsesync.store import open_store  # noqa: E402
@@ -187,7 +188,7 @@ def test_coordinated_replica_with_an_unparsable_fleet_record_serves_exactly_its_
         engine.close()
 
 
-class FailingHook:
+class FailingHook(ApplyHook):
     """An engine whose every load fails (as vLLM's MoE loader did on a run of other weights)."""
 
     def __init__(self) -> None:

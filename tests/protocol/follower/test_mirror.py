@@ -21,6 +21,7 @@ from sparsesync.codec.anchor import load_anchor
 from sparsesync.errors import DigestMismatchError
 from sparsesync.protocol import parts_reader as parts_mod
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.follower.mirror import ENV_DIR, MirrorDir, is_file_backed
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.publisher import Publisher
@@ -153,7 +154,7 @@ def test_memory_a_hook_frees_goes_back_to_the_os(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
     kept: list[torch.Tensor] = []
 
-    class FragmentingHook:
+    class FragmentingHook(ApplyHook):
         def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
             self._churn()
 
@@ -198,7 +199,7 @@ def test_mirror_dir_memory_keeps_the_mirror_in_anonymous_memory(tmp_path: Path) 
     assert not is_file_backed(got["w"]) and not (Path.cwd() / "memory").exists()
 
 
-class _PagingEngine:  # a hook that asks for the mirror out of RSS (as the vLLM hooks do)
+class _PagingEngine(ApplyHook):  # a hook that asks for the mirror out of RSS (as the vLLM hooks do)
     pages_out_mirror = True
 
     def load_full(self, version, tensors):  # type: ignore[no-untyped-def]
@@ -224,7 +225,7 @@ def test_the_mirror_leaves_the_process_rss_tensor_by_tensor_and_keeps_its_bits(
     assert all(bool(c.parts) == bool(part_bytes) for c in Run(url).commits()[1:])
     mapped_in_hook: list[int] = []
 
-    class Engine:  # what an engine sees of the mirror when it is called, and its own copy of it
+    class Engine(ApplyHook):  # what an engine sees of the mirror when it is called, and its own copy of it
         pages_out_mirror = pages_out
 
         def __init__(self) -> None:

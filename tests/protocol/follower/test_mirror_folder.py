@@ -28,6 +28,7 @@ import torch
 from sparsesync.codec import tensor_digests
 from sparsesync.errors import StoreError
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.follower.mirror import MirrorDir, create_unlinked, is_file_backed, is_full
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.writer.publisher import Publisher
@@ -126,7 +127,7 @@ def test_truncating_what_the_folder_shows_cannot_kill_the_replica(tmp_path: Path
     assert p.returncode == 0 and "opened 0 read 3" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
 
 
-class _Engine:
+class _Engine(ApplyHook):
     """An engine's own copy of the weights; each call kind fails as often as `fail` says."""
 
     def __init__(self) -> None:
