@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from sparsesync.codec import algo_of, read_patch
 from sparsesync.protocol.follower.follower import Follower
+from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.run import Run
 from sparsesync.protocol.verify import verify_run
 from sparsesync.protocol.writer.publisher import Publisher
@@ -32,7 +33,7 @@ def _states() -> list[dict[str, torch.Tensor]]:
     return mod.states()
 
 
-class Hook:
+class Hook(ApplyHook):
     """An engine stand-in keeping its own copy of the weights."""
 
     def __init__(self) -> None:
