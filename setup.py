@@ -6,7 +6,9 @@ from pathlib import Path
 
 from setuptools import setup
 
-_spec = importlib.util.spec_from_file_location("_sparsesync_build", Path(__file__).parent / "sparsesync" / "codec" / "_build.py")
+_spec = importlib.util.spec_from_file_location(
+    "_sparsesync_build", Path(__file__).parent / "sparsesync" / "codec" / "_build.py"
+)
 _build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_build)
 

@@ -51,7 +51,11 @@ def make_weights(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str,
         if len(shape) == 1:
             t = torch.empty(shape).uniform_(-1, 1, generator=g).mul_(1.0).exp_().mul_(0.8)
         else:
-            std = 0.03 if "embed" in name else math.exp(torch.empty(()).uniform_(math.log(0.01), math.log(0.05), generator=g).item())
+            std = (
+                0.03
+                if "embed" in name
+                else math.exp(torch.empty(()).uniform_(math.log(0.01), math.log(0.05), generator=g).item())
+            )
             t = torch.randn(shape, generator=g)
             # heavy tails: scale a random 2% of elements up by 3-6x
             tail = torch.rand(shape, generator=g) < 0.02
@@ -67,7 +71,9 @@ def adam_direction(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return u.clamp_(-1.0, 1.0)
 
 
-def step(weights: dict[str, torch.Tensor], lr: float, *, master: bool, seed: int = 1, wd: float = 0.0) -> dict[str, torch.Tensor]:
+def step(
+    weights: dict[str, torch.Tensor], lr: float, *, master: bool, seed: int = 1, wd: float = 0.0
+) -> dict[str, torch.Tensor]:
     """The bf16 weights after one AdamW step (fp32 master weights if `master`, else pure bf16)."""
     g = torch.Generator().manual_seed(seed)
     out = {}

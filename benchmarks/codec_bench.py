@@ -3,9 +3,10 @@ plain TRL-style extraction (torch nonzero + gather + safetensors save) in the sa
 
     nice .venv/bin/python benchmarks/codec_bench.py                 # 0.6B params (~8 GB RAM, ~3-5 min on 2 cores)
     nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
-    nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   # speed sweep
-    nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...   # both sides on one thread (fair on a loaded machine)
-    nice .venv/bin/python benchmarks/codec_bench.py --effort size,speed ...   # the codec's two efforts side by side
+    nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   #
+    speed sweep nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...   # both sides on one thread (fair on a
+    loaded machine) nice .venv/bin/python benchmarks/codec_bench.py --effort size,speed ...   # the codec's two efforts
+    side by side
 
 Writes benchmarks/results/codec_bench.json (override with --json) and prints a table.
 
@@ -82,7 +83,10 @@ def trl_extract(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) 
     out = {}
     for name, b in base.items():
         t = target[name]
-        ib, it = b.reshape(-1).view(torch.int16 if b.element_size() == 2 else torch.int32), t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+        ib, it = (
+            b.reshape(-1).view(torch.int16 if b.element_size() == 2 else torch.int32),
+            t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32),
+        )
         idx = torch.nonzero(ib != it).squeeze(1)
         if idx.numel():
             out[name + ".indices"] = idx.to(torch.int32)
@@ -107,19 +111,35 @@ def lr_for_density(mode: str, density: float, seed: int) -> float:
     for _ in range(12):
         mid = (lo + hi) / 2
         stepped = step(small, math.exp(mid), master=(mode == "master"), seed=seed + 1)
-        got = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(small.values(), stepped.values())) / n
+        got = (
+            sum(
+                int((a.view(torch.int16) != b.view(torch.int16)).sum())
+                for a, b in zip(small.values(), stepped.values())
+            )
+            / n
+        )
         lo, hi = (mid, hi) if got < density else (lo, mid)
-    if hi < math.log(1e-9):  # with master weights a step changes some elements at any lr (ties of the residual at a power of two)
-        print(f"density {density} is below what mode {mode} reaches at any learning rate: its cell runs at the floor", flush=True)
+    # with master weights a step changes some elements at any lr (ties of the residual at a power of two)
+    if hi < math.log(1e-9):
+        print(
+            f"density {density} is below what mode {mode} reaches at any learning rate: its cell runs at the floor",
+            flush=True,
+        )
     return float(f"{math.exp((lo + hi) / 2):.3g}")
 
 
-def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int = 3, efforts: tuple[str, ...] = ("size",)) -> list[dict]:
+def run(
+    params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int = 3, efforts: tuple[str, ...] = ("size",)
+) -> list[dict]:
     shapes = qwen_like_shapes(params)
     base = make_weights(shapes, seed)
     n_params = sum(t.numel() for t in base.values())
     model_gb = sum(t.numel() * t.element_size() for t in base.values()) / 1e9
-    print(f"model: {n_params / 1e6:.1f}M params, {model_gb:.2f} GB bf16, {len(base)} tensors, torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"model: {n_params / 1e6:.1f}M params, {model_gb:.2f} GB bf16, {len(base)} tensors, torch threads "
+        f"{torch.get_num_threads()}",
+        flush=True,
+    )
     rows = []
     for mode, lrs in lrs_by_mode.items():
         for lr in lrs:
@@ -187,7 +207,11 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
                 sizes: dict[str, int] = {}
                 for e in patch.header.tensors.values():
                     for role, sz in e.stream_sizes.items():
-                        kind = "positions" if role in ("indices", "gaps", "gaps_escape", "gaps_low", "bitmap") else "values"
+                        kind = (
+                            "positions"
+                            if role in ("indices", "gaps", "gaps_escape", "gaps_low", "bitmap")
+                            else "values"
+                        )
                         sizes[kind] = sizes.get(kind, 0) + sz
                 header = len(enc.data) - sum(sizes.values())
                 row = {
@@ -225,7 +249,10 @@ def run(params: float, lrs_by_mode: dict[str, list[float]], seed: int, reps: int
                     "reps": reps,
                 }
                 rows.append(row)
-                print(json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+                print(
+                    json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}),
+                    flush=True,
+                )
                 del snap, enc, patch, trl
                 gc.collect()
             del target
@@ -237,41 +264,89 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=0.6e9, help="model size in parameters (default 0.6e9)")
     ap.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated AdamW learning rates")
     ap.add_argument("--modes", default="master,bf16", help="master (fp32 master weights) and/or bf16 (pure bf16)")
-    ap.add_argument("--densities", default="", help="comma-separated target densities (e.g. 0.001,0.01,0.1): one learning rate each, per mode")
-    ap.add_argument("--effort", default="size", help="comma-separated: size (default: smallest patches), speed (no class-conditioned coding)")
-    ap.add_argument("--threads", type=int, default=0, help="threads for both sides (torch and the codec's pools); default: torch's default and the codec's")
+    ap.add_argument(
+        "--densities",
+        default="",
+        help="comma-separated target densities (e.g. 0.001,0.01,0.1): one learning rate each, per mode",
+    )
+    ap.add_argument(
+        "--effort",
+        default="size",
+        help="comma-separated: size (default: smallest patches), speed (no class-conditioned coding)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads for both sides (torch and the codec's pools); default: torch's default and the codec's",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is reported; medians in the JSON)")
-    ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "codec_bench.json", help="write the rows here")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "codec_bench.json",
+        help="write the rows here",
+    )
     a = ap.parse_args()
     if a.threads:  # before the codec's pools start
         torch.set_num_threads(a.threads)
         os.environ["SPARSESYNC_CODEC_THREADS"] = str(a.threads)
     t_start = time.perf_counter()
     lrs_by_mode = {
-        mode: [float(x) for x in a.lrs.split(",") if x] + [lr_for_density(mode, float(d), a.seed) for d in a.densities.split(",") if d]
+        mode: [float(x) for x in a.lrs.split(",") if x]
+        + [lr_for_density(mode, float(d), a.seed) for d in a.densities.split(",") if d]
         for mode in a.modes.split(",")
     }
     print(f"learning rates: {lrs_by_mode}", flush=True)
     rows = run(a.params, lrs_by_mode, a.seed, a.reps, tuple(a.effort.split(",")))
-    print("\nbytes per changed element (B): TRL6 = int32 index + bf16, TRL4 = uint16 gap + bf16, H(pos) = position entropy per tensor,")
-    print("H|exp = same conditioned on the base's exponent, ours = whole patch file (pos + val + header); throughput in GB of bf16 weights/s")
-    hdr = f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} {'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} {'TRL apply s':>11}"
+    print(
+        "\nbytes per changed element (B): TRL6 = int32 index + bf16, TRL4 = uint16 gap + bf16, H(pos) = position "
+        "entropy per tensor,"
+    )
+    print(
+        "H|exp = same conditioned on the base's exponent, ours = whole patch file (pos + val + header); throughput in "
+        "GB of bf16 weights/s"
+    )
+    hdr = (
+        f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'TRL6':>6} {'TRL4':>6} {'H(pos)':>7} {'H|exp':>7} "
+        f"{'ours':>6} {'pos':>5} {'val':>5} {'hdr':>5} {'ours GB/s':>9} {'TRL GB/s':>8} {'apply s':>7} "
+        f"{'TRL apply s':>11}"
+    )
     print(hdr)
     for r in rows:
         print(
-            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['trl_int32_bf16_B']:6.2f} {r['trl_gap16_bf16_B']:6.2f} {r['pos_entropy_B']:7.3f} {r['pos_entropy_cond_exp_B']:7.3f} "
-            f"{r['ours_B']:6.3f} {r['ours_positions_B']:5.2f} {r['ours_values_B']:5.2f} {r['ours_header_B']:5.2f} {r['diff_encode_GBps']:9.2f} {r['trl_extract_GBps']:8.2f} {r['decode_apply_s']:7.2f} {r['trl_apply_s']:11.2f}"
+            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['trl_int32_bf16_B']:6.2f} "
+            f"{r['trl_gap16_bf16_B']:6.2f} {r['pos_entropy_B']:7.3f} {r['pos_entropy_cond_exp_B']:7.3f} "
+            f"{r['ours_B']:6.3f} {r['ours_positions_B']:5.2f} {r['ours_values_B']:5.2f} {r['ours_header_B']:5.2f} "
+            f"{r['diff_encode_GBps']:9.2f} {r['trl_extract_GBps']:8.2f} {r['decode_apply_s']:7.2f} "
+            f"{r['trl_apply_s']:11.2f}"
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    env = {"params": a.params, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(), "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default"), "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_start}
+    env = {
+        "params": a.params,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default"),
+        "cpus": os.cpu_count(),
+        "wall_s": time.perf_counter() - t_start,
+    }
     a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    print("\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved; ratio of the bests, and median of the per-rep ratios):")
-    print(f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} {'paired':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}")
+    print(
+        "\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved; ratio of the bests, "
+        "and median of the per-rep ratios):"
+    )
+    print(
+        f"{'mode':7} {'effort':6} {'lr':>7} {'density':>8} {'diff+encode':>16} {'TRL extract':>16} {'ratio':>6} "
+        f"{'paired':>6} {'decode+apply':>12} {'no base chk':>11} {'TRL apply':>9}"
+    )
     for r in rows:
         print(
-            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / {r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
-            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['paired_ratio_median']:6.2f} {r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
+            f"{r['mode']:7} {r['effort']:6} {r['lr']:7.0e} {r['density']:8.4f} {r['diff_encode_s']:7.2f} / "
+            f"{r['diff_encode_median_s']:5.2f} {r['trl_extract_s']:7.2f} / {r['trl_extract_median_s']:5.2f} "
+            f"{r['diff_encode_s'] / r['trl_extract_s']:6.2f} {r['paired_ratio_median']:6.2f} "
+            f"{r['decode_apply_s']:12.2f} {r['follower_apply_s']:11.2f} {r['trl_apply_s']:9.2f}"
         )
     print(f"wrote {a.json}")
 

@@ -84,10 +84,20 @@ def main() -> None:
         for _ in range(2):  # interleaved, so a slow phase of the machine hits both sides
             # (too few steps for the reward check: only the step time is read)
             f, lo = run_one(0, args.step_time_steps, False, -1.0), run_one(0, args.step_time_steps, True, -1.0)
-            pairs.append({"full_train_s_per_step": f["train_s_per_step"], "lora_train_s_per_step": lo["train_s_per_step"],
-                          "ratio": lo["train_s_per_step"] / f["train_s_per_step"], "load_avg_1m": [f["load_avg_1m"], lo["load_avg_1m"]]})
-            print(f"step time ({args.step_time_steps} steps): LoRA {lo['train_s_per_step']:.3f} s, full {f['train_s_per_step']:.3f} s, "
-                  f"ratio {pairs[-1]['ratio']:.2f}", flush=True)
+            pairs.append(
+                {
+                    "full_train_s_per_step": f["train_s_per_step"],
+                    "lora_train_s_per_step": lo["train_s_per_step"],
+                    "ratio": lo["train_s_per_step"] / f["train_s_per_step"],
+                    "load_avg_1m": [f["load_avg_1m"], lo["load_avg_1m"]],
+                }
+            )
+            print(
+                f"step time ({args.step_time_steps} steps): LoRA {lo['train_s_per_step']:.3f} s, full "
+                f"{f['train_s_per_step']:.3f} s, "
+                f"ratio {pairs[-1]['ratio']:.2f}",
+                flush=True,
+            )
         step_time = {"steps": args.step_time_steps, "pairs": pairs,
                      "ratio_median": statistics.median(p["ratio"] for p in pairs)}
         lora_file = args.out / "demo_lora.json"
@@ -112,8 +122,14 @@ def main() -> None:
         summary = {
             "reward_start": [min(r["reward_start"] for r in runs), max(r["reward_start"] for r in runs)],
             "reward_end": [min(r["reward_end"] for r in runs), max(r["reward_end"] for r in runs)],
-            "patch_over_full_median": [min(r["patch_over_full_median"] for r in runs), max(r["patch_over_full_median"] for r in runs)],
-            "changed_elements": [min(r["changed_elements_min"] for r in runs), max(r["changed_elements_max"] for r in runs)],
+            "patch_over_full_median": [
+                min(r["patch_over_full_median"] for r in runs),
+                max(r["patch_over_full_median"] for r in runs),
+            ],
+            "changed_elements": [
+                min(r["changed_elements_min"] for r in runs),
+                max(r["changed_elements_max"] for r in runs),
+            ],
             "wall_s": [min(r["wall_s"] for r in runs), max(r["wall_s"] for r in runs)],
             "train_s_per_step": [min(r["train_s_per_step"] for r in runs), max(r["train_s_per_step"] for r in runs)],
         }

@@ -71,9 +71,16 @@ def main() -> None:
     weights = make_weights(qwen_like_shapes(args.params))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     big = max(weights.values(), key=lambda t: t.numel())
-    rows: dict[str, object] = {"params": args.params, "model_bytes": nbytes, "largest_tensor_bytes": big.numel() * big.element_size(),
-                               "torch_threads": torch.get_num_threads(), "reps": args.reps}
-    rows["digest_model"] = _summary(_pairs(args.reps, {a: (lambda a=a: tensor_digests(weights, a)) for a in ALGOS}), nbytes)
+    rows: dict[str, object] = {
+        "params": args.params,
+        "model_bytes": nbytes,
+        "largest_tensor_bytes": big.numel() * big.element_size(),
+        "torch_threads": torch.get_num_threads(),
+        "reps": args.reps,
+    }
+    rows["digest_model"] = _summary(
+        _pairs(args.reps, {a: (lambda a=a: tensor_digests(weights, a)) for a in ALGOS}), nbytes
+    )
     rows["digest_largest"] = _summary(_pairs(args.reps, {a: (lambda a=a: tensor_digest(big, a)) for a in ALGOS}),
                                       big.numel() * big.element_size())
     target = step(weights, args.lr, master=True)
@@ -107,10 +114,16 @@ def main() -> None:
     rows["patch_bytes"] = {a: len(patches[a]) for a in ALGOS}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"model {nbytes / 1e9:.2f} GB, largest tensor {rows['largest_tensor_bytes'] / 1e6:.0f} MB, {args.reps} reps (median, [min, max])")
+    print(
+        f"model {nbytes / 1e9:.2f} GB, largest tensor {rows['largest_tensor_bytes'] / 1e6:.0f} MB, {args.reps} reps "
+        "(median, [min, max])"
+    )
     for what in ("digest_model", "digest_largest", "encode", "apply"):
         r = rows[what]
-        cells = "  ".join(f"{a}: {r[a]['median_s'] * 1e3:8.1f} ms [{r[a]['min_s'] * 1e3:.1f}, {r[a]['max_s'] * 1e3:.1f}]" for a in ALGOS)
+        cells = "  ".join(
+            f"{a}: {r[a]['median_s'] * 1e3:8.1f} ms [{r[a]['min_s'] * 1e3:.1f}, {r[a]['max_s'] * 1e3:.1f}]"
+            for a in ALGOS
+        )
         print(f"{what:15s} {cells}  new/old median {r['ratio_median']:.3f}")
 
 

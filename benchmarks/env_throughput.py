@@ -47,7 +47,9 @@ async def _run(url: str, sessions: int, seconds: float, task: str) -> dict[str, 
     limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
         warm = [0]
-        await asyncio.gather(*[_session_loop(client, task, i, time.perf_counter() + 1.0, warm) for i in range(sessions)])
+        await asyncio.gather(
+            *[_session_loop(client, task, i, time.perf_counter() + 1.0, warm) for i in range(sessions)]
+        )
         counts = [0]
         t0 = time.perf_counter()
         await asyncio.gather(*[_session_loop(client, task, i, t0 + seconds, counts) for i in range(sessions)])

@@ -50,7 +50,7 @@ class _TimedHook:
         self.results.put((self.replica, version, time.time()))
 
 
-def _replica(url: str, replica: str, coordinated: bool, poll_s: float, results, stop, env: dict) -> None:  # type: ignore[no-untyped-def]
+def _replica(url: str, replica: str, coordinated: bool, poll_s: float, results, stop, env: dict) -> None:
     os.environ.update(env)
     logging.basicConfig(level=logging.WARNING, format=f"{replica} %(asctime)s %(name)s: %(message)s")
     from sparsesync.protocol.follower.fleet_member import FleetOptions
@@ -155,9 +155,13 @@ def main() -> None:
                     Path(args.json).write_text(json.dumps({"params": n, "replicas": args.replicas, "poll_s": args.poll,
                                                            "every_s": args.every, "rows": rows}, indent=1))
                 sp, lg = res["spread_s"], res["lag_s"]
-                print(f"{kind:5} {res['mode']:11}: spread median {sp['median'] * 1e3:7.1f} ms, p90 {sp['p90'] * 1e3:7.1f} ms, "
-                      f"max {sp['max'] * 1e3:7.1f} ms | publish->last apply median {lg['median']:.2f} s "
-                      f"({res['versions_timed']} versions, {res['versions_skipped']} skipped)", flush=True)
+                print(
+                    f"{kind:5} {res['mode']:11}: spread median {sp['median'] * 1e3:7.1f} ms, p90 "
+                    f"{sp['p90'] * 1e3:7.1f} ms, "
+                    f"max {sp['max'] * 1e3:7.1f} ms | publish->last apply median {lg['median']:.2f} s "
+                    f"({res['versions_timed']} versions, {res['versions_skipped']} skipped)",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -22,13 +22,15 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   applies; `trl_apply_s`: safetensors load, copy to the GPU, `index_put_`, no checks.
 - `snapshot_host_rss_GB`: growth of this process's resident memory when the host snapshot is
   made (the trainer's extra host memory; the model's bf16 bytes once).
-- `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine on CUDA applying one version
+- `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine on CUDA applying one
+version
   (`Engine.apply_sparse` with the follower's decoded updates: write plus the read-back check),
   as `PauseStats` measures it.
 
 Reps alternate direction (base -> target, then target -> base: the same density) so no
-snapshot has to be rebuilt between them; the replica's weights are put back by a copy. Phases that would not fit `--budget-s` are skipped and
-marked so in the JSON, which is rewritten after every phase (a killed run keeps what it did).
+snapshot has to be rebuilt between them; the replica's weights are put back by a copy. Phases that would not fit
+`--budget-s` are skipped and marked so in the JSON, which is rewritten after every phase (a killed run keeps what it
+did).
 """
 
 from __future__ import annotations
@@ -154,7 +156,16 @@ def timed(dev: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, r
 
 
-def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: int, budget: Budget, row: dict, save: Callable[[], None]) -> None:
+def bench_codec(
+    label: str,
+    params: float,
+    dev: torch.device,
+    lr: float,
+    reps: int,
+    budget: Budget,
+    row: dict,
+    save: Callable[[], None],
+) -> None:
     """The codec phases for one shape, filling `row` (see the module docstring)."""
     shapes = qwen_like_shapes(params)
     t0 = time.perf_counter()
@@ -166,7 +177,10 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
     n_changed = sum(int((bits_view(a[k]) != bits_view(b[k])).sum()) for k in a)
     row.update(shape=label, n_params=n_params, model_GB=model_gb, tensors=len(a), lr=lr, n_changed=n_changed,
                density=n_changed / n_params, synth_s=time.perf_counter() - t0)
-    print(f"[{label}] {n_params / 1e9:.2f}B params, {model_gb:.1f} GB bf16 on {dev}, density {n_changed / n_params:.4f}", flush=True)
+    print(
+        f"[{label}] {n_params / 1e9:.2f}B params, {model_gb:.1f} GB bf16 on {dev}, density {n_changed / n_params:.4f}",
+        flush=True,
+    )
     # est. seconds of one rep, from the first one (phases skip when the budget cannot hold them)
 
     # -- trainer side: host snapshot (the Publisher's default) --------------------------------
@@ -188,8 +202,13 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
         dt, data_trl = timed(dev, lambda: trl_extract(prev, cur))
         trl.append(dt)
         if i == 0:
-            row.update(patch_bytes=len(enc.data), trl_bytes=len(data_trl), B_per_changed=len(enc.data) / max(1, enc.stats.n_changed),
-                       diff_s=enc.stats.diff_s, encode_s=enc.stats.encode_s)
+            row.update(
+                patch_bytes=len(enc.data),
+                trl_bytes=len(data_trl),
+                B_per_changed=len(enc.data) / max(1, enc.stats.n_changed),
+                diff_s=enc.stats.diff_s,
+                encode_s=enc.stats.encode_s,
+            )
             trl0 = data_trl
         del enc, data_trl
         save()
@@ -234,7 +253,8 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
             row["apply_note"] = f"stopped after {i} reps (budget)"
             break
         for key, check in (("decode_apply", True), ("follower_apply", False)):
-            dt, _ = timed(dev, lambda: apply_patch(read_patch(fwd), work, check_base_digest=check))  # noqa: F821 - as above
+            # as above
+            dt, _ = timed(dev, lambda: apply_patch(read_patch(fwd), work, check_base_digest=check))  # noqa: F821
             applies[key].append(dt)
             ok = ok and same_bits(work, b)
             for k in work:  # back to a for the next measurement
@@ -256,7 +276,9 @@ def bench_codec(label: str, params: float, dev: torch.device, lr: float, reps: i
     save()
 
 
-def bench_pause(dev: torch.device, hidden: int, layers: int, lr: float, reps: int, row: dict, save: Callable[[], None]) -> None:
+def bench_pause(
+    dev: torch.device, hidden: int, layers: int, lr: float, reps: int, row: dict, save: Callable[[], None]
+) -> None:
     """The embedded engine on `dev` applying one version as a follower hands it over."""
     from inference_space.engines.embedded import EmbeddedEngine
     from sparsesync.tiny_model import arch_config, build_tiny_model
@@ -276,7 +298,9 @@ def bench_pause(dev: torch.device, hidden: int, layers: int, lr: float, reps: in
         engine = EmbeddedEngine(tmp, device=str(dev))
         mirror = engine.state_dict()  # the follower's verified copy, on the host
         n_params = sum(t.numel() for t in mirror.values())
-        row.update(engine_params=n_params, engine_hidden=hidden, engine_layers=layers, engine_load_s=time.perf_counter() - t0)
+        row.update(
+            engine_params=n_params, engine_hidden=hidden, engine_layers=layers, engine_load_s=time.perf_counter() - t0
+        )
         print(f"[pause] embedded engine on {dev}: {n_params / 1e6:.0f}M params", flush=True)
         base = {k: v.clone() for k, v in mirror.items()}
         target = master_step(base, lr)
@@ -305,15 +329,23 @@ def main() -> None:
     ap.add_argument("--shapes", default="0.6e9,7e9", help="comma-separated parameter counts")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (1e-6: ~1.6%% of bf16 elements change)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=220, help="time box for the whole run; later reps and phases skip")
+    ap.add_argument(
+        "--budget-s", type=float, default=220, help="time box for the whole run; later reps and phases skip"
+    )
     ap.add_argument("--device", default="", help="default: cuda if available, else cpu")
     ap.add_argument("--json", type=Path, default=Path("gpu-results/gpu_bench.json"))
     a = ap.parse_args()
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     budget = Budget(a.budget_s)
     shapes = [2e6] if a.tiny else [float(s) for s in a.shapes.split(",") if s]
-    env: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "cpus": os.cpu_count(), "tiny": a.tiny,
-                           "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default (<= 4)"), "budget_s": a.budget_s}
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": str(dev),
+        "cpus": os.cpu_count(),
+        "tiny": a.tiny,
+        "codec_threads": os.environ.get("SPARSESYNC_CODEC_THREADS", "default (<= 4)"),
+        "budget_s": a.budget_s,
+    }
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
     result: dict[str, Any] = {"env": env, "rows": [], "pause": {}}
@@ -336,7 +368,9 @@ def main() -> None:
             save()
             continue
         try:
-            bench_codec(label, params, dev, a.lr, a.reps if params < 2e9 or a.tiny else min(a.reps, 2), budget, row, save)
+            bench_codec(
+                label, params, dev, a.lr, a.reps if params < 2e9 or a.tiny else min(a.reps, 2), budget, row, save
+            )
         except torch.OutOfMemoryError as e:
             row["error"] = f"out of GPU memory: {e}"
             gc.collect()
@@ -354,14 +388,33 @@ def main() -> None:
     save()
     env["wall_s"] = time.perf_counter() - t_start
     save()
-    keys = ("shape", "density", "B_per_changed", "snapshot_host_rss_GB", "diff_encode_s", "diff_encode_cuda_snapshot_s",
-            "trl_extract_s", "decode_apply_s", "follower_apply_s", "trl_apply_s", "snapshot_bit_exact", "apply_bit_exact")
+    keys = (
+        "shape",
+        "density",
+        "B_per_changed",
+        "snapshot_host_rss_GB",
+        "diff_encode_s",
+        "diff_encode_cuda_snapshot_s",
+        "trl_extract_s",
+        "decode_apply_s",
+        "follower_apply_s",
+        "trl_apply_s",
+        "snapshot_bit_exact",
+        "apply_bit_exact",
+    )
     for r in result["rows"]:
-        print(json.dumps({k: (float(f"{r[k]:.4g}") if isinstance(r.get(k), float) else r.get(k)) for k in keys if k in r}))
+        print(
+            json.dumps({k: (float(f"{r[k]:.4g}") if isinstance(r.get(k), float) else r.get(k)) for k in keys if k in r})
+        )
     print(json.dumps(result["pause"].get("replica_pause_ms", result["pause"])))
     print(f"wrote {a.json} in {env['wall_s']:.0f} s")
-    bad = [r["shape"] for r in result["rows"] if r.get("snapshot_bit_exact") is False or r.get("apply_bit_exact") is False
-           or r.get("cuda_snapshot_same_bytes") is False] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
+    bad = [
+        r["shape"]
+        for r in result["rows"]
+        if r.get("snapshot_bit_exact") is False
+        or r.get("apply_bit_exact") is False
+        or r.get("cuda_snapshot_same_bytes") is False
+    ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
     if bad or "error" in result["pause"] or any("error" in r for r in result["rows"]):
         print(f"NOT BIT-EXACT or failed: {bad or 'see errors in the JSON'}")
         sys.exit(1)

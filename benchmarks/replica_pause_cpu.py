@@ -43,7 +43,8 @@ if not (model_dir / "config.json").exists():
     build_tiny_model(model_dir)
     small = AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(arch_config("qwen3", small.vocab_size, small.eos_token_id, hidden=hidden, layers=layers), dtype=torch.bfloat16)
+    cfg = arch_config("qwen3", small.vocab_size, small.eos_token_id, hidden=hidden, layers=layers)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = small.eos_token_id
     model.save_pretrained(model_dir)
     del model
@@ -73,13 +74,18 @@ for frac in fractions:
         assert engine.weight_version == v
         pauses.append(engine.pauses.last_ms)
     rows.append({"tensor_fraction": frac, "tensors_touched_last": len(pick), "pause_ms": pauses})
-print("ROWS" + json.dumps({"params": sum(t.numel() for t in mirror.values()), "tensors": len(names), "digests_given": told, "rows": rows}))
+n_params = sum(t.numel() for t in mirror.values())
+print("ROWS" + json.dumps({"params": n_params, "tensors": len(names), "digests_given": told, "rows": rows}))
 """
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trees", default=str(Path(__file__).resolve().parents[1]), help="source roots, comma-separated (default: this one)")
+    ap.add_argument(
+        "--trees",
+        default=str(Path(__file__).resolve().parents[1]),
+        help="source roots, comma-separated (default: this one)",
+    )
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--fractions", default="1.0,0.25,0.05")
@@ -90,30 +96,48 @@ def main() -> None:
     trees = [str(Path(t).resolve()) for t in a.trees.split(",")]
     fractions = [float(f) for f in a.fractions.split(",")]
     results: dict[str, list] = {t: [] for t in trees}
-    commits = {t: subprocess.run(["git", "-C", t, "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True, text=True).stdout.strip()
-               for t in trees}  # "-dirty": the tree had uncommitted changes when measured
+    commits = {
+        t: subprocess.run(
+            ["git", "-C", t, "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True, text=True
+        ).stdout.strip()
+        for t in trees
+    }  # "-dirty": the tree had uncommitted changes when measured
     with tempfile.TemporaryDirectory() as tmp:
         arg = json.dumps([a.hidden, a.layers, fractions, a.versions, str(Path(tmp) / "model")])
         for rep in range(a.reps):
             for t in trees:
                 env = {**os.environ, "PYTHONPATH": t}
-                proc = subprocess.run([sys.executable, "-c", CELL, arg], capture_output=True, text=True, env=env, cwd=t, timeout=3600)
+                proc = subprocess.run(
+                    [sys.executable, "-c", CELL, arg], capture_output=True, text=True, env=env, cwd=t, timeout=3600
+                )
                 line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS")]
                 if proc.returncode != 0 or not line:
                     raise SystemExit(f"{t} failed:\n{proc.stderr[-3000:]}")
                 results[t].append(json.loads(line[0][4:]))
                 print(f"rep {rep} {t}: done", flush=True)
-    out = {"command": " ".join(sys.argv), "commits": commits, "hidden": a.hidden, "layers": a.layers, "results": results}
+    out = {
+        "command": " ".join(sys.argv),
+        "commits": commits,
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "results": results,
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     first = trees[0]
-    print(f"{'tree':40} {'digests':>7} {'fraction':>8} {'pause ms min / median (all reps)':>32} {'vs first (min, median)':>22}")
+    print(
+        f"{'tree':40} {'digests':>7} {'fraction':>8} {'pause ms min / median (all reps)':>32} "
+        f"{'vs first (min, median)':>22}"
+    )
     for t in trees:
         for i, frac in enumerate(fractions):
             xs = [p for r in results[t] for p in r["rows"][i]["pause_ms"]]
             base = [p for r in results[first] for p in r["rows"][i]["pause_ms"]]
-            print(f"{t[-40:]:40} {str(results[t][0]['digests_given']):>7} {frac:8.2f} {min(xs):15.1f} / {statistics.median(xs):14.1f} "
-                  f"{min(xs) / min(base):10.2f}, {statistics.median(xs) / statistics.median(base):9.2f}")
+            print(
+                f"{t[-40:]:40} {str(results[t][0]['digests_given']):>7} {frac:8.2f} {min(xs):15.1f} / "
+                f"{statistics.median(xs):14.1f} "
+                f"{min(xs) / min(base):10.2f}, {statistics.median(xs) / statistics.median(base):9.2f}"
+            )
 
 
 if __name__ == "__main__":

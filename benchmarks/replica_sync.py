@@ -112,7 +112,9 @@ def bench(engine_kind: str, model_dir: Path, work: Path, versions: int, interval
     }
 
 
-def pause_cell(engine_kind: str, hidden: int, layers: int, fractions: list[float], versions: int, work: Path) -> list[dict]:
+def pause_cell(
+    engine_kind: str, hidden: int, layers: int, fractions: list[float], versions: int, work: Path
+) -> list[dict]:
     """Pause per version for each changed fraction, read-back on and off (one engine each)."""
     from inference_space.engines import make_engine
     from sparsesync.protocol.follower.follower import Follower
@@ -152,7 +154,9 @@ def pause_cell(engine_kind: str, hidden: int, layers: int, fractions: list[float
     return rows
 
 
-def pause_matrix(engines: list[str], sizes: list[tuple[int, int]], fractions: list[float], versions: int, out: Path) -> None:
+def pause_matrix(
+    engines: list[str], sizes: list[tuple[int, int]], fractions: list[float], versions: int, out: Path
+) -> None:
     import subprocess
     import sys
 
@@ -161,7 +165,8 @@ def pause_matrix(engines: list[str], sizes: list[tuple[int, int]], fractions: li
         for hidden, layers in sizes:  # one process each: single-process vLLM engines share global state
             code = (
                 "import json, sys, tempfile; from pathlib import Path; from benchmarks.replica_sync import pause_cell\n"
-                f"with tempfile.TemporaryDirectory() as t: print('ROWS' + json.dumps(pause_cell({kind!r}, {hidden}, {layers}, {fractions!r}, {versions}, Path(t))))"
+                f"with tempfile.TemporaryDirectory() as t: print('ROWS' + json.dumps(pause_cell({kind!r}, {hidden}, "
+                f"{layers}, {fractions!r}, {versions}, Path(t))))"
             )
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS")]
@@ -170,17 +175,32 @@ def pause_matrix(engines: list[str], sizes: list[tuple[int, int]], fractions: li
             rows += json.loads(line[0][4:])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2))
-    print(f"{'engine':9} {'params':>10} {'tensors':>8} {'sent':>6} {'check':>6} {'pause ms (mean/p50/max)':>26}  pause/pause(frac 1.0, same run)")
+    print(
+        f"{'engine':9} {'params':>10} {'tensors':>8} {'sent':>6} {'check':>6} {'pause ms (mean/p50/max)':>26}  "
+        "pause/pause(frac 1.0, same run)"
+    )
     for r in rows:
-        full = next(x for x in rows if x["engine"] == r["engine"] and x["hidden"] == r["hidden"] and x["check"] == r["check"] and x["tensor_fraction"] == max(fractions))
+        full = next(
+            x
+            for x in rows
+            if x["engine"] == r["engine"]
+            and x["hidden"] == r["hidden"]
+            and x["check"] == r["check"]
+            and x["tensor_fraction"] == max(fractions)
+        )
         p = r["pause_ms"]
-        print(f"{r['engine']:9} {r['params']:>10} {r['tensor_fraction']:>8.2f} {r['tensors_sent'] or 0:>6.0f} {str(r['check']):>6} "
-              f"{p['mean']:8.1f}/{p['p50']:7.1f}/{p['max']:7.1f}   {p['mean'] / full['pause_ms']['mean']:.2f}")
+        print(
+            f"{r['engine']:9} {r['params']:>10} {r['tensor_fraction']:>8.2f} {r['tensors_sent'] or 0:>6.0f} "
+            f"{str(r['check']):>6} "
+            f"{p['mean']:8.1f}/{p['p50']:7.1f}/{p['max']:7.1f}   {p['mean'] / full['pause_ms']['mean']:.2f}"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pause-matrix", action="store_true", help="pause vs model size and changed fraction (see docstring)")
+    ap.add_argument(
+        "--pause-matrix", action="store_true", help="pause vs model size and changed fraction (see docstring)"
+    )
     ap.add_argument("--sizes", default="128x2,512x8", help="hidden x layers of each model (--pause-matrix)")
     ap.add_argument("--fractions", default="0.05,0.25,1.0", help="share of tensors a version touches (--pause-matrix)")
     ap.add_argument("--engines", default="embedded,vllm")
@@ -191,7 +211,13 @@ def main() -> None:
     if args.pause_matrix:
         sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
         fractions = [float(f) for f in args.fractions.split(",")]
-        pause_matrix(args.engines.split(","), sizes, fractions, min(args.versions, 5), Path(args.out).with_name("replica_pause.json"))  # type: ignore[arg-type]
+        pause_matrix(
+            args.engines.split(","),
+            sizes,
+            fractions,
+            min(args.versions, 5),
+            Path(args.out).with_name("replica_pause.json"),
+        )
         return
     from sparsesync.tiny_model import build_tiny_model
 
@@ -203,7 +229,10 @@ def main() -> None:
             results.append(bench(kind, model_dir, work, args.versions, args.interval))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"{'engine':10} {'pause ms (mean/p50/max)':>26} {'fetch ms (mean)':>16} {'commit->served ms (mean/max)':>30} {'version lag (mean/max)':>24}")
+    print(
+        f"{'engine':10} {'pause ms (mean/p50/max)':>26} {'fetch ms (mean)':>16} {'commit->served ms (mean/max)':>30} "
+        f"{'version lag (mean/max)':>24}"
+    )
     for r in results:
         p, f, c, lv = r["pause_ms"], r["fetch_verify_decode_ms"], r["commit_to_served_ms"], r["version_lag_samples"]
         print(f"{r['engine']:10} {p['mean']:8.1f}/{p['p50']:6.1f}/{p['max']:7.1f}   {f['mean']:14.1f}   "

@@ -37,7 +37,9 @@ from sparsesync.protocol.writer.parts import PartedSnapshot, group_by_bytes  # n
 from sparsesync.protocol.writer.ranks import shard_rows  # noqa: E402
 
 
-def rank_share(state: dict[str, torch.Tensor], rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict[str, Unit]]:
+def rank_share(
+    state: dict[str, torch.Tensor], rank: int, world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Unit]]:
     """{unit key: rows of this rank} (views) and the units, as `writer.ranks.local_units` makes them."""
     out, units = {}, {}
     for name, t in state.items():
@@ -61,8 +63,10 @@ def main() -> None:
     base = make_weights(shapes, seed=0)
     n = sum(t.numel() for t in base.values())
     nexts = [step(base, args.lr, master=True, seed=s + 1) for s in range(args.repeats)]
-    print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g}, "
-          f"fp32 master weights; parts of {args.part_bytes >> 20} MiB; ranks measured one after another (2 shared cores)")
+    print(
+        f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16), {len(shapes)} tensors; AdamW lr {args.lr:g}, "
+        f"fp32 master weights; parts of {args.part_bytes >> 20} MiB; ranks measured one after another (2 shared cores)"
+    )
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="scaleout-anchor-"))
     for world in [int(w) for w in args.worlds.split(",")]:
@@ -90,9 +94,19 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 nbytes = sum(len(p.patch.data) for p in parts)
                 changed = sum(p.patch.stats.n_changed for p in parts)
-            per_rank.append({"rank": rank, "diff_encode_s": statistics.median(times), "snapshot_bytes": snap.nbytes,
-                             "snapshot_s": snapshot_s, "patch_bytes": nbytes, "n_changed": changed, "parts": len(groups),
-                             "anchor_bytes": anchor_bytes, "anchor_write_s": anchor_write_s})
+            per_rank.append(
+                {
+                    "rank": rank,
+                    "diff_encode_s": statistics.median(times),
+                    "snapshot_bytes": snap.nbytes,
+                    "snapshot_s": snapshot_s,
+                    "patch_bytes": nbytes,
+                    "n_changed": changed,
+                    "parts": len(groups),
+                    "anchor_bytes": anchor_bytes,
+                    "anchor_write_s": anchor_write_s,
+                }
+            )
             del snap, local
             gc.collect()
         worst = max(r["diff_encode_s"] for r in per_rank)
@@ -103,14 +117,22 @@ def main() -> None:
                "max_rank_anchor_write_s": max(r["anchor_write_s"] for r in per_rank)}
         rows.append(row)
         base_row = rows[0]
-        print(f"world {world}: per-rank diff+encode max {worst:.3f} s (mean {statistics.mean(r['diff_encode_s'] for r in per_rank):.3f} s; "
-              f"{base_row['max_rank_diff_encode_s'] / worst:.2f}x below world {base_row['world']}), snapshot per rank "
-              f"{row['max_rank_snapshot_bytes'] / 1e9:.3f} GB, patch bytes all ranks {row['total_patch_bytes'] / 1e6:.2f} MB "
-              f"({row['total_patch_bytes'] / base_row['total_patch_bytes']:.4f}x world {base_row['world']}); anchor file per rank "
-              f"max {row['max_rank_anchor_bytes'] / 1e9:.3f} GB written in {row['max_rank_anchor_write_s']:.2f} s", flush=True)
+        print(
+            f"world {world}: per-rank diff+encode max {worst:.3f} s (mean "
+            f"{statistics.mean(r['diff_encode_s'] for r in per_rank):.3f} s; "
+            f"{base_row['max_rank_diff_encode_s'] / worst:.2f}x below world {base_row['world']}), snapshot per rank "
+            f"{row['max_rank_snapshot_bytes'] / 1e9:.3f} GB, patch bytes all ranks "
+            f"{row['total_patch_bytes'] / 1e6:.2f} MB "
+            f"({row['total_patch_bytes'] / base_row['total_patch_bytes']:.4f}x world {base_row['world']}); anchor file "
+            "per rank "
+            f"max {row['max_rank_anchor_bytes'] / 1e9:.3f} GB written in {row['max_rank_anchor_write_s']:.2f} s",
+            flush=True,
+        )
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"params": n, "lr": args.lr, "part_bytes": args.part_bytes, "rows": rows}, indent=1))
+            Path(args.json).write_text(
+                json.dumps({"params": n, "lr": args.lr, "part_bytes": args.part_bytes, "rows": rows}, indent=1)
+            )
 
 
     import shutil

@@ -128,10 +128,15 @@ def main() -> None:
             save_file(w, paths[-1])
         n = sum(t.numel() for t in weights[0].values())
         del weights
-        print(f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16); {args.world_from} ranks -> {args.world_to} ranks "
-              f"(gloo, one machine of {os.cpu_count()} cores shared by all ranks)")
+        print(
+            f"model: {n / 1e6:.0f}M params ({2 * n / 1e9:.2f} GB bf16); {args.world_from} ranks -> {args.world_to} "
+            "ranks "
+            f"(gloo, one machine of {os.cpu_count()} cores shared by all ranks)"
+        )
         run, copy = str(tmp / "run"), str(tmp / "run-anchor")
-        first = _launch(args.world_from, {"phases": [{"name": "first", "url": run, "publish": [(1, paths[0]), (2, paths[1])]}]})
+        first = _launch(
+            args.world_from, {"phases": [{"name": "first", "url": run, "publish": [(1, paths[0]), (2, paths[1])]}]}
+        )
         shutil.copytree(run, copy)
         resumed = _launch(args.world_to, {"phases": [
             {"name": "resumed", "url": run, "resume": paths[1], "publish": [(3, paths[2])]},
@@ -148,12 +153,19 @@ def main() -> None:
             "anchor_v3_kind": "anchor" if a3.has_anchor and not a3.parts else "delta",
             "anchor_v3_bytes": sum(o.size for o in a3.anchor) + sum(o.size for o in a3.delta_objects()),
         }
-        print(f"{args.world_from} ranks: version 1 (anchor) {row['first_anchor_s']:.2f} s, version 2 (delta) {row['first_delta_s']:.2f} s")
-        print(f"{args.world_to} ranks, resume(): {row['resume_s']:.2f} s, then version 3 is a {row['resumed_v3_kind']}: "
-              f"{row['resumed_v3_s']:.2f} s, {row['resumed_v3_bytes'] / 1e6:.2f} MB uploaded")
-        print(f"{args.world_to} ranks, no resume(): version 3 is an {row['anchor_v3_kind']}: {row['anchor_v3_s']:.2f} s, "
-              f"{row['anchor_v3_bytes'] / 1e6:.1f} MB uploaded "
-              f"({row['anchor_v3_bytes'] / max(row['resumed_v3_bytes'], 1):.0f}x the delta)")
+        print(
+            f"{args.world_from} ranks: version 1 (anchor) {row['first_anchor_s']:.2f} s, version 2 (delta) "
+            f"{row['first_delta_s']:.2f} s"
+        )
+        print(
+            f"{args.world_to} ranks, resume(): {row['resume_s']:.2f} s, then version 3 is a {row['resumed_v3_kind']}: "
+            f"{row['resumed_v3_s']:.2f} s, {row['resumed_v3_bytes'] / 1e6:.2f} MB uploaded"
+        )
+        print(
+            f"{args.world_to} ranks, no resume(): version 3 is an {row['anchor_v3_kind']}: {row['anchor_v3_s']:.2f} s, "
+            f"{row['anchor_v3_bytes'] / 1e6:.1f} MB uploaded "
+            f"({row['anchor_v3_bytes'] / max(row['resumed_v3_bytes'], 1):.0f}x the delta)"
+        )
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": [row]}, indent=1))
         print(f"wrote {args.json}")

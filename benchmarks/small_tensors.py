@@ -121,14 +121,26 @@ def child(args: argparse.Namespace) -> None:
 
 
 def git_head(path: Path) -> str:
-    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() + (
-        "+dirty" if subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip() else "")
+    return subprocess.run(
+        ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() + (
+        "+dirty"
+        if subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+        else ""
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7, help="timed versions per case and round")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds over the cases (with --against: each case in both trees, one after the other)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds over the cases (with --against: each case in both trees, one after the other)",
+    )
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.1, 0.5])
     ap.add_argument("--no-fixed", action="store_true", help="leave out case (b)")
     ap.add_argument("--against", type=Path, help="a checkout of the baseline tree (its extension built)")
@@ -139,9 +151,14 @@ def main() -> None:
         child(args)
         return
     trees = {"this": ROOT} if args.against is None else {"base": args.against.resolve(), "this": ROOT}
-    record: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commits": {k: git_head(p) for k, p in trees.items()},
-                    "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "runs": {k: [] for k in trees},
-                    "note": "shared machine (other jobs running): see loadavg; figures are medians over reps with min/max"}
+    record: dict = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commits": {k: git_head(p) for k, p in trees.items()},
+        "loadavg_start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "runs": {k: [] for k in trees},
+        "note": "shared machine (other jobs running): see loadavg; figures are medians over reps with min/max",
+    }
     # one process per (round, case, tree), the trees alternating case by case (their order
     # flipped every round), so that both see the same load
     for rnd in range(args.rounds):
@@ -152,7 +169,9 @@ def main() -> None:
                                    capture_output=True, text=True, cwd=trees[label])
                 if p.returncode:
                     sys.exit(f"{label} failed:\n{p.stderr[-3000:]}")
-                record["runs"][label].append({**json.loads(p.stdout.strip().splitlines()[-1]), "round": rnd, "loadavg": os.getloadavg()})
+                record["runs"][label].append(
+                    {**json.loads(p.stdout.strip().splitlines()[-1]), "round": rnd, "loadavg": os.getloadavg()}
+                )
     record["loadavg_end"] = os.getloadavg()
     table = {}
     for label, runs in record["runs"].items():
@@ -165,8 +184,12 @@ def main() -> None:
             row[label] = {"publish_to_applied_s": summary(t), "save_load_s": summary(b),
                           "ratio_median": statistics.median(t) / statistics.median(b),
                           "ratio_per_rep": summary([x / y for x, y in zip(t, b)])}
-            print(f"{key:18s} {label:5s} publish->applied {statistics.median(t) * 1e3:7.1f} ms [{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]"
-                  f"  save+load {statistics.median(b) * 1e3:6.1f} ms [{min(b) * 1e3:.1f}-{max(b) * 1e3:.1f}]  ratio {row[label]['ratio_median']:.2f}")
+            print(
+                f"{key:18s} {label:5s} publish->applied {statistics.median(t) * 1e3:7.1f} ms "
+                f"[{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f}]"
+                f"  save+load {statistics.median(b) * 1e3:6.1f} ms [{min(b) * 1e3:.1f}-{max(b) * 1e3:.1f}]  ratio "
+                f"{row[label]['ratio_median']:.2f}"
+            )
     if "base" in trees:
         for key, row in table.items():
             r = row["this"]["publish_to_applied_s"]["median"] / row["base"]["publish_to_applied_s"]["median"]

@@ -57,7 +57,10 @@ class ServerConfig:
         if self.max_body_bytes < 256:
             raise ConfigError(f"ENV_MAX_BODY_BYTES={self.max_body_bytes}: must be >= 256")
         if self.max_sessions_per_client < 0:
-            raise ConfigError(f"ENV_MAX_SESSIONS_PER_CLIENT={self.max_sessions_per_client}: must be >= 0 (0: half of ENV_MAX_SESSIONS)")
+            raise ConfigError(
+                f"ENV_MAX_SESSIONS_PER_CLIENT={self.max_sessions_per_client}: must be >= 0 (0: half of "
+                "ENV_MAX_SESSIONS)"
+            )
         if self.replace_idle_s < 0:
             raise ConfigError(f"ENV_REPLACE_IDLE_S={self.replace_idle_s}: must be >= 0")
         ClientIdentity.parse(self.trusted_proxies)  # raises on an entry that is not an address

@@ -147,7 +147,9 @@ def _text_problem(raw: bytes | str) -> str | None:
 
 
 def _invalid_text(why: str) -> InvalidTextError:
-    return InvalidTextError(f"refused: {why}", hint="send valid UTF-8 JSON text (escape pairs like \\ud83d\\ude00 are fine)")
+    return InvalidTextError(
+        f"refused: {why}", hint="send valid UTF-8 JSON text (escape pairs like \\ud83d\\ude00 are fine)"
+    )
 
 
 class BodyLimitMiddleware:

@@ -49,30 +49,64 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     env = dict(os.environ if environ is None else environ)
     p = argparse.ArgumentParser(prog="python -m inference_space", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (transformers/safetensors) [SPARSESYNC_MODEL]")
-    p.add_argument("--bucket", help="run URL to follow: folder, file://, s3://, hf://buckets/NS/NAME/PREFIX [SPARSESYNC_BUCKET]")
+    p.add_argument(
+        "--bucket", help="run URL to follow: folder, file://, s3://, hf://buckets/NS/NAME/PREFIX [SPARSESYNC_BUCKET]"
+    )
     p.add_argument("--run", help="run name, appended to the bucket URL as a path segment [SPARSESYNC_RUN]")
-    p.add_argument("--engine", choices=["embedded", "vllm"], help="inference engine (default embedded) [SPARSESYNC_ENGINE]")
+    p.add_argument(
+        "--engine", choices=["embedded", "vllm"], help="inference engine (default embedded) [SPARSESYNC_ENGINE]"
+    )
     p.add_argument("--host", help="address to bind (default 127.0.0.1; the Space uses 0.0.0.0) [HOST]")
     p.add_argument("--port", type=int, help="port (default 8000) [PORT]")
-    p.add_argument("--poll-interval", type=float, help="seconds between commit listings (default 1) [SPARSESYNC_POLL_INTERVAL]")
+    p.add_argument(
+        "--poll-interval", type=float, help="seconds between commit listings (default 1) [SPARSESYNC_POLL_INTERVAL]"
+    )
     p.add_argument("--served-model-name", help="model name reported by the API [SPARSESYNC_SERVED_MODEL_NAME]")
     p.add_argument("--kv-cache-mib", type=int, help="vLLM KV cache size in MiB (default 192) [SPARSESYNC_KV_CACHE_MIB]")
-    p.add_argument("--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]")
-    p.add_argument("--tensor-parallel-size", type=int, help="vLLM: GPUs (or CPU workers) per replica, default 1 [SPARSESYNC_TENSOR_PARALLEL_SIZE]")
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, help="vLLM on GPU: memory fraction [SPARSESYNC_GPU_MEMORY_UTILIZATION]"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="vLLM: GPUs (or CPU workers) per replica, default 1 [SPARSESYNC_TENSOR_PARALLEL_SIZE]",
+    )
     p.add_argument("--vllm-apply", help="vLLM: how versions reach the engine: auto (= reload, CPU and GPU), reload, or "
                    "sparse (GPU only, in place; not yet run on a GPU) [SPARSESYNC_VLLM_APPLY]")
     p.add_argument("--device", help="embedded engine: torch device, e.g. cuda, cuda:1, cpu (default cuda when one is "
                    "available, else cpu) [SPARSESYNC_DEVICE]")
-    p.add_argument("--mirror-dir", help="folder on local disk (not tmpfs) for the follower's file-backed copy of the weights "
-                   "(default ~/.cache/sparsesync/mirror) [SPARSESYNC_MIRROR_DIR]")
+    p.add_argument(
+        "--mirror-dir",
+        help="folder on local disk (not tmpfs) for the follower's file-backed copy of the weights "
+        "(default ~/.cache/sparsesync/mirror) [SPARSESYNC_MIRROR_DIR]",
+    )
     p.add_argument("--log-level", help="logging level (default INFO) [SPARSESYNC_LOG_LEVEL]")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health; at least 8 characters "
-                   "[SPARSESYNC_API_KEY]")
-    p.add_argument("--allow-no-key", action="store_const", const="1", help="serve with no API key on an address other than "
-                   "loopback (refused otherwise): anyone who reaches it can use it [SPARSESYNC_ALLOW_NO_KEY=1]")
-    p.add_argument("--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]")
-    p.add_argument("--request-timeout", type=float, help="seconds a batch may run, then cut; 0: never (default 600) [SPARSESYNC_REQUEST_TIMEOUT_S]")
-    p.add_argument("--max-hold", type=float, help="seconds a batch may keep a committed version waiting, then cut; 0: never (default 60) [SPARSESYNC_MAX_HOLD_S]")
+    p.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health; at least 8 characters "
+        "[SPARSESYNC_API_KEY]",
+    )
+    p.add_argument(
+        "--allow-no-key",
+        action="store_const",
+        const="1",
+        help="serve with no API key on an address other than "
+        "loopback (refused otherwise): anyone who reaches it can use it [SPARSESYNC_ALLOW_NO_KEY=1]",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, help="request body cap, 413 above (default 8 MiB) [SPARSESYNC_MAX_BODY_BYTES]"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds a batch may run, then cut; 0: never (default 600) [SPARSESYNC_REQUEST_TIMEOUT_S]",
+    )
+    p.add_argument(
+        "--max-hold",
+        type=float,
+        help="seconds a batch may keep a committed version waiting, then cut; 0: never (default 60) "
+             "[SPARSESYNC_MAX_HOLD_S]",
+    )
     args = vars(p.parse_args(argv))
     for key, var in ENV.items():
         if args.get(key) in (None, "") and env.get(var):
@@ -81,10 +115,14 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         raise SparsesyncError("no model given", hint="pass --model DIR or set SPARSESYNC_MODEL")
     engine = args.get("engine") or "embedded"
     if engine not in ("embedded", "vllm"):
-        raise SparsesyncError(f"engine '{engine}': expected 'embedded' or 'vllm'", hint="set SPARSESYNC_ENGINE=embedded|vllm")
+        raise SparsesyncError(
+            f"engine '{engine}': expected 'embedded' or 'vllm'", hint="set SPARSESYNC_ENGINE=embedded|vllm"
+        )
     vllm_apply = str(args.get("vllm_apply") or "auto")
     if vllm_apply not in ("auto", "reload", "sparse"):
-        raise SparsesyncError(f"vllm apply mode '{vllm_apply}': expected auto, reload or sparse", hint="--vllm-apply auto|reload|sparse")
+        raise SparsesyncError(
+            f"vllm apply mode '{vllm_apply}': expected auto, reload or sparse", hint="--vllm-apply auto|reload|sparse"
+        )
     device = _device(args.get("device") or None)
     host = str(args.get("host") or "127.0.0.1")
     bucket = args.get("bucket") or None
@@ -100,11 +138,18 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             poll_interval=float(args.get("poll_interval") or 1.0),
             served_model_name=args.get("served_model_name") or None,
             kv_cache_mib=int(args.get("kv_cache_mib") or 192),
-            gpu_memory_utilization=float(args["gpu_memory_utilization"]) if args.get("gpu_memory_utilization") else None,
+            gpu_memory_utilization=float(args["gpu_memory_utilization"])
+            if args.get("gpu_memory_utilization")
+            else None,
             tensor_parallel_size=int(args.get("tensor_parallel_size") or 1),
-            api_key=check_access(args.get("api_key") or None, host, allow_open=is_set(args.get("allow_no_key")),
-                                 setting="--api-key / SPARSESYNC_API_KEY", open_setting="SPARSESYNC_ALLOW_NO_KEY",
-                                 what="replica"),
+            api_key=check_access(
+                args.get("api_key") or None,
+                host,
+                allow_open=is_set(args.get("allow_no_key")),
+                setting="--api-key / SPARSESYNC_API_KEY",
+                open_setting="SPARSESYNC_ALLOW_NO_KEY",
+                what="replica",
+            ),
             max_body_bytes=int(args.get("max_body_bytes") or 8 << 20),
             request_timeout_s=_seconds(args.get("request_timeout"), 600.0),
             max_hold_s=_seconds(args.get("max_hold"), 60.0),
@@ -115,7 +160,9 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         if cfg.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={cfg.max_body_bytes}: must be >= 1024")
         if cfg.tensor_parallel_size < 1 or (cfg.tensor_parallel_size > 1 and engine != "vllm"):
-            raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size}: must be >= 1, and > 1 only with --engine vllm")
+            raise ValueError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size}: must be >= 1, and > 1 only with --engine vllm"
+            )
     except ValueError as e:
         raise SparsesyncError(f"bad configuration value: {e}", hint="check the flags and SPARSESYNC_* variables") from e
     return cfg, str(args.get("log_level") or "INFO").upper()
@@ -142,7 +189,9 @@ def _device(name: str | None) -> str:
     except (RuntimeError, ValueError) as e:
         raise SparsesyncError(f"device '{name}': not a torch device ({e})", hint="--device cuda, cuda:N or cpu") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SparsesyncError(f"device '{name}': this machine has no CUDA device", hint="--device cpu, or run on a GPU machine")
+        raise SparsesyncError(
+            f"device '{name}': this machine has no CUDA device", hint="--device cpu, or run on a GPU machine"
+        )
     return name
 
 

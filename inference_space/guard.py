@@ -28,7 +28,9 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20  # prompt batches of TRL-sized token ids fit ma
 class Guard:
     """API key and body cap (see module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ) -> None:
         self.app = app
         key = check_key(api_key, "the replica's API key")
         self._key = key.encode() if key is not None else None

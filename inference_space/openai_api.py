@@ -6,8 +6,8 @@ neutral value (400 otherwise, naming it as the error's `param`, in vLLM's error 
 `response_format` {"type": "text"}, `store` false, `service_tier` "auto" or "default",
 `presence_penalty` / `frequency_penalty` 0, `echo` false, `logit_bias` {}, `suffix` "", `best_of`
 n; `metadata` and `parallel_tool_calls` (no tools are ever called) take any value. Top logprobs:
-0 to 20 per token (`logprobs` on completions, `top_logprobs` on chat), as vLLM's default. Chat takes string or text content-part messages and
-the `developer` role (sent to the chat template as `system`, as OpenAI treats it), and
+0 to 20 per token (`logprobs` on completions, `top_logprobs` on chat), as vLLM's default. Chat takes string or text
+content-part messages and the `developer` role (sent to the chat template as `system`, as OpenAI treats it), and
 `max_completion_tokens` (the SDK's current name for `max_tokens`).
 
 Responses follow vLLM's OpenAI server field by field; the extras an RL trainer needs ride along:
@@ -99,13 +99,21 @@ class _Sampling(BaseModel):
         for name, neutral in _NEUTRAL.items():
             value = getattr(self, name)
             if value is not None and value not in neutral:
-                raise RequestFieldError(name, f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out")
+                raise RequestFieldError(
+                    name, f"{name}={value!r}: not supported by this replica", hint=f"leave {name} out"
+                )
         if self.best_of is not None and self.best_of != self.n:
-            raise RequestFieldError("best_of", f"best_of={self.best_of!r}: not supported by this replica", hint="leave best_of out")
+            raise RequestFieldError(
+                "best_of", f"best_of={self.best_of!r}: not supported by this replica", hint="leave best_of out"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP or sum(len(s) for s in stop) > MAX_STOP_CHARS:
-            raise RequestFieldError("stop", f"stop: {len(stop)} strings of {sum(len(s) for s in stop)} characters, more than "
-                              f"{MAX_STOP} strings or {MAX_STOP_CHARS} characters", hint="send fewer, shorter stop strings")
+            raise RequestFieldError(
+                "stop",
+                f"stop: {len(stop)} strings of {sum(len(s) for s in stop)} characters, more than "
+                f"{MAX_STOP} strings or {MAX_STOP_CHARS} characters",
+                hint="send fewer, shorter stop strings",
+            )
         for s in stop:
             check_text("stop", s)
         return SamplingParams(
@@ -120,20 +128,28 @@ def check_text(field: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestFieldError(field.split("[")[0], f"{field}: lone surrogate {text[e.start]!r} at position {e.start}", hint="send valid UTF-16 surrogate pairs") from e
+        raise RequestFieldError(
+            field.split("[")[0],
+            f"{field}: lone surrogate {text[e.start]!r} at position {e.start}",
+            hint="send valid UTF-16 surrogate pairs",
+        ) from e
 
 
 def _top_n_checked(field: str, n: int) -> int:
     if n > MAX_LOGPROBS:
-        raise RequestFieldError(field, f"{field}={n}: more than the {MAX_LOGPROBS} top logprobs per token this replica returns",
-                                hint=f"send {field} 0 to {MAX_LOGPROBS}")
+        raise RequestFieldError(
+            field,
+            f"{field}={n}: more than the {MAX_LOGPROBS} top logprobs per token this replica returns",
+            hint=f"send {field} 0 to {MAX_LOGPROBS}",
+        )
     return n
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         ..., description="text, prompt token ids, or a batch of either (choices prompt-major)")
-    logprobs: int | bool | None = Field(None, ge=0)  # top logprobs per token, 0 to 20 (the sampled token's are always returned)
+    # top logprobs per token, 0 to 20 (the sampled token's are always returned)
+    logprobs: int | bool | None = Field(None, ge=0)
 
     def _top_n(self) -> int:
         if self.top_logprobs:
@@ -146,8 +162,11 @@ class CompletionRequest(_Sampling):
         batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
         prompts: list[str | list[int]] = list(p) if batch else [p]  # type: ignore[arg-type]
         if len(prompts) * self.n > MAX_BATCH:
-            raise RequestFieldError("prompt", f"{len(prompts)} prompts x n={self.n}: more than {MAX_BATCH} completions in one request",
-                              hint="split the batch")
+            raise RequestFieldError(
+                "prompt",
+                f"{len(prompts)} prompts x n={self.n}: more than {MAX_BATCH} completions in one request",
+                hint="split the batch",
+            )
         return prompts
 
 
@@ -196,12 +215,23 @@ class ChatRequest(_Sampling):
     def check_template(self) -> None:
         """Fields of vLLM's chat API this replica does not implement: refused unless neutral."""
         if self.chat_template is not None:
-            raise RequestFieldError("chat_template", "chat_template: the replica applies the model's own chat template", hint="leave chat_template out")
+            raise RequestFieldError(
+                "chat_template",
+                "chat_template: the replica applies the model's own chat template",
+                hint="leave chat_template out",
+            )
         if self.chat_template_kwargs:
-            raise RequestFieldError("chat_template_kwargs", f"chat_template_kwargs={self.chat_template_kwargs!r}: not supported by this replica",
-                              hint="leave chat_template_kwargs out")
+            raise RequestFieldError(
+                "chat_template_kwargs",
+                f"chat_template_kwargs={self.chat_template_kwargs!r}: not supported by this replica",
+                hint="leave chat_template_kwargs out",
+            )
         if self.tools or self.tool_choice not in (None, "none"):
-            raise RequestFieldError("tools", "tools / tool_choice: not supported by this replica", hint="send tools null and tool_choice 'none'")
+            raise RequestFieldError(
+                "tools",
+                "tools / tool_choice: not supported by this replica",
+                hint="send tools null and tool_choice 'none'",
+            )
         for i, m in enumerate(self.messages):
             check_text(f"messages[{i}].content", m.template_dict()["content"])
 
@@ -253,8 +283,16 @@ class Shaper:
             "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
             "weight_version": c.weight_version, "state_digest": c.state_digest,
         } for i, c in enumerate(outs)]  # prompt-major across the batch
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": self.created,
-                "model": self.model, "weight_version": version_of(outs), "state_digest": digest_of(outs), "choices": choices, "usage": usage(outs, n)}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "weight_version": version_of(outs),
+            "state_digest": digest_of(outs),
+            "choices": choices,
+            "usage": usage(outs, n),
+        }
 
     def chat(self, outs: list[Completion], n: int, prompt_ids: list[int]) -> dict[str, Any]:
         choices = [{
@@ -262,9 +300,17 @@ class Shaper:
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_token_ids,
             "token_ids": c.token_ids, "weight_version": c.weight_version, "state_digest": c.state_digest,
         } for i, c in enumerate(outs)]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": self.created,
-                "model": self.model, "weight_version": version_of(outs), "state_digest": digest_of(outs), "prompt_token_ids": prompt_ids,
-                "choices": choices, "usage": usage(outs, n)}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "weight_version": version_of(outs),
+            "state_digest": digest_of(outs),
+            "prompt_token_ids": prompt_ids,
+            "choices": choices,
+            "usage": usage(outs, n),
+        }
 
     # -- streams ------------------------------------------------------------------------------
     def completion_stream(self, outs: list[Completion], n: int, include_usage: bool) -> Iterator[str]:
@@ -276,10 +322,16 @@ class Shaper:
             offset = 0
             for k, (text, lo, hi) in enumerate(segments):
                 last = k == len(segments) - 1
-                choice = {"index": i, "text": text, "logprobs": self.completion_logprobs(c, lo, hi, offset),
-                          "finish_reason": c.finish_reason if last else None,
-                          "stop_reason": c.stop_reason if last else None,
-                          "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version, "state_digest": c.state_digest}
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": self.completion_logprobs(c, lo, hi, offset),
+                    "finish_reason": c.finish_reason if last else None,
+                    "stop_reason": c.stop_reason if last else None,
+                    "token_ids": c.token_ids[lo:hi],
+                    "weight_version": c.weight_version,
+                    "state_digest": c.state_digest,
+                }
                 if k == 0:
                     choice["prompt_token_ids"] = c.prompt_token_ids
                 offset += sum(len(s) for s in choice["logprobs"]["tokens"])
@@ -293,16 +345,38 @@ class Shaper:
         head = {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "weight_version": version, "state_digest": digest_of(outs)}
         for i, c in enumerate(outs):
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                     "stop_reason": None, "prompt_token_ids": c.prompt_token_ids, "token_ids": [], "weight_version": c.weight_version, "state_digest": c.state_digest}
+            first = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+                "stop_reason": None,
+                "prompt_token_ids": c.prompt_token_ids,
+                "token_ids": [],
+                "weight_version": c.weight_version,
+                "state_digest": c.state_digest,
+            }
             yield _sse({**head, "choices": [first]})
             segments = self.segments(c)
             for k, (text, lo, hi) in enumerate(segments):
                 last = k == len(segments) - 1
-                yield _sse({**head, "choices": [{
-                    "index": i, "delta": {"content": text}, "logprobs": self.chat_logprobs(c, lo, hi),
-                    "finish_reason": c.finish_reason if last else None, "stop_reason": c.stop_reason if last else None,
-                    "token_ids": c.token_ids[lo:hi], "weight_version": c.weight_version, "state_digest": c.state_digest}]})
+                yield _sse(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"content": text},
+                                "logprobs": self.chat_logprobs(c, lo, hi),
+                                "finish_reason": c.finish_reason if last else None,
+                                "stop_reason": c.stop_reason if last else None,
+                                "token_ids": c.token_ids[lo:hi],
+                                "weight_version": c.weight_version,
+                                "state_digest": c.state_digest,
+                            }
+                        ],
+                    }
+                )
         if include_usage:
             yield _sse({**head, "choices": [], "usage": usage(outs, n)})
         yield "data: [DONE]\n\n"

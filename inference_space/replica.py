@@ -51,9 +51,13 @@ class ReplicaConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get 413 before they are read
     request_timeout_s: float | None = 600.0  # a batch running longer is cut (finish "abort"); None: never
     max_hold_s: float | None = 60.0  # a batch keeping a committed version waiting longer is cut; None: never
-    vllm_apply: str = "auto"  # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
-    device: str = "cpu"  # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
-    mirror_dir: str | None = None  # folder on local disk for the follower's file-backed mirror (None: SPARSESYNC_MIRROR_DIR or ~/.cache/sparsesync/mirror)
+    # vLLM only: "auto" (= "reload", CPU and GPU) | "reload" | "sparse" (GPU, opt-in, not yet run on one)
+    vllm_apply: str = "auto"
+    # embedded engine only: torch device ("cuda", "cuda:1", "cpu"); the CLI defaults to cuda when there is one
+    device: str = "cpu"
+    # folder on local disk for the follower's file-backed mirror (None: SPARSESYNC_MIRROR_DIR or
+    # ~/.cache/sparsesync/mirror)
+    mirror_dir: str | None = None
 
 
 class Replica:
@@ -128,7 +132,9 @@ def build_replica(cfg: ReplicaConfig) -> Replica:
     model = given = cfg.model
     if not Path(model).is_dir():
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-            raise ConfigError(f"model {model!r} is neither a folder nor a Hub model id", hint="pass --model DIR or NS/NAME")
+            raise ConfigError(
+                f"model {model!r} is neither a folder nor a Hub model id", hint="pass --model DIR or NS/NAME"
+            )
         from huggingface_hub import snapshot_download
 
         model = snapshot_download(model)  # HF_TOKEN from the environment (a Space secret) if private

@@ -88,11 +88,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # a bug: same error shape, logged
         logging.getLogger(__name__).exception("unexpected error serving %s", request.url.path)
-        return JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}", "server_error", 500))
+        return JSONResponse(
+            status_code=500, content=error_body(f"internal error: {type(exc).__name__}", "server_error", 500)
+        )
 
     @app.exception_handler(StarletteHTTPException)  # ours, and the router's 404 / 405 for routes that do not exist
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}.get(exc.status_code, "invalid_request_error")
+        kind = {404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}.get(
+            exc.status_code, "invalid_request_error"
+        )
         return JSONResponse(status_code=exc.status_code, headers=exc.headers,
                             content=error_body(str(exc.detail), kind, exc.status_code, getattr(exc, "param", None)))
 
@@ -162,7 +166,9 @@ def _add_generation_routes(app: FastAPI, gen: _Generation) -> None:
         outs = [c for p in prompts for c in gen.run(p, req, max_tokens)]
         shaper = gen.shaper(req, top_n)
         if req.stream:
-            return _stream(shaper.completion_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage)))
+            return _stream(
+                shaper.completion_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage))
+            )
         return shaper.completion(outs, req.n)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -183,7 +189,9 @@ def _add_generation_routes(app: FastAPI, gen: _Generation) -> None:
         outs = gen.run(ids, req, req.wanted_tokens() or max(room, 1))
         shaper = gen.shaper(req, top_n)
         if req.stream:
-            return _stream(shaper.chat_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage)))
+            return _stream(
+                shaper.chat_stream(outs, req.n, bool(req.stream_options and req.stream_options.include_usage))
+            )
         return shaper.chat(outs, req.n, ids)
 
 
@@ -193,9 +201,16 @@ def _add_info_routes(app: FastAPI, replica: Replica) -> None:
     names = _served_names(replica)
 
     def _model_card() -> dict[str, Any]:
-        return {"id": replica.model_name, "object": "model", "created": int(replica.started_at), "owned_by": "sparsesync",
-                "root": replica.model_name, "parent": None, "weight_version": replica.weight_version,
-                "max_model_len": replica.engine.max_model_len}
+        return {
+            "id": replica.model_name,
+            "object": "model",
+            "created": int(replica.started_at),
+            "owned_by": "sparsesync",
+            "root": replica.model_name,
+            "parent": None,
+            "weight_version": replica.weight_version,
+            "max_model_len": replica.engine.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -63,8 +63,10 @@ def check_key(key: str | None, setting: str) -> str | None:
     if len(key) < MIN_KEY_CHARS:
         raise ConfigError(f"{setting} is {len(key)} character(s) long, shorter than {MIN_KEY_CHARS}", hint=_HINT_KEY)
     if not all("!" <= ch <= "~" for ch in key):
-        raise ConfigError(f"{setting} holds a space, a control or a non-ASCII character (no client header can carry it)",
-                          hint=_HINT_KEY)
+        raise ConfigError(
+            f"{setting} holds a space, a control or a non-ASCII character (no client header can carry it)",
+            hint=_HINT_KEY,
+        )
     return key
 
 

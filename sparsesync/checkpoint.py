@@ -87,7 +87,11 @@ def open_in_folder(path: str | Path, folder: str | Path | None) -> int:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise _not_regular(path, mode)
-        if roots is not None and os.path.isdir("/proc/self/fd") and not _inside(os.readlink(f"/proc/self/fd/{fd}"), roots):
+        if (
+            roots is not None
+            and os.path.isdir("/proc/self/fd")
+            and not _inside(os.readlink(f"/proc/self/fd/{fd}"), roots)
+        ):
             raise ConfigError(f"{path} changed into a link out of the checkpoint folder {folder} while it was read",
                               hint=_SWAP_HINT)
     except BaseException:
@@ -138,7 +142,9 @@ def load_checkpoint(source: Path, *, folder: Path | None = None) -> dict[str, to
         try:
             fd = open_in_folder(f, folder)
         except FileNotFoundError:
-            raise ConfigError(f"{f} does not exist (a dangling link?)", hint="give a .safetensors file or a folder of shards") from None
+            raise ConfigError(
+                f"{f} does not exist (a dangling link?)", hint="give a .safetensors file or a folder of shards"
+            ) from None
         try:
             part = _load_fd(fd)
         except (SafetensorError, OSError) as e:
@@ -159,7 +165,9 @@ def load_checkpoint(source: Path, *, folder: Path | None = None) -> dict[str, to
 # experts at run time (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]),
 # and some callbacks send trainable tensors only.
 
-EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_KEY = re.compile(
+    r"^(?P<layer>.+\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 FUSED_EXPERT_KEY = re.compile(r"^(?P<layer>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 TIED_ALIASES = {"lm_head.weight": "model.embed_tokens.weight"}  # state_dict alias -> checkpoint name
 
@@ -252,7 +260,9 @@ def check_key_set(names: Iterable[str], key_set: Iterable[str]) -> None:
         )
 
 
-def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def checkpoint_state(
+    state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """`state` in the checkpoint's own key set (see above); `reference`: the run's previous version.
 
     Tensors sharing one storage are kept once (the name in `reference`, else the first; under
@@ -276,7 +286,8 @@ def checkpoint_state(state: Mapping[str, torch.Tensor], reference: Mapping[str, 
                 if first not in reference:  # the run knows this tensor under `n`
                     out.pop(first)
                     by_view[key] = n
-                out[n] = v  # both names in the run's key set: both stay (else one would be refilled, stale, from `reference`)
+                # both names in the run's key set: both stay (else one would be refilled, stale, from `reference`)
+                out[n] = v
     if reference is None:
         return out
     for alias, canonical in TIED_ALIASES.items():

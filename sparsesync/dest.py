@@ -56,8 +56,10 @@ def write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ada
             raise OutputError(f"{dest} exists and is not a {'file' if one_file else 'folder'}",
                               hint="name a folder, or a path ending in .safetensors for one file")
         if one_file and adapter is not None:
-            raise OutputError(f"{dest}: an adapter run is pulled into a folder (adapter_config.json + adapter_model.safetensors)",
-                              hint="name a folder for DEST")
+            raise OutputError(
+                f"{dest}: an adapter run is pulled into a folder (adapter_config.json + adapter_model.safetensors)",
+                hint="name a folder for DEST",
+            )
         real.parent.mkdir(parents=True, exist_ok=True)
         stage = Path(tempfile.mkdtemp(prefix=f".{real.name}.sparsesync-", dir=_stage_parent(real, one_file)))
         if one_file:
@@ -70,7 +72,8 @@ def write_dest(state: dict[str, Any], dest: Path, version: int, digest: str, ada
 
             files = write_adapter_folder(state, adapter, stage / "model", version=version, digest=digest)
         else:
-            files = write_anchor(state, stage / "model", version=version, algo=algo_of(digest))  # the run's digest algorithm
+            # the run's digest algorithm
+            files = write_anchor(state, stage / "model", version=version, algo=algo_of(digest))
         from sparsesync.protocol.extras import write_files
 
         files = write_files(stage / "model", extra or {}) + list(files)  # the model files last (index last)

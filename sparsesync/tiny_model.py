@@ -105,7 +105,9 @@ ARCHS = ("qwen3", "qwen3-tied", "llama", "qwen3-moe", "qwen3-moe-8e", "qwen3-moe
 _MOE = {"qwen3-moe": (4, 2, True, 1, 0), "qwen3-moe-8e": (8, 2, False, 1, 0), "qwen3-moe-mixed": (6, 3, True, 2, 2)}
 
 
-def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, *, hidden: int = 128, layers: int = 2) -> Any:
+def arch_config(
+    arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, *, hidden: int = 128, layers: int = 2
+) -> Any:
     """The config of one architecture of the matrix (see module docstring)."""
     if arch not in ARCHS:
         raise ValueError(f"tiny model architecture {arch!r}: expected one of {', '.join(ARCHS)}")
@@ -116,9 +118,17 @@ def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, 
     if arch == "qwen3-tied":
         return tiny_config(vocab_size, eos_token_id, tie_word_embeddings=True, **size)
     # one dict of keywords, as `tiny_config`: transformers' configs take rope_theta through **kwargs
-    common: dict[str, Any] = dict(vocab_size=vocab_size, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-                                  rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
-                                  pad_token_id=eos_token_id)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -127,14 +137,21 @@ def arch_config(arch: str, vocab_size: int = VOCAB_SIZE, eos_token_id: int = 0, 
 
     experts, top_k, norm, step, extra = _MOE[arch]
     size["num_hidden_layers"] = layers + extra
-    dense = [layers + extra - 1] if extra else []  # the last layer: dense by mlp_only_layers (the even ones by the step)
+    # the last layer: dense by mlp_only_layers (the even ones by the step)
+    dense = [layers + extra - 1] if extra else []
     moe: dict[str, Any] = dict(moe_intermediate_size=hidden // 2, num_experts=experts, num_experts_per_tok=top_k,
                                decoder_sparse_step=step, mlp_only_layers=dense, norm_topk_prob=norm)
     return Qwen3MoeConfig(**common, **moe, **size)
 
 
 def build_tiny_model(
-    out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, arch: str = "qwen3", hidden: int = 128, layers: int = 2
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    arch: str = "qwen3",
+    hidden: int = 128,
+    layers: int = 2,
 ) -> Path:
     """Train the tokenizer, init a tiny model of `arch` with `seed`, save both to `out_dir`; returns it."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -189,4 +206,10 @@ def _strip_nondeterminism(out: Path) -> None:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    print(build_tiny_model(argv[0] if argv else "tiny-model", seed=int(argv[1]) if len(argv) > 1 else 0, arch=argv[2] if len(argv) > 2 else "qwen3"))
+    print(
+        build_tiny_model(
+            argv[0] if argv else "tiny-model",
+            seed=int(argv[1]) if len(argv) > 1 else 0,
+            arch=argv[2] if len(argv) > 2 else "qwen3",
+        )
+    )

@@ -166,7 +166,9 @@ def push(
                      rewind_source=rewind_source)  # docs/protocol.md, "Rewinds": nothing written yet
     if plan.how == "held":
         return PushResult(version=step, step_from=step_from, url=store.url, metrics={}, files=[], held=True)
-    pub = Publisher(store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=checked.effort, extra_files=ckpt.extra)
+    pub = Publisher(
+        store, anchor_every=anchor_every, queue_size=1, adapter=meta, effort=checked.effort, extra_files=ckpt.extra
+    )
     try:
         version = _write(pub, run, state, plan, say)
     finally:

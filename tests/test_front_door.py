@@ -1,6 +1,7 @@
 """The front door: `import sparsesync` gives Publisher, Follower, push, pull, open_store, the types
-they take and return (every name the README's Python uses) and the library's errors, loaded on first use (so `import sparsesync` and `sparsesync --help` import no
-torch); `push`/`pull` are library calls that return what they did (the CLI only prints it)."""
+they take and return (every name the README's Python uses) and the library's errors, loaded on first use (so `import
+sparsesync` and `sparsesync --help` import no torch); `push`/`pull` are library calls that return what they did (the
+CLI only prints it)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,20 @@ def test_front_door_names_are_the_library_objects() -> None:
     assert sparsesync.push is transfer.push and sparsesync.pull is transfer.pull
     assert sparsesync.open_store is open_store
     assert sparsesync.AdapterMeta is AdapterMeta  # defined below the protocol (sparsesync.lora), records re-export it
-    library_errors = {name for name, value in vars(errors).items()
-                      if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == errors.__name__}
+    library_errors = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == errors.__name__
+    }
     assert "SparsesyncError" in library_errors and library_errors <= set(sparsesync.__all__)
     assert all(getattr(sparsesync, name) is getattr(errors, name) for name in library_errors)
     assert set(sparsesync.__all__) <= set(dir(sparsesync))
     with pytest.raises(AttributeError, match="no attribute 'Pusher'"):
         sparsesync.Pusher  # noqa: B018 - the access is the test
     # the apps keep their errors: the library's module holds none of them
-    assert not {"TrainerError", "DemoCheckError", "ReplicaUnavailableError", "RolloutError", "DeployError"} & set(vars(errors))
+    assert not {"TrainerError", "DemoCheckError", "ReplicaUnavailableError", "RolloutError", "DeployError"} & set(
+        vars(errors)
+    )
 
 
 def test_import_sparsesync_and_help_import_no_torch() -> None:
@@ -107,8 +113,11 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
         sparsesync.pull(url, tmp_path / "v8", version=8)
     assert not (tmp_path / "v8").exists()
     # a push below the newest continues from the version below it and abandons the newer ones: only when asked
-    with pytest.raises(sparsesync.RewindRefusedError, match=r"version 8 \(from step\) is not above version 9, .* abandons "
-                                                             r"version 9") as refused:
+    with pytest.raises(
+        sparsesync.RewindRefusedError,
+        match=r"version 8 \(from step\) is not above version 9, .* abandons "
+        r"version 9",
+    ) as refused:
         sparsesync.push(tmp_path / "checkpoint-7", url, step=8)
     assert (refused.value.newest, refused.value.version, refused.value.abandoned) == (9, 8, [9])
     assert "rewind=True" in refused.value.hint and [c.version for c in Run(url).commits()] == [7, 9]  # nothing written
@@ -118,7 +127,16 @@ def test_push_and_pull_are_library_calls(tmp_path: Path) -> None:
 
 
 # what the README's Python and prose call from the front door, beyond Publisher/Follower/push/pull
-README_TYPES = ("FleetOptions", "ApplyHook", "FollowerStatus", "AdapterMeta", "SparseUpdate", "PushResult", "PullResult", "Store")
+README_TYPES = (
+    "FleetOptions",
+    "ApplyHook",
+    "FollowerStatus",
+    "AdapterMeta",
+    "SparseUpdate",
+    "PushResult",
+    "PullResult",
+    "Store",
+)
 
 
 def _static_names(package: ModuleType) -> dict[str, str]:
@@ -156,4 +174,13 @@ def test_the_readme_python_imports_from_the_front_door() -> None:
                 for names in re.findall(r"^from sparsesync import \(?([^)\n]*)", block, re.M) for n in names.split(",")}
     assert {"Publisher", "Follower"} <= imported
     assert imported | set(README_TYPES) <= set(sparsesync.__all__)
-    from sparsesync import AdapterMeta, ApplyHook, FleetOptions, FollowerStatus, PullResult, PushResult, SparseUpdate, Store  # noqa: F401
+    from sparsesync import (  # noqa: F401
+        AdapterMeta,
+        ApplyHook,
+        FleetOptions,
+        FollowerStatus,
+        PullResult,
+        PushResult,
+        SparseUpdate,
+        Store,
+    )

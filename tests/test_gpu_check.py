@@ -29,9 +29,18 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
                        capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and [s["step"] for s in summary["steps"]] == ["prereqs", "install", "build", "env", "tests", "bench"]
+    assert summary["ok"] and [s["step"] for s in summary["steps"]] == [
+        "prereqs",
+        "install",
+        "build",
+        "env",
+        "tests",
+        "bench",
+    ]
     assert all(s["rc"] == 0 for s in summary["steps"]), summary
-    assert {"log", "env.json", "pytest.xml", "gpu_bench.json", "summary.json", "results.json"} <= {p.name for p in out.iterdir()}
+    assert {"log", "env.json", "pytest.xml", "gpu_bench.json", "summary.json", "results.json"} <= {
+        p.name for p in out.iterdir()
+    }
     # the one raw record: the commit, the command, the bench whole and the raw pytest output
     rec = json.loads((out / "results.json").read_text())
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -40,7 +49,11 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert rec["pytest_junit_xml"] == (out / "pytest.xml").read_text() and "skipped" in rec["pytest_output"]
     assert rec["per_shape"] and all(v["publish_stall_over_trl"] > 0 for v in rec["per_shape"].values())
     suite = ET.parse(out / "pytest.xml").getroot().find("testsuite")
-    assert suite is not None and int(suite.get("tests", 0)) >= 20 and int(suite.get("failures", 0)) == int(suite.get("errors", 0)) == 0
+    assert (
+        suite is not None
+        and int(suite.get("tests", 0)) >= 20
+        and int(suite.get("failures", 0)) == int(suite.get("errors", 0)) == 0
+    )
     skipped = [c for c in suite.iter("testcase") if c.find("skipped") is not None]
     assert len(skipped) == int(suite.get("tests", 0)), "on CPU every gpu test skips"
     assert all("CUDA" in (c.find("skipped").get("message") or "") for c in skipped), "each skip names its reason"

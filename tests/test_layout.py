@@ -1,5 +1,6 @@
 """Repo-wide layout rules. The wheel's only top-level name is `sparsesync` (issue 49: the apps stay
-top-level folders of the repository and are found from the checkout, `sparsesync.apps`). Issue 41: no module of the shipped packages (`sparsesync/`, `trainer/`,
+top-level folders of the repository and are found from the checkout, `sparsesync.apps`). Issue 41: no module of the
+shipped packages (`sparsesync/`, `trainer/`,
 `inference_space/`, `env_space/`) is over `MAX_LINES` lines unless its docstring says why, in a
 line that starts with `Length:` followed by the reason (e.g. "Length: one state machine whose
 states share every field; split, each half would reach into the other's"). docs/architecture.md
@@ -87,8 +88,23 @@ def test_the_rule_sees_a_long_module_and_its_reason(tmp_path: Path) -> None:
 def test_the_wheel_installs_only_sparsesync(tmp_path: Path) -> None:
     """No generic top-level name (`trainer`, `inference_space`, `env_space`) that would shadow another package's."""
     src = tmp_path / "src"  # a clean copy: setuptools would pack whatever an earlier build left in build/lib
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-                                                             "*.so", ".*_cache", ".hypothesis", "runs", "out"))
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "dist",
+            "*.egg-info",
+            "__pycache__",
+            "*.so",
+            ".*_cache",
+            ".hypothesis",
+            "runs",
+            "out",
+        ),
+    )
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                           str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -125,6 +141,8 @@ def test_another_package_of_an_apps_name_is_refused(tmp_path: Path) -> None:
             "from sparsesync.errors import ConfigError\n"
             "try:\n    import_app('trainer')\nexcept ConfigError as e:\n    print('refused:', e)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("refused:") and "another package named 'trainer'" in res.stdout, res.stdout

@@ -37,14 +37,18 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_ruff_finds_nothing() -> None:
     res = _run(_tool("ruff"), "check", "--no-cache", "--output-format", "concise", ".")
-    assert res.returncode == 0, "ruff check . (`ruff check --fix .` fixes what it marks [*]):\n" + res.stdout + res.stderr
+    assert res.returncode == 0, (
+        "ruff check . (`ruff check --fix .` fixes what it marks [*]):\n" + res.stdout + res.stderr
+    )
 
 
 def test_import_contracts_hold() -> None:
     """The `ignore_imports` of the "acyclic" contract are what remains of issue 41's cycles: once an
     edge is gone, lint-imports fails on its now unmatched line until it is deleted."""
     res = _run(_tool("lint-imports"), "--no-logo", "--no-cache")
-    assert res.returncode == 0, "lint-imports (the contracts are [tool.importlinter] in pyproject.toml):\n" + res.stdout + res.stderr
+    assert res.returncode == 0, (
+        "lint-imports (the contracts are [tool.importlinter] in pyproject.toml):\n" + res.stdout + res.stderr
+    )
 
 
 def test_types_check() -> None:

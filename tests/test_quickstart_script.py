@@ -35,4 +35,6 @@ def test_quickstart_prints_each_kind_once_and_removes_its_bucket(tmp_path: Path)
         assert len(kinds) == 1, line  # the version's kind, once
     assert "5/5 versions verified" in res.stdout
     assert list(tmp.iterdir()) == [], "the temporary bucket was left behind"
-    assert re.search(rf"removed the temporary bucket {re.escape(str(tmp))}/sparsesync-bucket-\w+", res.stdout), res.stdout
+    assert re.search(rf"removed the temporary bucket {re.escape(str(tmp))}/sparsesync-bucket-\w+", res.stdout), (
+        res.stdout
+    )

@@ -96,9 +96,21 @@ def _measured_table_claims() -> list[tuple[str, str, int, str]]:
     rw = _load("real_weights.json")["results"]
     dens = [v["density"] for v in rw["minilm_master"]["versions"]]
     real = "bytes per changed element, real checkpoint"
-    out += [("real_weights.json", real, 1,
-             f"{rw['minilm_master']['bytes_per_changed']:.2f} B (pure bf16: {rw['minilm_bf16']['bytes_per_changed']:.2f} B)"),
-            ("real_weights.json", real, 0, f"{100 * (1 - max(dens)):.1f}-{100 * (1 - min(dens)):.1f}% of its bf16 elements")]
+    out += [
+        (
+            "real_weights.json",
+            real,
+            1,
+            f"{rw['minilm_master']['bytes_per_changed']:.2f} B (pure bf16: "
+            f"{rw['minilm_bf16']['bytes_per_changed']:.2f} B)",
+        ),
+        (
+            "real_weights.json",
+            real,
+            0,
+            f"{100 * (1 - max(dens)):.1f}-{100 * (1 - min(dens)):.1f}% of its bf16 elements",
+        ),
+    ]
     lora = _load("lora_sync.json")["by_lr"]["1e-05"]
     delta, full_adapter = lora["adapter_delta_bf16"], lora["a_full_adapter_bf16"]
     out += [("lora_sync.json", "LoRA r=16", 1, f"{delta['bytes_median'] / 1e6:.2f} MB per version"),
@@ -106,11 +118,13 @@ def _measured_table_claims() -> list[tuple[str, str, int, str]]:
             ("lora_sync.json", "LoRA r=16", 2,
              f"full adapter {full_adapter['bytes_median'] / 1e6:.1f} MB, lag {full_adapter['lag_s_median']:.2f} s"),
             ("lora_sync.json", "LoRA r=16", 2, f"full model {lora['c_full_model_bf16']['bytes_median'] / 1e6:.0f} MB")]
-    lag_rows = (("protocol_lag_poll_loop.json", "local", "publish -> follower applied"),
-                ("protocol_lag_s3_multipart.json", "s3", "same, S3 over loopback, the store on the follower's core"),
-                ("protocol_lag_s3_multipart_trainer.json", "s3", "same, S3 over loopback, the store on the trainer's core"),
-                ("protocol_lag_wan_shared.json", "s3-wan", "same, S3 behind a 500 Mbit/s link"),
-                ("protocol_lag_wan_shared_trainer.json", "s3-wan", "same, store on the trainer's core"))
+    lag_rows = (
+        ("protocol_lag_poll_loop.json", "local", "publish -> follower applied"),
+        ("protocol_lag_s3_multipart.json", "s3", "same, S3 over loopback, the store on the follower's core"),
+        ("protocol_lag_s3_multipart_trainer.json", "s3", "same, S3 over loopback, the store on the trainer's core"),
+        ("protocol_lag_wan_shared.json", "s3-wan", "same, S3 behind a 500 Mbit/s link"),
+        ("protocol_lag_wan_shared_trainer.json", "s3-wan", "same, store on the trainer's core"),
+    )
     for name, store, key in lag_rows:
         parts, full, met = _lag(name, store)
         out += [(name, key, 1, f"{parts['lag_s']:.2f} s ({'met' if met else 'not met'})"),
@@ -160,23 +174,38 @@ def _span(pair: list[float], fmt: str = ".2f", scale: float = 1.0) -> str:
 
 def _quickstart_claims() -> list[tuple[str, str]]:
     full = _load("demo_full.json")["summary"]
-    out = [("demo_full.json", f"from {_span(full['reward_start'])} (first 10 steps) to {_span(full['reward_end'])}"),
-           ("demo_full.json", f"median per-step patch is {_span(full['patch_over_full_median'], '.0f', 100)}% of the"),
-           ("demo_full.json", f"changes {_span(full['changed_elements'], '.0f', 100)}% of its elements"),
-           ("demo_full.json", f"{_span(full['wall_s'], '.0f')} s"),
-           ("demo_full.json", f"on {_load('demo_full.json')['machine']['date']}"),
-           ("demo_full.json", f"load average {_load('demo_full.json')['machine']['load_avg_1m_at_start']:.1f} at the start")]
+    out = [
+        ("demo_full.json", f"from {_span(full['reward_start'])} (first 10 steps) to {_span(full['reward_end'])}"),
+        ("demo_full.json", f"median per-step patch is {_span(full['patch_over_full_median'], '.0f', 100)}% of the"),
+        ("demo_full.json", f"changes {_span(full['changed_elements'], '.0f', 100)}% of its elements"),
+        ("demo_full.json", f"{_span(full['wall_s'], '.0f')} s"),
+        ("demo_full.json", f"on {_load('demo_full.json')['machine']['date']}"),
+        (
+            "demo_full.json",
+            f"load average {_load('demo_full.json')['machine']['load_avg_1m_at_start']:.1f} at the start",
+        ),
+    ]
     check = _load("demo_check.json")
     (run,) = check["runs"]  # the default `sparsesync demo`, once
     assert run["seed"] == 0 and run["steps"] == 200 and not run["lora"] and run["checks_ok"]
-    out += [("demo_check.json", f"again on {check['machine']['date']}"),
-            ("demo_check.json", f"load average {_span(run['load_avg_1m'], '.1f')})"),
-            ("demo_check.json", f"reward from {run['reward_start']:.2f} to {run['reward_end']:.2f}, median per-step patch "
-                                f"{100 * run['patch_over_full_median']:.0f}% of the model, {run['wall_s']:.0f} s")]
+    out += [
+        ("demo_check.json", f"again on {check['machine']['date']}"),
+        ("demo_check.json", f"load average {_span(run['load_avg_1m'], '.1f')})"),
+        (
+            "demo_check.json",
+            f"reward from {run['reward_start']:.2f} to {run['reward_end']:.2f}, median per-step patch "
+            f"{100 * run['patch_over_full_median']:.0f}% of the model, {run['wall_s']:.0f} s",
+        ),
+    ]
     lora = _load("demo_lora.json")
     ratios = [p["ratio"] for p in lora["step_time"]["pairs"]]
-    out += [("demo_lora.json", f"{_span([min(ratios), max(ratios)])}x a full-weight step"),
-            ("demo_lora.json", f"reward from {_span(lora['summary']['reward_start'])} to {_span(lora['summary']['reward_end'])}")]
+    out += [
+        ("demo_lora.json", f"{_span([min(ratios), max(ratios)])}x a full-weight step"),
+        (
+            "demo_lora.json",
+            f"reward from {_span(lora['summary']['reward_start'])} to {_span(lora['summary']['reward_end'])}",
+        ),
+    ]
     return out
 
 
@@ -188,19 +217,30 @@ def _gpu_claims() -> list[tuple[str, str]]:
     first, rerun = d["first_run"]["pytest_gpu"], d["rerun_after_fix"]["pytest_gpu"]
     small, big = (next(r for r in d["bench"]["rows"] if r["shape"] == s) for s in ("0.6B", "7B"))
 
-    return [("tests", f"first ran on one {gpu} on {d['date']}: {first['failures']} of {first['tests']} failed"),
-            ("tests", f"then {rerun['tests'] - rerun['failures']} passed"),
-            ("bench", f"({small['B_per_changed']:.2f} B per changed element at 0.6B, {big['B_per_changed']:.2f} B at 7B"),
-            ("bench", f"takes {small['diff_encode_s']:.2f} s at 0.6B and {big['diff_encode_s']:.1f} s at 7B"),
-            ("bench", f"against {small['trl_extract_s']:.2f} s and {big['trl_extract_s']:.2f} s for a GPU-side"),
-            ("bench", f"{small['ratio_ours_over_trl']:.1f}x and {big['ratio_ours_over_trl']:.1f}x slower"),
-            ("bench", f"no better at 0.6B ({small['diff_encode_cuda_snapshot_s']:.2f} s) and worse at 7B "
-                      f"({big['diff_encode_cuda_snapshot_s']:.1f} s)"),
-            ("bench", f"takes {small['decode_apply_s']:.2f} s at 0.6B and {big['decode_apply_s']:.1f} s at 7B against "
-                      f"{small['trl_apply_s']:.2f} s and {big['trl_apply_s']:.2f} s for a bare"),
-            ("bench", f"({small['snapshot_host_rss_GB']:.2f} GB at 0.6B, {big['snapshot_host_rss_GB']:.1f} GB at 7B)"),
-            ("bench", f"{small['trl_bytes'] / small['patch_bytes']:.1f}x smaller than the extraction's "
-                      f"({small['patch_bytes'] / 1e6:.1f} MB against {small['trl_bytes'] / 1e6:.1f} MB at 0.6B)")]
+    return [
+        ("tests", f"first ran on one {gpu} on {d['date']}: {first['failures']} of {first['tests']} failed"),
+        ("tests", f"then {rerun['tests'] - rerun['failures']} passed"),
+        ("bench", f"({small['B_per_changed']:.2f} B per changed element at 0.6B, {big['B_per_changed']:.2f} B at 7B"),
+        ("bench", f"takes {small['diff_encode_s']:.2f} s at 0.6B and {big['diff_encode_s']:.1f} s at 7B"),
+        ("bench", f"against {small['trl_extract_s']:.2f} s and {big['trl_extract_s']:.2f} s for a GPU-side"),
+        ("bench", f"{small['ratio_ours_over_trl']:.1f}x and {big['ratio_ours_over_trl']:.1f}x slower"),
+        (
+            "bench",
+            f"no better at 0.6B ({small['diff_encode_cuda_snapshot_s']:.2f} s) and worse at 7B "
+            f"({big['diff_encode_cuda_snapshot_s']:.1f} s)",
+        ),
+        (
+            "bench",
+            f"takes {small['decode_apply_s']:.2f} s at 0.6B and {big['decode_apply_s']:.1f} s at 7B against "
+            f"{small['trl_apply_s']:.2f} s and {big['trl_apply_s']:.2f} s for a bare",
+        ),
+        ("bench", f"({small['snapshot_host_rss_GB']:.2f} GB at 0.6B, {big['snapshot_host_rss_GB']:.1f} GB at 7B)"),
+        (
+            "bench",
+            f"{small['trl_bytes'] / small['patch_bytes']:.1f}x smaller than the extraction's "
+            f"({small['patch_bytes'] / 1e6:.1f} MB against {small['trl_bytes'] / 1e6:.1f} MB at 0.6B)",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("source,claim", _quickstart_claims())
@@ -214,7 +254,9 @@ def test_the_quickstart_quotes_the_demo_results(source, claim):
 def test_each_measured_figure_stands_in_its_own_row_and_cell(source, key, col, claim):
     cells = _cells(_table(_section("Measured"), "what"), key)
     assert source in cells[3], f"the row {key!r} should name its results file {source}"
-    assert claim in cells[col], f"row {key!r}, column {col}, should say {claim!r} (benchmarks/results/{source}): {cells[col]!r}"
+    assert claim in cells[col], (
+        f"row {key!r}, column {col}, should say {claim!r} (benchmarks/results/{source}): {cells[col]!r}"
+    )
 
 
 @pytest.mark.parametrize("source,key,col,claim", _density_table_claims())
@@ -222,7 +264,9 @@ def test_each_density_figure_stands_in_its_own_cell(source, key, col, claim):
     measured = _section("Measured")
     assert source in _flat(measured)
     cells = _cells(_table(measured, "density"), key)
-    assert claim in cells[col], f"density table, row {key!r}, column {col}, should say {claim!r} ({source}): {cells[col]!r}"
+    assert claim in cells[col], (
+        f"density table, row {key!r}, column {col}, should say {claim!r} ({source}): {cells[col]!r}"
+    )
 
 
 @pytest.mark.parametrize("part,claim", _gpu_claims())

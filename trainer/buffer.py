@@ -83,7 +83,8 @@ class BufferStats:
     samples_in: int = 0
     samples_out: int = 0
     dropped_stale: int = 0  # samples discarded for staleness > k (policy "drop")
-    dropped_abandoned: int = 0  # samples of a version a rewind abandoned (above the learner's, or not its trusted commit)
+    # samples of a version a rewind abandoned (above the learner's, or not its trusted commit)
+    dropped_abandoned: int = 0
     dropped_unversioned: int = 0  # samples whose replica reported no weight version (its start-up weights)
     dropped_unverified: int = 0  # samples without a state digest, under a trusted-commit check
     kept_stale: int = 0  # samples kept with an importance weight (policy "correct")

@@ -102,7 +102,8 @@ class SyncConfig:
     anchor_every: int = 50  # publisher: versions between periodic full anchors
     anchor_fraction: float = 0.5  # publisher: also anchor when deltas since the last anchor pass this x its size
     queue_size: int = 4  # publisher: versions waiting for upload before deltas are coalesced
-    effort: Effort = "size"  # publisher's codec: "size" (smallest patches) or "speed" (faster encode and decode, larger patches)
+    # publisher's codec: "size" (smallest patches) or "speed" (faster encode and decode, larger patches)
+    effort: Effort = "size"
     flush_timeout_s: float = 120.0  # at the end, wait this long for the last uploads
     fleet_min_replicas: int = 0  # > 0: after each publish, wait until this many replicas report (heartbeats)...
     fleet_max_lag: int = 0  # ...serving the newest published version minus at most this many versions
@@ -220,9 +221,13 @@ class TrainerConfig:
         _require(len(set(r.replicas)) == len(r.replicas), "[rollout] replicas", r.replicas, "distinct URLs")
         _require(r.env_url.startswith(("http://", "https://")), "[rollout] env_url", r.env_url, "an http(s):// URL")
         _require(bool(r.task), "[rollout] task", r.task, "a task name the env server knows")
-        _require(r.group_size >= 2, "[rollout] group_size", r.group_size, ">= 2 (GRPO compares completions within a group)")
+        _require(
+            r.group_size >= 2, "[rollout] group_size", r.group_size, ">= 2 (GRPO compares completions within a group)"
+        )
         _require(r.max_tokens >= 1, "[rollout] max_tokens", r.max_tokens, ">= 1")
-        _require(r.temperature > 0, "[rollout] temperature", r.temperature, "> 0 (GRPO needs sampled, diverse completions)")
+        _require(
+            r.temperature > 0, "[rollout] temperature", r.temperature, "> 0 (GRPO needs sampled, diverse completions)"
+        )
         _require(0 < r.top_p <= 1, "[rollout] top_p", r.top_p, "in (0, 1]")
         _require(r.workers >= 1, "[rollout] workers", r.workers, ">= 1")
         _require(r.request_timeout_s > 0, "[rollout] request_timeout_s", r.request_timeout_s, "> 0")
@@ -231,7 +236,9 @@ class TrainerConfig:
         _require(o.groups_per_step >= 1, "[optim] groups_per_step", o.groups_per_step, ">= 1")
         _require(0 < o.lr < 1, "[optim] lr", o.lr, "in (0, 1)")
         _require(o.weight_decay >= 0, "[optim] weight_decay", o.weight_decay, ">= 0")
-        _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "[optim] betas", o.betas, "two values in [0, 1)")
+        _require(
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "[optim] betas", o.betas, "two values in [0, 1)"
+        )
         _require(o.max_grad_norm >= 0, "[optim] max_grad_norm", o.max_grad_norm, ">= 0 (0 disables clipping)")
         _require(0 < o.clip_low < 1, "[optim] clip_low", o.clip_low, "in (0, 1)")
         _require(o.clip_high > 0, "[optim] clip_high", o.clip_high, "> 0")

@@ -37,7 +37,15 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from trainer.config import LORA_ALL_LINEAR, LogConfig, ModelConfig, OptimConfig, RolloutConfig, SyncConfig, TrainerConfig
+from trainer.config import (
+    LORA_ALL_LINEAR,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    SyncConfig,
+    TrainerConfig,
+)
 from trainer.errors import DemoCheckError
 from trainer.metrics import MetricsLogger
 from trainer.processes import ProcessSet, free_port
@@ -105,7 +113,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> DemoReport:
     console = console or Console(highlight=False)
     t_start = time.time()
     own_dir = opts.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="sparsesync-demo-")) if own_dir else Path(opts.workdir)  # type: ignore[arg-type]
+    workdir = Path(tempfile.mkdtemp(prefix="sparsesync-demo-")) if own_dir else Path(opts.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     bucket = workdir / "bucket"
     if bucket.exists() and any(bucket.iterdir()):
@@ -135,7 +143,9 @@ def _run(opts: DemoOptions, console: Console, workdir: Path, bucket: Path, t_sta
     if opts.lora:  # replicas read the adapter run's config and base digest from version 0 at start
         from trainer.lora import publish_initial_adapter
 
-        publish_initial_adapter(demo_config(opts, model_dir, bucket, ["http://127.0.0.1:1"], "http://127.0.0.1:1", workdir))
+        publish_initial_adapter(
+            demo_config(opts, model_dir, bucket, ["http://127.0.0.1:1"], "http://127.0.0.1:1", workdir)
+        )
     py = sys.executable
     env = {"OMP_NUM_THREADS": str(opts.replica_threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1",
@@ -256,8 +266,11 @@ def _check(report: DemoReport, opts: DemoOptions, procs: ProcessSet, model_dir: 
         for key in DIGEST_KEYS:
             if st.get(key) and st[key] != report.state_digest:
                 problems.append(f"{url} reports {key} {st[key]}, trainer {report.state_digest}")
-    how = ("digest of the engine weights compared" if any(k in st for st in report.replicas.values() for k in DIGEST_KEYS)
-           else "replica followers verified the version's digests after applying")
+    how = (
+        "digest of the engine weights compared"
+        if any(k in st for st in report.replicas.values() for k in DIGEST_KEYS)
+        else "replica followers verified the version's digests after applying"
+    )
     checks["bit_exact"] = {"ok": not problems, "detail": "; ".join(problems) or
                            f"bucket version {rec.version} rebuilt with the trainer's state digest {rebuilt}; "
                            f"{len(report.replicas)} replica(s) serve exactly version {rec.version} ({how})"}
@@ -356,14 +369,20 @@ def print_report(report: DemoReport, opts: DemoOptions, console: Console) -> Non
         sizes = [c["patch_bytes"] for c in deltas]
         dens = [c["density"] for c in deltas]
         console.print(
-            f"full {'adapter' if opts.lora else 'model'} (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: median "
+            f"full {'adapter' if opts.lora else 'model'} (bf16): {_fmt_bytes(report.full_bytes)}; per-step patch: "
+            "median "
             f"{_fmt_bytes(statistics.median(sizes))} ({statistics.median(sizes) / report.full_bytes:.1%} of full), "
             f"min {_fmt_bytes(min(sizes))}, max {_fmt_bytes(max(sizes))}; changed elements: median "
-            f"{statistics.median(dens):.1%}, min {min(dens):.1%}, max {max(dens):.1%}")
-        console.print(f"{len(deltas)} deltas {_fmt_bytes(sum(sizes))} in total vs {_fmt_bytes(len(deltas) * report.full_bytes)} "
-                      f"dense ({sum(sizes) / (len(deltas) * report.full_bytes):.1%}); {len(anchors)} anchor(s) "
-                      f"(full snapshots for cold replicas) {_fmt_bytes(sum(c['anchor_bytes'] for c in anchors))}")
-        console.print("patch / full model: " + sparkline([c["patch_bytes"] / report.full_bytes for c in deltas], width=58))
+            f"{statistics.median(dens):.1%}, min {min(dens):.1%}, max {max(dens):.1%}"
+        )
+        console.print(
+            f"{len(deltas)} deltas {_fmt_bytes(sum(sizes))} in total vs {_fmt_bytes(len(deltas) * report.full_bytes)} "
+            f"dense ({sum(sizes) / (len(deltas) * report.full_bytes):.1%}); {len(anchors)} anchor(s) "
+            f"(full snapshots for cold replicas) {_fmt_bytes(sum(c['anchor_bytes'] for c in anchors))}"
+        )
+        console.print(
+            "patch / full model: " + sparkline([c["patch_bytes"] / report.full_bytes for c in deltas], width=58)
+        )
 
     console.rule("replicas (lag: versions behind; pause: generation blocked by an apply)")
     t = Table("replica", "version", "state", "lag max", "lag end", "pauses", "pause mean", "pause max", box=None)

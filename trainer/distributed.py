@@ -13,16 +13,16 @@ Design: rank 0 alone drives the rollout side (replica pool, rollout workers, buf
 metrics) and sends each step's groups to every rank over a gloo group of our own
 (`send_batch` / `receive_batch`); rank r trains on groups r, r + N, ... of the step
 (`my_groups`), with the loss normalized by the step's total completion tokens so FSDP's gradient
-average is the single-process gradient of the whole batch. One rollout stream keeps the staleness accounting, the env and the
-replicas' load exactly as in one process; ranks reading their own slices would need N buffers
+average is the single-process gradient of the whole batch. One rollout stream keeps the staleness accounting, the env
+and the replicas' load exactly as in one process; ranks reading their own slices would need N buffers
 that agree on versions. The broadcast is tiny next to a step (token ids and log-probs).
 
 Failure: no collective waits longer than `[distributed] timeout_s`; rank 0 sends a keep-alive
 every 2 s while it waits for rollouts (its fleet wait is bounded by `[sync] fleet_timeout_s`,
 which the config requires to be shorter), and a stop message with its error when it fails alone
-(rollouts, fleet wait) while the others wait for a batch. A rank that dies is noticed by gloo at once (its sockets close) and torchrun stops the
-others with SIGTERM, which `stop_on_sigterm` turns into RankFailedError, so every rank ends with
-a one-line error and no version is half committed (the distributed publisher commits only when
+(rollouts, fleet wait) while the others wait for a batch. A rank that dies is noticed by gloo at once (its sockets
+close) and torchrun stops the others with SIGTERM, which `stop_on_sigterm` turns into RankFailedError, so every rank
+ends with a one-line error and no version is half committed (the distributed publisher commits only when
 every part is stored).
 """
 
@@ -162,8 +162,10 @@ def stop_on_sigterm(rank: int) -> None:
 
     def _handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        raise RankFailedError(f"rank {rank}: stopped by the launcher (signal {signum}): another rank of the trainer failed",
-                              hint="see the other ranks' errors (torchrun names the first failure); restart the job: "
-                                   "it continues from the newest committed version")
+        raise RankFailedError(
+            f"rank {rank}: stopped by the launcher (signal {signum}): another rank of the trainer failed",
+            hint="see the other ranks' errors (torchrun names the first failure); restart the job: "
+            "it continues from the newest committed version",
+        )
 
     signal.signal(signal.SIGTERM, _handler)

@@ -8,8 +8,8 @@ workers produced since the last step), `staleness_mean` / `staleness_max` (versi
 `tokens_per_s`, `loss`, `clip_frac`, `step_s`. Extra event records (`{"event": "commit", ...}`
 for each committed weight version) go to the JSONL file only.
 
-Guarantees: every record is strict JSON (NaN and infinities become null), written and flushed to the JSONL file before `log_step` returns
-(a crashed run keeps every step it logged); trackio is used only when it is installed and a
+Guarantees: every record is strict JSON (NaN and infinities become null), written and flushed to the JSONL file before
+`log_step` returns (a crashed run keeps every step it logged); trackio is used only when it is installed and a
 project is configured, and a trackio failure never stops training (it is logged once and
 trackio is switched off).
 """

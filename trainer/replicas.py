@@ -98,8 +98,13 @@ class ReplicaPool:
     ) -> Completion:
         """Sample `n` completions of `prompt` from one replica, failing over to the others."""
         body: dict[str, Any] = {
-            **({"model": self.model} if self.model else {}), "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "n": n, "logprobs": 1,
+            **({"model": self.model} if self.model else {}),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "n": n,
+            "logprobs": 1,
         }
         if seed is not None:
             body["seed"] = seed
@@ -173,7 +178,9 @@ class ReplicaPool:
         now = time.monotonic()
         with self._lock:
             up = [u for u in rotated if self.stats[u].down_until <= now]
-            down = sorted((u for u in rotated if self.stats[u].down_until > now), key=lambda u: self.stats[u].down_until)
+            down = sorted(
+                (u for u in rotated if self.stats[u].down_until > now), key=lambda u: self.stats[u].down_until
+            )
         return up + down
 
     def _mark_down(self, url: str, error: str) -> None:

@@ -139,7 +139,10 @@ class RolloutWorkers:
         """Raise the error that stopped the workers, if every worker has stopped on one, or at
         once the unexpected error (a bug, not a failed rollout) that stopped any worker."""
         if self._crash is not None:
-            raise TrainerError(f"a rollout worker crashed: {self._crash!r}", hint="this is a bug in the rollout code; the log has the group that raised it")
+            raise TrainerError(
+                f"a rollout worker crashed: {self._crash!r}",
+                hint="this is a bug in the rollout code; the log has the group that raised it",
+            )
         if self._fatal is not None and not any(t.is_alive() for t in self._threads):
             err = self._fatal
             raise err if isinstance(err, TrainerError) else TrainerError(f"rollout workers stopped: {err!r}")

@@ -92,7 +92,8 @@ class TrainResult:
     wall_s: float = 0.0
     rank: int = 0  # under torchrun: this rank (only rank 0's steps, commits and state digest are filled in)
     world: int = 1
-    commit_digest: str = ""  # the last commit record's state digest (under torchrun: over its row units, not state_digest)
+    # the last commit record's state digest (under torchrun: over its row units, not state_digest)
+    commit_digest: str = ""
 
 
 def auth_headers(cfg: TrainerConfig) -> dict[str, str] | None:
@@ -344,8 +345,10 @@ class AsyncGRPOTrainer:
         if not launched_distributed():
             return None
         if self.cfg.lora.enabled:
-            raise ConfigError("[lora] enabled = true under torchrun: the sharded trainer trains and publishes full weights",
-                              hint="train a LoRA adapter in one process (python -m trainer): the adapter is small")
+            raise ConfigError(
+                "[lora] enabled = true under torchrun: the sharded trainer trains and publishes full weights",
+                hint="train a LoRA adapter in one process (python -m trainer): the adapter is small",
+            )
         ctx = init_distributed(self.device, self.cfg.distributed.timeout_s)
         self.device = ctx.device
         if self.cfg.optim.groups_per_step < ctx.world:
@@ -415,7 +418,9 @@ class AsyncGRPOTrainer:
                 workers.check()
                 raise TrainerError("the rollout buffer was stopped while the learner waited") from None
 
-    def _batch(self, groups: list[Group], ctx: DistContext | None = None) -> tuple[Batch, list[int], list[float], float | None]:
+    def _batch(
+        self, groups: list[Group], ctx: DistContext | None = None
+    ) -> tuple[Batch, list[int], list[float], float | None]:
         """This rank's batch (every group in one process, its share under torchrun), the whole
         step's staleness and rewards, and the loss's token normalizer (None: this batch's own)."""
         samples = [s for g in groups for s in g.samples]

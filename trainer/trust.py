@@ -65,7 +65,10 @@ class SampleJudge:
         waited = now - self._failing_since
         if waited >= self.patience_s:
             raise TrainerError(
-                f"could not list the commits of {self.trusted.store.url} to check rollout samples for {waited:.0f} s: {e}",
+                f"could not list the commits of {self.trusted.store.url} to check rollout samples for {waited:.0f} s: "
+                f"{e}",
                 hint="check that the bucket is reachable and the token may read it",
             ) from e
-        log.warning("checking rollout samples against the commits of %s failed (retrying): %s", self.trusted.store.url, e)
+        log.warning(
+            "checking rollout samples against the commits of %s failed (retrying): %s", self.trusted.store.url, e
+        )

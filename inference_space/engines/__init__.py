@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from inference_space.engines.base import Completion, Engine, PauseStats, SamplingParams
+from inference_space.engines.base import Engine, PauseStats
+from inference_space.engines.sampling import Completion, SamplingParams
 from sparsesync.errors import ConfigError
 from sparsesync.lora.meta import AdapterMeta
 

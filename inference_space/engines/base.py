@@ -8,8 +8,8 @@ then lets them run on the new weights. So a completion is produced by exactly on
 version, and the `weight_version` it reports is the version that produced every one of its
 tokens; its `state_digest` (the commit's state digest of that version, as the follower handed it
 over with the weights) is read under the same gate, so the pair names one commit even when a
-rewind committed the version number again with other weights. Updates are preferred over new batches (a steady stream of requests cannot starve
-them).
+rewind committed the version number again with other weights. Updates are preferred over new batches (a steady stream
+of requests cannot starve them).
 
 Every update is validated against the engine's checkpoint layout (names, shapes, dtypes,
 index ranges, value counts, finite values) before any engine code sees it
@@ -54,75 +54,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from inference_space.engines.sampling import Completion, SamplingParams
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
 from sparsesync.protocol.follower.hooks import ApplyHook
-
-FinishReason = Literal["stop", "length", "abort"]  # abort: cut by the hold or time bound
-MIN_TEMPERATURE = 1e-3  # below this, logits / temperature overflows; use 0 for greedy
-MIN_TOP_P = 1e-6
-MAX_LOGPROBS = 20  # top logprobs per position at most (vLLM's default max_logprobs)
-
-
-@dataclass
-class SamplingParams:
-    """How to sample one request (OpenAI completion fields)."""
-
-    max_tokens: int = 16  # completion tokens at most
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0  # nucleus sampling mass, (0, 1]
-    n: int = 1  # completions per prompt
-    seed: int | None = None  # makes sampling reproducible on one engine and version
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
-    ignore_eos: bool = False  # keep generating past the end-of-sequence token
-    top_k: int = 0  # sample among the k most likely tokens (0: all)
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (0: off)
-    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (1: off)
-    logprobs: int = 0  # the most likely tokens' logprobs per position besides the sampled one's: 0 to MAX_LOGPROBS
-
-    def validate(self) -> None:
-        if not 1 <= self.max_tokens <= 1 << 20:
-            raise ConfigError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
-            raise ConfigError(f"temperature={self.temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
-        if not MIN_TOP_P <= self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p}: must be in [{MIN_TOP_P}, 1]")
-        if self.seed is not None and not 0 <= self.seed < 1 << 63:
-            raise ConfigError(f"seed={self.seed}: must be in [0, 2**63)")
-        if not 0 <= self.top_k <= 1 << 20:
-            raise ConfigError(f"top_k={self.top_k}: must be >= 0 (0: no limit)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ConfigError(f"min_p={self.min_p}: must be in [0, 1]")
-        if not 0.01 <= self.repetition_penalty <= 100.0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty}: must be in [0.01, 100] (1: off)")
-        if not 1 <= self.n <= 256:
-            raise ConfigError(f"n={self.n}: must be in [1, 256]")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"logprobs={self.logprobs}: must be in [0, {MAX_LOGPROBS}] top logprobs per token")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"stop={self.stop!r}: stop strings must be non-empty strings")
-
-
-@dataclass
-class Completion:
-    """One completion and everything an RL trainer needs from it."""
-
-    index: int
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # log p(token_ids[i]) under the weights of `weight_version`
-    finish_reason: FinishReason
-    weight_version: int | None  # None: the weights from --model, before any bucket version
-    stop_reason: int | str | None = None  # as vLLM: the stop string (or token id) that ended it; for an "abort", why: "weight_update" | "request_timeout" | "shutdown"
-    top_logprobs: list[dict[int, float]] | None = None  # per token, the `logprobs` most likely tokens' logprobs, most likely first
-    state_digest: str | None = None  # the commit's state digest of `weight_version` (read with it, under the gate)
 
 
 @dataclass
@@ -322,8 +263,14 @@ class Engine(ApplyHook, ABC):
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
     def apply_sparse(
-        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], *, base_version: int | None = None,
-        state_digest: str | None = None, digests: Mapping[str, str] | None = None,
+        self,
+        version: int,
+        updates: Mapping[str, SparseUpdate],
+        full: Mapping[str, torch.Tensor],
+        *,
+        base_version: int | None = None,
+        state_digest: str | None = None,
+        digests: Mapping[str, str] | None = None,
     ) -> None:
         """Write the changed elements of one verified version in place, check them, then serve `version`.
 
@@ -340,7 +287,13 @@ class Engine(ApplyHook, ABC):
             self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
 
-    def _sparse_if_sound(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor], base_version: int | None) -> None:
+    def _sparse_if_sound(
+        self,
+        version: int,
+        updates: Mapping[str, SparseUpdate],
+        full: Mapping[str, torch.Tensor],
+        base_version: int | None,
+    ) -> None:
         if base_version is not None and base_version != self._version:
             raise EngineCheckError(
                 f"{self.name} engine: version {version} is a delta from version {base_version}, but the engine holds "
@@ -376,7 +329,11 @@ class Engine(ApplyHook, ABC):
         bad = []
         for name, w in want.items():
             g = got[name]
-            if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8)):
+            if (
+                g.shape != w.shape
+                or g.dtype != w.dtype
+                or not torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).contiguous().view(torch.uint8))
+            ):
                 bad.append(name)
         return bad
 
@@ -384,7 +341,9 @@ class Engine(ApplyHook, ABC):
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None: ...
 
     @abstractmethod
-    def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None: ...
+    def _apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]
+    ) -> None: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the engine serves, in checkpoint coordinates (CPU copies)."""
@@ -444,4 +403,6 @@ class Engine(ApplyHook, ABC):
                 problems.append(f"tensor '{name}': non-finite values")
         problems += self._alias_problems(full)
         if problems:
-            raise WeightUpdateError("sparse update rejected: " + some_of(problems), hint="the patch does not fit this model")
+            raise WeightUpdateError(
+                "sparse update rejected: " + some_of(problems), hint="the patch does not fit this model"
+            )

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
+from inference_space.engines.base import Engine, TensorSpec
+from inference_space.engines.sampling import Completion, FinishReason, SamplingParams
 from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
 from sparsesync.codec import tensor_digest, tensor_digests
 from sparsesync.codec.apply import SparseUpdate
@@ -59,7 +60,9 @@ class EmbeddedEngine(Engine):
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto").to(device).eval()
         except (OSError, ValueError) as e:
-            raise EngineError(f"cannot load the model in {self.model_dir}: {e}", hint="--model must be a transformers model folder") from e
+            raise EngineError(
+                f"cannot load the model in {self.model_dir}: {e}", hint="--model must be a transformers model folder"
+            ) from e
         self.device = torch.device(device)
         views = _checkpoint_views(self.model, self.model_dir)  # checkpoint name -> view of a parameter at start
         self._live = _LiveMap(self.model, views)  # resolved from the live model at every update and check
@@ -152,7 +155,9 @@ class EmbeddedEngine(Engine):
         self._check(tensors)
 
     @torch.no_grad()
-    def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def _apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]
+    ) -> None:
         self._raise(self._live.tampered(self.model))  # nothing is written into a replaced parameter
         views = self._live.views(self.model)
         for name, upd in updates.items():
@@ -172,7 +177,9 @@ class EmbeddedEngine(Engine):
         got = tensor_digests(views)  # every tensor the forward pass reads, from the live model
         for name, view in views.items():
             spec = self._specs[name]
-            want_digest = self._told.get(name) or (tensor_digest(want[name]) if name in want else self._live.verified.get(name))
+            want_digest = self._told.get(name) or (
+                tensor_digest(want[name]) if name in want else self._live.verified.get(name)
+            )
             if tuple(view.shape) != spec.shape or view.dtype != spec.dtype or got[name] != want_digest:
                 bad.append(name if name in want else f"{name} (not in this update: changed since it was last verified)")
         self._raise(bad)
@@ -205,18 +212,27 @@ class _LiveMap:
         for key, t in live.items():
             at.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), key)
         self.where: dict[str, tuple[str, str | None, int]] = {}  # name -> (runtime key, expert part, expert)
-        self.strided: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}  # name -> (shape, stride, offset) in its key
+        # name -> (shape, stride, offset) in its key
+        self.strided: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
         for name, v in views.items():
             m = EXPERT_KEY.match(name)
             if m is not None and name not in live:
-                part = "down" if m["proj"] in ("down_proj", "w2") else "gate" if m["proj"] in ("gate_proj", "w1") else "up"
-                self.where[name] = (f"{m['layer']}.{'down_proj' if part == 'down' else 'gate_up_proj'}", part, int(m["e"]))
+                part = (
+                    "down" if m["proj"] in ("down_proj", "w2") else "gate" if m["proj"] in ("gate_proj", "w1") else "up"
+                )
+                self.where[name] = (
+                    f"{m['layer']}.{'down_proj' if part == 'down' else 'gate_up_proj'}",
+                    part,
+                    int(m["e"]),
+                )
             elif name in live and live[name].data_ptr() == v.data_ptr() and live[name].shape == v.shape:
                 self.where[name] = (name, None, 0)
             else:
                 key = at.get((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride()))
                 if key is None:  # a slice of a runtime tensor (a conversion that fuses on load): kept by its strides
-                    key = next(k for k, t in live.items() if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
+                    key = next(
+                        k for k, t in live.items() if t.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                    )
                     self.strided[name] = (tuple(v.shape), v.stride(), v.storage_offset())
                 self.where[name] = (key, None, 0)
         groups: dict[int, list[str]] = {}
@@ -252,8 +268,16 @@ class _LiveMap:
 
     def tampered(self, model: Any) -> list[str]:
         live = _tensors(model)
-        bad = [f"{k} (replaced since the engine mapped it)" for k, held in self.held.items() if k not in live or not _same(held, live[k])]
-        bad += [f"{k} (not a tensor of the model the engine mapped)" for k in live if k not in self.held and k not in self.volatile]
+        bad = [
+            f"{k} (replaced since the engine mapped it)"
+            for k, held in self.held.items()
+            if k not in live or not _same(held, live[k])
+        ]
+        bad += [
+            f"{k} (not a tensor of the model the engine mapped)"
+            for k in live
+            if k not in self.held and k not in self.volatile
+        ]
         for group in self.shared:
             if len({live[k].untyped_storage().data_ptr() for k in group if k in live}) > 1:
                 bad.append(f"{group[-1]} (no longer shares storage with {', '.join(group[:-1])})")
@@ -284,7 +308,10 @@ def _volatile_buffers(model: Any) -> set[str]:
         kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
         if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
             out.update(f"{mod_name}.{b}" if mod_name else b for b, _ in mod.named_buffers(recurse=False))
-            out.update(f"{mod_name}.{k}_inv_freq" if mod_name else f"{k}_inv_freq" for k in (rope if isinstance(rope, dict) else {}))
+            out.update(
+                f"{mod_name}.{k}_inv_freq" if mod_name else f"{k}_inv_freq"
+                for k in (rope if isinstance(rope, dict) else {})
+            )
     return out
 
 
@@ -323,7 +350,8 @@ def _checkpoint_views(model: Any, model_dir: Path) -> dict[str, torch.Tensor]:
         views[name] = view
     if problems:
         raise EngineError(
-            f"cannot map {len(problems)} checkpoint tensor(s) of {model_dir} onto the model's runtime layout: {', '.join(problems[:5])}",
+            f"cannot map {len(problems)} checkpoint tensor(s) of {model_dir} onto the model's runtime layout: "
+            f"{', '.join(problems[:5])}",
             hint="this architecture's runtime layout is not supported by the embedded engine; use --engine vllm",
         )
     return views

@@ -62,7 +62,9 @@ class VllmAdapterEngine(VllmEngine):
     def _load_full(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self._swap(version, {k: v.detach().clone() for k, v in tensors.items()})
 
-    def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def _apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]
+    ) -> None:
         self._swap(version, {**self._adapter_state, **{k: v.detach().clone() for k, v in full.items()}})
 
     def _swap(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -75,7 +77,9 @@ class VllmAdapterEngine(VllmEngine):
         back = load_checkpoint(folder / "adapter_model.safetensors")
         bad = self._mismatches(back, state) + sorted(set(back) ^ set(state))
         if bad:
-            raise EngineCheckError(f"vllm-lora: adapter slot {folder} differs from version {version}: {', '.join(bad[:5])}")
+            raise EngineCheckError(
+                f"vllm-lora: adapter slot {folder} differs from version {version}: {', '.join(bad[:5])}"
+            )
         request = LoRARequest(f"sparsesync-v{version}-{lora_id}", lora_id, str(folder))
         if not self.llm.llm_engine.add_lora(request):
             raise EngineCheckError(f"vLLM did not register adapter slot {lora_id} for version {version}")

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from inference_space.engines.base import Completion, Engine, FinishReason, SamplingParams, TensorSpec
+from inference_space.engines.base import Engine, TensorSpec
+from inference_space.engines.sampling import Completion, FinishReason, SamplingParams
 from sparsesync.checkpoint import TIED_ALIASES, load_checkpoint
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import EngineCheckError, EngineError
@@ -83,7 +84,9 @@ class VllmEngine(Engine):
             from vllm import LLM
             from vllm.platforms import current_platform
         except ImportError as e:
-            raise EngineError("the vllm engine needs vLLM", hint="pip install 'sparsesync[vllm]' (see scripts/setup.sh)") from e
+            raise EngineError(
+                "the vllm engine needs vLLM", hint="pip install 'sparsesync[vllm]' (see scripts/setup.sh)"
+            ) from e
         from sparsesync.integrations.vllm import plugin
 
         plugin.register()
@@ -177,8 +180,19 @@ class VllmEngine(Engine):
             reason: FinishReason = "length" if c.finish_reason == "length" else "stop"
             tops = None
             if params.logprobs:  # vLLM's dict holds the sampled token and the top k (ranks 1..k)
-                tops = [dict(sorted(((t, float(x.logprob)) for t, x in lp.items() if x.rank is not None and x.rank <= params.logprobs),
-                                    key=lambda kv: -kv[1])) for lp in c.logprobs or []]
+                tops = [
+                    dict(
+                        sorted(
+                            (
+                                (t, float(x.logprob))
+                                for t, x in lp.items()
+                                if x.rank is not None and x.rank <= params.logprobs
+                            ),
+                            key=lambda kv: -kv[1],
+                        )
+                    )
+                    for lp in c.logprobs or []
+                ]
             result.append(Completion(c.index, c.text, list(prompt_ids), ids, logps, reason, None, top_logprobs=tops,
                                      stop_reason=c.stop_reason))
         return result
@@ -189,7 +203,9 @@ class VllmEngine(Engine):
             self.sync.load(version, tensors, self._told)
         self.last_sent = sorted(self.sync.source)
 
-    def _apply_sparse(self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]) -> None:
+    def _apply_sparse(
+        self, version: int, updates: Mapping[str, SparseUpdate], full: Mapping[str, torch.Tensor]
+    ) -> None:
         if self._stale:  # after a failure (base.Engine lets this through only with every stale tensor in `full`)
             self._load_full(version, {**self.sync.source, **full})
             return
@@ -226,7 +242,10 @@ def apply_mode(mode: str, *, on_cpu: bool) -> str:
     """The update path a vLLM engine uses: "auto" is "reload" on every platform (the path the
     tests run); "sparse" (in place, GPU only) must be asked for and has not yet run on a GPU."""
     if mode not in APPLY_MODES:
-        raise EngineError(f"vllm apply mode '{mode}': expected one of {', '.join(APPLY_MODES)}", hint="--vllm-apply auto|reload|sparse")
+        raise EngineError(
+            f"vllm apply mode '{mode}': expected one of {', '.join(APPLY_MODES)}",
+            hint="--vllm-apply auto|reload|sparse",
+        )
     if mode == "sparse" and on_cpu:
         raise EngineError("vllm apply mode 'sparse' needs a GPU", hint="use --vllm-apply reload (what auto picks)")
     return "reload" if mode == "auto" else mode
@@ -237,7 +256,9 @@ def _cpu_bind(workers: int) -> str:
     nodes ("Not enough allowed NUMA nodes"); split this process's cores between the workers."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < workers:
-        raise EngineError(f"tensor_parallel_size={workers} needs at least {workers} CPU cores, this process has {len(cores)}")
+        raise EngineError(
+            f"tensor_parallel_size={workers} needs at least {workers} CPU cores, this process has {len(cores)}"
+        )
     per = len(cores) // workers
     return "|".join(",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(workers))
 

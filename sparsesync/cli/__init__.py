@@ -42,15 +42,21 @@ def _root(
     """Ship RL weight updates as sparse, digest-checked safetensors patches through a bucket."""
 
 
-app.command(cls=Command, epilog=exit_codes(ok="0 pushed (or the run's newest version already holds these weights)"))(weights.push)
+app.command(cls=Command, epilog=exit_codes(ok="0 pushed (or the run's newest version already holds these weights)"))(
+    weights.push
+)
 app.command(cls=Command, epilog=exit_codes(ok="0 pulled"))(weights.pull)
 app.command(cls=Command, epilog=exit_codes(ok="0 listed"))(run_info.log)
 app.command(cls=Command, epilog=exit_codes(ok="0 shown"))(run_info.inspect)
 app.command(cls=Command, epilog=exit_codes("1 also when a version does not verify (its line says FAILED)",
                                            ok="0 every version verified"))(run_info.verify)
 app.command(cls=Command, epilog=exit_codes(ok="0 deleted (or, with --dry-run, listed)"))(run_info.gc)
-app.command(cls=Command, epilog=exit_codes("1 also when a check failed (the report says which)", "130 interrupted by Ctrl-C",
-                                           ok="0 every check passed"))(demo.demo)
+app.command(
+    cls=Command,
+    epilog=exit_codes(
+        "1 also when a check failed (the report says which)", "130 interrupted by Ctrl-C", ok="0 every check passed"
+    ),
+)(demo.demo)
 app.command(cls=Command, epilog=exit_codes(ok="0 stopped by --until-version or Ctrl-C"))(follow.follow)
 app.command(cls=Command, epilog=exit_codes(
     f"{EXIT_UNHEALTHY} the fleet is not healthy (fewer than --min-replicas live replicas, one more than --max-lag "

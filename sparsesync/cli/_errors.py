@@ -2,8 +2,8 @@
 
 Every failure prints as one line `error: <what>` plus `fix: <hint>`, exit status 1: our
 SparsesyncErrors with their hint (the library's, `sparsesync/errors.py`, and the apps' the CLI
-runs, `trainer/errors.py` and `sparsesync/deploy/errors.py`, all subclasses), OS errors (read-only folder, full disk) with the fix their
-errno calls for, and anything unexpected (a bug) named by its type. `SPARSESYNC_DEBUG=1` shows
+runs, `trainer/errors.py` and `sparsesync/deploy/errors.py`, all subclasses), OS errors (read-only folder, full disk)
+with the fix their errno calls for, and anything unexpected (a bug) named by its type. `SPARSESYNC_DEBUG=1` shows
 the traceback instead. Secrets are redacted from every message we print: tokens, the values of
 secret environment variables, URL userinfo and key-bearing query parameters.
 """

@@ -14,18 +14,32 @@ import typer
 
 def demo(
     steps: Annotated[int, typer.Option(help="Optimizer steps (one published weight version each).")] = 200,
-    engine: Annotated[str, typer.Option(help="Replica engine: embedded (default) or vllm (when installed).")] = "embedded",
+    engine: Annotated[
+        str, typer.Option(help="Replica engine: embedded (default) or vllm (when installed).")
+    ] = "embedded",
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-3,
     seed: Annotated[int, typer.Option(help="Seed of the tiny model and the rollouts.")] = 0,
-    workdir: Annotated[Path | None, typer.Option(help="Work folder (bucket, logs, metrics); default a temporary one.")] = None,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Work folder (bucket, logs, metrics); default a temporary one.")
+    ] = None,
     keep: Annotated[bool, typer.Option("--keep/--no-keep", help="Keep the temporary work folder.")] = False,
-    min_reward_gain: Annotated[float, typer.Option(help="Fail unless the mean reward rises by at least this much.")] = 0.25,
+    min_reward_gain: Annotated[
+        float, typer.Option(help="Fail unless the mean reward rises by at least this much.")
+    ] = 0.25,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")] = None,
-    lora: Annotated[bool, typer.Option("--lora/--no-lora", help="Train a LoRA adapter (r=8, every linear layer and the LM head) and ship adapter versions; default lr 2e-2.")] = False,
+    lora: Annotated[
+        bool,
+        typer.Option(
+            "--lora/--no-lora",
+            help="Train a LoRA adapter (r=8, every linear layer and the LM head) and ship adapter versions; default lr "
+                 "2e-2.",
+        ),
+    ] = False,
 ) -> None:
-    """Run a local async RL job: env server, inference replicas and trainer sharing weights only through a bucket folder."""
+    """Run a local async RL job: env server, inference replicas and trainer sharing weights only through a bucket
+    folder."""
     from sparsesync.apps import import_app
 
     import_app("trainer")  # the checkout's trainer/ (the wheel ships no app): sparsesync.apps

@@ -16,9 +16,15 @@ import typer
 
 from sparsesync.cli._help import Command, Group, exit_codes
 
-ApiKey = Annotated[Optional[str], typer.Option(
-    help="Key clients must send as `Authorization: Bearer KEY` (a Space secret). Default: generated for a --public Space, none for a private one.",
-    envvar="SPARSESYNC_DEPLOY_API_KEY", show_envvar=True)]
+ApiKey = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Key clients must send as `Authorization: Bearer KEY` (a Space secret). Default: generated for a --public "
+             "Space, none for a private one.",
+        envvar="SPARSESYNC_DEPLOY_API_KEY",
+        show_envvar=True,
+    ),
+]
 
 
 def _api_key(space: str, given: str | None, public: bool, dry_run: bool, secret_name: str) -> str | None:
@@ -35,7 +41,9 @@ def _api_key(space: str, given: str | None, public: bool, dry_run: bool, secret_
     return key
 
 
-app = typer.Typer(help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True, cls=Group)
+app = typer.Typer(
+    help="Deploy the environment and inference replicas as Hugging Face Spaces.", no_args_is_help=True, cls=Group
+)
 
 
 def _placeholder() -> str:
@@ -54,8 +62,12 @@ def _rendered(folder: Path, out: Path | None) -> str:
 def env(
     space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME.")],
     hardware: Annotated[str, typer.Option(help="Space hardware flavor (cpu-basic, cpu-upgrade, ...).")] = "cpu-basic",
-    public: Annotated[bool, typer.Option("--public/--private", help="Make the Space public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folder and print the plan; no network.")] = False,
+    public: Annotated[
+        bool, typer.Option("--public/--private", help="Make the Space public (default: private).")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run/--no-dry-run", help="Render the folder and print the plan; no network.")
+    ] = False,
     out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder.")] = None,
     task: Annotated[str, typer.Option(help="Default task of the server: wordle or repeat.")] = "wordle",
     max_sessions: Annotated[int, typer.Option(help="Concurrent live sessions at most.")] = 256,
@@ -80,7 +92,9 @@ def env(
         import shlex
 
         env_vars = " ".join(shell_env(spec, skip=()))
-        typer.echo(f"dry run: nothing sent. Boot it locally: cd {shlex.quote(str(folder))} && {env_vars} python -m env_space")
+        typer.echo(
+            f"dry run: nothing sent. Boot it locally: cd {shlex.quote(str(folder))} && {env_vars} python -m env_space"
+        )
         return
     url = apply(the_plan)
     typer.echo(f"deployed {url}")
@@ -88,22 +102,43 @@ def env(
 
 @app.command("inference", cls=Command, epilog=exit_codes(ok="0 deployed (or, with --dry-run, rendered and planned)"))
 def inference(
-    space: Annotated[str, typer.Option(help="The Space to create or update, NAMESPACE/NAME (NAME-1..K with --replicas K).")],
+    space: Annotated[
+        str, typer.Option(help="The Space to create or update, NAMESPACE/NAME (NAME-1..K with --replicas K).")
+    ],
     bucket: Annotated[str, typer.Option(help="Run URL the replicas follow: hf://buckets/NS/NAME/PREFIX or s3://...")],
-    model: Annotated[str, typer.Option(help="Initial weights: a local model folder (copied into the Space) or a Hub model id.")],
+    model: Annotated[
+        str, typer.Option(help="Initial weights: a local model folder (copied into the Space) or a Hub model id.")
+    ],
     engine: Annotated[str, typer.Option(help="Inference engine: vllm or embedded.")] = "vllm",
-    hardware: Annotated[Optional[str], typer.Option(help="Space hardware flavor (default l4x1 for vllm, cpu-upgrade for embedded).")] = None,
-    region: Annotated[Optional[list[str]], typer.Option(help="Hub region (us or eu); repeat to spread replicas round-robin.")] = None,
+    hardware: Annotated[
+        Optional[str], typer.Option(help="Space hardware flavor (default l4x1 for vllm, cpu-upgrade for embedded).")
+    ] = None,
+    region: Annotated[
+        Optional[list[str]], typer.Option(help="Hub region (us or eu); repeat to spread replicas round-robin.")
+    ] = None,
     replicas: Annotated[int, typer.Option(help="Number of replica Spaces.")] = 1,
     poll_interval: Annotated[float, typer.Option(help="Seconds between checks for new versions.")] = 1.0,
-    public: Annotated[bool, typer.Option("--public/--private", help="Make the Spaces public (default: private).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Render the folders and print the plans; no network.")] = False,
-    out: Annotated[Optional[Path], typer.Option(help="Render into this (empty or new) folder (one sub-folder per replica when K > 1).")] = None,
+    public: Annotated[
+        bool, typer.Option("--public/--private", help="Make the Spaces public (default: private).")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run/--no-dry-run", help="Render the folders and print the plans; no network.")
+    ] = False,
+    out: Annotated[
+        Optional[Path],
+        typer.Option(help="Render into this (empty or new) folder (one sub-folder per replica when K > 1)."),
+    ] = None,
     api_key: ApiKey = None,
-    s3_credentials: Annotated[bool, typer.Option(
-        "--s3-credentials/--no-s3-credentials",
-        help="For an s3:// bucket: send this shell's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, "
-             "AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION when set) to the Spaces as secrets; never written to a file or shown.")] = False,
+    s3_credentials: Annotated[
+        bool,
+        typer.Option(
+            "--s3-credentials/--no-s3-credentials",
+            help="For an s3:// bucket: send this shell's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                 "AWS_SESSION_TOKEN, "
+            "AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION when set) to the Spaces as secrets; never written to a "
+            "file or shown.",
+        ),
+    ] = False,
 ) -> None:
     """Render the inference-replica Space(s) (inference_space/) and create or update them on the Hub."""
     import os
@@ -123,9 +158,21 @@ def inference(
         typer.echo("note: an s3:// run: the Spaces get no S3 credentials unless you pass --s3-credentials "
                    "(sends this shell's AWS_* settings as Space secrets)")
     key = _api_key(space, api_key, public, dry_run, "SPARSESYNC_API_KEY")  # one key for all the replicas
-    specs = inference_space_specs(space, bucket=bucket, model=model, engine=engine, hardware=hardware, regions=region,
-                                  replicas=replicas, private=not public, token=token or (_placeholder() if dry_run else None),
-                                  poll_interval=poll_interval, allow_local_bucket=dry_run, api_key=key, extra_secrets=secrets)
+    specs = inference_space_specs(
+        space,
+        bucket=bucket,
+        model=model,
+        engine=engine,
+        hardware=hardware,
+        regions=region,
+        replicas=replicas,
+        private=not public,
+        token=token or (_placeholder() if dry_run else None),
+        poll_interval=poll_interval,
+        allow_local_bucket=dry_run,
+        api_key=key,
+        extra_secrets=secrets,
+    )
     root = out if out is not None else Path(tempfile.mkdtemp(prefix="sparsesync-inference-space-"))
     plans = []
     for spec in specs:
@@ -134,7 +181,10 @@ def inference(
         typer.echo(_rendered(folder, out))
         typer.echo(plans[-1].describe())
     if dry_run:
-        typer.echo(f"dry run: nothing sent. Boot one locally (secrets from your shell): {boot_line(specs[0], plans[0].folder, engine)}")
+        typer.echo(
+            "dry run: nothing sent. Boot one locally (secrets from your shell): "
+            f"{boot_line(specs[0], plans[0].folder, engine)}"
+        )
         return
     for p in plans:
         typer.echo(f"deployed {apply(p, token=token)}")

@@ -20,12 +20,29 @@ console = CliConsole()
 
 
 def follow(
-    vllm: Annotated[str, typer.Option("--vllm", help="The vLLM server's URL, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1).")],
-    bucket: Annotated[str, typer.Option(help="Run URL to follow: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")],
-    model: Annotated[str, typer.Option(help="The model the server was started with (folder or Hub id): the follower's starting weights.")],
+    vllm: Annotated[
+        str,
+        typer.Option(
+            "--vllm", help="The vLLM server's URL, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)."
+        ),
+    ],
+    bucket: Annotated[
+        str,
+        typer.Option(
+            help="Run URL to follow: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix."
+        ),
+    ],
+    model: Annotated[
+        str,
+        typer.Option(help="The model the server was started with (folder or Hub id): the follower's starting weights."),
+    ],
     poll_interval: Annotated[float, typer.Option(help="Seconds between looks at the run.")] = 1.0,
-    pause: Annotated[str, typer.Option(help="wait: in-flight requests finish first (one version per completion); keep: freeze them.")] = "wait",
-    until_version: Annotated[int | None, typer.Option(help="Exit once the server serves this version (default: follow forever).")] = None,
+    pause: Annotated[
+        str, typer.Option(help="wait: in-flight requests finish first (one version per completion); keep: freeze them.")
+    ] = "wait",
+    until_version: Annotated[
+        int | None, typer.Option(help="Exit once the server serves this version (default: follow forever).")
+    ] = None,
 ) -> None:
     """Make the vLLM server at --vllm follow the run at --bucket (fetch, verify, decode here; apply there)."""
     from sparsesync.errors import ConfigError

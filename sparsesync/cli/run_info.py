@@ -80,9 +80,15 @@ def _warn_rejected(rejected: dict[str, str]) -> None:
 
 
 def inspect(
-    target: Annotated[str, typer.Argument(help="A local patch file, the URL of one in a store, or a run URL with --version.")],
-    version: Annotated[int | None, typer.Option(help="TARGET is a run URL: show the delta of this committed version "
-                                                "(the number `push --step` gave it).")] = None,
+    target: Annotated[
+        str, typer.Argument(help="A local patch file, the URL of one in a store, or a run URL with --version.")
+    ],
+    version: Annotated[
+        int | None,
+        typer.Option(
+            help="TARGET is a run URL: show the delta of this committed version (the number `push --step` gave it)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the header as JSON.")] = False,
 ) -> None:
     """Show a patch's header (versions, digests, per-tensor encodings) without reading its body."""
@@ -153,7 +159,9 @@ def verify(
 def gc(
     url: Annotated[str, typer.Argument(help="Run URL.")],
     keep_anchors: Annotated[int, typer.Option(help="How many of the newest usable anchors to keep.")] = 1,
-    dry_run: Annotated[bool, typer.Option("--dry-run/--no-dry-run", help="Print what would be deleted; delete nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run/--no-dry-run", help="Print what would be deleted; delete nothing.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Delete old versions and garbage, never what the newest version's chain needs.

@@ -40,11 +40,15 @@ EXIT_UNHEALTHY = 3
 def status(
     url: Annotated[str, typer.Argument(help="Run URL.")],
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the report as one JSON object.")] = False,
-    watch: Annotated[bool, typer.Option("--watch/--no-watch", help="Refresh every --interval seconds until Ctrl-C.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch/--no-watch", help="Refresh every --interval seconds until Ctrl-C.")
+    ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
     min_replicas: Annotated[int, typer.Option(help="Exit 3 when fewer live replicas report.")] = 1,
     max_lag: Annotated[int, typer.Option(help="Exit 3 when a live replica is more versions behind the newest.")] = 2,
-    show_all: Annotated[bool, typer.Option("--all/--live", help="Also list replicas that stopped or aged out.")] = False,
+    show_all: Annotated[
+        bool, typer.Option("--all/--live", help="Also list replicas that stopped or aged out.")
+    ] = False,
 ) -> None:
     """Show the run's newest version and every replica's version, lag, age and health."""
     from sparsesync.protocol.fleet import fleet_report

@@ -73,18 +73,40 @@ def _rewind_gate(allowed: bool, spinner: _Spinner) -> Any:
 
 
 def push(
-    source: Annotated[Path, typer.Argument(help="A .safetensors file, a folder of safetensors shards, or a PEFT adapter folder.")],
-    url: Annotated[str, typer.Argument(help="Run URL: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")],
-    step: Annotated[int | None, typer.Option(help="Version number to publish, the number `pull --version` and `log` show "
-                                             "(default: the checkpoint's step, from trainer_state.json's global_step or a "
-                                             "checkpoint-N folder name; else newest + 1, 0 in a new run).")] = None,
+    source: Annotated[
+        Path, typer.Argument(help="A .safetensors file, a folder of safetensors shards, or a PEFT adapter folder.")
+    ],
+    url: Annotated[
+        str, typer.Argument(help="Run URL: a folder, file://..., s3://bucket/prefix or hf://buckets/ns/name/prefix.")
+    ],
+    step: Annotated[
+        int | None,
+        typer.Option(
+            help="Version number to publish, the number `pull --version` and `log` show "
+            "(default: the checkpoint's step, from trainer_state.json's global_step or a "
+            "checkpoint-N folder name; else newest + 1, 0 in a new run)."
+        ),
+    ] = None,
     anchor_every: Annotated[int, typer.Option(help="Write a full anchor every N versions.")] = 50,
-    public: Annotated[bool, typer.Option("--public/--private", help="Create the bucket public (default private).")] = False,
+    public: Annotated[
+        bool, typer.Option("--public/--private", help="Create the bucket public (default private).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
-    base_model: Annotated[Path | None, typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded).")] = None,
-    effort: Annotated[str, typer.Option(help="size: the smallest patch; speed: about 27% larger, encoded and decoded faster.")] = "size",
-    rewind: Annotated[bool, typer.Option("--rewind", help="Allow a version at or below the run's newest: the run rewinds and "
-                                         "its newer versions are abandoned (named first). Without it a terminal asks; else refused.")] = False,
+    base_model: Annotated[
+        Path | None,
+        typer.Option("--base", help="PEFT adapter SOURCE: the base model's folder (its digest is recorded)."),
+    ] = None,
+    effort: Annotated[
+        str, typer.Option(help="size: the smallest patch; speed: about 27% larger, encoded and decoded faster.")
+    ] = "size",
+    rewind: Annotated[
+        bool,
+        typer.Option(
+            "--rewind",
+            help="Allow a version at or below the run's newest: the run rewinds and "
+            "its newer versions are abandoned (named first). Without it a terminal asks; else refused.",
+        ),
+    ] = False,
 ) -> None:
     """Publish SOURCE as the next version of the run at URL (a delta, or an anchor when due).
 
@@ -103,8 +125,10 @@ def push(
                                base_model=base_model, effort=effort, progress=spinner,
                                rewind=_rewind_gate(rewind, spinner), rewind_source="--rewind")
     if result.held:
-        console.print(f"version {result.version} of {result.url} already holds these weights (the newest); nothing pushed",
-                      soft_wrap=True)
+        console.print(
+            f"version {result.version} of {result.url} already holds these weights (the newest); nothing pushed",
+            soft_wrap=True,
+        )
         return
     m = {**result.metrics, "step_from": result.step_from}
     if result.abandoned is not None:
@@ -112,23 +136,34 @@ def push(
     if as_json:
         console.print_json(json.dumps({**m, "files": result.files}))
         return
-    msg = f"pushed version {result.version} ({CommitMetrics.of(m).kind}; version from {result.step_from}) to {result.url}"
+    msg = (
+        f"pushed version {result.version} ({CommitMetrics.of(m).kind}; version from {result.step_from}) to {result.url}"
+    )
     if "n_changed" in m:
-        msg += f": {m['n_changed']:,} of {m['n_params']:,} elements changed ({m['density']:.3%}), {m['patch_bytes']:,} bytes"
+        msg += (
+            f": {m['n_changed']:,} of {m['n_params']:,} elements changed ({m['density']:.3%}), {m['patch_bytes']:,} "
+            "bytes"
+        )
     if "anchor_bytes" in m:
         msg += f"; anchor {m['anchor_bytes']:,} bytes"
     if result.files:
         msg += f"; with {', '.join(result.files)}"
     if m.get("abandoned"):
-        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"  # each once (PushResult.abandoned)
+        # each once (PushResult.abandoned)
+        msg += f"; rewound: versions {m['abandoned']} of the older attempt abandoned"
     console.print(msg, soft_wrap=True)
 
 
 def pull(
     url: Annotated[str, typer.Argument(help="Run URL.")],
     dest: Annotated[Path, typer.Argument(help="Output: a folder, or a path ending in .safetensors for one file.")],
-    version: Annotated[int | None, typer.Option(help="Version to materialize: the number `push --step` gave it, as `log` "
-                                                "lists them (default: the newest committed).")] = None,
+    version: Annotated[
+        int | None,
+        typer.Option(
+            help="Version to materialize: the number `push --step` gave it, as `log` "
+            "lists them (default: the newest committed)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Materialize a committed version of the run at URL into DEST as safetensors, bit-exact
@@ -147,4 +182,6 @@ def pull(
     else:
         extra = result.extra_files
         with_files = f", with {', '.join(extra)}" if extra and dest.suffix != ".safetensors" else ""
-        console.print(f"pulled version {result.version} (state {result.state_digest}) into {dest}{with_files}", soft_wrap=True)
+        console.print(
+            f"pulled version {result.version} (state {result.state_digest}) into {dest}{with_files}", soft_wrap=True
+        )

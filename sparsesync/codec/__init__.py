@@ -11,7 +11,8 @@ try:
 except ImportError as e:  # a source tree that was never built
     raise ImportError(
         f"sparsesync's compiled codec (sparsesync/codec/_native.c) is not built ({e}). Install sparsesync with pip "
-        "(`pip install -e .` in a checkout; it needs a C compiler), or compile it in place: python sparsesync/codec/_build.py"
+        "(`pip install -e .` in a checkout; it needs a C compiler), or compile it in place: python "
+        "sparsesync/codec/_build.py"
     ) from None
 
 from sparsesync.codec._parallel import interrupts_deferred

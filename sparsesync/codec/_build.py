@@ -34,7 +34,9 @@ def extension() -> Extension:
     """The extension, with paths relative to the source tree's root."""
     # x86-64-v2 (2009 and later: SSE4.2, POPCNT) gives the popcount instruction; BMI2 is used only where the CPU has it
     arch = ["-march=x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else []
-    return Extension("sparsesync.codec._native", [SOURCE], depends=fragments(), extra_compile_args=["-O3", "-std=c11", *arch])
+    return Extension(
+        "sparsesync.codec._native", [SOURCE], depends=fragments(), extra_compile_args=["-O3", "-std=c11", *arch]
+    )
 
 
 def build_in_place(root: str) -> None:
@@ -52,4 +54,8 @@ def build_in_place(root: str) -> None:
 
 
 if __name__ == "__main__":
-    build_in_place(sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    build_in_place(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )

@@ -69,7 +69,14 @@ def class_ranks(base: np.ndarray, thresholds: list[int], idx: np.ndarray, sizes:
     (`class_sizes` of the base's keys at `idx`)."""
     off = offsets(sizes)
     out = np.empty(idx.size, dtype=np.int64)
-    _native.class_ranks(np.ascontiguousarray(base), base.dtype.itemsize, bytes(thresholds), np.ascontiguousarray(idx, dtype=np.int64), off, out)
+    _native.class_ranks(
+        np.ascontiguousarray(base),
+        base.dtype.itemsize,
+        bytes(thresholds),
+        np.ascontiguousarray(idx, dtype=np.int64),
+        off,
+        out,
+    )
     return np.split(out, off[1:-1])
 
 
@@ -88,6 +95,8 @@ def class_select(base: np.ndarray, thresholds: list[int], ranks: np.ndarray, siz
         bad = _native.class_select(base, base.dtype.itemsize, bytes(thresholds), flat, off, out)
     else:
         if out_bits.dtype != base.dtype or out_bits.size != flat.size or not out_bits.flags.c_contiguous:
-            raise ValueError(f"out_bits: {out_bits.dtype} x {out_bits.size}, expected contiguous {base.dtype} x {flat.size}")
+            raise ValueError(
+                f"out_bits: {out_bits.dtype} x {out_bits.size}, expected contiguous {base.dtype} x {flat.size}"
+            )
         bad = _native.class_select(base, base.dtype.itemsize, bytes(thresholds), flat, off, out, -1, out_bits)
     return (out, -1) if bad < 0 else (out[:0], bad)

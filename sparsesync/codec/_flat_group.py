@@ -50,13 +50,19 @@ class FlatGroup:
         np.cumsum(numels, out=self.offsets[1:])
         self.numel = int(self.offsets[-1])
         self.flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.views = [self.flat[a:b].view(s) for a, b, s in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes)]
+        self.views = [
+            self.flat[a:b].view(s)
+            for a, b, s in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes)
+        ]
 
-    def diff_encode(self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int, algo: str = DEFAULT_ALGO) -> Done:
+    def diff_encode(
+        self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int, algo: str = DEFAULT_ALGO
+    ) -> Done:
         """Diff the members against `current`, encode, advance (see the module docstring); the
         touched members' digests are hashed in `algo`."""
         ta = time.perf_counter()
-        cur = cat_into("current", [uncast(current, n) for n in self.names])  # a cast state is cast by the diff, in slices
+        # a cast state is cast by the diff, in slices
+        cur = cat_into("current", [uncast(current, n) for n in self.names])
         ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
         del cur
         tb = time.perf_counter()
@@ -67,8 +73,16 @@ class FlatGroup:
         counts = np.diff(cuts)
         touched = np.flatnonzero(counts).tolist()
         dtype = self.flat.dtype
-        changes = {self.names[m]: TensorChange(dtype, self.shapes[m], ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
-                                               ch.base_bits[cuts[m] : cuts[m + 1]], ch.target_bits[cuts[m] : cuts[m + 1]]) for m in touched}
+        changes = {
+            self.names[m]: TensorChange(
+                dtype,
+                self.shapes[m],
+                ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
+                ch.base_bits[cuts[m] : cuts[m + 1]],
+                ch.target_bits[cuts[m] : cuts[m + 1]],
+            )
+            for m in touched
+        }
         group, encoded = None, {}
         if len(touched) == 1:  # coded alone: an "xxh3" file stays format 3
             name = self.names[touched[0]]
@@ -83,8 +97,14 @@ class FlatGroup:
                 base = cat_into("base", [self.flat[offs[m] : offs[m + 1]] for m in touched])
             vch = TensorChange(dtype, (int(base.numel()),), vidx, ch.base_bits, ch.target_bits)
             first = self.names[touched[0]]
-            group = (encode_tensor(first, vch, base, effort=effort),
-                     _groups.Members([self.names[m] for m in touched], [self.shapes[m] for m in touched], [int(counts[m]) for m in touched]))
+            group = (
+                encode_tensor(first, vch, base, effort=effort),
+                _groups.Members(
+                    [self.names[m] for m in touched],
+                    [self.shapes[m] for m in touched],
+                    [int(counts[m]) for m in touched],
+                ),
+            )
         bits = to_np_bits(bits_view(self.flat))
 
         def undo() -> None:

@@ -27,7 +27,8 @@ from sparsesync.codec import _table
 from sparsesync.errors import PatchFormatError  # noqa: F401 - what parse_section raises (through _table.Reader)
 
 SMALL_NUMEL = 1 << 17  # tensors of at most this many elements are grouped (256 KiB of bf16)
-GROUP_NUMEL = 1 << 18  # a group holds at most this many elements (groups encode in parallel; bounds a task's temporaries)
+# a group holds at most this many elements (groups encode in parallel; bounds a task's temporaries)
+GROUP_NUMEL = 1 << 18
 MAX_MEMBERS = 1 << 20  # members a reader accepts in one patch
 
 
@@ -77,7 +78,9 @@ def _put_names(out: bytearray, names: Sequence[str]) -> None:
         prev = nb
 
 
-def build_section(rows: list[_table.Row], members: list[Members], base_digests: Mapping[str, str], target_digests: Mapping[str, str]) -> bytes:
+def build_section(
+    rows: list[_table.Row], members: list[Members], base_digests: Mapping[str, str], target_digests: Mapping[str, str]
+) -> bytes:
     """The zstd-compressed group section: the groups' coding records (a format-3 table of
     `rows`, each named by its first member), then the members of every group (`*_digests`: 16
     bare hex digits each, as the table's; the format version says their algorithm)."""
@@ -120,7 +123,8 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
     rows = _table.read_rows(rd)
     counts = [rd.varint(f"group '{r.name}': member count", MAX_MEMBERS) for r in rows]
     total = sum(counts)
-    if total > MAX_MEMBERS or total * 18 > len(raw):  # each member takes at least 18 bytes (name 2, ndim 1, count 1, digests 16)
+    # each member takes at least 18 bytes (name 2, ndim 1, count 1, digests 16)
+    if total > MAX_MEMBERS or total * 18 > len(raw):
         raise _bad(f"declares {total} members, but {len(raw)} bytes hold at most {len(raw) // 18}")
     names, prev = [], b""
     for i in range(total):
@@ -146,13 +150,18 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
         raise _bad(f"{len(raw) - rd.pos} bytes left after the last field")
     if len(set(names)) != total or table_names.intersection(names):
         dup = sorted(set(n for n in names if names.count(n) > 1) | table_names.intersection(names))[:3]
-        raise _bad(f"members {dup} appear twice (in two groups, or in a group and the table); each tensor must be coded once")
+        raise _bad(
+            f"members {dup} appear twice (in two groups, or in a group and the table); each tensor must be coded once"
+        )
     out, start = [], 0
     for r, m in zip(rows, counts):
         where = f"group '{r.name}'"
         gn = names[start : start + m]
         if not m or gn[0] != r.name:
-            raise _bad(f"{where}: first member {gn[0] if m else None!r:.80}, expected the group's name (a group has at least one member)")
+            raise _bad(
+                f"{where}: first member {gn[0] if m else None!r:.80}, expected the group's name (a group has at least "
+                "one member)"
+            )
         if any(a.encode() >= b.encode() for a, b in zip(gn, gn[1:])):
             raise _bad(f"{where}: members not sorted by name")
         if len(r.shape) != 1:
@@ -162,7 +171,10 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
             raise _bad(f"{where}: members hold {sum(numels)} elements, the group's coding {r.shape[0]}")
         ch = changed[start : start + m]
         if min(ch) < 1 or any(c > n for c, n in zip(ch, numels)) or sum(ch) != r.n_changed:
-            raise _bad(f"{where}: members' n_changed {ch[:8]}... (sum {sum(ch)}), expected each in [1, its elements], summing to the group's {r.n_changed}")
+            raise _bad(
+                f"{where}: members' n_changed {ch[:8]}... (sum {sum(ch)}), expected each in [1, its elements], summing "
+                f"to the group's {r.n_changed}"
+            )
         offs = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(numels, out=offs[1:])
         out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, np.asarray(ch, dtype=np.int64),

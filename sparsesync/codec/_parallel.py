@@ -47,7 +47,9 @@ def pool(kind: str) -> ThreadPoolExecutor:
     """The shared pool `kind` ("tensors" for whole tensors, "chunks" for pieces of one tensor)."""
     p = _POOLS.get(kind)
     if p is None:
-        p = _POOLS.setdefault(kind, ThreadPoolExecutor(max_workers=workers(), thread_name_prefix=f"sparsesync-codec-{kind}"))
+        p = _POOLS.setdefault(
+            kind, ThreadPoolExecutor(max_workers=workers(), thread_name_prefix=f"sparsesync-codec-{kind}")
+        )
     return p
 
 
@@ -96,7 +98,9 @@ def _run(fn: Callable[[T], R], items: Sequence[T], kind: str, weights: Sequence[
     return [by_position[i] for i in range(len(items))]
 
 
-def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None) -> list[R]:
+def map_ordered(
+    fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None
+) -> list[R]:
     """`[fn(x) for x in items]`, run on pool `kind` when there is more than one item (every item
     runs, then the first failure in input order is raised). `weights` (one per item, e.g. its
     elements): light items share one task (see `SMALL_ITEM`)."""
@@ -110,7 +114,9 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors",
     return out
 
 
-def map_settled(fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None) -> list[R | Exception]:
+def map_settled(
+    fn: Callable[[T], R], items: Sequence[T], kind: str = "tensors", weights: Sequence[int] | None = None
+) -> list[R | Exception]:
     """Like `map_ordered`, but every item runs to completion and a failing item's exception is
     returned in its place (the caller decides which failure to report)."""
     return [r.error if isinstance(r, _Failed) else r for r in _run(fn, items, kind, weights)]
@@ -147,7 +153,10 @@ def interrupts_deferred() -> Iterator[None]:
     SIGINT handler is installed and this is the main thread (elsewhere a Ctrl-C does not
     interrupt this thread, or the application handles it itself); nested blocks defer to the
     outermost."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     pending: list[int] = []

@@ -18,7 +18,8 @@ from sparsesync.codec import _native
 from sparsesync.codec.diff import TensorChange
 
 MIN_CLASSED_NUMEL = 4096  # below this, class bitmaps cost more header than they save
-_HIST_SAMPLE = 1 << 16  # base elements sampled for the class-threshold search (size only: 2^18 saved 0.1% of a patch for 4x the sampling)
+# base elements sampled for the class-threshold search (size only: 2^18 saved 0.1% of a patch for 4x the sampling)
+_HIST_SAMPLE = 1 << 16
 _BITMAP_PROBE, _BITMAP_PROBES, _BITMAP_MIN_PROBE = 1 << 19, 8, 1 << 13  # regions compressed to estimate a bitmap's size
 # a bitmap whose first probes extrapolate to this many times the best size so far is not probed
 # further (at 6-10% density the first probe says ~1.3x: the other seven were 9% of an encode)
@@ -48,7 +49,9 @@ def _bitmap_estimate(idx: np.ndarray, numel: int, beat: float = math.inf) -> flo
     return total * numel / ((i + 1) * probe)
 
 
-def choose_thresholds(base_full: np.ndarray, changed_keys: np.ndarray, max_classes: int = 4, min_gain: float = 0.02) -> list[int]:
+def choose_thresholds(
+    base_full: np.ndarray, changed_keys: np.ndarray, max_classes: int = 4, min_gain: float = 0.02
+) -> list[int]:
     """Class thresholds on the 7-bit magnitude key minimizing the position entropy (DP over
     contiguous key ranges, in C); a class is added only when it saves more than `min_gain`.
     The base's key histogram comes from about _HIST_SAMPLE elements in 64 evenly spaced
@@ -66,7 +69,9 @@ def choose_thresholds(base_full: np.ndarray, changed_keys: np.ndarray, max_class
     return _native.thresholds_dp(tot, chg, max_classes, min_gain)
 
 
-def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None, *, classes: bool = True) -> tuple[str, dict, dict, str, dict, dict]:
+def choose(
+    ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None, *, classes: bool = True
+) -> tuple[str, dict, dict, str, dict, dict]:
     """(positions, position_params, position_streams, values, value_params, value_streams).
     `classes=False` leaves out the class-conditioned codings (and the pass over the whole base
     that finding each change's class rank takes, on both sides)."""
@@ -75,7 +80,9 @@ def choose(ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None, *,
     raw_pos = "raw_i32" if numel <= np.iinfo(np.int32).max else "raw_i64"
     w = ctx.np_bits.itemsize
     # candidates: (size, name, build() -> (params, streams)); raw forms are sized without building them
-    pos_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [(n * (4 if raw_pos == "raw_i32" else 8), raw_pos, lambda: E.POSITIONS[raw_pos][0](idx, ctx))]
+    pos_cands: list[tuple[int, str, Callable[[], tuple[dict, dict]]]] = [
+        (n * (4 if raw_pos == "raw_i32" else 8), raw_pos, lambda: E.POSITIONS[raw_pos][0](idx, ctx))
+    ]
     thresholds: list[int] = []
     sizes = None
     if n < numel:

@@ -29,8 +29,10 @@ _MAX_CLASSES = 8
 DTYPE_CODES = ["U8", "I8", "I16", "I32", "I64", "F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64"]
 POS_CODES = ["raw_i32", "raw_i64", "bitmap", "dense", "gaps"]
 VAL_CODES = ["raw", "delta"]
-EXPLICIT_ROLES = ("bitmap", "gaps", "gaps_escape", "delta", "delta_escape")  # sizes the table states (others follow from the fields)
-ROLE_ORDER = ("indices", "bitmap", "gaps", "gaps_escape", "gaps_low", "values", "delta", "delta_escape")  # order in the data section
+# sizes the table states (others follow from the fields)
+EXPLICIT_ROLES = ("bitmap", "gaps", "gaps_escape", "delta", "delta_escape")
+# order in the data section
+ROLE_ORDER = ("indices", "bitmap", "gaps", "gaps_escape", "gaps_low", "values", "delta", "delta_escape")
 
 
 @dataclass
@@ -97,7 +99,8 @@ def compress(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=12, write_content_size=True).compress(raw)
 
 
-def table_bytes(rows: list[Row]) -> bytes:  # noqa: C901 - writes the records field by field in their format's order (docs/format.md): one loop per column
+# writes the records field by field in their format's order (docs/format.md): one loop per column
+def table_bytes(rows: list[Row]) -> bytes:  # noqa: C901
     """The records of `rows`, not compressed (the group section of formats 4 and 5 embeds them)."""
     out = bytearray()
     _varint(out, len(rows))
@@ -155,12 +158,29 @@ def _unit(role: str, dtype: str) -> int:
     return 1
 
 
-_WIDTH = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_WIDTH = {
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 # ---------------------------------------------------------------------------- reading
 def _bad(msg: str) -> PatchFormatError:
-    return PatchFormatError(f"patch table: {msg}", hint="the file is corrupt or not a sparsesync patch of format 3; fetch it again")
+    return PatchFormatError(
+        f"patch table: {msg}", hint="the file is corrupt or not a sparsesync patch of format 3; fetch it again"
+    )
 
 
 class Reader:
@@ -168,7 +188,10 @@ class Reader:
         self.data, self.pos, self.what, self.fmt = data, 0, what, fmt
 
     def bad(self, msg: str) -> PatchFormatError:
-        return PatchFormatError(f"{self.what}: {msg}", hint=f"the file is corrupt or not a sparsesync patch of format {self.fmt}; fetch it again")
+        return PatchFormatError(
+            f"{self.what}: {msg}",
+            hint=f"the file is corrupt or not a sparsesync patch of format {self.fmt}; fetch it again",
+        )
 
     def byte(self, what: str) -> int:
         if self.pos >= len(self.data):
@@ -196,7 +219,9 @@ class Reader:
 
     def take(self, n: int, what: str) -> bytes:
         if self.pos + n > len(self.data):
-            raise self.bad(f"ends inside {what} ({n} bytes needed at byte {self.pos}, {len(self.data) - self.pos} left)")
+            raise self.bad(
+                f"ends inside {what} ({n} bytes needed at byte {self.pos}, {len(self.data) - self.pos} left)"
+            )
         self.pos += n
         return self.data[self.pos - n : self.pos]
 
@@ -210,9 +235,14 @@ def inflate(data: bytes, what: str = "patch table", fmt: int = 3) -> bytes:
     except zstandard.ZstdError as e:
         raise _bad(f"not a zstd frame ({e})") from None
     if size == zstandard.CONTENTSIZE_UNKNOWN or size > MAX_TABLE_BYTES:
-        raise _bad(f"declares {size if size != zstandard.CONTENTSIZE_UNKNOWN else 'an unknown number of'} inflated bytes, expected at most {MAX_TABLE_BYTES}")
+        raise _bad(
+            f"declares {size if size != zstandard.CONTENTSIZE_UNKNOWN else 'an unknown number of'} inflated bytes, "
+            f"expected at most {MAX_TABLE_BYTES}"
+        )
     try:
-        out = zstandard.ZstdDecompressor(max_window_size=1 << 27).decompress(data, max_output_size=size, allow_extra_data=False)
+        out = zstandard.ZstdDecompressor(max_window_size=1 << 27).decompress(
+            data, max_output_size=size, allow_extra_data=False
+        )
     except zstandard.ZstdError as e:
         raise _bad(f"zstd frame does not decode ({e})") from None
     if len(out) != size:
@@ -250,7 +280,9 @@ def parse_table(data: bytes) -> list[Row]:
     return rows
 
 
-def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bounds-checks the records field by field in their format's order (docs/format.md); split, that order would be spread over functions
+# reads and bounds-checks the records field by field in their format's order (docs/format.md); split, that order would
+# be spread over functions
+def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915
     """The records at `rd`'s position (a record count, then the columns); `rd` is left after them."""
     data = rd.data
     t = rd.varint("record count")
@@ -261,7 +293,10 @@ def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bound
         shared = rd.varint(f"name {i}: shared prefix length", len(prev))
         nb = prev[:shared] + rd.take(rd.varint(f"name {i}: suffix length", MAX_NAME_BYTES), f"name {i}")
         if i and nb <= prev:
-            raise rd.bad(f"name {i} ({nb[:80]!r}) does not sort after name {i - 1} ({prev[:80]!r}); names must be unique and sorted")
+            raise rd.bad(
+                f"name {i} ({nb[:80]!r}) does not sort after name {i - 1} ({prev[:80]!r}); names must be unique and "
+                "sorted"
+            )
         if not nb or len(nb) > MAX_NAME_BYTES:
             raise rd.bad(f"name {i} has {len(nb)} bytes, expected 1..{MAX_NAME_BYTES}")
         try:
@@ -290,7 +325,10 @@ def read_rows(rd: Reader) -> list[Row]:  # noqa: C901, PLR0915 - reads and bound
     encs = []
     for i, c in enumerate(rd.take(t, "encodings")):
         if c & 15 >= len(POS_CODES) or c >> 4 >= len(VAL_CODES):
-            raise rd.bad(f"tensor '{names[i]}': encoding code {c:#04x}, expected positions 0..{len(POS_CODES) - 1} | values 0..{len(VAL_CODES) - 1} << 4")
+            raise rd.bad(
+                f"tensor '{names[i]}': encoding code {c:#04x}, expected positions 0..{len(POS_CODES) - 1} | values "
+                f"0..{len(VAL_CODES) - 1} << 4"
+            )
         encs.append((POS_CODES[c & 15], VAL_CODES[c >> 4]))
     n_changed = [0] * t
     for i in range(t):

@@ -5,8 +5,8 @@ tensor's bytes matched the digest recorded when it was written (DigestMismatchEr
 and rejects malformed or inconsistent files with PatchFormatError. Layout: one
 `model.safetensors`, or `model-0000i-of-0000N.safetensors` shards plus
 `model.safetensors.index.json` (the transformers convention). Each shard's `__metadata__`
-holds `format: pt`, `sparsesync.version` and `sparsesync.digests` (JSON name -> tensor digest, "xxh3b:" + hex or legacy bare xxh3 hex);
-the index's `metadata` holds `total_size`, `sparsesync.version` and `sparsesync.state_digest`.
+holds `format: pt`, `sparsesync.version` and `sparsesync.digests` (JSON name -> tensor digest, "xxh3b:" + hex or legacy
+bare xxh3 hex); the index's `metadata` holds `total_size`, `sparsesync.version` and `sparsesync.state_digest`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,11 @@ def write_anchor_shard(tensors: Mapping[str, torch.Tensor], path: Path, *, versi
     metadata (and the state digest when it is the anchor's only file, `alone`); returns the digests."""
     cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     digests = {n: tensor_digest(t, algo) for n, t in cpu.items()}
-    meta = {"format": "pt", "sparsesync.version": str(version), "sparsesync.digests": json.dumps(digests, separators=(",", ":"))}
+    meta = {
+        "format": "pt",
+        "sparsesync.version": str(version),
+        "sparsesync.digests": json.dumps(digests, separators=(",", ":")),
+    }
     if alone:
         meta["sparsesync.state_digest"] = state_digest(digests)
     save_file(cpu, str(path), metadata=meta)
@@ -79,7 +83,11 @@ def write_anchor_index(directory: Path, weight_map: Mapping[str, str], digests: 
                        total_size: int) -> Path:
     """Write the index of a sharded anchor (tensor -> file, and the state digest over `digests`)."""
     index = {
-        "metadata": {"total_size": total_size, "sparsesync.version": str(version), "sparsesync.state_digest": state_digest(digests)},
+        "metadata": {
+            "total_size": total_size,
+            "sparsesync.version": str(version),
+            "sparsesync.state_digest": state_digest(digests),
+        },
         "weight_map": dict(weight_map),
     }
     path = Path(directory) / INDEX_NAME
@@ -99,7 +107,11 @@ def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version:
     weight_map: dict[str, str] = {}
     for i, names in enumerate(plan):
         fname = shard_name(i + 1, len(plan))
-        digests.update(write_anchor_shard({n: state[n] for n in names}, directory / fname, version=version, alone=len(plan) == 1, algo=algo))
+        digests.update(
+            write_anchor_shard(
+                {n: state[n] for n in names}, directory / fname, version=version, alone=len(plan) == 1, algo=algo
+            )
+        )
         files.append(directory / fname)
         weight_map.update({n: fname for n in names})
     if len(plan) > 1:
@@ -109,7 +121,9 @@ def write_anchor(state: Mapping[str, torch.Tensor], directory: Path, *, version:
 
 
 def _bad(path: Path, msg: str) -> PatchFormatError:
-    return PatchFormatError(f"anchor file '{path}': {msg}", hint="the anchor is corrupt or not a sparsesync anchor; fetch it again")
+    return PatchFormatError(
+        f"anchor file '{path}': {msg}", hint="the anchor is corrupt or not a sparsesync anchor; fetch it again"
+    )
 
 
 def _shard_header(path: Path) -> tuple[dict[str, str], dict[str, Stream]]:
@@ -143,7 +157,9 @@ def _read_into(f: io.RawIOBase, t: torch.Tensor, start: int, nbytes: int, path: 
         got += n
 
 
-def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that checks each header, version and digest as it reads (docs/format.md); the checks share the read state
+# one pass over the anchor's files that checks each header, version and digest as it reads (docs/format.md); the checks
+# share the read state
+def load_anchor(  # noqa: C901, PLR0915
     files: Sequence[Path], *, alloc: Alloc | None = None,
                 written: Callable[[torch.Tensor], object] | None = None) -> tuple[dict[str, torch.Tensor], AnchorInfo]:
     """Load an anchor from its files (shards, with or without the index) on CPU, verifying every
@@ -158,7 +174,10 @@ def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that 
     index_paths = [p for p in paths if p.name.endswith(".index.json")]
     shards = sorted(p for p in paths if p.suffix == ".safetensors")
     if not shards or len(index_paths) > 1:
-        raise PatchFormatError(f"anchor files {[str(p) for p in paths]}: expected one or more .safetensors shards and at most one index", hint="pass the anchor's files")
+        raise PatchFormatError(
+            f"anchor files {[str(p) for p in paths]}: expected one or more .safetensors shards and at most one index",
+            hint="pass the anchor's files",
+        )
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     home: dict[str, str] = {}  # tensor -> the file holding it
     versions: set[str] = set()
@@ -180,7 +199,9 @@ def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that 
             layout[name] = (ST_DTYPES[s.dtype][0], s.shape)
             home[name] = p.name
         tables.append((p, streams, shard_digests))
-    state = alloc(layout) if alloc is not None else {n: torch.empty(shape, dtype=dt) for n, (dt, shape) in layout.items()}
+    state = (
+        alloc(layout) if alloc is not None else {n: torch.empty(shape, dtype=dt) for n, (dt, shape) in layout.items()}
+    )
     digests: dict[str, str] = {}
     for p, streams, shard_digests in tables:
         with open(p, "rb", buffering=0) as f:
@@ -190,13 +211,17 @@ def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that 
                 got = tensor_digest(t, algo_of(shard_digests[name]))
                 if got != shard_digests[name]:
                     raise DigestMismatchError(
-                        f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}", hint="the anchor is corrupt; fetch it again"
+                        f"anchor file '{p}': tensor '{name}': digest {got}, expected {shard_digests[name]}",
+                        hint="the anchor is corrupt; fetch it again",
                     )
                 digests[name] = got
                 if written is not None:
                     written(t)
     if len(versions) != 1 or not next(iter(versions)).isdigit():
-        raise PatchFormatError(f"anchor files disagree on or lack 'sparsesync.version': {sorted(versions)}", hint="pass the files of one anchor")
+        raise PatchFormatError(
+            f"anchor files disagree on or lack 'sparsesync.version': {sorted(versions)}",
+            hint="pass the files of one anchor",
+        )
     version = int(next(iter(versions)))
     sd = state_digest(digests)
     if index_paths:
@@ -216,7 +241,13 @@ def load_anchor(  # noqa: C901, PLR0915 - one pass over the anchor's files that 
         if imeta.get("sparsesync.version") != str(version):
             raise _bad(index_paths[0], f"version {imeta.get('sparsesync.version')!r}, expected {version}")
         if imeta.get("sparsesync.state_digest") != sd:
-            raise DigestMismatchError(f"anchor index '{index_paths[0]}': state digest {imeta.get('sparsesync.state_digest')!r}, computed {sd}", hint="the anchor is corrupt; fetch it again")
+            raise DigestMismatchError(
+                f"anchor index '{index_paths[0]}': state digest {imeta.get('sparsesync.state_digest')!r}, computed "
+                f"{sd}",
+                hint="the anchor is corrupt; fetch it again",
+            )
     elif len(shards) > 1:
-        raise PatchFormatError(f"anchor has {len(shards)} shards but no {INDEX_NAME}", hint="pass the index file with the shards")
+        raise PatchFormatError(
+            f"anchor has {len(shards)} shards but no {INDEX_NAME}", hint="pass the index file with the shards"
+        )
     return state, AnchorInfo(version, digests, sd)

@@ -23,7 +23,14 @@ import torch
 from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
-from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, put_and_digest, put_and_digests, tensor_digest, tensor_digests
+from sparsesync.codec.digest import (
+    DEFAULT_ALGO,
+    algo_of,
+    put_and_digest,
+    put_and_digests,
+    tensor_digest,
+    tensor_digests,
+)
 from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEntry, ctx_for
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
@@ -55,7 +62,8 @@ def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
             problems.append(f"tensor '{name}': not contiguous (call `.contiguous()` on it first)")
     if problems:
         raise PatchMismatchError(
-            f"patch {patch.header.base_version}->{patch.header.target_version} does not fit the tensors: " + some_of(problems),
+            f"patch {patch.header.base_version}->{patch.header.target_version} does not fit the tensors: "
+            + some_of(problems),
             hint="apply the patch to the model it was made for (same names, dtypes and shapes)",
         )
 
@@ -82,7 +90,8 @@ def _decode_bits(patch: Patch, e: TensorEntry, flat: torch.Tensor) -> tuple[np.n
     streams = {role: patch.stream(e.name, role, e) for role in e.streams}
     try:
         idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)
-        if e.positions not in ("dense", "gaps"):  # gaps decode to n_changed strictly increasing positions in range by construction
+        # gaps decode to n_changed strictly increasing positions in range by construction
+        if e.positions not in ("dense", "gaps"):
             idx = _encodings.check_indices(ctx, idx)
         vals = _encodings.VALUES[e.values][1](e.value_params, streams, idx, ctx)
     except PatchFormatError:
@@ -93,7 +102,10 @@ def _decode_bits(patch: Patch, e: TensorEntry, flat: torch.Tensor) -> tuple[np.n
             hint="the patch is corrupt; fetch it again",
         ) from None
     if vals.shape != idx.shape:
-        raise PatchFormatError(f"tensor '{e.name}': {vals.size} values decoded, expected {idx.size}", hint="the patch is corrupt; fetch it again")
+        raise PatchFormatError(
+            f"tensor '{e.name}': {vals.size} values decoded, expected {idx.size}",
+            hint="the patch is corrupt; fetch it again",
+        )
     if e.positions == "dense":  # report only what actually changes
         keep = vals != base_bits(None)
         idx, vals = np.flatnonzero(keep), vals[keep]
@@ -104,7 +116,9 @@ def _signed(dt: np.dtype) -> np.dtype:
     return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dt.itemsize])
 
 
-def _mismatches(tensors: Mapping[str, torch.Tensor], want: Mapping[str, str], known: Mapping[str, str] | None = None) -> list[str]:
+def _mismatches(
+    tensors: Mapping[str, torch.Tensor], want: Mapping[str, str], known: Mapping[str, str] | None = None
+) -> list[str]:
     """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its
     digest, in that digest's algorithm; `known`: digests already computed for some of them (the
     rest, and any known in another algorithm, are hashed here)."""
@@ -118,7 +132,9 @@ def _listing(problems: list[str]) -> str:
     return "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
 
 
-def check_base_digests(patch: Patch, tensors: Mapping[str, torch.Tensor], *, known: Mapping[str, str] | None = None) -> None:
+def check_base_digests(
+    patch: Patch, tensors: Mapping[str, torch.Tensor], *, known: Mapping[str, str] | None = None
+) -> None:
     """Raise PatchMismatchError naming every tensor the patch touches whose bytes do not hash to
     its base digest. Read-only; the tensors must be present (`_check_layout` first). `known`:
     digests of the tensors' base bytes already computed (by `apply_patch`'s write pass, before
@@ -136,7 +152,9 @@ def _units(patch: Patch) -> tuple[list[str | Group], list[str | Group]]:
     """What decodes on its own: every tensor coded alone (by name) and every group; (in name
     order, the first failing one is reported; biggest first, which keeps both threads busy)."""
     h = patch.header
-    units: list[str | Group] = sorted([*(n for n, e in h.tensors.items() if e.positions != GROUPED), *h.groups], key=_unit_name)
+    units: list[str | Group] = sorted(
+        [*(n for n, e in h.tensors.items() if e.positions != GROUPED), *h.groups], key=_unit_name
+    )
     return units, sorted(units, key=lambda u: (-_unit_numel(patch, u), _unit_name(u)))
 
 
@@ -162,7 +180,9 @@ def _settled(patch: Patch, fn: Callable[[str | Group], dict[str, R]]) -> dict[st
     return out
 
 
-def _decode_group(patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _decode_group(
+    patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each member's (sorted flat indices, new bits), decoded from its group's coding against a
     copy of the members' base bits laid end to end (read-only). A member that does not get
     exactly the changes the section declares for it is PatchFormatError."""
@@ -173,16 +193,26 @@ def _decode_group(patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]) -
     got = np.diff(cuts)
     if not np.array_equal(got, g.n_changed):
         i = int(np.argmax(got != g.n_changed))
-        raise PatchFormatError(f"group '{g.coding.name}': member '{g.members[i]}' decodes to {int(got[i])} changes, the group section says {int(g.n_changed[i])}",
-                               hint="the patch is corrupt; fetch it again")
-    return {n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)}
+        raise PatchFormatError(
+            f"group '{g.coding.name}': member '{g.members[i]}' decodes to {int(got[i])} changes, the group section "
+            f"says {int(g.n_changed[i])}",
+            hint="the patch is corrupt; fetch it again",
+        )
+    return {
+        n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)
+    }
 
 
 def _update(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> SparseUpdate:
-    return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype))
+    return SparseUpdate(
+        torch.from_numpy(idx.astype(np.int64, copy=False)),
+        torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype),
+    )
 
 
-def decode_patch(patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True) -> dict[str, SparseUpdate]:
+def decode_patch(
+    patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True
+) -> dict[str, SparseUpdate]:
     """Decode and validate `patch` against `tensors` (read-only). Raises before returning if
     anything does not fit: PatchMismatchError (layout, base digest) or PatchFormatError (streams)."""
     _check_layout(patch, tensors)
@@ -211,7 +241,9 @@ def patch_algo(header: PatchHeader) -> str:
     return algo_of(header.target_state_digest)
 
 
-def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO) -> tuple[SparseUpdate, str | None, str | None]:
+def _write_one(
+    t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO
+) -> tuple[SparseUpdate, str | None, str | None]:
     """Write `u` into `t`; (the overwritten old values, the digest after the writes if `digest`,
     the digest before them if `before`), both hashed in `algo` in the pass that writes (CPU
     tensors only: a CUDA tensor's digests are None)."""
@@ -228,14 +260,20 @@ def _write_one(t: torch.Tensor, u: SparseUpdate, *, digest: bool, before: bool, 
                 h_before, h_after = put_and_digests(bits, idx, vals, old, algo)
             else:
                 h_after = put_and_digest(bits, idx, vals, old, algo)
-        return SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)), h_after if digest else None, h_before
+        return (
+            SparseUpdate(u.indices, torch.from_numpy(old).view(flat.dtype).view(t.dtype)),
+            h_after if digest else None,
+            h_before,
+        )
     at = u.indices.to(flat.device)
     old_vals = flat[at].cpu().view(t.dtype)
     flat[at] = u.values.view(flat.dtype).to(flat.device)
     return SparseUpdate(u.indices, old_vals), None, None
 
 
-def _write_small(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
+def _write_small(
+    t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO
+) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
     """`_write_one` for a member of a group (CPU; small, so hashed whole before and after the
     writes, no blocks, in `algo`): (the update, the overwritten old values, digest after, digest before)."""
     flat = bits_view(t)
@@ -250,8 +288,12 @@ def _write_small(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: 
 
 
 def write_updates(
-    tensors: MutableMapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *, digests: dict[str, str] | None = None,
-    written: Written | None = None, algo: str | Mapping[str, str] = DEFAULT_ALGO,
+    tensors: MutableMapping[str, torch.Tensor],
+    updates: Mapping[str, SparseUpdate],
+    *,
+    digests: dict[str, str] | None = None,
+    written: Written | None = None,
+    algo: str | Mapping[str, str] = DEFAULT_ALGO,
 ) -> dict[str, SparseUpdate]:
     """Write `updates` into `tensors` in place (tensors in parallel on the codec's pool);
     returns the overwritten old values (for undo). With `digests`, the digest of every written
@@ -261,7 +303,13 @@ def write_updates(
     names = list(updates)
 
     def one(n: str) -> tuple[SparseUpdate, str | None, str | None]:
-        r = _write_one(tensors[n], updates[n], digest=digests is not None, before=False, algo=algo if isinstance(algo, str) else algo.get(n, DEFAULT_ALGO))
+        r = _write_one(
+            tensors[n],
+            updates[n],
+            digest=digests is not None,
+            before=False,
+            algo=algo if isinstance(algo, str) else algo.get(n, DEFAULT_ALGO),
+        )
         if written is not None:
             written(tensors[n])
         return r
@@ -272,7 +320,9 @@ def write_updates(
     return {n: old for n, (old, _, _) in done.items()}
 
 
-def verify_digests(tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str], *, known: Mapping[str, str] | None = None) -> None:
+def verify_digests(
+    tensors: Mapping[str, torch.Tensor], digests: Mapping[str, str], *, known: Mapping[str, str] | None = None
+) -> None:
     """Raise DigestMismatchError naming every tensor in `digests` that is missing or whose bytes
     do not match. `known`: digests of the tensors' current bytes already computed (by
     `write_updates`); the others are hashed here."""
@@ -388,6 +438,7 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
 
 def _not_produced(patch: Patch, err: DigestMismatchError) -> DigestMismatchError:
     return DigestMismatchError(
-        f"patch {patch.header.base_version}->{patch.header.target_version} did not produce the target bits (undone): {err.message}",
+        f"patch {patch.header.base_version}->{patch.header.target_version} did not produce the target bits (undone): "
+        f"{err.message}",
         hint="the patch is corrupt or was made from different weights; fetch it again or reload from an anchor",
     )

@@ -35,14 +35,22 @@ def n_blocks(nbytes: int) -> int:
 
 def combine(block_digests: np.ndarray, nbytes: int) -> str:
     """The digest from the blocks' XXH3-64 values (uint64, in order) and the byte length."""
-    return PREFIX + xxhash.xxh3_64_hexdigest(np.ascontiguousarray(block_digests, dtype="<u8").tobytes() + _LEN.pack(nbytes))
+    return PREFIX + xxhash.xxh3_64_hexdigest(
+        np.ascontiguousarray(block_digests, dtype="<u8").tobytes() + _LEN.pack(nbytes)
+    )
 
 
 def auto_threads(nbytes: int) -> int:
     """Threads `digest_bytes` uses for `nbytes` when not told: one per 16 MiB, at most the CPUs
     this process may run on (and SPARSESYNC_CODEC_THREADS, when set)."""
     env = os.environ.get("SPARSESYNC_CODEC_THREADS", "")
-    cpus = int(env) if env.isdigit() else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = (
+        int(env)
+        if env.isdigit()
+        else len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1
+    )
     return max(1, min(cpus, nbytes // _THREAD_BYTES))
 
 
@@ -79,8 +87,10 @@ class Hasher:
     def update(self, buf: np.ndarray | memoryview | bytes) -> None:
         mv = _bytes(buf)
         if self._nbytes % BLOCK:
-            raise ValueError(f"xxh3b: {self._nbytes} bytes hashed so far are not a whole number of {BLOCK}-byte blocks; "
-                             "only the last piece may be shorter")
+            raise ValueError(
+                f"xxh3b: {self._nbytes} bytes hashed so far are not a whole number of {BLOCK}-byte blocks; "
+                "only the last piece may be shorter"
+            )
         self._parts.append(block_digests(mv))
         self._nbytes += mv.nbytes
 

@@ -25,7 +25,8 @@ _SECRET = bytes.fromhex(
     "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
     "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
     "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
-    "170ddd51b7f0da49d3165526 29d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e".replace(" ", ""))
+    "170ddd51b7f0da49d3165526 29d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e".replace(" ", "")
+)
 _M32 = 0xFFFFFFFF
 
 
@@ -79,7 +80,11 @@ def _blocks(words: torch.Tensor) -> torch.Tensor:
     contrib = _mul_lohi(words ^ keys) + words[..., swap]  # (k, 64, 16, 8): what each stripe adds
     per_round = contrib[:, :63].sum(dim=2)  # rounds 0..62: all 16 stripes (int64 sums wrap, as u64 adds do)
     last = words[:, 63, 15]
-    final = contrib[:, 63, :15].sum(dim=1) + _mul_lohi(last ^ torch.tensor(_LAST_KEY, dtype=torch.int64, device=dev)) + last[:, swap]
+    final = (
+        contrib[:, 63, :15].sum(dim=1)
+        + _mul_lohi(last ^ torch.tensor(_LAST_KEY, dtype=torch.int64, device=dev))
+        + last[:, swap]
+    )
     acc = torch.tensor(_ACC0, dtype=torch.int64, device=dev).expand(words.shape[0], 8).clone()
     scr = torch.tensor(_SCRAMBLE_KEY, dtype=torch.int64, device=dev)
     for r in range(63):

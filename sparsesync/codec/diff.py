@@ -83,7 +83,13 @@ def put_bits(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, *, keep_old: 
     """`dst[idx] = values` in place (one C pass, the GIL released); every index is checked
     before the first write. With `keep_old`, returns the overwritten bits."""
     old = np.empty(idx.size if keep_old else 0, dtype=dst.dtype)
-    _native.put(dst, dst.dtype.itemsize, np.ascontiguousarray(idx, dtype=np.int64), np.ascontiguousarray(values).view(dst.dtype), old)
+    _native.put(
+        dst,
+        dst.dtype.itemsize,
+        np.ascontiguousarray(idx, dtype=np.int64),
+        np.ascontiguousarray(values).view(dst.dtype),
+        old,
+    )
     return old if keep_old else None
 
 
@@ -226,7 +232,9 @@ def _change_of(t: torch.Tensor, found: list[tuple[np.ndarray, np.ndarray, np.nda
                         _joined([p[1] for p in parts]), _joined([p[2] for p in parts]))
 
 
-def diff_state(  # noqa: C901, PLR0915 - the sliced diff loop (CPU or CUDA, one or two devices, native or torch pass) over one set of per-slice buffers it reuses
+# the sliced diff loop (CPU or CUDA, one or two devices, native or torch pass) over one set of per-slice buffers it
+# reuses
+def diff_state(  # noqa: C901, PLR0915
     base: Mapping[str, torch.Tensor],
     target: Mapping[str, torch.Tensor],
     *,
@@ -266,7 +274,11 @@ def diff_state(  # noqa: C901, PLR0915 - the sliced diff loop (CPU or CUDA, one 
                 off = 0
                 for (name, _, _, _, _), k in zip(group, sizes):
                     results.setdefault(name, []).append(
-                        (idx_all[off : off + k].numpy(), to_np_bits(a_all[off : off + k]), to_np_bits(b_all[off : off + k]))
+                        (
+                            idx_all[off : off + k].numpy(),
+                            to_np_bits(a_all[off : off + k]),
+                            to_np_bits(b_all[off : off + k]),
+                        )
                     )
                     off += k
         else:
@@ -286,7 +298,8 @@ def diff_state(  # noqa: C901, PLR0915 - the sliced diff loop (CPU or CUDA, one 
             if moved:  # e.g. live weights on GPU, snapshot on CPU: move one slice
                 sb = sb.to(sa.device)
             if sa.device.type == "cpu":
-                if moved or not (bt.is_contiguous() and tt.is_contiguous()):  # temporaries: compare now, keep only the changes
+                # temporaries: compare now, keep only the changes
+                if moved or not (bt.is_contiguous() and tt.is_contiguous()):
                     i_np, a_np, b_np = _changed_slice_np(to_np_bits(sa), to_np_bits(sb), start)
                     if i_np.size:
                         results.setdefault(name, []).append((i_np, a_np, b_np))

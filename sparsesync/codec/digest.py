@@ -41,13 +41,18 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("sparsesync.codec needs a little-endian host")
 
 _HASH_CHUNK = 64 << 20  # bytes hashed per update, bounds the host copy of a CUDA tensor
-_PUT_BLOCK = 2 << 20  # bytes written and then hashed together by `put_and_digest` (they stay in cache; whole xxh3b blocks)
+# bytes written and then hashed together by `put_and_digest` (they stay in cache; whole xxh3b blocks)
+_PUT_BLOCK = 2 << 20
 
 
 def algo_of(digest: str) -> str:
     """The algorithm a digest string was made with ("xxh3" or "xxh3b"); ValueError for a string
     that is neither form."""
-    body, algo = (digest[len(blocks_digest.PREFIX):], BLOCKS_ALGO) if digest.startswith(blocks_digest.PREFIX) else (digest, LEGACY_ALGO)
+    body, algo = (
+        (digest[len(blocks_digest.PREFIX) :], BLOCKS_ALGO)
+        if digest.startswith(blocks_digest.PREFIX)
+        else (digest, LEGACY_ALGO)
+    )
     if len(body) != 16 or not set(body) <= _HEX:
         raise ValueError(f"digest {digest!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'")
     return algo
@@ -103,7 +108,9 @@ def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO, *, threads: int | N
     return h.hexdigest()
 
 
-def put_and_digest(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None = None, algo: str = DEFAULT_ALGO) -> str:
+def put_and_digest(
+    dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.ndarray | None = None, algo: str = DEFAULT_ALGO
+) -> str:
     """`dst[idx] = values` for a contiguous array of element bits (`idx` sorted, as diffed and
     decoded indices are; the overwritten bits saved into `old` if given), and the digest
     `tensor_digest` gives for `dst` afterwards. Block by block: each block of _PUT_BLOCK bytes
@@ -147,7 +154,9 @@ def _put_blocks(dst: np.ndarray, idx: np.ndarray, values: np.ndarray, old: np.nd
     per = max(1, _PUT_BLOCK // w)
     # where each block's indices end; made non-decreasing so that every index is written once
     # even if `idx` is not sorted
-    cuts = np.maximum.accumulate(np.append(np.searchsorted(idx, np.arange(per, flat.size, per, dtype=np.int64)), idx.size)).tolist()
+    cuts = np.maximum.accumulate(
+        np.append(np.searchsorted(idx, np.arange(per, flat.size, per, dtype=np.int64)), idx.size)
+    ).tolist()
     scratch = np.empty(min(per, flat.size) if aside else 0, dtype=dst.dtype)
     keep = np.empty(0, dtype=dst.dtype)
     h, h0 = hasher(algo), hasher(algo) if before else None
@@ -187,7 +196,9 @@ def state_digest(digests: Mapping[str, str]) -> str:
     `DEFAULT_ALGO`). ValueError if the digests mix algorithms."""
     algos = {algo_of(d) for d in digests.values()}
     if len(algos) > 1:
-        raise ValueError(f"state digest over digests of algorithms {sorted(algos)}: a version's digests must all be one algorithm")
+        raise ValueError(
+            f"state digest over digests of algorithms {sorted(algos)}: a version's digests must all be one algorithm"
+        )
     h = xxhash.xxh3_64()
     for name in sorted(digests):
         h.update(f"{name}\0{digests[name]}\n".encode())

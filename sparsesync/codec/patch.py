@@ -27,8 +27,11 @@ from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, is_digest
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
-FORMAT_VERSION = 5  # what the encoder writes for "xxh3b" digests (legacy "xxh3" runs: 4 when it groups small tensors, else 3; `format_for`)
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 adds groups; 5 is 4 with "xxh3b" digests (docs/format.md)
+# what the encoder writes for "xxh3b" digests (legacy "xxh3" runs: 4 when it groups small tensors, else 3; `format_for`)
+FORMAT_VERSION = 5
+# 1 differs from 2 only in its entropy coder; 3 moves the entries into a binary table; 4 adds groups; 5 is 4 with
+# "xxh3b" digests (docs/format.md)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 DIGEST_RE = re.compile(r"^[0-9a-f]{16}$")
 
 # What an encoder favors when it has the base. "size" (the default): the smallest patches, with
@@ -105,15 +108,19 @@ class PatchHeader:
     base_state_digest: str
     target_state_digest: str
     tensors: dict[str, TensorEntry]
-    streams_start: int = 0  # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
-    groups: tuple[Group, ...] = ()  # formats 4 and 5: members are in `tensors` too (positions GROUPED), coded by their group
+    # format 3: file offset of the `streams` tensor (each tensor's streams follow in table order)
+    streams_start: int = 0
+    # formats 4 and 5: members are in `tensors` too (positions GROUPED), coded by their group
+    groups: tuple[Group, ...] = ()
 
     def byte_ranges(self, names: list[str] | None = None) -> dict[str, tuple[int, int]]:
         """Format 3: the file's [start, end) holding all streams of each tensor of `names`
         (default: every touched tensor), from the header alone: a part of a version is read by
         range. Formats 1 and 2 place streams by size, not by tensor: ValueError."""
         if self.format_version < 3:
-            raise ValueError(f"patch format {self.format_version} does not place each tensor's streams together; read the whole file")
+            raise ValueError(
+                f"patch format {self.format_version} does not place each tensor's streams together; read the whole file"
+            )
         out, off = {}, self.streams_start
         for name, e in self.tensors.items():
             if e.positions != GROUPED:
@@ -177,11 +184,15 @@ def bare_hex(digest: str) -> str:
 def ctx_for(entry: TensorEntry, base_bits: Callable[[np.ndarray | None], np.ndarray] | None = None,
             format_version: int = FORMAT_VERSION) -> _encodings.Ctx:
     dtype = _container.ST_DTYPES[entry.dtype][0]
-    return _encodings.Ctx(entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version)
+    return _encodings.Ctx(
+        entry.name, entry.dtype, np_uint_dtype(dtype), entry.numel, entry.n_changed, base_bits, format_version
+    )
 
 
 # ---------------------------------------------------------------------------- writing
-def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None, classes: bool) -> tuple[str, dict, dict, str, dict, dict]:
+def _choose(
+    change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None, classes: bool
+) -> tuple[str, dict, dict, str, dict, dict]:
     """Smallest (positions, values) encoding pair for one tensor's change."""
     from sparsesync.codec import _select
 
@@ -189,7 +200,9 @@ def _choose(change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None
     if base is not None:
         if tuple(base.shape) != tuple(change.shape) or base.dtype != change.dtype:
             raise PatchMismatchError(
-                f"tensor '{ctx.name}': base is {base.dtype} {tuple(base.shape)}, expected {change.dtype} {change.shape}", hint="pass the base the changes were diffed against"
+                f"tensor '{ctx.name}': base is {base.dtype} {tuple(base.shape)}, expected {change.dtype} "
+                f"{change.shape}",
+                hint="pass the base the changes were diffed against",
             )
         base_full = to_np_bits(bits_view(base))
     return _select.choose(change, ctx, base_full, classes=classes)
@@ -209,14 +222,18 @@ class EncodedTensor:
     streams: dict[str, tuple[str, tuple[int, ...], bytes]]  # role -> (dtype, shape, bytes)
 
 
-def encode_tensor(name: str, change: TensorChange, base: torch.Tensor | None = None, *, effort: Effort = "size") -> EncodedTensor:
+def encode_tensor(
+    name: str, change: TensorChange, base: torch.Tensor | None = None, *, effort: Effort = "size"
+) -> EncodedTensor:
     """Encode one non-empty change (the smallest encodings; see `encode_changes`); `base`: the
     tensor the change was diffed against, if the encoder has it. `effort` (`Effort`): "speed"
     leaves out the codings conditioned on the base's magnitude classes."""
     st = _container.st_dtype_name(change.dtype)
     ctx = _encodings.Ctx(name, st, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
     pos, pparams, pstreams, val, vparams, vstreams = _choose(change, ctx, base, check_effort(effort) == "size")
-    return EncodedTensor(st, tuple(change.shape), change.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams})
+    return EncodedTensor(
+        st, tuple(change.shape), change.n_changed, pos, pparams, val, vparams, {**pstreams, **vstreams}
+    )
 
 
 def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None,
@@ -225,8 +242,16 @@ def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, to
     thread pool; the result does not depend on it."""
     # biggest first keeps both threads busy to the end; the result is keyed by name (order-free)
     names = sorted((n for n in changes if changes[n].indices.size), key=lambda n: (-changes[n].numel, n))
-    encoded = dict(zip(names, _parallel.map_ordered(lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None, effort=effort), names,
-                                                    weights=[changes[n].numel for n in names])))
+    encoded = dict(
+        zip(
+            names,
+            _parallel.map_ordered(
+                lambda n: encode_tensor(n, changes[n], base.get(n) if base is not None else None, effort=effort),
+                names,
+                weights=[changes[n].numel for n in names],
+            ),
+        )
+    )
     return {n: encoded[n] for n in sorted(encoded)}
 
 
@@ -246,11 +271,16 @@ def assemble_patch(
     digests (`format_for`): "xxh3b" digests give format 5, groups or not; "xxh3" ones give
     format 4 with groups, else format 3, which older readers read."""
     if not (type(base_version) is int and type(target_version) is int and 0 <= base_version < target_version):
-        raise PatchFormatError(f"versions {base_version} -> {target_version}, expected 0 <= base < target", hint="pass the published version numbers")
+        raise PatchFormatError(
+            f"versions {base_version} -> {target_version}, expected 0 <= base < target",
+            hint="pass the published version numbers",
+        )
     member_names = [n for _, m in groups for n in m.names]
     missing = sorted(n for n in [*encoded, *member_names] if n not in base_digests or n not in target_digests)
     if missing:
-        raise PatchFormatError(f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes")
+        raise PatchFormatError(
+            f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes"
+        )
     algos = set()
     for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
         (f"digest of '{n}'", dg) for n in [*encoded, *member_names] for dg in (base_digests[n], target_digests[n])
@@ -260,12 +290,17 @@ def assemble_patch(
                                    hint="use codec.tensor_digest / codec.state_digest")
         algos.add(algo_of(d))
     if len(algos) > 1:
-        raise PatchFormatError(f"the digests mix the algorithms {sorted(algos)}", hint="compute every digest of a patch with one algorithm")
+        raise PatchFormatError(
+            f"the digests mix the algorithms {sorted(algos)}", hint="compute every digest of a patch with one algorithm"
+        )
     fv = format_for(algos.pop(), bool(groups))
     if len(set(member_names)) != len(member_names) or set(member_names) & set(encoded):
         raise PatchFormatError("a tensor is in two groups, or in a group and coded alone", hint="code each tensor once")
     blobs: list[bytes] = []
-    rows = [_row(name, encoded[name], bare_hex(base_digests[name]), bare_hex(target_digests[name]), blobs) for name in sorted(encoded)]
+    rows = [
+        _row(name, encoded[name], bare_hex(base_digests[name]), bare_hex(target_digests[name]), blobs)
+        for name in sorted(encoded)
+    ]
     grows = [_row(m.names[0], e, _ZERO, _ZERO, blobs) for e, m in groups]
     meta = {
         "format": FORMAT_NAME,
@@ -278,8 +313,11 @@ def assemble_patch(
     table = _table.build_table(rows)
     tensors = [(TABLE_KEY, "U8", (len(table),), table)]
     if groups:
-        bare = {n: (bare_hex(base_digests[n]), bare_hex(target_digests[n])) for n in member_names}  # as the table's (the format says the algorithm)
-        section = _groups.build_section(grows, [m for _, m in groups], {n: b for n, (b, _) in bare.items()}, {n: t for n, (_, t) in bare.items()})
+        # as the table's (the format says the algorithm)
+        bare = {n: (bare_hex(base_digests[n]), bare_hex(target_digests[n])) for n in member_names}
+        section = _groups.build_section(
+            grows, [m for _, m in groups], {n: b for n, (b, _) in bare.items()}, {n: t for n, (_, t) in bare.items()}
+        )
         tensors.append((GROUPS_KEY, "U8", (len(section),), section))
     return _container.write_container(meta, [*tensors, (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
 
@@ -292,13 +330,27 @@ def _row(name: str, e: EncodedTensor, base_digest: str, target_digest: str, blob
     are appended to `blobs` in the data section's order."""
     pp, vp = e.position_params, e.value_params
     if e.positions == "gaps":  # the table carries the coder's quantized frequencies (format 3)
-        pp = {"thresholds": pp["thresholds"], "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]]}
+        pp = {
+            "thresholds": pp["thresholds"],
+            "classes": [{**c, "counts": _table.quantize(c["counts"])} for c in pp["classes"]],
+        }
     if e.values == "delta":
         vp = {"thresholds": vp["thresholds"], "counts": [_table.quantize(c) for c in vp["counts"]]}
     explicit = _table.explicit_roles(e.positions, pp, e.values, vp)
     blobs += [e.streams[role][2] for role in _table.ROLE_ORDER if role in e.streams]
-    return _table.Row(name, e.dtype, tuple(e.shape), e.n_changed, e.positions, pp, e.values, vp, base_digest, target_digest,
-                      {role: len(e.streams[role][2]) for role in explicit})
+    return _table.Row(
+        name,
+        e.dtype,
+        tuple(e.shape),
+        e.n_changed,
+        e.positions,
+        pp,
+        e.values,
+        vp,
+        base_digest,
+        target_digest,
+        {role: len(e.streams[role][2]) for role in explicit},
+    )
 
 
 def encode_changes(

@@ -38,13 +38,22 @@ from sparsesync.codec.patch import (
 )
 from sparsesync.errors import PatchFormatError
 
-_META_KEYS_V3 = {"format", "format_version", "base_version", "target_version", "base_state_digest", "target_state_digest"}
+_META_KEYS_V3 = {
+    "format",
+    "format_version",
+    "base_version",
+    "target_version",
+    "base_state_digest",
+    "target_state_digest",
+}
 _META_KEYS = _META_KEYS_V3 | {"tensors"}  # formats 1 and 2
 HEADER_PREFIX = 64 << 10  # bytes a reader fetches first: header and table of any patch of up to ~2,000 tensors
 
 
 def _fmt(msg: str) -> PatchFormatError:
-    return PatchFormatError(msg, hint="the file is not a sparsesync patch of a supported format version, or is corrupt; fetch it again")
+    return PatchFormatError(
+        msg, hint="the file is not a sparsesync patch of a supported format version, or is corrupt; fetch it again"
+    )
 
 
 def _int_field(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -53,19 +62,39 @@ def _int_field(v: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
     return v
 
 
-def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # noqa: C901 - one check per field of a header entry, in docs/format.md's order
+# one check per field of a header entry, in docs/format.md's order
+def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # noqa: C901
     where = f"tensor '{name}'"
     if not isinstance(raw, dict):
         raise _fmt(f"{where}: entry is {type(raw).__name__}, expected an object")
-    need = {"dtype", "shape", "n_changed", "positions", "position_params", "values", "value_params", "base_digest", "target_digest", "streams"}
+    need = {
+        "dtype",
+        "shape",
+        "n_changed",
+        "positions",
+        "position_params",
+        "values",
+        "value_params",
+        "base_digest",
+        "target_digest",
+        "streams",
+    }
     if set(raw) != need:
         raise _fmt(f"{where}: entry fields {sorted(raw)}, expected {sorted(need)}")
     dtype = raw["dtype"]
     if dtype not in _container.ST_DTYPES or dtype in ("BOOL",):
-        raise _fmt(f"{where}: dtype {dtype!r}, expected one of {sorted(k for k in _container.ST_DTYPES if k != 'BOOL')}")
+        raise _fmt(
+            f"{where}: dtype {dtype!r}, expected one of {sorted(k for k in _container.ST_DTYPES if k != 'BOOL')}"
+        )
     shape = raw["shape"]
-    if not isinstance(shape, list) or len(shape) > _container.MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-        raise _fmt(f"{where}: shape {shape!r:.80}, expected a list of at most {_container.MAX_NDIM} non-negative integers")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _container.MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise _fmt(
+            f"{where}: shape {shape!r:.80}, expected a list of at most {_container.MAX_NDIM} non-negative integers"
+        )
     numel = 1
     for d in shape:
         numel *= d
@@ -86,10 +115,25 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # 
             raise _fmt(f"{where}: {what} is {type(p).__name__}, expected an object")
     if not isinstance(sroles, dict) or not all(isinstance(v, str) for v in sroles.values()):
         raise _fmt(f"{where}: streams is {sroles!r:.80}, expected an object of role -> key")
-    entry = TensorEntry(name, dtype, tuple(shape), n_changed, pos, val, raw["base_digest"], raw["target_digest"], pparams, vparams, dict(sroles))
+    entry = TensorEntry(
+        name,
+        dtype,
+        tuple(shape),
+        n_changed,
+        pos,
+        val,
+        raw["base_digest"],
+        raw["target_digest"],
+        pparams,
+        vparams,
+        dict(sroles),
+    )
     ctx = ctx_for(entry)
     try:
-        layout = {**_encodings.POSITIONS[pos][2](pparams, ctx), **_encodings.VALUES[val][2](vparams, ctx, entry.n_values)}
+        layout = {
+            **_encodings.POSITIONS[pos][2](pparams, ctx),
+            **_encodings.VALUES[val][2](vparams, ctx, entry.n_values),
+        }
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # hostile params (e.g. counts [])
         raise _fmt(f"{where}: bad encoding parameters {pparams!r:.80} / {vparams!r:.80} ({e})") from None
     if set(sroles) != set(layout):
@@ -103,9 +147,25 @@ def _entry(name: str, raw: object, table: dict[str, Stream]) -> TensorEntry:  # 
         if s is None:
             raise _fmt(f"{where}: stream '{key}' is missing from the file")
         if s.dtype != sdt or (sshape is not None and s.shape != sshape) or (sshape is None and len(s.shape) != 1):
-            raise _fmt(f"{where}: stream '{key}' is {s.dtype} {list(s.shape)}, expected {sdt} {list(sshape) if sshape is not None else '[n]'}")
+            raise _fmt(
+                f"{where}: stream '{key}' is {s.dtype} {list(s.shape)}, expected {sdt} "
+                f"{list(sshape) if sshape is not None else '[n]'}"
+            )
         sizes[role] = s.nbytes
-    return TensorEntry(name, dtype, tuple(shape), n_changed, pos, val, raw["base_digest"], raw["target_digest"], pparams, vparams, dict(sroles), sizes)
+    return TensorEntry(
+        name,
+        dtype,
+        tuple(shape),
+        n_changed,
+        pos,
+        val,
+        raw["base_digest"],
+        raw["target_digest"],
+        pparams,
+        vparams,
+        dict(sroles),
+        sizes,
+    )
 
 
 def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple[PatchHeader, dict[str, Stream]]:
@@ -115,7 +175,8 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
         raise _fmt(f"metadata format {meta.get('format')!r:.40}, expected {FORMAT_NAME!r}")
     if meta.get("format_version") not in [str(v) for v in READABLE_VERSIONS]:
         raise PatchFormatError(
-            f"patch format_version {meta.get('format_version')!r:.20}, expected one of {', '.join(map(str, READABLE_VERSIONS))}",
+            f"patch format_version {meta.get('format_version')!r:.20}, expected one of "
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
             hint="upgrade sparsesync to read newer patches",
         )
     version = int(meta["format_version"])
@@ -132,7 +193,9 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
     prefix = digest_prefix(version)
     for key in ("base_state_digest", "target_state_digest"):
         if not (meta[key].startswith(prefix) and DIGEST_RE.match(meta[key][len(prefix):])):
-            raise _fmt(f"metadata {key} {meta[key]!r:.40}, expected {prefix!r} and 16 lowercase hex digits (format {version})")
+            raise _fmt(
+                f"metadata {key} {meta[key]!r:.40}, expected {prefix!r} and 16 lowercase hex digits (format {version})"
+            )
     start = 0
     groups: tuple[Group, ...] = ()
     if version >= 3:
@@ -150,10 +213,21 @@ def _header(meta: dict[str, str], table: dict[str, Stream], buf: bytes) -> tuple
         extra = sorted(set(table) - used)
         if extra:
             raise _fmt(f"streams {extra[:5]} belong to no tensor entry")
-    return PatchHeader(version, versions[0], versions[1], meta["base_state_digest"], meta["target_state_digest"], tensors, start, groups), streams
+    return PatchHeader(
+        version,
+        versions[0],
+        versions[1],
+        meta["base_state_digest"],
+        meta["target_state_digest"],
+        tensors,
+        start,
+        groups,
+    ), streams
 
 
-def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[dict[str, TensorEntry], dict[str, Stream], tuple[Group, ...]]:
+def _table_entries(
+    table: dict[str, Stream], buf: bytes, version: int
+) -> tuple[dict[str, TensorEntry], dict[str, Stream], tuple[Group, ...]]:
     """Formats 3 to 5: the entries of the binary table (and the groups of formats 4 and 5, whose
     members are entries too, positions GROUPED) and where each tensor's streams lie in `streams`
     (the digests of the table and the group section are stored as bare hex; from format 5 on
@@ -161,15 +235,27 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
     grouped = has_groups(version, table)
     keys = [TABLE_KEY, GROUPS_KEY, STREAMS_KEY] if grouped else [TABLE_KEY, STREAMS_KEY]
     if set(table) != set(keys) or any(table[a].end != table[b].start for a, b in zip(keys, keys[1:])):
-        raise _fmt(f"tensors {sorted(table)[:5]}, expected exactly {' then '.join(repr(k) for k in keys)} (format {version})")
+        raise _fmt(
+            f"tensors {sorted(table)[:5]}, expected exactly {' then '.join(repr(k) for k in keys)} (format {version})"
+        )
     t, d = table[TABLE_KEY], table[STREAMS_KEY]
     if any(table[k].dtype != "U8" for k in keys):
-        raise _fmt(f"'{TABLE_KEY}' is {t.dtype}" + "".join(f" and '{k}' {table[k].dtype}" for k in keys[1:]) + ", expected U8")
+        raise _fmt(
+            f"'{TABLE_KEY}' is {t.dtype}" + "".join(f" and '{k}' {table[k].dtype}" for k in keys[1:]) + ", expected U8"
+        )
     end = table[keys[-2]].end
     if len(buf) < end:
         raise _fmt(f"{len(buf)} bytes hold the table only up to byte {len(buf)}, it ends at {end}")
     rows = _table.parse_table(_table.inflate(bytes(buf[t.start : t.end])))
-    parsed = _groups.parse_section(_table.inflate(bytes(buf[table[GROUPS_KEY].start : end]), "patch group section", version), {r.name for r in rows}, version) if grouped else []
+    parsed = (
+        _groups.parse_section(
+            _table.inflate(bytes(buf[table[GROUPS_KEY].start : end]), "patch group section", version),
+            {r.name for r in rows},
+            version,
+        )
+        if grouped
+        else []
+    )
     prefix = digest_prefix(version)
     off = d.start
     located: dict[str, Stream] = {}
@@ -181,7 +267,16 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
         off, coding = _locate(g.row, off, d, located, f"group '{g.row.name}'", prefix)
         groups.append(Group(coding, g.names, g.offsets, g.n_changed))
         for i, name in enumerate(g.names):
-            tensors[name] = TensorEntry(name, g.row.dtype, g.shapes[i], int(g.n_changed[i]), GROUPED, GROUPED, prefix + g.base_digests[i], prefix + g.target_digests[i])
+            tensors[name] = TensorEntry(
+                name,
+                g.row.dtype,
+                g.shapes[i],
+                int(g.n_changed[i]),
+                GROUPED,
+                GROUPED,
+                prefix + g.base_digests[i],
+                prefix + g.target_digests[i],
+            )
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
     if groups:
@@ -190,19 +285,45 @@ def _table_entries(table: dict[str, Stream], buf: bytes, version: int) -> tuple[
 
 
 def _raw(r: _table.Row, roles: dict[str, str], prefix: str) -> dict:
-    return {"dtype": r.dtype, "shape": list(r.shape), "n_changed": r.n_changed, "positions": r.positions, "position_params": r.position_params,
-            "values": r.values, "value_params": r.value_params, "base_digest": prefix + r.base_digest, "target_digest": prefix + r.target_digest, "streams": roles}
+    return {
+        "dtype": r.dtype,
+        "shape": list(r.shape),
+        "n_changed": r.n_changed,
+        "positions": r.positions,
+        "position_params": r.position_params,
+        "values": r.values,
+        "value_params": r.value_params,
+        "base_digest": prefix + r.base_digest,
+        "target_digest": prefix + r.target_digest,
+        "streams": roles,
+    }
 
 
-def _locate(r: _table.Row, off: int, d: Stream, located: dict[str, Stream], where: str, prefix: str) -> tuple[int, TensorEntry]:
+def _locate(
+    r: _table.Row, off: int, d: Stream, located: dict[str, Stream], where: str, prefix: str
+) -> tuple[int, TensorEntry]:
     """Place the streams of record `r` from data byte `off` on (into `located`); returns where
     the next record's streams start and `r`'s checked entry (its digests written with `prefix`)."""
     numel = math.prod(r.shape)
     if not 1 <= r.n_changed <= max(numel, 1):
         raise _fmt(f"{where}: n_changed is {r.n_changed}, expected an integer in [1, {max(numel, 1)}]")
-    probe = TensorEntry(r.name, r.dtype, r.shape, r.n_changed, r.positions, r.values, prefix + r.base_digest, prefix + r.target_digest, r.position_params, r.value_params)
+    probe = TensorEntry(
+        r.name,
+        r.dtype,
+        r.shape,
+        r.n_changed,
+        r.positions,
+        r.values,
+        prefix + r.base_digest,
+        prefix + r.target_digest,
+        r.position_params,
+        r.value_params,
+    )
     ctx = ctx_for(probe)
-    layout = {**_encodings.POSITIONS[r.positions][2](r.position_params, ctx), **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values)}
+    layout = {
+        **_encodings.POSITIONS[r.positions][2](r.position_params, ctx),
+        **_encodings.VALUES[r.values][2](r.value_params, ctx, probe.n_values),
+    }
     roles = {}
     for role in (x for x in _table.ROLE_ORDER if x in layout):
         sdt, sshape = layout[role]
@@ -219,7 +340,9 @@ def _locate(r: _table.Row, off: int, d: Stream, located: dict[str, Stream], wher
         roles[role] = key
         off += size
         if off > d.end:
-            raise _fmt(f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor")
+            raise _fmt(
+                f"{where}: stream '{role}' ends at byte {off - d.start} of the {d.nbytes}-byte '{STREAMS_KEY}' tensor"
+            )
     return off, _entry(r.name, _raw(r, roles, prefix), located)
 
 
@@ -244,8 +367,15 @@ def header_span(prefix: bytes) -> int:
         if not isinstance(info, dict):
             return n
     offs = info.get("data_offsets")
-    if not (isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs) and 0 <= offs[0] <= offs[1] <= _table.MAX_TABLE_BYTES):
-        raise _fmt(f"'{TABLE_KEY}' data_offsets {offs!r:.80}, expected [start, end] with end at most {_table.MAX_TABLE_BYTES}")
+    if not (
+        isinstance(offs, list)
+        and len(offs) == 2
+        and all(type(x) is int for x in offs)
+        and 0 <= offs[0] <= offs[1] <= _table.MAX_TABLE_BYTES
+    ):
+        raise _fmt(
+            f"'{TABLE_KEY}' data_offsets {offs!r:.80}, expected [start, end] with end at most {_table.MAX_TABLE_BYTES}"
+        )
     return n + offs[1]
 
 
@@ -256,7 +386,11 @@ def parse_header(prefix: bytes) -> PatchHeader:
     if len(prefix) < n:
         raise _fmt(f"{len(prefix)} bytes given, the JSON header ends at byte {n}")
     meta, table = _container.parse_header_json(bytes(prefix[8:n]))
-    ends = [info.get("data_offsets", [0, 0])[-1] for info in table.values() if isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and info.get("data_offsets")]
+    ends = [
+        info.get("data_offsets", [0, 0])[-1]
+        for info in table.values()
+        if isinstance(info, dict) and isinstance(info.get("data_offsets"), list) and info.get("data_offsets")
+    ]
     data_len = max([e for e in ends if type(e) is int] or [0])
     return _header(meta, _container.parse_streams(table, n, data_len), prefix)[0]
 

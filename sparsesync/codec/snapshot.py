@@ -86,7 +86,9 @@ class Snapshot:
         """Bytes the copy occupies."""
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
-    def diff_encode(self, current: Mapping[str, torch.Tensor], target_version: int, *, chunk_bytes: int = 256 << 20) -> EncodedPatch:
+    def diff_encode(
+        self, current: Mapping[str, torch.Tensor], target_version: int, *, chunk_bytes: int = 256 << 20
+    ) -> EncodedPatch:
         """The patch from the snapshot's version to `current` (as `target_version`); then the
         snapshot becomes `current` (only the changed elements are written). If anything fails,
         the snapshot is left as it was. `current` may be a `codec.cast.CastState` (an fp32 master
@@ -94,14 +96,16 @@ class Snapshot:
         t0 = time.perf_counter()
         base_digests = dict(self.digests)
         base_sd = self.state_digest
-        with _parallel.gc_paused(), _parallel.interrupts_deferred():  # a Ctrl-C waits: the snapshot advances whole or not at all
+        # a Ctrl-C waits: the snapshot advances whole or not at all
+        with _parallel.gc_paused(), _parallel.interrupts_deferred():
             groups: list = []
             if self._fusable(current):
                 changes, encoded, groups, diff_s = self._diff_encode_fused(current, chunk_bytes)
             else:
                 changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
                 diff_s = time.perf_counter() - t0
-                encoded = encode_tensors(changes, base=self.state, effort=self.effort)  # needs the base: before advancing
+                # needs the base: before advancing
+                encoded = encode_tensors(changes, base=self.state, effort=self.effort)
                 self.apply_changes(changes)
             data = assemble_patch(
                 encoded,
@@ -126,7 +130,9 @@ class Snapshot:
             diff_s=diff_s,
             encode_s=t2 - t0 - diff_s,
         )
-        return EncodedPatch(data, changes, base_version, target_version, base_sd, self.state_digest, dict(self.digests), stats)
+        return EncodedPatch(
+            data, changes, base_version, target_version, base_sd, self.state_digest, dict(self.digests), stats
+        )
 
     def _fusable(self, current: Mapping[str, torch.Tensor]) -> bool:
         """Whether every tensor pair is contiguous on the CPU with the same layout (else the
@@ -139,7 +145,9 @@ class Snapshot:
                 return False
         return True
 
-    def _diff_encode_fused(self, current: Mapping[str, torch.Tensor], chunk_bytes: int) -> tuple[dict[str, TensorChange], dict, list, float]:
+    def _diff_encode_fused(
+        self, current: Mapping[str, torch.Tensor], chunk_bytes: int
+    ) -> tuple[dict[str, TensorChange], dict, list, float]:
         """Diff, encode and advance each tensor (or group of small tensors) in one task on the
         codec's pool (no barrier between the phases; a tensor's changes are encoded while they
         are in cache). A failure in any task puts every advanced tensor back (its change holds
@@ -147,7 +155,8 @@ class Snapshot:
         grouped = {n for g in self._groups for n in g.names}
         units: list[str | FlatGroup] = [n for n in self.state if n not in grouped] + list(self._groups)
         weight = [self.state[u].numel() if isinstance(u, str) else u.numel for u in units]
-        order = sorted(range(len(units)), key=lambda i: (-weight[i], i))  # biggest first keeps every thread busy to the end
+        # biggest first keeps every thread busy to the end
+        order = sorted(range(len(units)), key=lambda i: (-weight[i], i))
 
         def one(i: int) -> Done:
             u = units[i]
@@ -160,11 +169,21 @@ class Snapshot:
                 return Done(diff_s=tb - ta)
             enc = encode_tensor(u, ch, self.state[u], effort=self.effort)  # needs the base: before advancing
             try:  # advance and hash in one pass over the tensor
-                digest = put_and_digest(to_np_bits(bits_view(self.state[u])), ch.indices, ch.target_bits, algo=self.algo)
+                digest = put_and_digest(
+                    to_np_bits(bits_view(self.state[u])), ch.indices, ch.target_bits, algo=self.algo
+                )
             except BaseException:
                 self._put(u, ch.indices, ch.base_bits)
                 raise
-            return Done({u: ch}, {u: enc}, None, {u: digest}, tb - ta, time.perf_counter() - tb, lambda: self._put(u, ch.indices, ch.base_bits))
+            return Done(
+                {u: ch},
+                {u: enc},
+                None,
+                {u: digest},
+                tb - ta,
+                time.perf_counter() - tb,
+                lambda: self._put(u, ch.indices, ch.base_bits),
+            )
 
         t0 = time.perf_counter()
         results = _parallel.map_settled(one, order, weights=[weight[i] for i in order])
@@ -189,7 +208,12 @@ class Snapshot:
             self.state_digest = state_digest(self.digests)
         cpu_diff, cpu_all = sum(r.diff_s for r in done), sum(r.diff_s + r.encode_s for r in done)
         groups.sort(key=lambda g: g[1].names[0])
-        return dict(sorted(changes.items())), dict(sorted(encoded.items())), groups, wall * cpu_diff / cpu_all if cpu_all else 0.0
+        return (
+            dict(sorted(changes.items())),
+            dict(sorted(encoded.items())),
+            groups,
+            wall * cpu_diff / cpu_all if cpu_all else 0.0,
+        )
 
     def _put(self, name: str, indices: np.ndarray, bits: np.ndarray) -> None:
         """Write `bits` at `indices` of a CPU snapshot tensor."""
@@ -205,7 +229,9 @@ class Snapshot:
             if flat.device.type == "cpu":
                 return put_and_digest(to_np_bits(flat), ch.indices, ch.target_bits, algo=self.algo)
             idx = torch.from_numpy(ch.indices).to(flat.device)
-            flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(flat.device)
+            flat[idx] = torch.from_numpy(np.ascontiguousarray(ch.target_bits).view(_signed(ch.target_bits.dtype))).to(
+                flat.device
+            )
             return tensor_digest(self.state[name], self.algo)
 
         names = list(changes)

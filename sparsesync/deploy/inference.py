@@ -90,7 +90,8 @@ def _has(dist: str) -> bool:
 # a file or a log): vLLM guards /v1/* with VLLM_API_KEY, sparsesync's endpoint guards /sync with it
 VLLM_CMD = (
     'export VLLM_API_KEY="${VLLM_API_KEY:-$SPARSESYNC_API_KEY}"; '
-    'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" --served-model-name "$SPARSESYNC_SERVED_MODEL_NAME" '
+    'exec python -m sparsesync.integrations.vllm serve "$SPARSESYNC_MODEL" --served-model-name '
+    '"$SPARSESYNC_SERVED_MODEL_NAME" '
     '--host "$HOST" --port "$PORT" --tensor-parallel-size "$SPARSESYNC_TENSOR_PARALLEL_SIZE" '
     """--weight-transfer-config '{"backend": "sparsesync"}'"""
 )
@@ -103,18 +104,28 @@ def vllm_dockerfile(template: str) -> str:
     build, sep, _ = template.partition("\nUSER user\n")
     if not sep:
         raise DeployError("inference_space/Dockerfile has no 'USER user' line to put vLLM's server command after")
-    return build + sep + "\n".join([
-        "# vLLM's own OpenAI server (its whole API, streaming, its flags); sparsesync's endpoint plugin (allowed by",
-        "# VLLM_PLUGINS) makes it follow SPARSESYNC_BUCKET. HF_TOKEN comes only from the Space secret of that name.",
-        "# PYTHONPATH: vLLM's processes find sparsesync's plugins through the dist-info folder beside the package",
-        "ENV PYTHONPATH=/home/user/app HOST=0.0.0.0 PORT=7860 VLLM_PLUGINS=sparsesync SPARSESYNC_POLL_INTERVAL=1 SPARSESYNC_TENSOR_PARALLEL_SIZE=1 \\",
-        "    SPARSESYNC_SERVED_MODEL_NAME=model",
-        f"EXPOSE {APP_PORT}",
-        'HEALTHCHECK --interval=30s --timeout=5s CMD python -c "import urllib.request; '
-        f"urllib.request.urlopen('http://127.0.0.1:{APP_PORT}/health', timeout=4)\"",
-        f"CMD {json.dumps(['sh', '-c', VLLM_CMD])}",
-        "",
-    ])
+    return (
+        build
+        + sep
+        + "\n".join(
+            [
+                "# vLLM's own OpenAI server (its whole API, streaming, its flags); sparsesync's endpoint plugin "
+                "(allowed by",
+                "# VLLM_PLUGINS) makes it follow SPARSESYNC_BUCKET. HF_TOKEN comes only from the Space secret of that "
+                "name.",
+                "# PYTHONPATH: vLLM's processes find sparsesync's plugins through the dist-info folder beside the "
+                "package",
+                "ENV PYTHONPATH=/home/user/app HOST=0.0.0.0 PORT=7860 VLLM_PLUGINS=sparsesync "
+                "SPARSESYNC_POLL_INTERVAL=1 SPARSESYNC_TENSOR_PARALLEL_SIZE=1 \\",
+                "    SPARSESYNC_SERVED_MODEL_NAME=model",
+                f"EXPOSE {APP_PORT}",
+                'HEALTHCHECK --interval=30s --timeout=5s CMD python -c "import urllib.request; '
+                f"urllib.request.urlopen('http://127.0.0.1:{APP_PORT}/health', timeout=4)\"",
+                f"CMD {json.dumps(['sh', '-c', VLLM_CMD])}",
+                "",
+            ]
+        )
+    )
 
 
 S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
@@ -208,7 +219,8 @@ def inference_space_specs(
     secrets = {**({"HF_TOKEN": token} if token else {}), **({"SPARSESYNC_BUCKET": bucket} if secret_bucket else {}),
                **({"SPARSESYNC_API_KEY": api_key} if api_key else {}), **dict(extra_secrets or {})}
     variables = {
-        # a private Space with no key of its own is guarded by the Hub (the replica refuses 0.0.0.0 without a key otherwise)
+        # a private Space with no key of its own is guarded by the Hub (the replica refuses 0.0.0.0 without a key
+        # otherwise)
         **({"SPARSESYNC_ALLOW_NO_KEY": "1"} if private and not api_key else {}),
         "SPARSESYNC_MODEL": model_var,
         **({} if secret_bucket else {"SPARSESYNC_BUCKET": bucket}),

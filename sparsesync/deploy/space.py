@@ -143,7 +143,9 @@ class CreateSpace:
 
     def describe(self) -> str:
         where = f", region {self.region}" if self.region else ""
-        return f"create Space {self.space_id} ({'private' if self.private else 'PUBLIC'}, sdk {self.sdk}{where}) if absent"
+        return (
+            f"create Space {self.space_id} ({'private' if self.private else 'PUBLIC'}, sdk {self.sdk}{where}) if absent"
+        )
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,8 @@ def apply(space_plan: SpacePlan, api: HfApi | None = None, *, token: str | None 
 def _run(api: HfApi, op: Operation) -> None:
     if isinstance(op, CreateSpace):
         api.create_repo(op.space_id, repo_type="space", space_sdk=op.sdk, private=op.private, exist_ok=True,
-                        region=op.region)  # type: ignore[arg-type]  # the Hub's Literal of regions; the user's string, checked by the Hub
+                        # the Hub's Literal of regions; the user's string, checked by the Hub
+                        region=op.region)  # type: ignore[arg-type]
     elif isinstance(op, UploadFolder):
         api.upload_folder(repo_id=op.space_id, repo_type="space", folder_path=op.folder,
                           commit_message="sparsesync deploy")
@@ -293,7 +296,8 @@ def _run(api: HfApi, op: Operation) -> None:
     elif isinstance(op, SetSecret):
         api.add_space_secret(op.space_id, op.key, op.value)
     elif isinstance(op, RequestHardware):
-        api.request_space_hardware(op.space_id, op.hardware)  # type: ignore[arg-type]  # the Hub's SpaceHardware enum takes its string value
+        # the Hub's SpaceHardware enum takes its string value
+        api.request_space_hardware(op.space_id, op.hardware)  # type: ignore[arg-type]
     else:  # pragma: no cover - the Operation union is closed
         raise DeployError(f"unknown operation {op!r}")
 

@@ -10,8 +10,8 @@
   or an adapter folder, with its `AdapterMeta` (`adapter_state`, `meta_from_peft`,
   `peft_publish_state`, `meta_for_folder`).
 
-Within the package: state over bridge over config and meta (contract "lora"). Nothing here imports `sparsesync.protocol`,
-not even for annotations (import-linter contract "layers" in pyproject.toml, with
+Within the package: state over bridge over config and meta (contract "lora"). Nothing here imports
+`sparsesync.protocol`, not even for annotations (import-linter contract "layers" in pyproject.toml, with
 `exclude_type_checking_imports = false`): the protocol calls down into this package, and what
 needs a run (a commit's adapter checked against the run's other commits) is
 `sparsesync.protocol.adapter_runs`.

@@ -149,7 +149,8 @@ def attach_adapter(base: Any, meta: AdapterMeta, state: Mapping[str, torch.Tenso
             if is_adapter_key(name):
                 p.data = p.data.to(meta.torch_dtype)
     if state is not None:
-        result: Any = set_peft_model_state_dict(model, dict(state))  # torch's _IncompatibleKeys (PEFT annotates `-> namedtuple`)
+        # torch's _IncompatibleKeys (PEFT annotates `-> namedtuple`)
+        result: Any = set_peft_model_state_dict(model, dict(state))
         missing = [k for k in result.missing_keys if is_adapter_key(k)]
         if missing or result.unexpected_keys:
             raise ConfigError(f"the adapter state does not fit {meta.base_model!r}: missing {missing[:3]}, "
@@ -174,13 +175,22 @@ def _peft_model(base: Any, meta: AdapterMeta, where: str) -> Any:
     except no_match as e:
         if type(e) is ValueError and "not found in the base model" not in str(e):
             raise
-        asked = ", ".join(f"{k}={json.dumps(meta.config[k])[:120]}" for k in _SELECTORS if meta.config.get(k) is not None)
-        have = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Embedding)})
+        asked = ", ".join(
+            f"{k}={json.dumps(meta.config[k])[:120]}" for k in _SELECTORS if meta.config.get(k) is not None
+        )
+        have = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in base.named_modules()
+                if isinstance(m, torch.nn.Linear | torch.nn.Embedding)
+            }
+        )
         raise AdapterTargetError(
             f"the adapter of {meta.base_model!r} ({asked}) targets no module of {where} "
             f"(its layers: {', '.join(have[:12])}{', ...' if len(have) > 12 else ''})",
-            hint=f"start the replica with the base model the adapter was trained on ({meta.base_model}), or publish the "
-                 "adapter to a new run with target_modules naming this model's layers",
+            hint=f"start the replica with the base model the adapter was trained on ({meta.base_model}), or publish "
+                 "the "
+            "adapter to a new run with target_modules naming this model's layers",
         ) from None
 
 
@@ -214,7 +224,8 @@ def write_adapter_folder(state: Mapping[str, torch.Tensor], meta: AdapterMeta, d
     """Write `state` as a PEFT adapter folder into `dest` (which must not hold another model)."""
     from safetensors.torch import save_file
 
-    check_state_ranks(state, meta.config, f"version {version} of the adapter of {meta.base_model!r}")  # before PEFT could load it
+    # before PEFT could load it
+    check_state_ranks(state, meta.config, f"version {version} of the adapter of {meta.base_model!r}")
     dest.mkdir(parents=True, exist_ok=True)
     save_file(dict(state), str(dest / WEIGHTS_FILE), metadata={
         "format": "pt", "sparsesync_version": str(version), "sparsesync_state_digest": digest})
@@ -243,17 +254,21 @@ def drop_saved_base_layers(state: Mapping[str, torch.Tensor], base: Mapping[str,
     extra = saved_base_layers(state)
     for name, ckpt in extra.items():
         if base is None:
-            raise ConfigError(f"the adapter holds {name!r}, a copy of the base model's {ckpt!r} that PEFT saves by default "
-                              "when target_modules names lm_head or embed_tokens, and no base folder is at hand to check it",
-                              hint="pass --base DIR (the base model's folder), or save the adapter with "
-                                   "save_pretrained(..., save_embedding_layers=False)")
+            raise ConfigError(
+                f"the adapter holds {name!r}, a copy of the base model's {ckpt!r} that PEFT saves by default "
+                "when target_modules names lm_head or embed_tokens, and no base folder is at hand to check it",
+                hint="pass --base DIR (the base model's folder), or save the adapter with "
+                "save_pretrained(..., save_embedding_layers=False)",
+            )
         want = base.get(ckpt, base.get(TIED_NAMES.get(ckpt, "")))
         got = state[name]
         if want is None or tuple(want.shape) != tuple(got.shape) or not torch.equal(got, want.to(got.dtype)):
-            raise ConfigError(f"the adapter's {name!r} (saved by PEFT beside the adapter) is not the base {base_name!r}'s "
-                              f"{ckpt!r}: the adapter was trained on other base weights, or that layer was trained",
-                              hint="pass --base DIR with the base the adapter was trained on; a trained LM head or "
-                                   "embedding (modules_to_save) belongs in a full-weight run")
+            raise ConfigError(
+                f"the adapter's {name!r} (saved by PEFT beside the adapter) is not the base {base_name!r}'s "
+                f"{ckpt!r}: the adapter was trained on other base weights, or that layer was trained",
+                hint="pass --base DIR with the base the adapter was trained on; a trained LM head or "
+                "embedding (modules_to_save) belongs in a full-weight run",
+            )
     return {k: v for k, v in state.items() if k not in extra}
 
 
@@ -270,7 +285,9 @@ def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[
     try:
         _check_config(meta.config, f"the adapter config of {meta.base_model!r}")
     except ValueError as e:
-        raise ConfigError(str(e), hint="the run's adapter config is out of bounds: publish the adapter to a new run") from None
+        raise ConfigError(
+            str(e), hint="the run's adapter config is out of bounds: publish the adapter to a new run"
+        ) from None
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = _peft_model(AutoModelForCausalLM.from_config(config), meta, f"the model in {model_dir}")
@@ -278,8 +295,10 @@ def adapter_layout(model_dir: Path, meta: AdapterMeta) -> dict[str, tuple[tuple[
     base_n = sum(v.numel() for v in peft_base_state(model).values())
     adapter_n = sum(math.prod(shape) for shape, _ in layout.values())
     if adapter_n > base_n:
-        raise ConfigError(f"the adapter config of {meta.base_model!r} (r={meta.rank}) makes an adapter of {adapter_n:,} "
-                          f"elements on the model in {model_dir}, more than the base model's {base_n:,}",
-                          hint="the run's adapter config asks for a rank its tensors cannot have: publish the adapter "
-                               "to a new run with its own adapter_config.json")
+        raise ConfigError(
+            f"the adapter config of {meta.base_model!r} (r={meta.rank}) makes an adapter of {adapter_n:,} "
+            f"elements on the model in {model_dir}, more than the base model's {base_n:,}",
+            hint="the run's adapter config asks for a rank its tensors cannot have: publish the adapter "
+            "to a new run with its own adapter_config.json",
+        )
     return layout

@@ -48,7 +48,9 @@ NAME_BOUND = 128  # the module name length the regex budget is computed for
 REGEX_BUDGET = 1 << 24  # ways one regex may match one module name of NAME_BOUND characters
 
 _RANK_DIM = {"lora_A": 0, "lora_B": 1, "lora_embedding_A": 0, "lora_embedding_B": 1}
-_LORA_TENSOR = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
+_LORA_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$"
+)
 _ONE_WAY = {_sre.LITERAL, _sre.NOT_LITERAL, _sre.ANY, _sre.IN, _sre.AT}
 _REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT}
 

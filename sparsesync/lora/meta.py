@@ -47,4 +47,9 @@ class AdapterMeta:
         return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base_model": self.base_model, "base_digest": self.base_digest, "config": self.config, "dtype": self.dtype}
+        return {
+            "base_model": self.base_model,
+            "base_digest": self.base_digest,
+            "config": self.config,
+            "dtype": self.dtype,
+        }

@@ -102,16 +102,19 @@ def adapter_state(obj: Any, meta: AdapterMeta | None) -> tuple[Mapping[str, torc
     if meta is None and lora:
         raise RunKindError(
             f"the state holds LoRA adapter tensors ({lora[0]!r}, ...), but this publisher writes full weights",
-            hint="publish the PeftModel itself, or pass Publisher(url, adapter=AdapterMeta(...)) for an adapter state dict",
+            hint="publish the PeftModel itself, or pass Publisher(url, adapter=AdapterMeta(...)) for an adapter state "
+                 "dict",
         )
     if meta is not None and len(lora) != len(obj):
         other = next(n for n in obj if not is_adapter_key(n))
         saved = (" (PEFT saves the targeted LM head's or embedding's base weight beside the adapter unless "
                  "save_pretrained(..., save_embedding_layers=False))") if saved_base_layers({other: obj[other]}) else ""
-        raise RunKindError(f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run{saved}",
-                           hint="publish sparsesync.lora.bridge.adapter_tensors(model) (or push the adapter folder with the "
-                                "CLI, which checks such base copies against --base and leaves them out), or full weights "
-                                "to a full-weight run")
+        raise RunKindError(
+            f"tensor {other!r} is not a LoRA adapter tensor, but this publisher writes an adapter run{saved}",
+            hint="publish sparsesync.lora.bridge.adapter_tensors(model) (or push the adapter folder with the "
+            "CLI, which checks such base copies against --base and leaves them out), or full weights "
+            "to a full-weight run",
+        )
     return (obj, meta) if meta is None else _with_dtype(obj, meta)
 
 
@@ -120,12 +123,16 @@ def _with_dtype(state: Mapping[str, torch.Tensor], meta: AdapterMeta) -> tuple[M
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
     want = meta.dtype or (dtypes[0] if dtypes else "")
     if dtypes != [want] or want not in _DTYPES:
-        raise RunKindError(f"the adapter tensors are {', '.join(dtypes)}, expected all {want or 'one of ' + ', '.join(_DTYPES)}",
-                           hint="cast the adapter to one dtype for the whole run (e.g. model.to(torch.bfloat16))")
+        raise RunKindError(
+            f"the adapter tensors are {', '.join(dtypes)}, expected all {want or 'one of ' + ', '.join(_DTYPES)}",
+            hint="cast the adapter to one dtype for the whole run (e.g. model.to(torch.bfloat16))",
+        )
     try:
         _check_config(meta.config, "adapter_config")
     except ValueError as e:
-        raise ConfigError(str(e), hint="adapter runs carry LoRA adapters (peft.LoraConfig) within these bounds") from None
+        raise ConfigError(
+            str(e), hint="adapter runs carry LoRA adapters (peft.LoraConfig) within these bounds"
+        ) from None
     check_state_ranks(state, meta.config, f"the adapter of {meta.base_model!r}")
     return state, replace(meta, dtype=want)
 

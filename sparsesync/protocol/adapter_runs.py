@@ -42,8 +42,10 @@ def check_publish(newest: CommitRecord | None, meta: AdapterMeta | None, url: st
             hint="publish to a new run URL",
         )
     if have is not None and meta is not None and _identity(have) != _identity(meta):
-        raise RunKindError(f"{url} carries an adapter of another {_what_differs(have, meta)} (version {newest.version})",
-                           hint="publish this adapter to a new run URL")
+        raise RunKindError(
+            f"{url} carries an adapter of another {_what_differs(have, meta)} (version {newest.version})",
+            hint="publish this adapter to a new run URL",
+        )
 
 
 def check_follow(rec: CommitRecord, expected: AdapterMeta | None, url: str) -> None:
@@ -53,11 +55,15 @@ def check_follow(rec: CommitRecord, expected: AdapterMeta | None, url: str) -> N
     if (have is None) != (expected is None):
         fix = ("start the replica on the run's base model with the adapter engine (it reads the run's adapter config)"
                if have is not None else "follow it with a full-weight engine, not an adapter engine")
-        raise RunKindError(f"version {rec.version} of {url} is a {_kind(have)} version; this replica serves a {_kind(expected)} run",
-                           hint=fix)
+        raise RunKindError(
+            f"version {rec.version} of {url} is a {_kind(have)} version; this replica serves a {_kind(expected)} run",
+            hint=fix,
+        )
     if have is not None and expected is not None and _identity(have) != _identity(expected):
-        raise RunKindError(f"version {rec.version} of {url} carries an adapter of another {_what_differs(have, expected)}",
-                           hint="restart the replica: it builds its adapter from the run's newest version")
+        raise RunKindError(
+            f"version {rec.version} of {url} carries an adapter of another {_what_differs(have, expected)}",
+            hint="restart the replica: it builds its adapter from the run's newest version",
+        )
 
 
 def _identity(meta: AdapterMeta) -> tuple[str, dict[str, Any], str]:
@@ -115,9 +121,11 @@ def check_one_kind(commits: list[CommitRecord], url: str) -> None:
                                 "kind's commits")
     ids = {json.dumps(c.adapter.to_dict(), sort_keys=True): c.version for c in commits if c.adapter is not None}
     if len(ids) > 1:
-        raise RunKindError(f"{url} holds versions of {len(ids)} different adapters (versions {_versions(list(ids.values()))} "
-                           "differ in base, adapter_config.json or dtype)",
-                           hint="two publishers wrote this run: pull from a run of one adapter")
+        raise RunKindError(
+            f"{url} holds versions of {len(ids)} different adapters (versions {_versions(list(ids.values()))} "
+            "differ in base, adapter_config.json or dtype)",
+            hint="two publishers wrote this run: pull from a run of one adapter",
+        )
 
 
 def _versions(vs: list[int]) -> str:

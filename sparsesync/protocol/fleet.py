@@ -143,14 +143,18 @@ def switch_for(store: Store, version: int, epoch: int) -> SwitchRecord | None:
     return read_switch(store, version, epoch)
 
 
-def write_switch(store: Store, version: int, *, by: str, apply_in_s: float = 0.0, epoch: int | None = None) -> SwitchRecord:
+def write_switch(
+    store: Store, version: int, *, by: str, apply_in_s: float = 0.0, epoch: int | None = None
+) -> SwitchRecord:
     """Write the switch record of the commit of `version` by `epoch` (apply `apply_in_s` from now)
     unless one is in force (`switch_for`); returns the record in force. Create-only where the
     store has it, so racing writers agree. The plain key when it is free, else (it belongs to a
     commit of `version` a rewind abandoned) `switches/v{N}-e{E}.json`. `epoch` None: the plain
     record, as written before records named their epoch."""
     now = time.time()
-    rec = SwitchRecord(version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT], epoch=epoch)
+    rec = SwitchRecord(
+        version=version, apply_at=now + max(apply_in_s, 0.0), written_at=now, by=by[:MAX_TEXT], epoch=epoch
+    )
     if store.put_new(switch_key(version), rec.to_json()):
         return rec
     if epoch is None:
@@ -200,11 +204,20 @@ def wait_for_fleet(
             return ready
         left = deadline - time.monotonic()
         if left <= 0:
-            behind = ", ".join(
-                f"{s.record.replica} at {s.record.version}" + (f" (staged {s.record.staged_version})" if staged else "")
-                + (" (abandoned by a rewind)" if lineage is not None and lineage.abandoned(s.record, version, staged) else "")
-                for s in view.live if s not in ready
-            ) or "none"
+            behind = (
+                ", ".join(
+                    f"{s.record.replica} at {s.record.version}"
+                    + (f" (staged {s.record.staged_version})" if staged else "")
+                    + (
+                        " (abandoned by a rewind)"
+                        if lineage is not None and lineage.abandoned(s.record, version, staged)
+                        else ""
+                    )
+                    for s in view.live
+                    if s not in ready
+                )
+                or "none"
+            )
             raise FleetTimeoutError(
                 f"only {len(ready)} of the {min_replicas} replicas needed {'have staged' if staged else 'serve'} "
                 f"version {version} of {store.url} after {timeout} s (live: {len(view.live)}; behind: {behind})",
@@ -344,5 +357,6 @@ def _read_record(store: Store, key: str, parse: Callable[[bytes, str], Any]) -> 
         return None, f"over the {MAX_RECORD_BYTES} byte limit"
     try:
         return parse(data, key), ""
-    except (ValueError, TypeError, KeyError, RecursionError, ArithmeticError) as e:  # the records raise ValueError; the rest: belt and braces
+    # the records raise ValueError; the rest: belt and braces
+    except (ValueError, TypeError, KeyError, RecursionError, ArithmeticError) as e:
         return None, f"malformed: {clean_text(str(e)[:200])}"

@@ -4,8 +4,8 @@ Guarantees: the anchor that followers would cold-start from (the newest anchor f
 delta chain reaches the newest committed version) and every object of every version from
 the oldest kept anchor on stay in place. Deletion order keeps readers safe if gc dies
 midway: commit records that are not valid (fenced writers) first, then old commit records,
-then objects no remaining commit references (anchors, deltas, checkpoint files). Objects of versions newer than the newest
-commit are never touched: they may belong to a writer that is uploading right now.
+then objects no remaining commit references (anchors, deltas, checkpoint files). Objects of versions newer than the
+newest commit are never touched: they may belong to a writer that is uploading right now.
 
 gc trusts only what it has seen: an anchor or delta counts as kept only when the listing shows
 it with the size its commit recorded. When the newest committed version cannot be rebuilt from
@@ -70,9 +70,14 @@ def plan_gc(store: Store, *, keep_anchors: int = 1) -> GcPlan:
         missing = sorted(ref.key for ref in newest.objects() if ref.key in unusable)
         raise BrokenChainError(
             f"gc of {store.url}: the newest version {newest.version} cannot be rebuilt from the objects present"
-            + (f" ({missing[0]} is missing or has the wrong size)" if missing else
-               " (no complete anchor with a delta chain to it)") + "; nothing was deleted",
-            hint="publish a new anchor (restart the trainer, or `sparsesync push` a full checkpoint), then run gc again",
+            + (
+                f" ({missing[0]} is missing or has the wrong size)"
+                if missing
+                else " (no complete anchor with a delta chain to it)"
+            )
+            + "; nothing was deleted",
+            hint="publish a new anchor (restart the trainer, or `sparsesync push` a full checkpoint), then run gc "
+                 "again",
         )
     kept_anchor_versions = [a.version for a in usable[:keep_anchors]]
     keep_from = min(kept_anchor_versions)

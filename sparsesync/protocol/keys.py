@@ -47,12 +47,15 @@ _WRITER_RE = re.compile(r"^writers/e([0-9]{6})-([A-Za-z0-9_.-]+)\.json\Z")
 _DELTA_RE = re.compile(r"^deltas/v([0-9]{10})-v([0-9]{10})-e([0-9]{6})-[0-9a-f]+\.safetensors\Z")
 _PART_RE = re.compile(r"^deltas/v([0-9]{10})-v([0-9]{10})-e([0-9]{6})-[0-9a-f]+-p([0-9]{5})\.safetensors\Z")
 _ANCHOR_RE = re.compile(r"^anchors/v([0-9]{10})-e([0-9]{6})-[0-9a-f]+/")
-_ANCHOR_FILE_RE = re.compile(r"^anchors/v([0-9]{10})-e[0-9]{6}-[0-9a-f]+/"
-                             r"(model\.safetensors|model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json)\Z")
+_ANCHOR_FILE_RE = re.compile(
+    r"^anchors/v([0-9]{10})-e[0-9]{6}-[0-9a-f]+/"
+    r"(model\.safetensors|model-[0-9]{5}-of-[0-9]{5}\.safetensors|model\.safetensors\.index\.json)\Z"
+)
 _SHARD_NAME_RE = re.compile(r"^model-([0-9]{5})-of-([0-9]{5})\.safetensors\Z")
 _FILE_KEY_RE = re.compile(r"^files/v([0-9]{10})-e([0-9]{6})-[0-9a-f]+/([^/]+)\Z")
 _HEARTBEAT_RE = re.compile(r"^fleet/([A-Za-z0-9_.-]{1,64})\.json\Z")
-_SWITCH_RE = re.compile(r"^switches/v([0-9]{10})(?:-e[0-9]{6})?\.json\Z")  # -e: a version committed again after a rewind
+# -e: a version committed again after a rewind
+_SWITCH_RE = re.compile(r"^switches/v([0-9]{10})(?:-e[0-9]{6})?\.json\Z")
 
 
 # ------------------------------------------------------------------------------ builders

@@ -43,7 +43,13 @@ from sparsesync.codec import (
 from sparsesync.codec.apply import SparseUpdate, Written, decode_patch, patch_algo, verify_digests, write_updates
 from sparsesync.codec.diff import bits_view, to_np_bits
 from sparsesync.codec.digest import DEFAULT_ALGO, algo_of, algos_of, bytes_digest, digest_after_put
-from sparsesync.errors import DigestMismatchError, MirrorMismatchError, PatchMismatchError, ProtocolError, SparsesyncError
+from sparsesync.errors import (
+    DigestMismatchError,
+    MirrorMismatchError,
+    PatchMismatchError,
+    ProtocolError,
+    SparsesyncError,
+)
 from sparsesync.protocol.keys import DELTAS, parse_part_key
 from sparsesync.protocol.records import CommitRecord, PartRef, Unit
 from sparsesync.store import Store
@@ -79,7 +85,10 @@ def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Un
     for k in digests:
         held = _unit_of(k)
         rows = held.rows
-        if any(rows is None or u.rows is None or (rows[0] < u.rows[1] and u.rows[0] < rows[1]) for u in by_name.get(held.name, ())):
+        if any(
+            rows is None or u.rows is None or (rows[0] < u.rows[1] and u.rows[0] < rows[1])
+            for u in by_name.get(held.name, ())
+        ):
             stale.append(k)
     for k in stale:
         del digests[k]
@@ -87,7 +96,9 @@ def set_unit_digests(digests: MutableMapping[str, str], items: Sequence[tuple[Un
         digests[unit.key] = digest
 
 
-def held_digest(digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit, algo: str = DEFAULT_ALGO) -> str:
+def held_digest(
+    digests: Mapping[str, str], state: Mapping[str, torch.Tensor], unit: Unit, algo: str = DEFAULT_ALGO
+) -> str:
     """The `algo` digest of what the holder has for `unit`: recorded, or hashed from its (verified) bytes."""
     d = digests.get(unit.key)
     return d if d is not None and algo_of(d) == algo else tensor_digest(unit_view(state, unit), algo)
@@ -101,7 +112,11 @@ def check_held(state: Mapping[str, torch.Tensor], digests: Mapping[str, str], re
     hashed (a holder may then page it out); writes nothing."""
     keys = list(digests)
     names = {_unit_of(k).name for k in keys}
-    bad = [] if state_digest(digests) == rec.state_digest else [f"its digests make state {state_digest(digests)}, expected {rec.state_digest}"]
+    bad = (
+        []
+        if state_digest(digests) == rec.state_digest
+        else [f"its digests make state {state_digest(digests)}, expected {rec.state_digest}"]
+    )
     if names != set(state):
         bad.append(f"its digests cover {len(names & set(state))} of its {len(state)} tensors")
     for i in range(0, 0 if bad else len(keys), 8):
@@ -185,7 +200,12 @@ class Prefetcher:
         d = next((d for d in self._done.values() if d is not None and d.predicted is None), None)
         if d is not None:  # one part per poll: the next listing is never far off
             try:
-                d.predicted = _predicted({k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates, patch_algo(d.patch.header)) or {}
+                d.predicted = (
+                    _predicted(
+                        {k: unit_view(state, _unit_of(k)) for k in d.updates}, d.updates, patch_algo(d.patch.header)
+                    )
+                    or {}
+                )
             except Exception:  # noqa: BLE001 - nothing predicted: the writes hash as they go
                 d.predicted = {}
         return len(todo)
@@ -200,7 +220,9 @@ class Prefetcher:
         return d if d is not None and (d.size, d.xxh3) == (ref.size, ref.xxh3) else None
 
 
-def _predicted(views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], algo: str) -> dict[str, str] | None:
+def _predicted(
+    views: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], algo: str
+) -> dict[str, str] | None:
     """The `algo` digest each unit's bytes will have once `updates` are written (`digest_after_put`,
     nothing written), or None if a unit is not in CPU memory."""
     if any(views[k].device.type != "cpu" for k in updates):
@@ -264,11 +286,17 @@ def _apply_all(fetch: Callable[[PartRef], bytes], rec: CommitRecord, state: Muta
     """`apply_parts` once its arguments are checked."""
     refs = parts_for(rec, names)
     staged: list[_Staged] = []
-    ready = {r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None}
+    ready = {
+        r.key: d for r in refs if prefetched is not None and (d := prefetched.take(r, rec.base_version)) is not None
+    }
     for ref in refs:
         if ref.key in ready:
             try:
-                staged.append(_stage(rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates, ready[ref.key].predicted))
+                staged.append(
+                    _stage(
+                        rec, ref, ready[ref.key].patch, state, digests, ready[ref.key].updates, ready[ref.key].predicted
+                    )
+                )
                 _done_with(staged[-1], written)
             except SparsesyncError as e:
                 e.key = ref.key
@@ -304,7 +332,13 @@ def _write_all(rec: CommitRecord, staged: list[_Staged], digests: MutableMapping
                 written.append((s, write_updates(s.views, s.updates, written=written_hook), dict(s.predicted)))
                 continue
             known: dict[str, str] = {}
-            written.append((s, write_updates(s.views, s.updates, digests=known, written=written_hook, algo=algos_of(s.targets)), known))
+            written.append(
+                (
+                    s,
+                    write_updates(s.views, s.updates, digests=known, written=written_hook, algo=algos_of(s.targets)),
+                    known,
+                )
+            )
         for s, _, known in written:
             try:
                 verify_digests(s.views, s.targets, known=known)
@@ -354,7 +388,8 @@ def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, to
     held = {u.key: held_digest(digests, state, u, algo_of(ref.base_state_digest)) for u in ref.units}
     if state_digest(held) != ref.base_state_digest:
         raise PatchMismatchError(
-            f"part {ref.key} applies to units with state {ref.base_state_digest}, but the weights held are {state_digest(held)}",
+            f"part {ref.key} applies to units with state {ref.base_state_digest}, but the weights held are "
+            f"{state_digest(held)}",
             hint="the holder is not at the part's base version; reload from an anchor",
         )
     # the held digests were checked above; a prefetched decode read these same bytes (the holder
@@ -362,8 +397,10 @@ def _stage(rec: CommitRecord, ref: PartRef, patch: Patch, state: Mapping[str, to
     updates = decoded if decoded is not None else decode_patch(patch, views, check_base_digest=False)
     targets = {**held, **{n: e.target_digest for n, e in h.tensors.items()}}
     if state_digest(targets) != ref.state_digest:
-        raise DigestMismatchError(f"part {ref.key}: its tensors' target digests do not make up its state {ref.state_digest}",
-                                  hint="the part is corrupt; fetch it again or reload from an anchor")
+        raise DigestMismatchError(
+            f"part {ref.key}: its tensors' target digests do not make up its state {ref.state_digest}",
+            hint="the part is corrupt; fetch it again or reload from an anchor",
+        )
     return _Staged(ref, views, updates, targets, predicted if decoded is not None else None)
 
 
@@ -378,9 +415,15 @@ def _global_updates(staged: Sequence[_Staged]) -> dict[str, SparseUpdate]:
             start = 0 if u.rows is None else u.rows[0]
             row = s.views[u.key][0].numel() if u.rows is not None and s.views[u.key].dim() > 0 else 0
             shift = start * row  # 0 for whole tensors and first row ranges: no copy of their indices
-            pieces.setdefault(u.name, []).append((start, SparseUpdate(upd.indices + shift, upd.values) if shift else upd))
+            pieces.setdefault(u.name, []).append(
+                (start, SparseUpdate(upd.indices + shift, upd.values) if shift else upd)
+            )
     out = {}
     for name, ps in pieces.items():
         ps.sort(key=lambda p: p[0])
-        out[name] = ps[0][1] if len(ps) == 1 else SparseUpdate(torch.cat([p.indices for _, p in ps]), torch.cat([p.values for _, p in ps]))
+        out[name] = (
+            ps[0][1]
+            if len(ps) == 1
+            else SparseUpdate(torch.cat([p.indices for _, p in ps]), torch.cat([p.values for _, p in ps]))
+        )
     return out

@@ -89,7 +89,8 @@ class Run:
     def __init__(self, store: Store | str) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
         self._records: dict[str, CommitRecord] = {}
-        #: commit-named objects of the last listing that are not commit records, with the reason (`log`/`verify` show them)
+        # : commit-named objects of the last listing that are not commit records, with the reason (`log`/`verify` show
+        # them)
         self.rejected: dict[str, str] = {}
 
     @property
@@ -183,7 +184,10 @@ class Run:
             return ""
         for a in abandoned:
             if version in a.versions:
-                return f"; version {version} of epoch {a.epoch} was abandoned by the rewind to version {a.version} (epoch {a.by_epoch})"
+                return (
+                    f"; version {version} of epoch {a.epoch} was abandoned by the rewind to version {a.version} (epoch "
+                    f"{a.by_epoch})"
+                )
         return ""
 
     # -- planning ---------------------------------------------------------------------
@@ -256,7 +260,8 @@ class Run:
         data = read_at_most(self.store, ref.key, ref.size)
         if len(data) != ref.size or bytes_digest(data) != ref.xxh3:
             raise DigestMismatchError(
-                f"object {self.store.object_url(ref.key)} has {len(data)}{'+' if len(data) > ref.size else ''} bytes with digest "
+                f"object {self.store.object_url(ref.key)} has {len(data)}{'+' if len(data) > ref.size else ''} bytes "
+                "with digest "
                 f"{bytes_digest(data)}, expected {ref.size} bytes with digest {ref.xxh3}",
                 hint="the stored object is corrupt; followers fall back to an anchor",
             )
@@ -278,7 +283,8 @@ class Run:
                         f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
                         hint="the stored anchor is damaged; publish a new anchor",
                     )
-            state, info = load_anchor([p for _k, p in items], alloc=alloc, written=written)  # shards and, when sharded, the index
+            # shards and, when sharded, the index
+            state, info = load_anchor([p for _k, p in items], alloc=alloc, written=written)
         if info.version != rec.version or info.state_digest != rec.state_digest:
             raise DigestMismatchError(
                 f"anchor of version {rec.version} under {self.url} holds version {info.version} "
@@ -334,8 +340,15 @@ class Run:
         digests.update(after)
         return updates
 
-    def apply_delta(self, rec: CommitRecord, state: State, digests: dict[str, str], prefetched: Prefetcher | None = None, *,
-                    written: Written | None = None) -> dict[str, SparseUpdate]:
+    def apply_delta(
+        self,
+        rec: CommitRecord,
+        state: State,
+        digests: dict[str, str],
+        prefetched: Prefetcher | None = None,
+        *,
+        written: Written | None = None,
+    ) -> dict[str, SparseUpdate]:
         """Fetch, check and apply the delta of `rec` (one file or parts) to `state` in place,
         updating `digests`. All or nothing, one file (`apply_loaded`) or parts
         (`parts_reader.apply_parts`; `prefetched`: a `parts_reader.Prefetcher`). `written`: see

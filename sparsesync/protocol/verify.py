@@ -3,8 +3,8 @@
 Walks the versions oldest first, applying each delta to the state of its base (digests of
 every touched tensor and of the whole state checked), and loading every anchor (each file's
 bytes and each tensor's digest checked). Where a version has both, the two results must be
-identical; every checkpoint file (config, tokenizer) must match its size and digest. Objects named like commit records that are not commit records are reported (with
-the reason) and fail the run. Reads everything; writes nothing.
+identical; every checkpoint file (config, tokenizer) must match its size and digest. Objects named like commit records
+that are not commit records are reported (with the reason) and fail the run. Reads everything; writes nothing.
 """
 
 from __future__ import annotations

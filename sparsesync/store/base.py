@@ -71,7 +71,8 @@ class Store(abc.ABC):
             raise err from e
 
     def _first_contact(self, what: str, url: str) -> None:
-        """Fail fast before the first operation reaches an endpoint that cannot be reached (default: nothing to check)."""
+        """Fail fast before the first operation reaches an endpoint that cannot be reached (default: nothing to
+        check)."""
 
     def _transient(self, e: BaseException) -> bool:
         """Whether the failure `e` may pass on a retry (default: a transient OS error)."""

@@ -85,7 +85,10 @@ def redact(text: str, secrets: tuple[str | None, ...] = ()) -> str:
         if s and len(s) >= 4:
             text = text.replace(s, "***")
     for pat in _SECRET_PATTERNS:
-        text = pat.sub(lambda m: (m.group(1) if m.lastindex else "") + ("***@" if m.group(0).endswith(("@", "%40")) else "***"), text)
+        text = pat.sub(
+            lambda m: (m.group(1) if m.lastindex else "") + ("***@" if m.group(0).endswith(("@", "%40")) else "***"),
+            text,
+        )
     return text
 
 
@@ -189,7 +192,9 @@ def call(
             pause = policy.delay(attempt)
             if attempt >= policy.tries or elapsed + pause > policy.deadline_s:
                 raise StoreUnavailableError(
-                    redact(f"{what} {url} failed after {attempt} tries in {elapsed:.1f}s: {describe(e, secrets)}", secrets),
+                    redact(
+                        f"{what} {url} failed after {attempt} tries in {elapsed:.1f}s: {describe(e, secrets)}", secrets
+                    ),
                     url=redact(url, secrets),
                     hint="the store did not answer; check the network and the endpoint, then retry "
                     "- SPARSESYNC_STORE_RETRY_S raises the time budget",

@@ -91,7 +91,9 @@ class S3Store(Store):
                               hint="boto3 does not use them: put credentials in AWS_* env vars or a profile, "
                                    "and give the endpoint as scheme://host:port")
         prefix = parts.path.strip("/")
-        printable = f"s3://{parts.netloc}" + (f"/{prefix}" if prefix else "") + (f"?{parts.query}" if parts.query else "")
+        printable = (
+            f"s3://{parts.netloc}" + (f"/{prefix}" if prefix else "") + (f"?{parts.query}" if parts.query else "")
+        )
         return cls(parts.netloc, prefix, endpoint=query.get("endpoint"), region=query.get("region"),
                    create=create, url=printable)
 

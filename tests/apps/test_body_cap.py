@@ -51,4 +51,6 @@ def test_a_disconnect_is_none_and_replay_hands_the_body_once() -> None:
         return [await receive(), await receive()]
 
     first, second = asyncio.run(two())
-    assert first == {"type": "http.request", "body": b"body", "more_body": False} and second["type"] == "http.disconnect"
+    assert (
+        first == {"type": "http.request", "body": b"body", "more_body": False} and second["type"] == "http.disconnect"
+    )

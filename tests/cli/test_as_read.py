@@ -21,7 +21,19 @@ import pytest
 from sparsesync import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ["push", "pull", "log", "inspect", "verify", "gc", "demo", "follow", "status", "deploy env", "deploy inference"]
+COMMANDS = [
+    "push",
+    "pull",
+    "log",
+    "inspect",
+    "verify",
+    "gc",
+    "demo",
+    "follow",
+    "status",
+    "deploy env",
+    "deploy inference",
+]
 
 
 def _cli(*args: str, columns: int | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

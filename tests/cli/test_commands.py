@@ -100,8 +100,13 @@ def test_errors_are_one_clear_line_and_nonzero(tmp_path):
     res = subprocess.run([str(exe), "push", str(tmp_path / "missing.safetensors"), str(tmp_path / "run")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 1 and "does not exist" in res.stderr
-    res = subprocess.run([str(exe), "push", str(tmp_path / "missing.safetensors"), str(tmp_path / "run2"), "--effort", "fast"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [str(exe), "push", str(tmp_path / "missing.safetensors"), str(tmp_path / "run2"), "--effort", "fast"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 1 and "effort='fast'" in res.stderr and "fix:" in res.stderr
     assert not (tmp_path / "run2").exists()  # refused before anything was created
 
@@ -227,8 +232,14 @@ def test_hostile_checkpoint_files_are_refused_with_one_line(tmp_path, capsys, mo
     raw = json.loads(commit.read_bytes())
     good = raw["files"][0]
     hostile = [
-        ({"name": "../../../tmp/evil.json", "key": good["key"].rsplit("/", 1)[0] + "/../../../tmp/evil.json"}, "not a checkpoint file name"),
-        ({"name": "modeling_evil.py", "key": good["key"].rsplit("/", 1)[0] + "/modeling_evil.py"}, "not a checkpoint file name"),
+        (
+            {"name": "../../../tmp/evil.json", "key": good["key"].rsplit("/", 1)[0] + "/../../../tmp/evil.json"},
+            "not a checkpoint file name",
+        ),
+        (
+            {"name": "modeling_evil.py", "key": good["key"].rsplit("/", 1)[0] + "/modeling_evil.py"},
+            "not a checkpoint file name",
+        ),
         ({"name": ".env", "key": good["key"].rsplit("/", 1)[0] + "/.env"}, "not a checkpoint file name"),
         ({"key": "anchors/../" + good["key"]}, "is not files/v"),
         ({"size": extras.MAX_FILE_BYTES + 1}, "size"),

@@ -61,10 +61,14 @@ def test_push_reads_nothing_outside_the_folder(tmp_path: Path, capsys: pytest.Ca
     secret = tmp_path / "home" / ".aws" / "credentials"
     secret.parent.mkdir(parents=True)
     secret.write_bytes(SECRET)
-    save_file({"outside.weight": torch.ones(4, 4)}, str(tmp_path / "home" / "elsewhere.safetensors"))  # names of its own
+    # names of its own
+    save_file({"outside.weight": torch.ones(4, 4)}, str(tmp_path / "home" / "elsewhere.safetensors"))
     run = tmp_path / "run"
     # a tokenizer file (carried with the version) or a weights shard that links out: refused, nothing written
-    for name, target in (("tokenizer.json", secret), ("model-00002-of-00002.safetensors", tmp_path / "home" / "elsewhere.safetensors")):
+    for name, target in (
+        ("tokenizer.json", secret),
+        ("model-00002-of-00002.safetensors", tmp_path / "home" / "elsewhere.safetensors"),
+    ):
         src = _checkpoint(tmp_path / f"ckpt-{name}", make_state(0))
         (src / name).symlink_to(target)
         err = _fails(capsys, "push", str(src), str(run))
@@ -92,13 +96,20 @@ def test_push_of_a_fifo_fails_at_once(tmp_path: Path, name: str) -> None:
     src = _checkpoint(tmp_path / "checkpoint-4", make_state(0))
     (src / name).unlink(missing_ok=True)
     os.mkfifo(src / name)
-    res = subprocess.run([sys.executable, "-c", "from sparsesync.cli import main; main()", "push", str(src), str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    res = subprocess.run(
+        [sys.executable, "-c", "from sparsesync.cli import main; main()", "push", str(src), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     err = " ".join(res.stderr.split())
     assert res.returncode == 1 and f"error: {src / name} is a FIFO (named pipe), not a regular file" in err, err
 
 
-def test_a_file_swapped_for_a_link_while_push_reads_it_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_swapped_for_a_link_while_push_reads_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The check and the read are one open file: a co-tenant who swaps the checked file (or a
     folder on its path) for a link out of the checkpoint between the two gets a ConfigError,
     never the outside file's bytes. The swap is done at the last moment before the open."""
@@ -149,14 +160,19 @@ def test_a_file_swapped_for_a_link_while_push_reads_it_is_refused(tmp_path: Path
         collect_files(tmp_path / "b")
 
 
-def test_a_deeply_nested_trainer_state_is_ignored_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_deeply_nested_trainer_state_is_ignored_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 47, item 9: a deeply nested trainer_state.json failed push with "unexpected
     RecursionError"; now it is read as no step information, and push says so in its line."""
     src = _checkpoint(tmp_path / "checkpoint-3", make_state(0))
     (src / "trainer_state.json").write_text("[" * 200_000 + "]" * 200_000)
     out = _ok(capsys, "push", str(src), str(tmp_path / "run"))
-    assert "pushed version 3 (anchor; version from the folder name checkpoint-3; trainer_state.json ignored: nested too deep " \
-           "to read)" in out, out
+    assert (
+        "pushed version 3 (anchor; version from the folder name checkpoint-3; trainer_state.json ignored: nested too "
+        "deep "
+        "to read)" in out
+    ), out
     (src / "trainer_state.json").write_text('{"global_step": ' * 100_000 + "1" + "}" * 100_000)
     nested = src.rename(tmp_path / "weights")
     out = _ok(capsys, "push", str(nested), str(tmp_path / "run"), "--json")
@@ -197,8 +213,11 @@ def test_pull_into_a_link_to_another_file_system(tmp_path: Path, capsys: pytest.
         dest = tmp_path / "weights"
         dest.symlink_to(other / "model")
         out = _ok(capsys, "pull", run, str(dest))
-        assert f"pulled version 2 (state {Run(run).newest().state_digest}) into {dest}" in out, out  # type: ignore[union-attr]
-        assert dest.is_symlink() and {p.name for p in (other / "model").iterdir()} == {"model.safetensors", "config.json"}
+        assert f"pulled version 2 (state {Run(run).newest().state_digest}) into {dest}" in out, out
+        assert dest.is_symlink() and {p.name for p in (other / "model").iterdir()} == {
+            "model.safetensors",
+            "config.json",
+        }
         assert_bit_equal(load_file(str(dest / "model.safetensors")), second)
         # one file DEST, a link to a file there
         _ok(capsys, "pull", run, str(other / "one.safetensors"), "--version", "1")
@@ -227,7 +246,9 @@ def _loads(dest: Path) -> dict[str, torch.Tensor]:
     """What a loader reads: the index's shards, else model.safetensors."""
     index = dest / "model.safetensors.index.json"
     out: dict[str, torch.Tensor] = {}
-    for f in sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]:
+    for f in (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    ):
         out.update(load_file(str(dest / f)))
     return out
 

@@ -95,7 +95,11 @@ def test_a_part_of_a_version_is_read_by_range():
     ranges = header.byte_ranges()
     assert list(ranges) == ["a", "b", "x"] and ranges["a"][1] == ranges["b"][0] and ranges["x"][1] == len(data)
     for name, (s, e) in ranges.items():
-        assert data[s:e] == b"".join(patch.stream(name, role) for role in _table.ROLE_ORDER if role in patch.header.tensors[name].streams)
+        assert data[s:e] == b"".join(
+            patch.stream(name, role) for role in _table.ROLE_ORDER if role in patch.header.tensors[name].streams
+        )
     assert header.byte_ranges(["b"]) == {"b": ranges["b"]}
     with pytest.raises(ValueError, match="format 2"):
-        read_patch((Path(__file__).parents[1] / "data" / "format_v2" / "patch.safetensors").read_bytes()).header.byte_ranges()
+        read_patch(
+            (Path(__file__).parents[1] / "data" / "format_v2" / "patch.safetensors").read_bytes()
+        ).header.byte_ranges()

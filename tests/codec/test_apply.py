@@ -69,8 +69,13 @@ def test_reject_wrong_base():
     work = _clone(base)
     bits(work["x"]).reshape(-1)[5] ^= 1  # one bit away from the base
     _rejects(
-        _encode(base, target), work, PatchMismatchError,
-        "tensor 'x'", f"digest {tensor_digest(work['x'])}", f"expected {tensor_digest(base['x'])}", "not at base version 3",
+        _encode(base, target),
+        work,
+        PatchMismatchError,
+        "tensor 'x'",
+        f"digest {tensor_digest(work['x'])}",
+        f"expected {tensor_digest(base['x'])}",
+        "not at base version 3",
     )
     _rejects(_encode(base, target), _clone(target), PatchMismatchError, "tensor 'a'", "tensor 'x'")  # applied twice
 
@@ -146,13 +151,27 @@ def test_light_items_share_one_task_and_results_and_errors_keep_input_order():
         return KeyError("a result, not an error") if x == 4 else x * x
 
     got = _parallel.map_settled(fn, list(range(12)), weights=weights)
-    assert [str(r) if isinstance(r, Exception) else r for r in got] == [0, 1, 4, 9, "'a result, not an error'", 25, 36, "item 7", 64, "item 9", 100, 121]
+    assert [str(r) if isinstance(r, Exception) else r for r in got] == [
+        0,
+        1,
+        4,
+        9,
+        "'a result, not an error'",
+        25,
+        36,
+        "item 7",
+        64,
+        "item 9",
+        100,
+        121,
+    ]
     assert len({thread_of[x] for x in range(12) if weights[x] < heavy}) == 1
     with pytest.raises(ValueError, match="item 7"):  # 7 (light) comes before 9 (heavy) in input order
         _parallel.map_ordered(fn, list(range(12)), weights=weights)
     ok = _parallel.map_ordered(fn, [1, 2, 4], weights=[1, 1, 1])
     assert ok[:2] == [1, 4] and isinstance(ok[2], KeyError)  # a returned exception is a result
-    assert _parallel.map_ordered(lambda x: x + 1, list(range(50))) == list(range(1, 51))  # no weights: one task per item
+    # no weights: one task per item
+    assert _parallel.map_ordered(lambda x: x + 1, list(range(50))) == list(range(1, 51))
 
 
 def test_interrupts_deferred_holds_one_ctrl_c_to_the_end_and_a_second_stops_at_once():
@@ -206,15 +225,20 @@ def test_target_digest_is_verified_after_apply():
     assert "'a'" not in err.message
     apply_patch(read_patch(bad), work, verify=False)  # without verification it lands ...
     assert torch.equal(bits(work["a"]), bits(target["a"])) and not torch.equal(bits(work["x"]), bits(target["x"]))
-    with pytest.raises(DigestMismatchError, match="tensor 'x': digest xxh3b:[0-9a-f]{16}, expected " + tensor_digest(target["x"])):
-        verify_digests(work, {n: e.target_digest for n, e in read_patch(bad).header.tensors.items()})  # ... and a later check catches it
+    with pytest.raises(
+        DigestMismatchError, match="tensor 'x': digest xxh3b:[0-9a-f]{16}, expected " + tensor_digest(target["x"])
+    ):
+        # ... and a later check catches it
+        verify_digests(work, {n: e.target_digest for n, e in read_patch(bad).header.tensors.items()})
     work = _clone(base)
     apply_patch(read_patch(data), work)
     assert_bit_equal(work, target)
     verify_digests(work, tensor_digests(target))
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs CPU affinity and 2 CPUs")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs CPU affinity and 2 CPUs"
+)
 def test_codec_threads_follow_the_cpu_affinity():
     """A process pinned to one core (taskset, a container's cpuset) runs the codec on one thread,
     not one per CPU of the machine fighting over that core."""
@@ -237,7 +261,9 @@ def test_put_and_digest_writes_like_put_bits_and_hashes_like_tensor_digest(numel
     t = torch.empty(numel, dtype=torch.bfloat16)
     to_np_bits(bits_view(t))[:] = rng.integers(0, 1 << 16, numel, dtype=np.uint16)
     want = t.clone()
-    idx = np.sort(rng.choice(numel, min(numel, 5000), replace=False)).astype(np.int64) if numel else np.zeros(0, np.int64)
+    idx = (
+        np.sort(rng.choice(numel, min(numel, 5000), replace=False)).astype(np.int64) if numel else np.zeros(0, np.int64)
+    )
     vals = rng.integers(0, 1 << 16, idx.size, dtype=np.uint16)
     put_bits(to_np_bits(bits_view(want)), idx, vals)
     old = np.empty(idx.size, np.uint16)

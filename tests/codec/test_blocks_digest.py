@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from sparsesync.codec import _native
 from sparsesync.codec.blocks_digest import BLOCK, Hasher, block_digests, digest_bytes
 from sparsesync.codec.blocks_torch import block_digests_torch, tensor_digest_torch
-from sparsesync.codec.digest import algo_of, digest_after_put, put_and_digest, put_and_digests, state_digest, tensor_digest
+from sparsesync.codec.digest import (
+    algo_of,
+    digest_after_put,
+    put_and_digest,
+    put_and_digests,
+    state_digest,
+    tensor_digest,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT = {2: torch.int16, 4: torch.int32}
@@ -48,7 +55,12 @@ def _reference(data: bytes) -> str:
 def test_vectors_of_the_format_document(data, want):
     assert _reference(data) == want
     assert digest_bytes(data) == want
-    assert tensor_digest_torch(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)) == want
+    assert (
+        tensor_digest_torch(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        )
+        == want
+    )
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 65, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 64 * BLOCK + 3])
@@ -81,7 +93,9 @@ def _special(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel", [0, 1, 2, BLOCK // 4 - 1, BLOCK // 4, BLOCK // 4 + 1, BLOCK // 2 - 1, BLOCK // 2, BLOCK // 2 + 1, 70001])
+@pytest.mark.parametrize(
+    "numel", [0, 1, 2, BLOCK // 4 - 1, BLOCK // 4, BLOCK // 4 + 1, BLOCK // 2 - 1, BLOCK // 2, BLOCK // 2 + 1, 70001]
+)
 def test_torch_equals_c_over_dtypes_sizes_and_special_values(dtype, numel):
     t = _special(dtype, numel, numel)
     want = tensor_digest(t, "xxh3b")
@@ -93,7 +107,13 @@ def test_torch_equals_c_over_dtypes_sizes_and_special_values(dtype, numel):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_equals_c_on_non_contiguous_views(dtype):
     base = _special(dtype, 300 * 257, 3).reshape(300, 257)
-    views = {"transpose": base.t(), "step": base[:, ::3], "rows": base[7:250], "column": base[:, 5], "odd offset": base.reshape(-1)[1:40000]}
+    views = {
+        "transpose": base.t(),
+        "step": base[:, ::3],
+        "rows": base[7:250],
+        "column": base[:, 5],
+        "odd offset": base.reshape(-1)[1:40000],
+    }
     for what, v in views.items():
         c = tensor_digest(v, "xxh3b")
         assert c == tensor_digest(v.contiguous(), "xxh3b"), what  # the bytes in C order
@@ -112,14 +132,29 @@ def test_one_bit_anywhere_changes_both_and_trailing_zeros_count():
     assert len(seen) == 6
     # the tail block is zero-padded, the length keeps x and x + zeros apart
     short = torch.zeros(10, dtype=torch.uint8)
-    assert len({tensor_digest(short, "xxh3b"), tensor_digest(torch.zeros(11, dtype=torch.uint8), "xxh3b"), tensor_digest(x, "xxh3b")}) == 3
+    assert (
+        len(
+            {
+                tensor_digest(short, "xxh3b"),
+                tensor_digest(torch.zeros(11, dtype=torch.uint8), "xxh3b"),
+                tensor_digest(x, "xxh3b"),
+            }
+        )
+        == 3
+    )
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.binary(min_size=0, max_size=3 * BLOCK + 9), st.sampled_from([1, 2, 4]))
 def test_torch_equals_c_on_any_bytes(data, width):
     data = data[: len(data) - len(data) % width]
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view({1: torch.uint8, 2: torch.float16, 4: torch.float32}[width]) if data else torch.empty(0)
+    t = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).view(
+            {1: torch.uint8, 2: torch.float16, 4: torch.float32}[width]
+        )
+        if data
+        else torch.empty(0)
+    )
     assert tensor_digest_torch(t) == tensor_digest(t, "xxh3b") == _reference(data)
 
 

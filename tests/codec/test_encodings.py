@@ -48,13 +48,17 @@ def test_encoder_picks_compact_encodings_for_realistic_deltas():
 def test_effort_speed_leaves_out_the_class_codings_and_stays_bit_exact():
     g = torch.Generator().manual_seed(0)
     base = {f"w{i}": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16) for i in range(2)}
-    target = {k: (b.float() - torch.randn(b.shape, generator=g).clamp(-1, 1) * 2e-5).to(torch.bfloat16) for k, b in base.items()}
+    target = {
+        k: (b.float() - torch.randn(b.shape, generator=g).clamp(-1, 1) * 2e-5).to(torch.bfloat16)
+        for k, b in base.items()
+    }
     sizes = {}
     for effort in ("size", "speed"):
         snap = Snapshot(base, 0, effort=effort)
         data = snap.diff_encode(target, 1).data
         h = read_patch(data).header
-        entries = [e for e in h.tensors.values() if e.positions != "group"] + [g.coding for g in h.groups]  # the two are one group (format 4)
+        # the two are one group (format 4)
+        entries = [e for e in h.tensors.values() if e.positions != "group"] + [g.coding for g in h.groups]
         classed = [bool(e.position_params.get("thresholds") or e.value_params.get("thresholds")) for e in entries]
         assert all(classed) if effort == "size" else not any(classed)
         work = {k: v.clone() for k, v in base.items()}
@@ -95,7 +99,11 @@ def test_fixed_cost_per_touched_tensor_is_at_most_24_bytes():
     most 24 B per tensor (docs/format.md, "The table")."""
     sizes = {}
     for k in (1, 400):
-        base = {f"model.layers.{i}.mlp.w{j}": make_pair(i * 7 + j, torch.bfloat16, (32, 64), 0.0)[0] for i in range(k // 4 or 1) for j in range(4 if k > 1 else 1)}
+        base = {
+            f"model.layers.{i}.mlp.w{j}": make_pair(i * 7 + j, torch.bfloat16, (32, 64), 0.0)[0]
+            for i in range(k // 4 or 1)
+            for j in range(4 if k > 1 else 1)
+        }
         target = _clone(base)
         for name, x in target.items():
             bits(x).reshape(-1)[hash(name) % x.numel()] += 1

@@ -32,7 +32,9 @@ def test_golden_bytes_pin_the_format():
     assert (t.start, t.end, s.end) == (8 + n, 8 + n + 35, len(data))
     # count 1; name "w" (shared 0, 1 byte); dtype 6 = BF16; shape [8]; positions bitmap (2) | values raw (0 << 4);
     # n_changed 3; bitmap 10 B; base digest 435a492afd86f993, target digest ea4fa02af92e67dc (u64 little-endian)
-    assert _table.inflate(data[t.start : t.end]) == bytes.fromhex("01" "000177" "06" "0108" "02" "03" "0a" "93f986fd2a495a43" "dc672ef92aa04fea")
+    assert _table.inflate(data[t.start : t.end]) == bytes.fromhex(
+        "0100017706010802030a93f986fd2a495a43dc672ef92aa04fea"
+    )
     assert data[t.start : t.start + 4] == bytes.fromhex("28b52ffd")  # the table is one zstd frame
     # the zstd-framed bitmap 0b00110010 (elements 1, 4, 5), then bf16 -2.0+1ulp, 3.0-1ulp, -0.0+1ulp little-endian
     assert data[s.start :] == bytes.fromhex("28b52ffd200109000032" "01c03f400180")
@@ -42,7 +44,8 @@ def test_golden_bytes_pin_the_format():
 GOLDEN_HEADER = (
     '{"__metadata__":{"format":"sparsesync.patch","format_version":"3","base_version":"7","target_version":"8",'
     '"base_state_digest":"323480d7f4240df9","target_state_digest":"c268f5f00aa0fd73"},'
-    '"table":{"dtype":"U8","shape":[35],"data_offsets":[0,35]},"streams":{"dtype":"U8","shape":[16],"data_offsets":[35,51]}}'
+    '"table":{"dtype":"U8","shape":[35],"data_offsets":[0,35]},'
+    '"streams":{"dtype":"U8","shape":[16],"data_offsets":[35,51]}}'
 )
 
 
@@ -90,7 +93,8 @@ GOLDEN_DELTA = "9bb6432006000000108018200600000082b2f087010000009fa4fbdf00000000
     "version, encodings, flip",
     [
         (1, {("gaps", "delta"), ("dense", "delta")}, ("w::gaps", 2)),  # constriction's ANS
-        (2, {("gaps", "delta"), ("dense", "delta"), ("bitmap", "delta"), ("bitmap", "raw")}, ("w::delta", 40)),  # rANS, JSON entries
+        # rANS, JSON entries
+        (2, {("gaps", "delta"), ("dense", "delta"), ("bitmap", "delta"), ("bitmap", "raw")}, ("w::delta", 40)),
     ],
 )
 def test_older_format_patches_still_apply(version, encodings, flip):

@@ -53,14 +53,22 @@ def _unpack(data: bytes) -> tuple[dict, list[_table.Row], dict[str, dict[str, by
     return meta, rows, {n: {role: patch.stream(n, role) for role in e.streams} for n, e in patch.header.tensors.items()}
 
 
-def _pack(meta: dict, rows: list[_table.Row], streams: dict[str, dict[str, bytes]], *, table: bytes | None = None) -> bytes:
+def _pack(
+    meta: dict, rows: list[_table.Row], streams: dict[str, dict[str, bytes]], *, table: bytes | None = None
+) -> bytes:
     """The file of `_unpack`'s parts (explicit stream sizes taken from the streams' bytes), or
     with the compressed `table` given as is."""
     for r in rows:
-        r.sizes = {role: len(streams[r.name][role]) for role in _table.explicit_roles(r.positions, r.position_params, r.values, r.value_params) if role in streams[r.name]}
+        r.sizes = {
+            role: len(streams[r.name][role])
+            for role in _table.explicit_roles(r.positions, r.position_params, r.values, r.value_params)
+            if role in streams[r.name]
+        }
     table = _table.build_table(rows) if table is None else table
     blob = b"".join(streams[r.name][role] for r in rows for role in _table.ROLE_ORDER if role in streams[r.name])
-    return _container.write_container(meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)])
+    return _container.write_container(
+        meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)]
+    )
 
 
 def _edit_table(data: bytes, fn) -> bytes:  # noqa: ANN001 - fn(inflated table bytes) -> new inflated bytes
@@ -78,7 +86,8 @@ def _edit_header(data: bytes, fn) -> bytes:  # noqa: ANN001 - fn(header dict) ed
     return struct.pack("<Q", len(hb)) + hb + data[8 + n :]
 
 
-def _edit_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001 - fn(vars of the tensor's table row) edits in place
+# fn(vars of the tensor's table row) edits in place
+def _edit_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001
     meta, rows, streams = _unpack(data)
     fn(vars(next(r for r in rows if r.name == name)))
     return _pack(meta, rows, streams)
@@ -107,7 +116,14 @@ def test_reject_index_out_of_range():
     data = _raw_patch(base, target)
     idx = _i32(data, "x::indices")
     idx[-1] = 4200  # numel of 'x' is 60 * 70 = 4200
-    _rejects(_put_i32(data, "x::indices", idx), _clone(base), PatchFormatError, "tensor 'x'", "index 4200 out of range", "0 <= index < 4200")
+    _rejects(
+        _put_i32(data, "x::indices", idx),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "index 4200 out of range",
+        "0 <= index < 4200",
+    )
     idx = _i32(data, "x::indices")
     idx[0] = -1
     _rejects(_put_i32(data, "x::indices", idx), _clone(base), PatchFormatError, "tensor 'x'", "index -1 out of range")
@@ -119,32 +135,68 @@ def test_reject_duplicate_and_unsorted_indices():
     idx = _i32(data, "x::indices")
     dup = idx.copy()
     dup[3] = dup[2]
-    _rejects(_put_i32(data, "x::indices", dup), _clone(base), PatchFormatError, "tensor 'x'", f"not strictly increasing: {idx[2]} then {idx[2]}")
+    _rejects(
+        _put_i32(data, "x::indices", dup),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        f"not strictly increasing: {idx[2]} then {idx[2]}",
+    )
     swapped = idx.copy()
     swapped[[2, 3]] = swapped[[3, 2]]
-    _rejects(_put_i32(data, "x::indices", swapped), _clone(base), PatchFormatError, "tensor 'x'", f"{idx[3]} then {idx[2]}")
+    _rejects(
+        _put_i32(data, "x::indices", swapped), _clone(base), PatchFormatError, "tensor 'x'", f"{idx[3]} then {idx[2]}"
+    )
 
 
 def test_reject_stream_length_mismatch():
     base, target = _case()
     n = diff_state(base, target)["x"].n_changed
     # raw values sized by n_changed: one value short leaves the table's sizes past the streams
-    _rejects(_raw_patch(base, target, short_values="x"), _clone(base), PatchFormatError, "tensor 'x'", "stream 'values' ends at byte")
+    _rejects(
+        _raw_patch(base, target, short_values="x"),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "stream 'values' ends at byte",
+    )
     # a compressed stream one byte too long
     ch = diff_state({"x": base["x"]}, {"x": target["x"]})["x"]
     data = _forced(ch, base["x"], "gaps", "delta", [])
     s, e = _span(data, "x::gaps_low")  # its size follows from the classes' n and k: the streams tensor is then too long
-    _rejects(_restream(data, "x::gaps_low", data[s:e] + b"\0"), {"x": base["x"].clone()}, PatchFormatError, "the table's streams cover", "the 'streams' tensor has")
+    _rejects(
+        _restream(data, "x::gaps_low", data[s:e] + b"\0"),
+        {"x": base["x"].clone()},
+        PatchFormatError,
+        "the table's streams cover",
+        "the 'streams' tensor has",
+    )
     s, e = _span(data, "x::gaps")  # an explicit size: the ANS decoder sees the odd length
-    _rejects(_restream(data, "x::gaps", data[s:e] + b"\0"), {"x": base["x"].clone()}, PatchFormatError, "tensor 'x'", "multiple of 4")
+    _rejects(
+        _restream(data, "x::gaps", data[s:e] + b"\0"),
+        {"x": base["x"].clone()},
+        PatchFormatError,
+        "tensor 'x'",
+        "multiple of 4",
+    )
     # a table that promises more (or fewer) changes than the streams hold
     real = _encode(base, target)
     assert read_patch(real).header.tensors["x"].positions == "gaps"
     for d in (-1, 1):
-        _rejects(_edit_entry(real, "x", lambda e, d=d: e["position_params"]["classes"][0].update(n=e["position_params"]["classes"][0]["n"] + d)), _clone(base), PatchFormatError)
+        _rejects(
+            _edit_entry(
+                real,
+                "x",
+                lambda e, d=d: e["position_params"]["classes"][0].update(n=e["position_params"]["classes"][0]["n"] + d),
+            ),
+            _clone(base),
+            PatchFormatError,
+        )
     raw = _raw_patch(base, target)
     for wrong in (n - 1, n + 1):
-        _rejects(_edit_entry(raw, "x", lambda e, w=wrong: e.update(n_changed=w)), _clone(base), PatchFormatError, "streams")
+        _rejects(
+            _edit_entry(raw, "x", lambda e, w=wrong: e.update(n_changed=w)), _clone(base), PatchFormatError, "streams"
+        )
 
 
 def _small_patches() -> list[bytes]:
@@ -194,8 +246,19 @@ def test_reject_bad_header_json():
         (b"[" * n, "not UTF-8 JSON"),  # nesting deeper than the JSON parser's recursion limit
     ]:
         _rejects(data[:8] + junk + data[8 + n :], _clone(base), PatchFormatError, needle)
-    _rejects(_edit_header(data, lambda h: h["__metadata__"].update(tensors="{}")), _clone(base), PatchFormatError, "metadata keys")  # format 2's entries in a format 3 file
-    _rejects(_edit_header(data, lambda h: h.update(extra=h.pop("streams"))), _clone(base), PatchFormatError, "expected exactly 'table' then 'streams'")
+    # format 2's entries in a format 3 file
+    _rejects(
+        _edit_header(data, lambda h: h["__metadata__"].update(tensors="{}")),
+        _clone(base),
+        PatchFormatError,
+        "metadata keys",
+    )
+    _rejects(
+        _edit_header(data, lambda h: h.update(extra=h.pop("streams"))),
+        _clone(base),
+        PatchFormatError,
+        "expected exactly 'table' then 'streams'",
+    )
     swapped = _edit_header(data, lambda h: h.update(table=h["streams"], streams=h["table"]))
     _rejects(swapped, _clone(base), PatchFormatError, "expected exactly 'table' then 'streams'")
 
@@ -221,11 +284,28 @@ def test_reject_hostile_tables():
 
     # the raw patch's inflated table: count (byte 0); names "a" (00 01 61) and "x" (00 01 78) at 1-6;
     # dtypes at 7-8; shapes [40, 50] and [60, 70] at 9-14; encodings at 15-16; then n_changed, digests
-    assert _table.inflate(raw[_span(raw, "a::indices")[0] - _container.parse_container(memoryview(raw))[1]["table"].nbytes : _span(raw, "a::indices")[0]])[:17] == bytes.fromhex("02" "000161" "000178" "0606" "022832" "023c46" "0000")
+    assert _table.inflate(
+        raw[
+            _span(raw, "a::indices")[0] - _container.parse_container(memoryview(raw))[1]["table"].nbytes : _span(
+                raw, "a::indices"
+            )[0]
+        ]
+    )[:17] == bytes.fromhex("020001610001780606022832023c460000")
     cases = [
         (_pack(meta, rows, streams, table=b"not zstd"), ("patch table", "not a zstd frame")),
-        (_pack(meta, rows, streams, table=zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 64)), ("patch table", "unknown number of")),
-        (_pack(meta, rows, streams, table=bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0])), ("patch table", "declares 1099511627776 inflated bytes")),
+        (
+            _pack(meta, rows, streams, table=zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 64)),
+            ("patch table", "unknown number of"),
+        ),
+        (
+            _pack(
+                meta,
+                rows,
+                streams,
+                table=bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0]),
+            ),
+            ("patch table", "declares 1099511627776 inflated bytes"),
+        ),
         (_edit_table(data, lambda t: t + b"\0"), ("patch table", "1 bytes left after the last field")),
         (_edit_table(data, lambda t: t[:-1]), ("patch table", "ends inside target digests")),
         (_edit_table(data, bytes_at(0, b"\xff\xff\xff\x7f")), ("patch table", "declares 268435455 records")),
@@ -238,18 +318,62 @@ def test_reject_hostile_tables():
         (_edit_table(raw, bytes_at(12, b"\x11")), ("patch table", "tensor 'x': 17 dims")),
         (_edit_table(raw, bytes_at(16, b"\x0f")), ("patch table", "tensor 'x': encoding code 0x0f")),
         (_edit_table(raw, bytes_at(16, b"\x20")), ("patch table", "tensor 'x': encoding code 0x20")),
-        (edit_rows(data, lambda r: r[1].position_params.update(thresholds=[3, 2], classes=r[1].position_params["classes"] * 3)), ("patch table", "tensor 'x': gaps thresholds [3, 2]")),
-        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(k=49)), ("patch table", "tensor 'x': gaps k=49", "at most 48")),
-        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1] * 70)), ("patch table", "quotient model alphabet size 69")),
-        (edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1 << 14, 5, 0])), ("patch table", "frequencies sum to 16389")),
-        (edit_rows(data, lambda r: r[1].value_params.update(counts=[[1 << 15, 0]])), ("patch table", "tensor 'x': delta model frequency is over 16384")),
-        (edit_rows(data, lambda r: r[1].value_params.update(thresholds=[0], counts=[[1, 1]] * 2)), ("patch table", "tensor 'x': delta thresholds [0]")),
-        (edit_rows(data, lambda r: r[1].position_params.update(thresholds=list(range(1, 9)), classes=r[1].position_params["classes"] * 9)), ("patch table", "gaps thresholds [1, 2, 3, 4, 5, 6, 7, 8]")),
-        (_pack(meta, rows, {**streams, "x": {**streams["x"], "gaps": streams["x"]["gaps"] + b"\0" * 4}}, table=_table.build_table(rows)), ("the table's streams cover",)),
+        (
+            edit_rows(
+                data,
+                lambda r: r[1].position_params.update(thresholds=[3, 2], classes=r[1].position_params["classes"] * 3),
+            ),
+            ("patch table", "tensor 'x': gaps thresholds [3, 2]"),
+        ),
+        (
+            edit_rows(data, lambda r: r[1].position_params["classes"][0].update(k=49)),
+            ("patch table", "tensor 'x': gaps k=49", "at most 48"),
+        ),
+        (
+            edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1] * 70)),
+            ("patch table", "quotient model alphabet size 69"),
+        ),
+        (
+            edit_rows(data, lambda r: r[1].position_params["classes"][0].update(counts=[1 << 14, 5, 0])),
+            ("patch table", "frequencies sum to 16389"),
+        ),
+        (
+            edit_rows(data, lambda r: r[1].value_params.update(counts=[[1 << 15, 0]])),
+            ("patch table", "tensor 'x': delta model frequency is over 16384"),
+        ),
+        (
+            edit_rows(data, lambda r: r[1].value_params.update(thresholds=[0], counts=[[1, 1]] * 2)),
+            ("patch table", "tensor 'x': delta thresholds [0]"),
+        ),
+        (
+            edit_rows(
+                data,
+                lambda r: r[1].position_params.update(
+                    thresholds=list(range(1, 9)), classes=r[1].position_params["classes"] * 9
+                ),
+            ),
+            ("patch table", "gaps thresholds [1, 2, 3, 4, 5, 6, 7, 8]"),
+        ),
+        (
+            _pack(
+                meta,
+                rows,
+                {**streams, "x": {**streams["x"], "gaps": streams["x"]["gaps"] + b"\0" * 4}},
+                table=_table.build_table(rows),
+            ),
+            ("the table's streams cover",),
+        ),
         (edit_rows(raw, lambda r: r[1].__dict__.update(n_changed=0)), ("tensor 'x'", "n_changed is 0")),
-        (edit_rows(raw, lambda r: r[1].__dict__.update(n_changed=1 << 40)), ("tensor 'x'", "n_changed is 1099511627776")),
-        (edit_rows(raw, lambda r: r[1].__dict__.update(shape=(1 << 30, 1 << 30))), ("patch table", "tensor 'x': shape", "more than 2^48 elements")),
-        (edit_rows(raw, lambda r: r[0].__dict__.update(name="x")), ("patch table", "does not sort after name 0")),  # a duplicate name
+        (
+            edit_rows(raw, lambda r: r[1].__dict__.update(n_changed=1 << 40)),
+            ("tensor 'x'", "n_changed is 1099511627776"),
+        ),
+        (
+            edit_rows(raw, lambda r: r[1].__dict__.update(shape=(1 << 30, 1 << 30))),
+            ("patch table", "tensor 'x': shape", "more than 2^48 elements"),
+        ),
+        # a duplicate name
+        (edit_rows(raw, lambda r: r[0].__dict__.update(name="x")), ("patch table", "does not sort after name 0")),
     ]
     for bad, needles in cases:
         tracemalloc.start()
@@ -262,7 +386,9 @@ def test_reject_hostile_tables():
     rows[1].sizes["gaps"] += 1 << 47
     table = _table.build_table(rows)
     blob = b"".join(streams[r.name][role] for r in rows for role in _table.ROLE_ORDER if role in streams[r.name])
-    bad = _container.write_container(meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)])
+    bad = _container.write_container(
+        meta, [("table", "U8", (len(table),), table), ("streams", "U8", (len(blob),), blob)]
+    )
     _rejects(bad, _clone(base), PatchFormatError, "tensor 'x'", "stream 'gaps' ends at byte 140737488")
 
 
@@ -302,7 +428,9 @@ def test_reject_data_offsets_outside_file():
         bad = _edit_header(data, lambda h, o=offs: h["streams"].update(data_offsets=o))
         _rejects(bad, _clone(base), PatchFormatError, "'streams'", needle)
     # the two tensors over the same bytes: they must tile the data section
-    overlap = _edit_header(data, lambda h: h["table"].update(data_offsets=h["streams"]["data_offsets"], shape=h["streams"]["shape"]))
+    overlap = _edit_header(
+        data, lambda h: h["table"].update(data_offsets=h["streams"]["data_offsets"], shape=h["streams"]["shape"])
+    )
     _rejects(overlap, _clone(base), PatchFormatError, "tile")
 
 
@@ -316,16 +444,45 @@ def test_reject_huge_declared_sizes_quickly_without_allocating():
     ch = diff_state({"x": base["x"]}, {"x": target["x"]})["x"]
     bitmap = _forced(ch, base["x"], "bitmap", "raw", [])
     s, e = _span(bitmap, "x::bitmap")
-    bomb = bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0])  # declares 1 TiB
+    # declares 1 TiB
+    bomb = bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little") + bytes([1, 0, 0])
     cases = [
-        (_edit_header(raw, lambda h: h["streams"].update(shape=[2**40])), PatchFormatError, ("'streams'", "expected 1099511627776")),
-        (_edit_header(raw, lambda h: h["streams"].update(shape=[2**30, 2**30])), PatchFormatError, ("'streams'", "more than")),
-        (_edit_entry(raw, "x", lambda en: en.update(shape=(2**40,), positions="dense")), PatchFormatError, ("tensor 'x'", "stream 'values' ends at byte 21990232")),
-        (_edit_entry(data, "x", lambda en: en.update(shape=(2**20, 2**20))), PatchMismatchError, ("tensor 'x'", "shape [60, 70]", "expected [1048576, 1048576]")),
+        (
+            _edit_header(raw, lambda h: h["streams"].update(shape=[2**40])),
+            PatchFormatError,
+            ("'streams'", "expected 1099511627776"),
+        ),
+        (
+            _edit_header(raw, lambda h: h["streams"].update(shape=[2**30, 2**30])),
+            PatchFormatError,
+            ("'streams'", "more than"),
+        ),
+        (
+            _edit_entry(raw, "x", lambda en: en.update(shape=(2**40,), positions="dense")),
+            PatchFormatError,
+            ("tensor 'x'", "stream 'values' ends at byte 21990232"),
+        ),
+        (
+            _edit_entry(data, "x", lambda en: en.update(shape=(2**20, 2**20))),
+            PatchMismatchError,
+            ("tensor 'x'", "shape [60, 70]", "expected [1048576, 1048576]"),
+        ),
         (_edit_entry(raw, "x", lambda en: en.update(n_changed=2**40)), PatchFormatError, ("tensor 'x'", "n_changed")),
-        (_restream(bitmap, "x::bitmap", bomb), PatchFormatError, ("tensor 'x'", "declares 1099511627776 decompressed bytes", f"expected {(4200 + 7) // 8}")),
-        (_restream(bitmap, "x::bitmap", zstandard.ZstdCompressor(write_content_size=False).compress(bitmap[s:e])), PatchFormatError, ("tensor 'x'", "decompressed bytes")),
-        (_edit_entry(data, "x", lambda en: en["position_params"]["classes"][0].update(n=2**40)), PatchFormatError, ("tensor 'x'", "n_changed is 1099511627")),
+        (
+            _restream(bitmap, "x::bitmap", bomb),
+            PatchFormatError,
+            ("tensor 'x'", "declares 1099511627776 decompressed bytes", f"expected {(4200 + 7) // 8}"),
+        ),
+        (
+            _restream(bitmap, "x::bitmap", zstandard.ZstdCompressor(write_content_size=False).compress(bitmap[s:e])),
+            PatchFormatError,
+            ("tensor 'x'", "decompressed bytes"),
+        ),
+        (
+            _edit_entry(data, "x", lambda en: en["position_params"]["classes"][0].update(n=2**40)),
+            PatchFormatError,
+            ("tensor 'x'", "n_changed is 1099511627"),
+        ),
     ]
     for bad, exc, needles in cases:
         tracemalloc.start()
@@ -340,9 +497,27 @@ def test_reject_huge_declared_sizes_quickly_without_allocating():
 def test_reject_wrong_stream_dtypes():
     base, target = _case()
     raw = _raw_patch(base, target)
-    _rejects(_edit_header(raw, lambda h: h["table"].update(dtype="I8")), _clone(base), PatchFormatError, "'table' is I8", "expected U8")
-    _rejects(_edit_header(raw, lambda h: h["streams"].update(dtype="I8")), _clone(base), PatchFormatError, "'streams' I8", "expected U8")
-    _rejects(_edit_header(raw, lambda h: h["streams"].update(dtype="Q4")), _clone(base), PatchFormatError, "'streams'", "dtype 'Q4'")
+    _rejects(
+        _edit_header(raw, lambda h: h["table"].update(dtype="I8")),
+        _clone(base),
+        PatchFormatError,
+        "'table' is I8",
+        "expected U8",
+    )
+    _rejects(
+        _edit_header(raw, lambda h: h["streams"].update(dtype="I8")),
+        _clone(base),
+        PatchFormatError,
+        "'streams' I8",
+        "expected U8",
+    )
+    _rejects(
+        _edit_header(raw, lambda h: h["streams"].update(dtype="Q4")),
+        _clone(base),
+        PatchFormatError,
+        "'streams'",
+        "dtype 'Q4'",
+    )
 
 
 def test_reject_unknown_encodings():
@@ -350,12 +525,49 @@ def test_reject_unknown_encodings():
     d = Path(__file__).parents[1] / "data" / "format_v2"
     base = dict(st_load((d / "base.safetensors").read_bytes()))
     data = (d / "patch.safetensors").read_bytes()
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(positions="rle")), _clone(base), PatchFormatError, "tensor 'x'", "position encoding 'rle'", "'raw_i32'")
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(values="xor")), _clone(base), PatchFormatError, "tensor 'x'", "value encoding 'xor'", "'delta'")
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(dtype="F4")), _clone(base), PatchFormatError, "tensor 'x'", "dtype 'F4'")
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(streams=5)), _clone(base), PatchFormatError, "tensor 'x'", "streams is 5")
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.pop("base_digest")), _clone(base), PatchFormatError, "tensor 'x'", "entry fields")
-    _rejects(_edit_v2_entry(data, "x", lambda e: e.update(position_params={"thresholds": [3, 2], "classes": []})), _clone(base), PatchFormatError, "tensor 'x'")
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.update(positions="rle")),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "position encoding 'rle'",
+        "'raw_i32'",
+    )
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.update(values="xor")),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "value encoding 'xor'",
+        "'delta'",
+    )
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.update(dtype="F4")),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "dtype 'F4'",
+    )
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.update(streams=5)),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "streams is 5",
+    )
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.pop("base_digest")),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+        "entry fields",
+    )
+    _rejects(
+        _edit_v2_entry(data, "x", lambda e: e.update(position_params={"thresholds": [3, 2], "classes": []})),
+        _clone(base),
+        PatchFormatError,
+        "tensor 'x'",
+    )
 
 
 def _edit_v2_entry(data: bytes, name: str, fn) -> bytes:  # noqa: ANN001 - fn(format 2 JSON entry) edits in place
@@ -373,12 +585,19 @@ def test_reject_bad_encoding_parameters():
     data = _encode(base, target)
     e = read_patch(data).header.tensors["x"]
     assert (e.positions, e.values) == ("gaps", "delta")
-    hostile_p = [{"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": [1 << 14, 0]}]},  # n_changed no longer matches the streams
-                 {"thresholds": [], "classes": [{"n": e.n_changed, "k": 0, "counts": [1, (1 << 14) - 1]}]}]  # every quotient escapes
+    # n_changed no longer matches the streams
+    hostile_p = [{"thresholds": [], "classes": [{"n": 1, "k": 0, "counts": [1 << 14, 0]}]},
+                 # every quotient escapes
+                 {"thresholds": [], "classes": [{"n": e.n_changed, "k": 0, "counts": [1, (1 << 14) - 1]}]}]
     for p in hostile_p:
         _rejects(_edit_entry(data, "x", lambda en, p=p: en.update(position_params=p)), _clone(base), PatchFormatError)
-    for counts in ([[0, 0]], [[1, (1 << 14) - 1]], [[(1 << 14) - 1, 1]]):  # no model; models the stream was not coded with
-        _rejects(_edit_entry(data, "x", lambda en, c=counts: en["value_params"].update(counts=c)), _clone(base), (PatchFormatError, DigestMismatchError))
+    # no model; models the stream was not coded with
+    for counts in ([[0, 0]], [[1, (1 << 14) - 1]], [[(1 << 14) - 1, 1]]):
+        _rejects(
+            _edit_entry(data, "x", lambda en, c=counts: en["value_params"].update(counts=c)),
+            _clone(base),
+            (PatchFormatError, DigestMismatchError),
+        )
 
 
 def test_reject_unknown_format_version():
@@ -390,6 +609,22 @@ def test_reject_unknown_format_version():
         assert "upgrade sparsesync" in err.hint
         with pytest.raises(PatchFormatError, match="format_version"):
             parse_header(bad[: header_span(bad)])
-    _rejects(_edit_header(data, lambda h: h["__metadata__"].update(format="other")), _clone(base), PatchFormatError, "format 'other'", "'sparsesync.patch'")
-    _rejects(_edit_header(data, lambda h: h["__metadata__"].pop("base_version")), _clone(base), PatchFormatError, "metadata keys")
-    _rejects(_edit_header(data, lambda h: h["__metadata__"].update(base_version="9")), _clone(base), PatchFormatError, "base_version 9 >= target_version 8")
+    _rejects(
+        _edit_header(data, lambda h: h["__metadata__"].update(format="other")),
+        _clone(base),
+        PatchFormatError,
+        "format 'other'",
+        "'sparsesync.patch'",
+    )
+    _rejects(
+        _edit_header(data, lambda h: h["__metadata__"].pop("base_version")),
+        _clone(base),
+        PatchFormatError,
+        "metadata keys",
+    )
+    _rejects(
+        _edit_header(data, lambda h: h["__metadata__"].update(base_version="9")),
+        _clone(base),
+        PatchFormatError,
+        "base_version 9 >= target_version 8",
+    )

@@ -64,7 +64,8 @@ def test_changed_slice_grows_its_outputs(density):
 def test_changed_slice_grows_again_when_the_density_rises():
     rng = np.random.default_rng(2)
     a = _bits(rng, 400_000, 2)
-    b = np.concatenate([_flip(rng, a[:200_000], 0.01), _flip(rng, a[200_000:], 0.9)])  # the first growth predicts too few
+    # the first growth predicts too few
+    b = np.concatenate([_flip(rng, a[:200_000], 0.01), _flip(rng, a[200_000:], 0.9)])
     idx, va, vb = _changed_slice_np(a, b, 0)
     want = np.flatnonzero(a != b)
     assert np.array_equal(idx, want) and np.array_equal(va, a[want]) and np.array_equal(vb, b[want])
@@ -96,7 +97,9 @@ def test_diff_into_switches_between_sparse_and_dense_stretches(hw):
     rng = np.random.default_rng(3)
     parts = [(20_000, 0.001), (30_000, 0.1), (5_000, 0.0), (30_000, 0.3), (20_000, 0.02), (4_000, 1.0), (7_001, 0.06)]
     a = _bits(rng, sum(n for n, _ in parts), 2)
-    b = np.concatenate([_flip(rng, a[s : s + n], d) for (n, d), s in zip(parts, np.cumsum([0] + [n for n, _ in parts]))])
+    b = np.concatenate(
+        [_flip(rng, a[s : s + n], d) for (n, d), s in zip(parts, np.cumsum([0] + [n for n, _ in parts]))]
+    )
     want = np.flatnonzero(a != b)
     oi, oa, ob = np.empty(a.size, np.int64), np.empty(a.size, a.dtype), np.empty(a.size, a.dtype)
     k, nxt = _native.diff_into(a, b, 2, 0, 0, oi, oa, ob, hw)
@@ -170,13 +173,15 @@ def _report_hw_levels(request):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
-@pytest.mark.parametrize("n", [1, 63, 64, 65, 5000, 20001])  # 20001: class_ranks' chunks of 8192 elements, and a partial last block
+# 20001: class_ranks' chunks of 8192 elements, and a partial last block
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 5000, 20001])
 @pytest.mark.parametrize("hw", HW)
 def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
     _need(hw)
     rng = np.random.default_rng(width * 1000 + n)
     base = _bits(rng, n, width)
-    for thresholds in ([], [64], [30, 90], [20, 40, 100], [1, 2, 3, 4, 5, 6, 127]):  # every class count the C passes specialize (1-3) and others
+    # every class count the C passes specialize (1-3) and others
+    for thresholds in ([], [64], [30, 90], [20, 40, 100], [1, 2, 3, 4, 5, 6, 127]):
         for density in (0.0, 0.02, 0.5, 1.0):
             idx = np.flatnonzero(rng.random(n) < density).astype(np.int64)
             want = _ref_ranks(base, thresholds, idx)
@@ -189,7 +194,8 @@ def test_class_ranks_and_select_match_numpy_and_invert(width, n, hw):
             out = np.empty(idx.size, np.int64)
             assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw) == -1
             assert np.array_equal(out, idx)
-            out, at = np.full(idx.size, -1, np.int64), np.empty(idx.size, base.dtype)  # the base's bits too, in the same pass
+            # the base's bits too, in the same pass
+            out, at = np.full(idx.size, -1, np.int64), np.empty(idx.size, base.dtype)
             assert _native.class_select(base, width, bytes(thresholds), np.concatenate(ranks), off, out, hw, at) == -1
             assert np.array_equal(out, idx) and np.array_equal(at, base[idx])
 
@@ -245,17 +251,23 @@ def test_class_passes_reject_bad_arguments():
     with pytest.raises(ValueError, match="offsets must rise"):
         _native.class_select(base, 2, b"", np.array([0, 1], np.int64), np.array([0, 3], np.int64), out)
     with pytest.raises(ValueError, match="out_bits must hold one element"):
-        _native.class_select(base, 2, b"", np.array([0, 1], np.int64), np.array([0, 2], np.int64), out, -1, np.empty(3, np.uint16))
+        _native.class_select(
+            base, 2, b"", np.array([0, 1], np.int64), np.array([0, 2], np.int64), out, -1, np.empty(3, np.uint16)
+        )
     with pytest.raises(ValueError, match="out_bits"):
         class_select(base, [], np.array([0, 1], np.int64), [2], out_bits=np.empty(2, np.uint32))
     with pytest.raises(ValueError, match="offsets do not match"):  # idx 3 is in class 0, offsets put it in class 1
-        _native.class_ranks(base, 2, bytes([64]), np.array([3], np.int64), np.array([0, 0, 1], np.int64), np.empty(1, np.int64))
+        _native.class_ranks(
+            base, 2, bytes([64]), np.array([3], np.int64), np.array([0, 0, 1], np.int64), np.empty(1, np.int64)
+        )
     with pytest.raises(ValueError, match="out of range or order"):
         _native.class_ranks(base, 2, b"", np.array([100], np.int64), np.array([0, 1], np.int64), np.empty(1, np.int64))
     big = np.zeros(20000, np.uint16)  # past class_ranks' first chunk of 8192 elements
     for bad, at in (([-1, 5], 0), ([5, 5], 1), ([9000, 8999], 1), ([3, 19999, 20000], 2), ([10000, 9000, 12000], 1)):
         with pytest.raises(ValueError, match=f"index {bad[at]} at {at} out of range or order"):
-            _native.class_ranks(big, 2, b"", np.array(bad, np.int64), np.array([0, len(bad)], np.int64), np.empty(len(bad), np.int64))
+            _native.class_ranks(
+                big, 2, b"", np.array(bad, np.int64), np.array([0, len(bad)], np.int64), np.empty(len(bad), np.int64)
+            )
 
 
 def test_class_of_counts_the_thresholds_each_key_reaches():
@@ -325,7 +337,11 @@ def test_thresholds_dp_matches_the_numpy_dp():
 # ---------------------------------------------------------------------------- gaps and deltas
 def _ref_gap_symbols(r: np.ndarray, k: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = (np.diff(r, prepend=-1) - 1) >> k
-    return np.minimum(q, e).astype(np.int32), q[q >= e].astype(np.uint64), np.bincount(np.minimum(q, e), minlength=e + 1)
+    return (
+        np.minimum(q, e).astype(np.int32),
+        q[q >= e].astype(np.uint64),
+        np.bincount(np.minimum(q, e), minlength=e + 1),
+    )
 
 
 @pytest.mark.parametrize("k,e", [(0, 1), (0, 64), (3, 4), (9, 2)])
@@ -394,7 +410,9 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
     step_hist = np.empty((n_cls, 65), np.int64)
     _native.delta_hist(base, target, width, bytes(thresholds), step_hist, 7)
     for c in range(n_cls):
-        assert np.array_equal(step_hist[c], np.bincount(np.minimum(zz[::7][full_cls[::7] == c], 64).astype(np.intp), minlength=65))
+        assert np.array_equal(
+            step_hist[c], np.bincount(np.minimum(zz[::7][full_cls[::7] == c], 64).astype(np.intp), minlength=65)
+        )
     es = np.array([5, 64, 1][:n_cls], np.int64)
     sizes = hist.sum(axis=1)
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -418,7 +436,17 @@ def test_delta_passes_match_numpy_and_invert(width, thresholds):
         assert _native.delta_values(base, width, cls, n_cls, sym, off, es, bad.tobytes(), out) >= 200
     if n_cls > 1:  # class sizes that do not match the classes
         with pytest.raises(ValueError, match="offsets do not match"):
-            _native.delta_symbols(base, target, width, bytes(thresholds), es, np.array([0] * n_cls + [n], np.int64), sym, esc_all, sym_hist)
+            _native.delta_symbols(
+                base,
+                target,
+                width,
+                bytes(thresholds),
+                es,
+                np.array([0] * n_cls + [n], np.int64),
+                sym,
+                esc_all,
+                sym_hist,
+            )
 
 
 # ---------------------------------------------------------------------------- gather / scatter
@@ -436,7 +464,9 @@ def _ref_escape_costs(hists: np.ndarray, raw_bits: int) -> tuple[np.ndarray, np.
     cum_clogc = np.concatenate([zero, np.cumsum(c * np.log2(np.maximum(c, 1.0)), axis=1)], axis=1)
     tail = n - np.concatenate([zero, np.cumsum(c, axis=1)], axis=1)
     esc = np.maximum(tail[:, _ESC_CHOICES], 0.0)
-    ent = np.where(n > 0, n * np.log2(np.maximum(n, 1.0)) - cum_clogc[:, _ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)), 0.0)
+    ent = np.where(
+        n > 0, n * np.log2(np.maximum(n, 1.0)) - cum_clogc[:, _ESC_CHOICES] - esc * np.log2(np.maximum(esc, 1.0)), 0.0
+    )
     bits = ent + esc * raw_bits + 24.0 * (_ESC_CHOICES + 1)
     no_esc = esc == 0
     last = np.where(no_esc.any(axis=1), np.argmax(no_esc, axis=1), esc.shape[1] - 1)
@@ -450,7 +480,10 @@ def test_escape_costs_match_numpy(raw_bits):
     rng = np.random.default_rng(raw_bits)
     rows = [np.zeros(65, np.int64), np.eye(65, dtype=np.int64)[0] * 5, np.eye(65, dtype=np.int64)[64] * 3]
     for scale in (1, 10, 1000, 10**7):  # geometric-ish histograms, as gaps and deltas have, and noise
-        rows += [np.round(scale * rng.random() * np.exp(-np.arange(65) * rng.uniform(0.05, 3))).astype(np.int64) for _ in range(40)]
+        rows += [
+            np.round(scale * rng.random() * np.exp(-np.arange(65) * rng.uniform(0.05, 3))).astype(np.int64)
+            for _ in range(40)
+        ]
         rows += [rng.integers(0, scale + 1, 65) for _ in range(10)]
     hists = np.stack(rows)
     bits, es = np.empty(len(rows)), np.empty(len(rows), np.int64)
@@ -534,7 +567,9 @@ def _rans(segs: list[tuple[np.ndarray, list[int]]]) -> tuple[np.ndarray, np.ndar
     return sym, sofs, counts, cofs
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [1], [2], [1, 1, 1], [5], [3, 0, 5], [2000], [7, 1, 0, 1500, 33], [4, 4, 4, 4]])
+@pytest.mark.parametrize(
+    "sizes", [[], [0], [1], [2], [1, 1, 1], [5], [3, 0, 5], [2000], [7, 1, 0, 1500, 33], [4, 4, 4, 4]]
+)
 def test_rans_matches_the_reference_coder_and_inverts(sizes):
     rng = np.random.default_rng(sum(sizes) + len(sizes))
     for _ in range(3):
@@ -545,7 +580,9 @@ def test_rans_matches_the_reference_coder_and_inverts(sizes):
         out = np.full(sym.size, -1, np.int32)
         assert _native.rans_decode(data, counts, cofs, sofs, out) == 0
         assert np.array_equal(out, sym)
-        assert [list(x) for x in _ref_rans_decode(data, [(cs, s.size) for s, cs in segs])] == [s.tolist() for s, _ in segs]
+        assert [list(x) for x in _ref_rans_decode(data, [(cs, s.size) for s, cs in segs])] == [
+            s.tolist() for s, _ in segs
+        ]
 
 
 def test_rans_size_is_near_the_entropy_and_certain_symbols_cost_nothing():
@@ -555,7 +592,12 @@ def test_rans_size_is_near_the_entropy_and_certain_symbols_cost_nothing():
     ent = sum(-(c * np.log2(c / c.sum())).sum() for c in (np.array(cs)[np.array(cs) > 0] for _, cs in segs)) / 8
     assert ent <= len(_native.rans_encode(sym, sofs, counts, cofs)) <= ent * 1.002 + 64
     certain = np.full(1000, 3, np.int32)
-    assert _native.rans_encode(certain, np.array([0, 1000], np.int64), np.array([0, 0, 0, 9, 0], np.int64), np.array([0, 5], np.int64)) == b""
+    assert (
+        _native.rans_encode(
+            certain, np.array([0, 1000], np.int64), np.array([0, 0, 0, 9, 0], np.int64), np.array([0, 5], np.int64)
+        )
+        == b""
+    )
 
 
 def test_rans_decode_rejects_every_damaged_stream():
@@ -581,7 +623,16 @@ def test_rans_decode_rejects_every_damaged_stream():
         assert st != 0 or not np.array_equal(out, sym)
         assert out.min() >= -1 and out.max() < 65
     empty = np.array([0, 0, 0], np.int64)
-    assert _native.rans_decode(data, np.zeros(4, np.int64), np.array([0, 2, 4], np.int64), np.array([0, 1, 1], np.int64), np.empty(1, np.int32)) == 5
+    assert (
+        _native.rans_decode(
+            data,
+            np.zeros(4, np.int64),
+            np.array([0, 2, 4], np.int64),
+            np.array([0, 1, 1], np.int64),
+            np.empty(1, np.int32),
+        )
+        == 5
+    )
     assert _native.rans_decode(b"", counts, cofs, empty, np.empty(0, np.int32)) == 0
 
 
@@ -590,15 +641,29 @@ def test_rans_rejects_bad_arguments():
     with pytest.raises(ValueError, match="outside its model or has a zero count"):
         _native.rans_encode(sym, sofs, counts, cofs)  # symbol 5 has count 0
     with pytest.raises(ValueError, match="outside its model"):
-        _native.rans_encode(np.array([6], np.int32), np.array([0, 1], np.int64), np.ones(6, np.int64), np.array([0, 6], np.int64))
+        _native.rans_encode(
+            np.array([6], np.int32), np.array([0, 1], np.int64), np.ones(6, np.int64), np.array([0, 6], np.int64)
+        )
     with pytest.raises(ValueError, match="malformed"):
         _native.rans_encode(sym, np.array([0, 2], np.int64), counts, cofs)  # offsets end before the symbols do
     with pytest.raises(ValueError, match="malformed"):
         _native.rans_encode(sym, sofs, np.ones(66, np.int64), np.array([0, 66], np.int64))  # 66 symbols
     with pytest.raises(ValueError, match="malformed"):
-        _native.rans_decode(b"", np.array([1, -1], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
+        _native.rans_decode(
+            b"",
+            np.array([1, -1], np.int64),
+            np.array([0, 2], np.int64),
+            np.array([0, 0], np.int64),
+            np.empty(0, np.int32),
+        )
     with pytest.raises(ValueError, match="malformed"):
-        _native.rans_decode(b"", np.array([1, 1 << 40], np.int64), np.array([0, 2], np.int64), np.array([0, 0], np.int64), np.empty(0, np.int32))
+        _native.rans_decode(
+            b"",
+            np.array([1, 1 << 40], np.int64),
+            np.array([0, 2], np.int64),
+            np.array([0, 0], np.int64),
+            np.empty(0, np.int32),
+        )
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])

@@ -47,7 +47,10 @@ def test_snapshot_chain_with_specials_and_all_dtypes():
     follower = {k: v.clone() for k, v in base.items()}
     state = base
     for v in range(1, 4):
-        state = {k: make_pair(v * 10 + i, x.dtype, tuple(x.shape), 0.05 * v, special=True)[1] if False else _perturb(x, v) for i, (k, x) in enumerate(state.items())}
+        state = {
+            k: make_pair(v * 10 + i, x.dtype, tuple(x.shape), 0.05 * v, special=True)[1] if False else _perturb(x, v)
+            for i, (k, x) in enumerate(state.items())
+        }
         p = snap.diff_encode(state, v)
         assert p.stats.n_changed == sum(c.n_changed for c in p.changes.values())
         apply_patch(read_patch(p.data), follower)
@@ -58,7 +61,11 @@ def test_snapshot_chain_with_specials_and_all_dtypes():
 def test_snapshot_fused_and_phased_paths_write_the_same_patch():
     """Contiguous CPU tensors take the per-tensor fused path; a strided view takes the
     phase-by-phase one. Both give the same bytes and the same advanced snapshot."""
-    base = {"a": make_pair(1, torch.bfloat16, (300, 70), 0.0)[0], "b": make_pair(2, torch.float32, (5000,), 0.0)[0], "c": make_pair(3, torch.float16, (9,), 0.0)[0]}
+    base = {
+        "a": make_pair(1, torch.bfloat16, (300, 70), 0.0)[0],
+        "b": make_pair(2, torch.float32, (5000,), 0.0)[0],
+        "c": make_pair(3, torch.float16, (9,), 0.0)[0],
+    }
     target = {k: _perturb(v, i) for i, (k, v) in enumerate(base.items())}
     strided = {**target, "a": target["a"].t().contiguous().t()}
     assert not strided["a"].is_contiguous()

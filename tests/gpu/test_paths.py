@@ -38,9 +38,15 @@ DEVICES = ["cpu", CUDA]
 # trainer's default), both CUDA (Snapshot(device="cuda")), CUDA snapshot + CPU weights
 PAIRS = [
     ("cpu", "cpu"),
-    pytest.param("cpu", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cpu-cuda"),
-    pytest.param("cuda", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cuda-cuda"),
-    pytest.param("cuda", "cpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cuda-cpu"),
+    pytest.param(
+        "cpu", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cpu-cuda"
+    ),
+    pytest.param(
+        "cuda", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cuda-cuda"
+    ),
+    pytest.param(
+        "cuda", "cpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)], id="cuda-cpu"
+    ),
 ]
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -92,7 +98,8 @@ def _stepped(state: dict[str, torch.Tensor], seed: int = 1, density: float = 0.0
             idx = torch.randint(0, ints.numel(), (n,), generator=g)
             ints[idx] += torch.randint(1, 3, (n,), generator=g, dtype=ints.dtype)
         out[name] = t
-    out["embed"].view(-1)[:4] = _from_bits([0x8000, 0x0000, 0xFF80, 0x7FC0], torch.bfloat16)  # +-0 swap, -inf, NaN payload change
+    # +-0 swap, -inf, NaN payload change
+    out["embed"].view(-1)[:4] = _from_bits([0x8000, 0x0000, 0xFF80, 0x7FC0], torch.bfloat16)
     out["embed"].view(-1)[8:12] = _from_bits([0x0002, 0x007E, 0x8000, 0x7F7E], torch.bfloat16)  # subnormals move
     out["norm32"][-4:] = _from_bits([0x00000002, 0x007FFFFE, 0x00000001, 0x7F7FFFFE], torch.float32)
     return out
@@ -121,8 +128,13 @@ def test_changed_slice_matches_the_cpu_pass_bit_for_bit(device, dtype, offset, c
     g = torch.Generator().manual_seed(offset)
     n = 1037
     width = torch.empty((), dtype=dtype).element_size()
-    a = torch.randint(-(1 << (8 * width - 1)) if width > 1 else 0, (1 << (8 * width - 1)) - 1 if width > 1 else 255, (n,),
-                      generator=g, dtype=_INT[width])
+    a = torch.randint(
+        -(1 << (8 * width - 1)) if width > 1 else 0,
+        (1 << (8 * width - 1)) - 1 if width > 1 else 255,
+        (n,),
+        generator=g,
+        dtype=_INT[width],
+    )
     b = a.clone()
     if case == "some":
         idx = torch.randint(0, n, (60,), generator=g)
@@ -131,7 +143,11 @@ def test_changed_slice_matches_the_cpu_pass_bit_for_bit(device, dtype, offset, c
     elif case == "all":
         b += 1
     elif case == "specials" and width in (2, 4):
-        sp = torch.from_numpy(np.array(SPECIAL_BF16 if width == 2 else SPECIAL_F32, dtype={2: np.uint16, 4: np.uint32}[width]).view({2: np.int16, 4: np.int32}[width]).copy())
+        sp = torch.from_numpy(
+            np.array(SPECIAL_BF16 if width == 2 else SPECIAL_F32, dtype={2: np.uint16, 4: np.uint32}[width])
+            .view({2: np.int16, 4: np.int32}[width])
+            .copy()
+        )
         a[: sp.numel()] = sp
         b[: sp.numel()] = sp.roll(1)
     a, b = a.view(dtype).to(device), b.view(dtype).to(device)
@@ -292,7 +308,9 @@ def test_a_device_state_publishes_the_same_patch_bytes_as_on_cpu(device, part_by
     assert [c.version for c in a] == [c.version for c in b] == [1, 2, 3, 4]
     for ca, cb in zip(a, b):
         assert ca.state_digest == cb.state_digest
-        assert [(o.size, o.xxh3) for o in ca.delta_objects()] == [(o.size, o.xxh3) for o in cb.delta_objects()], ca.version
+        assert [(o.size, o.xxh3) for o in ca.delta_objects()] == [(o.size, o.xxh3) for o in cb.delta_objects()], (
+            ca.version
+        )
     _bits_equal(runs[1].reconstruct(4)[1], states[3])
 
 

@@ -60,11 +60,15 @@ def test_embedded_engine_on_the_device_follows_five_versions(device, tiny, tmp_p
             got, want = greedy(engine), greedy(fresh)
             for (ids, lps), (ids_f, lps_f) in zip(got, want):
                 assert ids == ids_f, f"version {version}: replica and fresh engine generate different tokens"
-                assert max((abs(a - b) for a, b in zip(lps, lps_f)), default=0.0) <= 1e-3, f"version {version}: logprobs"
+                assert max((abs(a - b) for a, b in zip(lps, lps_f)), default=0.0) <= 1e-3, (
+                    f"version {version}: logprobs"
+                )
             seen.append(got)
             del fresh
     assert engine.pauses.count == 5 and engine.pauses.max_ms is not None  # every version paused it once
-    assert len({str([i for i, _ in s]) for s in seen}) > 1, "the updates never changed a generation: the test proves nothing"
+    assert len({str([i for i, _ in s]) for s in seen}) > 1, (
+        "the updates never changed a generation: the test proves nothing"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,7 +110,9 @@ def test_one_trainer_step_on_the_device_publishes_what_a_cpu_follower_applies(de
     assert follower.sync_once() == 2
     run = Run(cfg.sync.bucket)
     assert run.commit(1).has_delta and run.commit(2).has_delta
-    n_changed = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(first.values(), second.values()))
+    n_changed = sum(
+        int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(first.values(), second.values())
+    )
     assert n_changed > 0, "the step changed no bf16 element: the test proves nothing"
     assert_bit_equal(run.reconstruct(1)[1], second)
     assert_bit_equal(follower.mirror, {k: v.cpu() for k, v in live.items()})

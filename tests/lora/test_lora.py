@@ -89,7 +89,9 @@ def test_embedded_replica_follows_adapter_versions(bases, tmp_path, arch, dtype)
         pub.publish(trainer.model, 0)
         pub.flush()
         meta = Run(bucket).newest().adapter
-        assert meta is not None and meta.rank == 8 and meta.alpha == 16 and sorted(meta.target_modules) == sorted(TARGETS)
+        assert (
+            meta is not None and meta.rank == 8 and meta.alpha == 16 and sorted(meta.target_modules) == sorted(TARGETS)
+        )
         assert meta.dtype == str(dtype).removeprefix("torch.")
         engine = EmbeddedAdapterEngine(base, adapter=meta)
         follower = Follower(bucket, hook=engine, poll_interval=0.05, adapter=meta)
@@ -136,9 +138,13 @@ def test_adapter_and_full_weight_runs_are_never_confused(bases, tmp_path):  # ty
         pub.publish(weights, 2)
     with Publisher(str(tmp_path / "new")) as pub, pytest.raises(RunKindError, match="LoRA adapter tensors"):
         pub.publish(trainer.adapter(), 1)  # an adapter state dict without adapter=...: not full weights
-    with Publisher(str(tmp_path / "new2"), adapter=meta) as pub, pytest.raises(RunKindError, match="not a LoRA adapter tensor"):
+    with (
+        Publisher(str(tmp_path / "new2"), adapter=meta) as pub,
+        pytest.raises(RunKindError, match="not a LoRA adapter tensor"),
+    ):
         pub.publish(weights, 1)
-    other = AdapterMeta(meta.base_model, meta.base_digest, {**meta.config, "lora_alpha": 32}, meta.dtype)  # r must fit the tensors
+    # r must fit the tensors
+    other = AdapterMeta(meta.base_model, meta.base_digest, {**meta.config, "lora_alpha": 32}, meta.dtype)
     with Publisher(lora, adapter=other) as pub, pytest.raises(RunKindError, match="configuration"):
         pub.publish({k: v for k, v in trainer.adapter().items()}, 2)
     # followers and engines
@@ -170,14 +176,20 @@ def test_cli_push_pull_peft_folder_round_trips(bases, tmp_path):  # type: ignore
     res = runner.invoke(app, ["pull", run, str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert json.loads((out / "adapter_config.json").read_text()) == json.loads((folders[-1] / "adapter_config.json").read_text())
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (folders[-1] / "adapter_config.json").read_text()
+    )
     want = load_file(str(folders[-1] / "adapter_model.safetensors"))
     assert tensor_digests(load_file(str(out / "adapter_model.safetensors"))) == tensor_digests(want)
-    res = runner.invoke(app, ["pull", run, str(tmp_path / "v0"), "--version", "0"], catch_exceptions=False)  # a new run starts at 0
+    # a new run starts at 0
+    res = runner.invoke(app, ["pull", run, str(tmp_path / "v0"), "--version", "0"], catch_exceptions=False)
     assert tensor_digests(load_file(str(tmp_path / "v0" / "adapter_model.safetensors"))) == tensor_digests(
         load_file(str(folders[0] / "adapter_model.safetensors")))
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3-tied"], dtype=torch.bfloat16), out,
-                                       autocast_adapter_dtype=False)
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(bases["qwen3-tied"], dtype=torch.bfloat16),
+        out,
+        autocast_adapter_dtype=False,
+    )
     assert tensor_digests(get_peft_model_state_dict(loaded)) == tensor_digests(want)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
@@ -281,9 +293,13 @@ def test_trainer_lora_section_is_validated() -> None:
 
     base = {"model": {"path": "m"}, "rollout": {"replicas": ["http://127.0.0.1:1"], "env_url": "http://127.0.0.1:2"},
             "sync": {"bucket": "/tmp/b"}}
-    cfg = TrainerConfig.from_dict({**base, "lora": {"enabled": True, "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}})
+    cfg = TrainerConfig.from_dict(
+        {**base, "lora": {"enabled": True, "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}
+    )
     peft_cfg = cfg.lora.peft()
-    assert cfg.lora.enabled and peft_cfg.r == 4 and peft_cfg.lora_alpha == 8 and set(peft_cfg.target_modules) == {"q_proj"}
+    assert (
+        cfg.lora.enabled and peft_cfg.r == 4 and peft_cfg.lora_alpha == 8 and set(peft_cfg.target_modules) == {"q_proj"}
+    )
     assert TrainerConfig.from_dict(base).lora.enabled is False
     with pytest.raises(ConfigError, match=r"\[lora\] r = 0"):
         TrainerConfig.from_dict({**base, "lora": {"enabled": True, "r": 0}})
@@ -324,11 +340,12 @@ def test_demo_lora_replicas_end_bit_exact_to_the_trainers_adapter(tmp_path):  # 
     assert commits[-1].version == 12 and all(c.adapter is not None for c in commits)
     assert commits[-1].adapter.base_model == str(tmp_path / "model") and "lm_head" in commits[-1].adapter.target_modules
     assert [st["engine"] for st in report.replicas.values()] == ["embedded-lora"]
-    assert report.full_bytes == sum(t.numel() * 2 for t in Run(report.bucket).reconstruct(None)[1].values())  # the adapter
+    # the adapter
+    assert report.full_bytes == sum(t.numel() * 2 for t in Run(report.bucket).reconstruct(None)[1].values())
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-tied"])
-def test_adapter_saved_with_peft_defaults_targeting_lm_head_round_trips(bases, tmp_path, arch):  # type: ignore[no-untyped-def]
+def test_adapter_saved_with_peft_defaults_targeting_lm_head_round_trips(bases, tmp_path, arch):
     """What `sparsesync demo --lora` trains, saved with PEFT's defaults: a bf16 adapter on an fp32
     base whose target_modules include lm_head. PEFT then also saves the head's frozen base weight
     (`save_embedding_layers="auto"`), in the base's dtype. push checks it against the base and
@@ -352,7 +369,9 @@ def test_adapter_saved_with_peft_defaults_targeting_lm_head_round_trips(bases, t
     AutoTokenizer.from_pretrained(base).save_pretrained(folder)
     saved = load_file(str(folder / "adapter_model.safetensors"))
     head = "base_model.model.lm_head.base_layer.weight"
-    assert saved[head].dtype == torch.float32 and saved["base_model.model.lm_head.lora_A.weight"].dtype == torch.bfloat16
+    assert (
+        saved[head].dtype == torch.float32 and saved["base_model.model.lm_head.lora_A.weight"].dtype == torch.bfloat16
+    )
 
     run, out, runner = str(tmp_path / "run"), tmp_path / "pulled", CliRunner()
     res = runner.invoke(app, ["push", str(folder), run], catch_exceptions=False)  # base: base_model_name_or_path
@@ -426,7 +445,9 @@ def test_adapter_run_follower_moves_across_a_rewind_bit_exact(bases, tmp_path): 
             assert follower.sync_once() == step == engine.weight_version
             assert tensor_digests(engine.state_dict()) == tensor_digests(second.adapter())
             # each completion names the commit that made it, not only its number (3..5 were committed twice)
-            assert [(c.weight_version, c.state_digest) for c in engine.generate(PROMPTS[0], ONE)] == [(step, pub.state_digest)]
+            assert [(c.weight_version, c.state_digest) for c in engine.generate(PROMPTS[0], ONE)] == [
+                (step, pub.state_digest)
+            ]
     fresh = EmbeddedAdapterEngine(base, adapter=meta)  # the resumed trainer's final adapter, loaded whole
     fresh.load_full(6, second.adapter())
     assert greedy(engine, GREEDY) == greedy(fresh, GREEDY)

@@ -58,7 +58,7 @@ def _push(folder: Path, run: Path, base: Path, **change: object):  # type: ignor
 
 
 @pytest.mark.parametrize("change", HUGE + [dict([c]) for c in CATASTROPHIC], ids=lambda c: next(iter(c)))
-def test_an_out_of_bounds_config_is_not_a_commit_and_not_pushed(bases, tmp_path, change):  # type: ignore[no-untyped-def]
+def test_an_out_of_bounds_config_is_not_a_commit_and_not_pushed(bases, tmp_path, change):
     trainer = LoraTrainer(bases["qwen3"], torch.bfloat16)
     key = _run_with_config(trainer, tmp_path / "bucket", **change)
     t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def test_an_out_of_bounds_config_is_not_a_commit_and_not_pushed(bases, tmp_path,
     assert took < 2.0 and not (tmp_path / "run" / "commits").exists()
 
 
-def test_a_rank_the_tensors_do_not_have_is_refused_at_push_follow_and_pull(bases, tmp_path):  # type: ignore[no-untyped-def]
+def test_a_rank_the_tensors_do_not_have_is_refused_at_push_follow_and_pull(bases, tmp_path):
     trainer = LoraTrainer(bases["qwen3"], torch.bfloat16)
     # push: the folder's config says r=4096 (in bounds), its tensors have rank 8
     trainer.model.save_pretrained(tmp_path / "adapter")
@@ -136,7 +136,7 @@ def _heartbeat_error(bucket: Path, replica: str) -> str:
 
 
 @pytest.mark.parametrize("change", [{"r": 10**9}, {"target_modules": "(.+)+Z"}], ids=["rank", "regex"])
-def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_path, monkeypatch, caplog, change):  # type: ignore[no-untyped-def]
+def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_path, monkeypatch, caplog, change):
     import httpx
 
     from inference_space.replica import ReplicaConfig, build_replica
@@ -162,8 +162,12 @@ def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_pa
             until(lambda: key in _heartbeat_error(bucket, "refusing"), 10, "the heartbeat naming the refused commit")
             code, report = _status(str(bucket))
             assert code == 3 and report["newest_version"] is None and report["refused"][0]["key"] == key
-            assert any(p.startswith("refusing is degraded") and key in p for p in report["problems"]), report["problems"]
-            assert any(p.startswith(f"commit {key} is not a commit record") for p in report["problems"]), report["problems"]
+            assert any(p.startswith("refusing is degraded") and key in p for p in report["problems"]), report[
+                "problems"
+            ]
+            assert any(p.startswith(f"commit {key} is not a commit record") for p in report["problems"]), report[
+                "problems"
+            ]
             time.sleep(1.0)
             assert client.get("/sync").json()["last_error"] == err
     finally:
@@ -172,7 +176,7 @@ def test_a_replica_of_a_run_whose_commits_it_refuses_says_why_once(bases, tmp_pa
     assert len(logged) == 1 and "refusing commit" in logged[0], logged  # once, not once per poll
 
 
-def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(bases, tmp_path, monkeypatch, caplog):  # type: ignore[no-untyped-def]
+def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(bases, tmp_path, monkeypatch, caplog):
     import os
     import subprocess
     import sys
@@ -206,7 +210,9 @@ def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(
             st = wait_sync(client, lambda s: s["last_error"] is not None, timeout=20)
             err = st["last_error"]
             assert st["state"] == "degraded" and st["serving_version"] == 1 and st["newest_version"] == 2
-            assert key in str(st["refused"]) and "does_not_exist" in err and "target_modules" in err and "\n" not in err, st
+            assert (
+                key in str(st["refused"]) and "does_not_exist" in err and "target_modules" in err and "\n" not in err
+            ), st
             out = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0}).json()
             assert out["choices"][0]["weight_version"] == 1
             time.sleep(1.0)  # >= 20 polls
@@ -223,9 +229,28 @@ def test_an_adapter_naming_a_module_the_base_lacks_is_one_line_refused_or_fatal(
 
     # a replica started on that run never served: it exits with that line (no traceback)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "inference_space", "--model", str(base), "--bucket", str(bucket),
-                           "--port", str(free_port()), "--device", "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inference_space",
+            "--model",
+            str(base),
+            "--bucket",
+            str(bucket),
+            "--port",
+            str(free_port()),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("error: the adapter of") and "does_not_exist" in lines[0] and str(base) in lines[0], lines
+    assert lines[0].startswith("error: the adapter of") and "does_not_exist" in lines[0] and str(base) in lines[0], (
+        lines
+    )
     assert "start the replica with the base model the adapter was trained on" in lines[0]

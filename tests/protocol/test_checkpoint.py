@@ -45,7 +45,9 @@ def test_a_run_that_holds_both_tied_names_gets_both_fresh_when_the_tie_comes_bac
 def test_runtime_fused_experts_are_split_per_expert():
     gate_up = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4).to(torch.bfloat16)
     down = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3).to(torch.bfloat16)
-    out = checkpoint_state({"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down})
+    out = checkpoint_state(
+        {"model.layers.0.mlp.experts.gate_up_proj": gate_up, "model.layers.0.mlp.experts.down_proj": down}
+    )
     assert torch.equal(out["model.layers.0.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
     assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
     assert torch.equal(out["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
@@ -101,6 +103,12 @@ def test_publisher_takes_a_tied_state_dict_and_trainable_only_updates(tmp_path):
             pub.publish({"model.unknown.weight": torch.zeros(3)}, 4)
         pub.flush()
     assert follower.sync_once() == 3
-    assert sorted(follower.mirror) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert sorted(follower.mirror) == [
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.norm.weight",
+    ]
     assert torch.equal(follower.mirror["model.embed_tokens.weight"], sd2["model.embed_tokens.weight"])
-    assert torch.equal(follower.mirror["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"] * 2)
+    assert torch.equal(
+        follower.mirror["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"] * 2
+    )

@@ -50,7 +50,11 @@ class Hook(ApplyHook):
 def _patch_formats(url: str) -> set[int]:
     """The format versions of every patch the run's commits name."""
     run = Run(url)
-    return {read_patch(run.fetch(r)).header.format_version for c in run.commits() for r in ([c.delta] if c.delta else []) + list(c.parts)}
+    return {
+        read_patch(run.fetch(r)).header.format_version
+        for c in run.commits()
+        for r in ([c.delta] if c.delta else []) + list(c.parts)
+    }
 
 
 @pytest.fixture(params=["whole", "parts"])
@@ -74,7 +78,8 @@ def test_an_old_digest_run_verifies_pulls_and_is_followed(old_run, tmp_path):
     got = pull(old_run, tmp_path / "out")
     assert got.version == 2 and algo_of(got.state_digest) == "xxh3"
     assert_bit_equal(load_file(str(tmp_path / "out" / "model.safetensors")), states[2])
-    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:  # the folder names the version as the run does
+    # the folder names the version as the run does
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert f.metadata()["sparsesync.state_digest"] == got.state_digest
     for v in (0, 1):
         pull(old_run, tmp_path / f"v{v}", version=v)

@@ -55,7 +55,9 @@ class TimedHook(ApplyHook):
         self.applied_at[version] = time.time()
 
 
-def _follower(url: str, replica_id: str, hook: TimedHook | None = None, poll: float = 0.05, **fleet: object) -> Follower:
+def _follower(
+    url: str, replica_id: str, hook: TimedHook | None = None, poll: float = 0.05, **fleet: object
+) -> Follower:
     opts = FleetOptions(replica_id=replica_id, interval_s=0.1, engine="test", **fleet)  # type: ignore[arg-type]
     return Follower(url, hook, poll_interval=poll, max_poll_interval=poll, fleet=opts)
 
@@ -353,7 +355,9 @@ def test_hostile_fleet_records_are_skipped_with_a_reason(tmp_path):
         "big": b" " * (MAX_RECORD_BYTES + 1),
         "renamed": good.to_json(),  # says replica "ok" under another name
         "nan": good.to_json().replace(b'"written_at": ', b'"written_at": NaN, "x": '),
-        "huge-version": json.dumps({**json.loads(good.to_json()), "replica": "huge-version", "version": 10**30}).encode(),
+        "huge-version": json.dumps(
+            {**json.loads(good.to_json()), "replica": "huge-version", "version": 10**30}
+        ).encode(),
         "bad-where": json.dumps({**json.loads(good.to_json()), "replica": "bad-where", "where": {"a": [1]}}).encode(),
     }
     for name, data in bad.items():
@@ -383,7 +387,10 @@ def test_trainer_waits_until_its_fleet_serves_the_bound(tmp_path):
     from trainer.train import AsyncGRPOTrainer
 
     url = str(tmp_path / "run")
-    base = {"model": {"path": "/tmp/model"}, "rollout": {"replicas": ["http://127.0.0.1:1"], "env_url": "http://127.0.0.1:2"}}
+    base = {
+        "model": {"path": "/tmp/model"},
+        "rollout": {"replicas": ["http://127.0.0.1:1"], "env_url": "http://127.0.0.1:2"},
+    }
     with pytest.raises(ConfigError, match=r"\[sync\] fleet_max_lag"):
         TrainerConfig.from_dict({**base, "sync": {"bucket": url, "fleet_min_replicas": 1, "fleet_max_lag": -1}})
     cfg = TrainerConfig.from_dict({**base, "sync": {"bucket": url, "fleet_min_replicas": 2, "fleet_max_lag": 1,
@@ -473,7 +480,9 @@ def test_trl_weight_transfer_can_wait_for_its_fleet(tmp_path):
     followers = [_follower(url, f"r{i}", poll=0.3) for i in range(2)]
     transfer = SparsesyncWeightTransfer(url, fleet_min_replicas=2, fleet_max_lag=0, fleet_timeout_s=30.0)
     # what the transfer reads of TRL's AsyncGRPOTrainer: model_version, and the model (nothing frozen here)
-    trl_trainer = SimpleNamespace(model_version=0, model=torch.nn.Module(), accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    trl_trainer = SimpleNamespace(
+        model_version=0, model=torch.nn.Module(), accelerator=SimpleNamespace(unwrap_model=lambda m: m)
+    )
     transfer.bind(trl_trainer)
     transfer.init_weight_transfer()
     try:
@@ -523,7 +532,15 @@ def test_fleet_records_with_wild_numbers_markup_and_escapes_are_data(tmp_path):
     store.put(heartbeat_key("ok"), json.dumps(good).encode())
     store.put(heartbeat_key("future"), json.dumps({**good, "replica": "future", "written_at": now + 3600}).encode())
     bad = {}
-    for field in ("written_at", "interval_s", "last_apply_at", "last_apply_s", "staged_at", "switch_poll_s", "retry_at"):
+    for field in (
+        "written_at",
+        "interval_s",
+        "last_apply_at",
+        "last_apply_s",
+        "staged_at",
+        "switch_poll_s",
+        "retry_at",
+    ):
         for label, value in (("huge", 10**400), ("nan", float("nan")), ("inf", float("inf")), ("neg", -5)):
             name = f"{field}-{label}".replace("_", "-")
             bad[name] = field
@@ -583,8 +600,11 @@ def test_a_full_weight_replica_reports_a_commit_it_refuses_once_and_until_it_is_
             err = st["last_error"]
             assert st["state"] == "degraded" and key in err and "state_digest 'not-a-digest' is not a hex digest" in err
             assert st["refused"][0]["key"] == key
-            until(lambda: key in next((s.record.last_error or "" for s in read_fleet(open_store(url)).replicas), ""), 10,
-                  "the heartbeat naming the refused commit")
+            until(
+                lambda: key in next((s.record.last_error or "" for s in read_fleet(open_store(url)).replicas), ""),
+                10,
+                "the heartbeat naming the refused commit",
+            )
             code, report = _status(url)
             assert code == 3 and report["newest_version"] == 1 and report["refused"][0]["key"] == key
             assert any(p.startswith("rep is degraded") and key in p for p in report["problems"]), report["problems"]

@@ -145,8 +145,16 @@ def _objects(root: Path) -> list[str]:
 
 
 # -- strategies: damage to a run ------------------------------------------------------------------
-_WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.integers(10**10 - 2, 10**13), st.floats(),
-                   st.text(max_size=8), st.lists(st.integers(0, 5), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_WEIRD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 2),
+    st.integers(10**10 - 2, 10**13),
+    st.floats(),
+    st.text(max_size=8),
+    st.lists(st.integers(0, 5), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 _FIELDS = ["version", "epoch", "base_version", "delta", "anchor", "state_digest", "base_state_digest", "metrics",
            "format", "created_at", "writer"]
 
@@ -158,8 +166,20 @@ def _forged_commit(draw: st.DrawFn) -> tuple:
     epoch = draw(st.integers(0, 3))
     kind = draw(st.sampled_from(["edited", "edited", "copy", "raw"]))
     if kind == "raw":
-        body = draw(st.sampled_from([b"[]", b'"commit"', b"null", b"7", b"{", b"\xff\xfe{}", b"[" * 200_000 + b"]" * 200_000,
-                                     b'{"format": "sparsesync-commit/1"}']))
+        body = draw(
+            st.sampled_from(
+                [
+                    b"[]",
+                    b'"commit"',
+                    b"null",
+                    b"7",
+                    b"{",
+                    b"\xff\xfe{}",
+                    b"[" * 200_000 + b"]" * 200_000,
+                    b'{"format": "sparsesync-commit/1"}',
+                ]
+            )
+        )
         return ("commit", version, epoch, "raw", body, None)
     src = draw(st.integers(0, 3))  # which real record to start from
     changes = draw(st.dictionaries(st.sampled_from(_FIELDS), _WEIRD, max_size=2)) if kind == "edited" else {}
@@ -170,9 +190,14 @@ def _forged_commit(draw: st.DrawFn) -> tuple:
 
 _damage = st.one_of(
     _forged_commit(),
-    st.tuples(st.just("object"), st.integers(0, 20), st.sampled_from(
-        ["delete", "truncate", "flip", "append", "zero-link", "fifo", "folder"])),
-    st.tuples(st.just("commit-file"), st.integers(0, 3), st.sampled_from(["delete", "zero-link", "fifo", "huge", "folder"])),
+    st.tuples(
+        st.just("object"),
+        st.integers(0, 20),
+        st.sampled_from(["delete", "truncate", "flip", "append", "zero-link", "fifo", "folder"]),
+    ),
+    st.tuples(
+        st.just("commit-file"), st.integers(0, 3), st.sampled_from(["delete", "zero-link", "fifo", "huge", "folder"])
+    ),
 )
 
 
@@ -268,7 +293,14 @@ def _check_follower(url: str, states: dict, what: str) -> None:
     finally:
         follower.stop()
     if rebuilt is not None:  # the follower plans the same steps a reader does: it must get there too
-        assert served == rebuilt, (what, "a reader rebuilds version", rebuilt, "the follower serves", served, st.last_error)
+        assert served == rebuilt, (
+            what,
+            "a reader rebuilds version",
+            rebuilt,
+            "the follower serves",
+            served,
+            st.last_error,
+        )
     if served != max(trusted, default=None):  # short of the newest: degraded, and says why in one line
         err = st.last_error or ""
         assert st.state == "degraded" and err and "\n" not in err, (what, st)
@@ -277,7 +309,10 @@ def _check_follower(url: str, states: dict, what: str) -> None:
         newer = sorted(k for k in run.rejected if parse_commit_key(k)[0] > max(trusted, default=-1))
         assert [r["key"] for r in st.refused if r["key"] in newer] == newer[::-1][:8], (what, st)
         if newer:
-            assert st.state == "degraded" and newer[-1] in (st.last_error or "") and "\n" not in st.last_error, (what, st)
+            assert st.state == "degraded" and newer[-1] in (st.last_error or "") and "\n" not in st.last_error, (
+                what,
+                st,
+            )
         else:
             assert st.state == ("following" if trusted else "starting"), (what, st)
     if served is None:
@@ -306,7 +341,9 @@ def _exercise(root: Path | str, states: dict, scratch: Path, what: str) -> None:
         if code != 0 and not (args[0] == "verify" and code == 1 and "versions verified" in out):
             _assert_one_line_error(code, out, err, f"{what}: {args[0]}")
         assert "Traceback" not in out + err
-    newest = _check_pulled(*_cli("pull", url, str(scratch / "newest")), scratch / "newest", url, states, f"{what}: pull")
+    newest = _check_pulled(
+        *_cli("pull", url, str(scratch / "newest")), scratch / "newest", url, states, f"{what}: pull"
+    )
     for v in (2, 4):
         dest = scratch / f"v{v}.safetensors"
         _check_pulled(*_cli("pull", url, str(dest), "--version", str(v)), dest, url, states, f"{what}: pull {v}")
@@ -340,8 +377,13 @@ def _exercise(root: Path | str, states: dict, scratch: Path, what: str) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow], database=None, derandomize=True)
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+    derandomize=True,
+)
 @given(damages=st.lists(_damage, min_size=1, max_size=3))
 def test_any_damage_gives_a_one_line_error_or_a_committed_version_bit_exact(template, damages):
     root, states = template
@@ -452,7 +494,9 @@ def test_a_commit_overruled_while_it_was_written_fails_the_push_loudly(template,
     _rec, base, _ = Run(str(run)).reconstruct()
     pub.resume(base)
     pub.publish(states["next"], 5)
-    with pytest.raises(FencedWriterError, match=r"version 5 \(epoch 2\) was written .* readers see version 4 \(epoch 7\)"):
+    with pytest.raises(
+        FencedWriterError, match=r"version 5 \(epoch 2\) was written .* readers see version 4 \(epoch 7\)"
+    ):
         pub.flush()
     pub.close()
     assert Run(str(run)).newest().version == 4
@@ -471,7 +515,9 @@ def test_a_commit_replaced_by_a_writer_of_the_same_epoch_fails_the_push_loudly(t
             super().put(key, data)
             if key.startswith("commits/"):  # the twin writer's record of the same version and epoch
                 rec = json.loads(data)
-                super().put(key, json.dumps({**rec, "writer": "twin", "state_digest": _record(run, 4)["state_digest"]}).encode())
+                super().put(
+                    key, json.dumps({**rec, "writer": "twin", "state_digest": _record(run, 4)["state_digest"]}).encode()
+                )
 
     pub = Publisher(SameEpochStore(run), queue_size=1)
     _rec, base, _ = Run(str(run)).reconstruct()
@@ -517,8 +563,18 @@ def test_gc_refuses_when_the_newest_version_would_not_rebuild(template, tmp_path
     assert _check_pulled(*_cli("pull", str(run), str(dest), "--version", "4"), dest, str(run), states, "v4")
 
 
-@pytest.mark.parametrize("what,how", [("commit", "zero-link"), ("commit", "fifo"), ("commit", "huge"),
-                                      ("delta", "zero-link"), ("delta", "fifo"), ("delta", "huge"), ("anchor", "zero-link")])
+@pytest.mark.parametrize(
+    "what,how",
+    [
+        ("commit", "zero-link"),
+        ("commit", "fifo"),
+        ("commit", "huge"),
+        ("delta", "zero-link"),
+        ("delta", "fifo"),
+        ("delta", "huge"),
+        ("anchor", "zero-link"),
+    ],
+)
 def test_special_and_huge_files_are_bounded(template, tmp_path, what, how):
     run, states = _copy(template, tmp_path)
     target = {"commit": lambda: run / commit_key(4, 1),
@@ -659,7 +715,11 @@ def _damage_store(store: Store, damage: tuple) -> None:
         store.put(commit_key(version, epoch), json.dumps(rec).encode())
         return
     _, i, how = damage
-    prefix_ok = (lambda k: not k.startswith(("commits/", "writers/"))) if damage[0] == "object" else (lambda k: k.startswith("commits/"))
+    prefix_ok = (
+        (lambda k: not k.startswith(("commits/", "writers/")))
+        if damage[0] == "object"
+        else (lambda k: k.startswith("commits/"))
+    )
     keys = sorted(o.key for o in store.list("") if prefix_ok(o.key))
     if not keys:
         return
@@ -801,8 +861,13 @@ def fleet_run(template, store_url) -> Iterator[tuple[str, Store]]:
 
 
 @pytest.mark.parametrize("store_backend", ["local", "s3"], indirect=True)
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow], database=None, derandomize=True)
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+    derandomize=True,
+)
 @given(records=st.lists(_fleet_record, min_size=1, max_size=3))
 def test_any_fleet_record_is_read_as_data(fleet_run, records):
     """Whatever heartbeats and switch records hold, no reader raises, every record kept has its

@@ -101,13 +101,20 @@ def test_a_rewind_moves_replicas_to_the_checkpoint_and_never_back_to_an_abandone
             pub.resume(second[0], version=4)
             assert pub.committed_version == 4 and pub.state_digest == digest(first[4])
             # committed before resume() returns: the replica moves within its poll interval
-            until(lambda: engine.digests()[-1] == digest(first[4]), 5, "the replica to serve the rewound version 4", every=0.01)
+            until(
+                lambda: engine.digests()[-1] == digest(first[4]),
+                5,
+                "the replica to serve the rewound version 4",
+                every=0.01,
+            )
             moved = len(engine.served)
             assert time.monotonic() - t0 < 2.0
             for v, s in enumerate(second[1:], start=5):
                 pub.publish(s, v)
             pub.flush()
-        until(lambda: engine.digests()[-1] == digest(second[3]), 30, "the replica to serve the new version 7", every=0.01)
+        until(
+            lambda: engine.digests()[-1] == digest(second[3]), 30, "the replica to serve the new version 7", every=0.01
+        )
     finally:
         follower.stop()
     assert abandoned not in engine.digests()[moved - 1:]  # never served an abandoned version after the rewind
@@ -364,7 +371,8 @@ def test_coordinated_replicas_switch_together_across_a_rewind(tmp_path: Path) ->
                     assert max(times) - min(times) < 0.05, (v, times)  # together, not each at its own pace
                     assert all(f.status().fleet["last_switch"]["how"] == "switch" for f in followers)
                     assert all(e.digests()[-1] == digest(s) for e in engines)
-                assert open_store(url).exists(epoch_switch_key(5, pub2.epoch))  # the old v5 record was the abandoned one's
+                # the old v5 record was the abandoned one's
+                assert open_store(url).exists(epoch_switch_key(5, pub2.epoch))
         finally:
             for f in followers:
                 f.stop()
@@ -418,7 +426,10 @@ def test_a_stray_push_of_an_older_or_foreign_checkpoint_does_not_rewind_without_
     assert follower.sync_once() == 5
     before = _run_objects(url)
     foreign = _save(tmp_path / "b" / "checkpoint-2", make_state(99))
-    for folder, version, abandoned in ((tmp_path / "a" / "checkpoint-3", 3, "versions 4, 5"), (foreign, 2, "versions 2, 3, 4, 5")):
+    for folder, version, abandoned in (
+        (tmp_path / "a" / "checkpoint-3", 3, "versions 4, 5"),
+        (foreign, 2, "versions 2, 3, 4, 5"),
+    ):
         res = CliRunner().invoke(app, ["push", str(folder), url])
         assert res.exit_code == 1 and isinstance(res.exception, RewindRefusedError), (res.output, res.exception)
         msg = " ".join(str(res.exception).split())
@@ -462,14 +473,29 @@ def test_a_rewind_on_a_terminal_is_asked_for(tmp_path: Path) -> None:
         main, tty = pty.openpty()
         try:
             os.write(main, f"{answer}\n".encode())
-            res = subprocess.run([sys.executable, "-c", "from sparsesync.cli import main; main()", "push",
-                                  str(tmp_path / "checkpoint-1"), url], stdin=tty, capture_output=True, text=True, timeout=300)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from sparsesync.cli import main; main()",
+                    "push",
+                    str(tmp_path / "checkpoint-1"),
+                    url,
+                ],
+                stdin=tty,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         finally:
             os.close(tty)
             os.close(main)
         err = " ".join(res.stderr.split())
         assert res.returncode == code, (res.stdout, err)
-        assert "version 1 (from the folder name checkpoint-1) is not above version 2" in err and "abandons version 2. Rewind?" in err, err
+        assert (
+            "version 1 (from the folder name checkpoint-1) is not above version 2" in err
+            and "abandons version 2. Rewind?" in err
+        ), err
         if answer == "n":
             assert "--rewind" in err and _run_objects(url) == before
         else:
@@ -488,7 +514,9 @@ def test_resume_with_a_version_that_is_not_one_writes_nothing(tmp_path: Path, ve
     _publish(url, dict(enumerate(states)))
     before = _run_objects(url)
     with Publisher(url, anchor_every=0) as pub:
-        with pytest.raises(ConfigError, match=r"resume\(version=.*\) for .*: a version is an int in \[0, 9999999999\]") as e:
+        with pytest.raises(
+            ConfigError, match=r"resume\(version=.*\) for .*: a version is an int in \[0, 9999999999\]"
+        ) as e:
             pub.resume(states[1], version=version)  # type: ignore[arg-type]
         assert "int" in e.value.hint
     assert _run_objects(url) == before

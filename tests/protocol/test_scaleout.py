@@ -39,7 +39,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, timeout: float = 240, **args) -> list[subprocess.CompletedProcess]:  # type: ignore[no-untyped-def]
+def _launch(world: int, timeout: float = 240, **args) -> list[subprocess.CompletedProcess]:
     """Run `world` ranks of tests/support/scaleout_worker.py to completion; their results by rank."""
     port = _free_port()
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -104,7 +104,9 @@ def test_fsdp2_ranks_publish_their_shards_bit_exact_then_a_wider_world_continues
     # a wider world (4 ranks) whose weights are one ulp off the run's newest version: refused on every rank
     res = _launch(4, url=url, out=str(out), first=12, last=13, resume=True, perturb=True)
     assert [r.returncode for r in res] == [3] * 4, [r.stderr[-1500:] for r in res]
-    assert all("PatchMismatchError" in r.stderr and "version 11" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 11" in r.stderr for r in res), [
+        r.stderr[-1500:] for r in res
+    ]
     assert run.commits()[-1].version == 11
     # with version 11's weights it resumes: the run's units are 2 ranks' rows, so every tensor is
     # gathered to one rank and hashed over them; its first version is a delta over 4 ranks' rows
@@ -150,7 +152,8 @@ def test_lagging_uploads_coalesce_alike_on_every_rank(tmp_path):
     run = Run(url)
     commits = run.commits()
     versions = [c.version for c in commits]
-    assert versions[0] == 1 and versions[-1] == 9 and len(versions) < 9, versions  # some were merged, the last one is in
+    # some were merged, the last one is in
+    assert versions[0] == 1 and versions[-1] == 9 and len(versions) < 9, versions
     merged = [c for c in commits[1:] if c.base_version != c.version - 1]
     assert merged, [(c.base_version, c.version) for c in commits]
     for prev, c in zip(commits, commits[1:]):
@@ -182,7 +185,9 @@ def test_a_rank_killed_before_its_part_is_stored_leaves_no_torn_version(tmp_path
     # weights that are not version 3's: resume() refuses them on every rank, before anything is written
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, perturb=True)
     assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
-    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [
+        r.stderr[-1500:] for r in res
+    ]
     assert [c.version for c in run.commits()] == [1, 2, 3]
     # the next writer at the same world size resumes from version 3 with a delta: its shards match version 3's units
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True)
@@ -203,13 +208,15 @@ def test_a_commit_refused_to_rank_0_fails_every_rank_loudly(tmp_path):
     res = _launch(2, url=url, out=str(out), first=1, last=4, fence_version=3, dist_timeout=30)
     assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
     for r in res:
-        assert "RankFailedError" in r.stderr and "version 3" in r.stderr and "FencedWriterError" in r.stderr, r.stderr[-1500:]
+        assert "RankFailedError" in r.stderr and "version 3" in r.stderr and "FencedWriterError" in r.stderr, r.stderr[
+            -1500:
+        ]
     run = Run(url)
     assert [c.version for c in run.commits()] == [1, 2]
     assert verify_run(url).ok
 
 
-def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path, cfg=None) -> None:  # type: ignore[no-untyped-def]
+def _check_transformers_loads(url: str, rec, full: Path, tmp_path: Path, cfg=None) -> None:
     """The sharded anchor of `rec`, as stored, and `sparsesync pull` of its version: both load
     with a plain `from_pretrained` (of `cfg`, default the worker's tiny Qwen3), bit-exact, a tied
     LM head still the embedding."""
@@ -316,7 +323,9 @@ def test_one_rank_writes_a_one_file_anchor_resumes_with_a_delta_and_knows_the_gl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "world", "effort"), [("qwen3-tied", 2, "size"), ("qwen3-moe", 2, "size"), ("qwen3-moe", 3, "speed")])
+@pytest.mark.parametrize(
+    ("arch", "world", "effort"), [("qwen3-tied", 2, "size"), ("qwen3-moe", 2, "size"), ("qwen3-moe", 3, "speed")]
+)
 def test_fsdp2_tied_and_moe_models_publish_the_checkpoint_key_set(tmp_path, arch, world, effort):
     """The shapes users bring, sharded: a tied LM head (Qwen3-0.6B; FSDP2 gives it and the embedding
     two DTensors over one local storage) is published once, as the embedding; runtime-fused MoE
@@ -423,7 +432,9 @@ def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta
     res = _launch(2, url=url, out=str(out), first=4, last=5, arch="qwen3-moe", resume=True,
                   perturb="model.layers.1.mlp.experts.3.gate_proj.weight")
     assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
-    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [
+        r.stderr[-1500:] for r in res
+    ]
     assert [c.version for c in run.commits()] == [1, 2, 3]
     res = _launch(2, url=url, out=str(out), first=4, last=5, arch="qwen3-moe", resume=True)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
@@ -449,7 +460,9 @@ def test_a_sharded_moe_run_resumed_at_the_same_world_size_continues_with_a_delta
     res = _launch(3, url=url, out=str(out), first=6, last=7, arch="qwen3-moe", resume=True,
                   perturb="model.layers.1.mlp.experts.3.gate_proj.weight")
     assert [r.returncode for r in res] == [3, 3, 3], [r.stderr[-1500:] for r in res]
-    assert all("PatchMismatchError" in r.stderr and "version 5" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
+    assert all("PatchMismatchError" in r.stderr and "version 5" in r.stderr for r in res), [
+        r.stderr[-1500:] for r in res
+    ]
     # with version 5's weights: a delta over 3 ranks' rows, then version 7 is a sharded anchor (7 - 1 >= 6)
     res = _launch(3, url=url, out=str(out), first=6, last=7, arch="qwen3-moe", resume=True, anchor_every=6)
     assert [r.returncode for r in res] == [0] * 3, [r.stderr[-2000:] for r in res]
@@ -540,7 +553,7 @@ def test_fsdp2_frozen_tensors_left_out_of_the_state_are_taken_from_the_previous_
     assert "model.embed_tokens.weight" in run.fetch_anchor(run.commit(5))[0]
 
 
-def _replica_follows(url: str, tmp_path: Path, arch: str, versions: range, want) -> None:  # type: ignore[no-untyped-def]
+def _replica_follows(url: str, tmp_path: Path, arch: str, versions: range, want) -> None:
     """An embedded (transformers) replica, loaded from the first version's pulled anchor, follows
     the run as its commits land one by one: at every version its runtime parameters hold the
     version bit for bit (per-expert tensors in the fused experts), and a tied LM head is the
@@ -589,8 +602,12 @@ def test_a_sharded_run_resumed_from_an_older_version_rewinds_and_a_follower_ends
 
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, resume_version=3, perturb=True)
     assert [r.returncode for r in res] == [3, 3], [r.stderr[-1500:] for r in res]
-    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [r.stderr[-1500:] for r in res]
-    assert sorted(p.relative_to(url) for p in Path(url).rglob("*") if p.is_file() and "writers" not in p.parts) == objects
+    assert all("PatchMismatchError" in r.stderr and "version 3" in r.stderr for r in res), [
+        r.stderr[-1500:] for r in res
+    ]
+    assert (
+        sorted(p.relative_to(url) for p in Path(url).rglob("*") if p.is_file() and "writers" not in p.parts) == objects
+    )
 
     res = _launch(2, url=url, out=str(out), first=4, last=6, resume=True, resume_version=3)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
@@ -611,7 +628,9 @@ def test_a_sharded_run_resumed_from_an_older_version_rewinds_and_a_follower_ends
     res = _launch(2, url=url, out=str(out), first=2, last=2, resume=True, resume_version=1)
     assert [r.returncode for r in res] == [0, 0], [r.stderr[-2000:] for r in res]
     rec = run.commit(1)
-    assert rec.metrics["kind"] == "rewind" and rec.metrics["reused_anchor"] and rec.metrics["abandoned"] == [2, 3, 4, 5, 6]
+    assert (
+        rec.metrics["kind"] == "rewind" and rec.metrics["reused_anchor"] and rec.metrics["abandoned"] == [2, 3, 4, 5, 6]
+    )
     assert [o.key for o in rec.anchor] == [o.key for o in commits[0].anchor]
     assert [c.version for c in run.commits()] == [1, 2] and run.commit(2).base_version == 1
     assert f.sync_once() == 2

@@ -107,18 +107,38 @@ def test_commit_names_with_digits_other_than_ascii_are_not_commit_names(tmp_path
     assert keys.parse_commit_key("commits/v000000000\u0665-e0000\u0669\u0669.json") is None
     assert keys.parse_commit_key("commits/v0000000005-e000001.json\n") is None
     assert keys.parse_commit_key("commits/v0000000005-e000001.json") == (5, 1)
-    for key in ("writers/e00000\u0669.lock", "writers/e00000\u0669-w.json", "fleet/r.json\n", "switches/v000000000\u0669.json",
-                "deltas/v0000000001-v000000000\u0662-e000001-ab.safetensors", "anchors/v000000000\u0662-e000001-ab/model.safetensors",
-                "files/v000000000\u0662-e000001-ab/config.json"):
-        assert not any(parse(key) for parse in (keys.parse_epoch_lock_key, keys.parse_writer_key, keys.parse_heartbeat_key,
-                                                 keys.parse_switch_key, keys.object_version, keys.parse_anchor_file_key,
-                                                 keys.parse_file_key)), key
+    for key in (
+        "writers/e00000\u0669.lock",
+        "writers/e00000\u0669-w.json",
+        "fleet/r.json\n",
+        "switches/v000000000\u0669.json",
+        "deltas/v0000000001-v000000000\u0662-e000001-ab.safetensors",
+        "anchors/v000000000\u0662-e000001-ab/model.safetensors",
+        "files/v000000000\u0662-e000001-ab/config.json",
+    ):
+        assert not any(
+            parse(key)
+            for parse in (
+                keys.parse_epoch_lock_key,
+                keys.parse_writer_key,
+                keys.parse_heartbeat_key,
+                keys.parse_switch_key,
+                keys.object_version,
+                keys.parse_anchor_file_key,
+                keys.parse_file_key,
+            )
+        ), key
 
     # the other names parsed for numbers: a checkpoint folder's step, an expert's index, a unit's rows
     (tmp_path / "checkpoint-\u0663").mkdir()
     (tmp_path / "checkpoint-3").mkdir()
-    assert checkpoint_step(tmp_path / "checkpoint-\u0663") is None and checkpoint_step(tmp_path / "checkpoint-3") == (3, "the folder name checkpoint-3")
-    assert EXPERT_KEY.match("m.experts.\u0663.gate_proj.weight") is None and EXPERT_KEY.match("m.experts.3.gate_proj.weight")
+    assert checkpoint_step(tmp_path / "checkpoint-\u0663") is None and checkpoint_step(tmp_path / "checkpoint-3") == (
+        3,
+        "the folder name checkpoint-3",
+    )
+    assert EXPERT_KEY.match("m.experts.\u0663.gate_proj.weight") is None and EXPERT_KEY.match(
+        "m.experts.3.gate_proj.weight"
+    )
     assert _unit_of("w[\u0660:\u0663]") == Unit("w[\u0660:\u0663]") and _unit_of("w[0:3]") == Unit("w", (0, 3))
 
     url = str(tmp_path / "run")
@@ -131,7 +151,9 @@ def test_commit_names_with_digits_other_than_ascii_are_not_commit_names(tmp_path
         try:
             assert follower.sync_once() == 5
             rec = json.loads((tmp_path / "run" / keys.commit_key(5, 1)).read_text())
-            (tmp_path / "run" / "commits" / "v000000000\u0665-e0000\u0669\u0669.json").write_text(json.dumps({**rec, "epoch": 99}))
+            (tmp_path / "run" / "commits" / "v000000000\u0665-e0000\u0669\u0669.json").write_text(
+                json.dumps({**rec, "epoch": 99})
+            )
             pub.publish(states[6], 6)
             pub.flush()  # before: FencedWriterError (the commit of version 5 by epoch 99 overrules it)
             assert follower.sync_once() == 6 and follower.status().state == "following"

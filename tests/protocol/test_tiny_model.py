@@ -29,7 +29,13 @@ def test_tiny_model_is_deterministic_and_loads(tmp_path):
     tok = AutoTokenizer.from_pretrained(a)
     model = AutoModelForCausalLM.from_pretrained(a)
     cfg = model.config
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 2, 4, 2, 32)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        128,
+        2,
+        4,
+        2,
+        32,
+    )
     assert cfg.tie_word_embeddings is False and cfg.vocab_size == len(tok) == 512
     assert model.dtype == torch.bfloat16
     sd = model.state_dict()

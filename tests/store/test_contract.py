@@ -255,7 +255,7 @@ def test_hf_stale_listing(store: Store, store_faults: StoreFaults) -> None:
     assert [o.key for o in store.list("commits/")] == ["commits/v1", "commits/v2"]
 
 
-def test_s3_auth_errors_are_classified(s3_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_s3_auth_errors_are_classified(s3_server, monkeypatch: pytest.MonkeyPatch) -> None:
     from botocore.exceptions import ClientError
 
     from tests.support.s3_server import CREDENTIALS

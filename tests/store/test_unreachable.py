@@ -62,9 +62,20 @@ def test_the_cli_offline_says_so_in_seconds(tmp_path: Path) -> None:
     """`sparsesync pull hf://...` with the Hub refusing: exit 1, the error and its fix, no retry lines."""
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", "import sys; from sparsesync.cli import main; sys.exit(main())",
-                        "pull", "hf://buckets/me/rl/run1", str(tmp_path / "out")], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from sparsesync.cli import main; sys.exit(main())",
+            "pull",
+            "hf://buckets/me/rl/run1",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 2, r.stderr
     assert lines[0].startswith("error: ") and "cannot reach 127.0.0.1:" in lines[0] and "refused" in lines[0]

@@ -377,8 +377,11 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.hub
         with hub.lock:
             if bid in hub.buckets:
-                return self._send(409, {"error": "You already created this bucket", "url": f"{self._base()}/buckets/{bid}"},
-                                  {"X-Error-Message": "You already created this bucket"})
+                return self._send(
+                    409,
+                    {"error": "You already created this bucket", "url": f"{self._base()}/buckets/{bid}"},
+                    {"X-Error-Message": "You already created this bucket"},
+                )
             # like the Hub: public unless asked otherwise
             hub.buckets[bid] = Bucket(private=body.get("visibility") == "private", created_at=time.time())
         self._send(200, {"url": f"{self._base()}/buckets/{bid}", "name": bid.split("/")[1], "id": bid})

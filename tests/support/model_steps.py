@@ -58,7 +58,11 @@ class Trainer:
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(self.model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
-        save_file({k: v.contiguous() for k, v in self.state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in self.state.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         return out
 
 

@@ -23,13 +23,16 @@ from sparsesync.codec import _encodings as E
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.codec.patch import EncodedTensor, assemble_patch
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32] + [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] + [
+    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d
+]
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-SPECIAL16 = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7FC1, 0xFFFF, 0x0001, 0x8001, 0x7F7F]  # bf16: +-0, +-inf, NaNs, subnormals, max
+# bf16: +-0, +-inf, NaNs, subnormals, max
+SPECIAL16 = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7FC1, 0xFFFF, 0x0001, 0x8001, 0x7F7F]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -42,10 +45,16 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
         assert torch.equal(bits(a[k]), bits(b[k])), k
 
 
-def make_pair(seed: int, dtype: torch.dtype, shape: tuple[int, ...], density: float, special: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def make_pair(
+    seed: int, dtype: torch.dtype, shape: tuple[int, ...], density: float, special: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.empty((), dtype=dtype).element_size()
-    base = (torch.randn(shape, generator=g) * 0.02).to(dtype) if dtype.is_floating_point and w > 1 else torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(dtype)
+    base = (
+        (torch.randn(shape, generator=g) * 0.02).to(dtype)
+        if dtype.is_floating_point and w > 1
+        else torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(dtype)
+    )
     ib = bits(base).reshape(-1).clone()
     n = ib.numel()
     k = int(round(density * n))
@@ -80,7 +89,9 @@ def roundtrip(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor], *,
     return data
 
 
-def _forced(change: TensorChange, base: torch.Tensor, pos: str, val: str, thresholds: list[int], algo: str = DEFAULT_ALGO) -> bytes:
+def _forced(
+    change: TensorChange, base: torch.Tensor, pos: str, val: str, thresholds: list[int], algo: str = DEFAULT_ALGO
+) -> bytes:
     st_name = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[change.dtype]
     ctx = E.Ctx("x", st_name, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
     base_full = to_np_bits(bits_view(base))
@@ -92,12 +103,26 @@ def _forced(change: TensorChange, base: torch.Tensor, pos: str, val: str, thresh
     if pos == "dense":
         tgt = base_full.copy()
         tgt[idx] = change.target_bits
-        vp, vs = (E._delta_enc(base_full, tgt, ctx, thresholds) if val == "delta" else E._raw_val_enc(base_full, tgt, ctx))
+        vp, vs = (
+            E._delta_enc(base_full, tgt, ctx, thresholds) if val == "delta" else E._raw_val_enc(base_full, tgt, ctx)
+        )
     else:
-        vp, vs = E._delta_enc(change.base_bits, change.target_bits, ctx, thresholds) if val == "delta" else E._raw_val_enc(change.base_bits, change.target_bits, ctx)
+        vp, vs = (
+            E._delta_enc(change.base_bits, change.target_bits, ctx, thresholds)
+            if val == "delta"
+            else E._raw_val_enc(change.base_bits, change.target_bits, ctx)
+        )
     enc = {"x": EncodedTensor(st_name, change.shape, change.n_changed, pos, pp, val, vp, {**ps, **vs})}
     d = tensor_digest(base, algo)
-    return assemble_patch(enc, base_version=0, target_version=1, base_digests={"x": d}, target_digests={"x": d[:-16] + "0" * 16}, base_state_digest=d, target_state_digest=d)
+    return assemble_patch(
+        enc,
+        base_version=0,
+        target_version=1,
+        base_digests={"x": d},
+        target_digests={"x": d[:-16] + "0" * 16},
+        base_state_digest=d,
+        target_state_digest=d,
+    )
 
 
 def _golden_patch(algo: str = "xxh3") -> bytes:
@@ -107,7 +132,15 @@ def _golden_patch(algo: str = "xxh3") -> bytes:
     bits(tgt)[[1, 4, 5]] += torch.tensor([1, -1, 1], dtype=torch.int16)
     ch = diff_state({"w": base}, {"w": tgt})
     bd, td = tensor_digests({"w": base}, algo), tensor_digests({"w": tgt}, algo)
-    return encode_changes(ch, base_version=7, target_version=8, base_digests=bd, target_digests=td, base_state_digest=state_digest(bd), target_state_digest=state_digest(td))
+    return encode_changes(
+        ch,
+        base_version=7,
+        target_version=8,
+        base_digests=bd,
+        target_digests=td,
+        base_state_digest=state_digest(bd),
+        target_state_digest=state_digest(td),
+    )
 
 
 def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,7 +175,15 @@ def _raw_patch(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor], *
             "values": (st_name, (vals.size,), vals.tobytes()),
         })
     bd, td = tensor_digests(base), tensor_digests(target)
-    return assemble_patch(enc, base_version=3, target_version=4, base_digests=bd, target_digests=td, base_state_digest=state_digest(bd), target_state_digest=state_digest(td))
+    return assemble_patch(
+        enc,
+        base_version=3,
+        target_version=4,
+        base_digests=bd,
+        target_digests=td,
+        base_state_digest=state_digest(bd),
+        target_state_digest=state_digest(td),
+    )
 
 
 def _span(data: bytes, key: str) -> tuple[int, int]:

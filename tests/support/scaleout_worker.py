@@ -4,13 +4,14 @@
 
 Trains the tiny model (same seed on every rank; `arch`: one of `tiny_model.ARCHS` at hidden 64;
 `freeze`: with a frozen embedding; `trainable_only`: publishing the trainable tensors alone after
-the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) through `Publisher(url)` after every step, flushes, and has rank 0 save the gathered full
-state of each version to `<out>/v<version>.safetensors` (what followers must reproduce). With
+the first version) with AdamW, publishes `model.state_dict()` (DTensor shards) through `Publisher(url)` after every
+step, flushes, and has rank 0 save the gathered full state of each version to `<out>/v<version>.safetensors` (what
+followers must reproduce). With
 `resume`, every rank first loads the run's newest committed version into the model and calls
 `pub.resume(model.state_dict())` (with `perturb`, after changing one element of the last tensor, or of
-the tensor it names; with `resume_version`, that older version instead: a rewind). With `kill_rank`/`kill_version`, that rank dies (os._exit) when it
-starts storing its part of that version. With `slow_puts` (seconds), every rank's part uploads
-take that long and versions are published without waiting for them (flushed after the last one;
+the tensor it names; with `resume_version`, that older version instead: a rewind). With `kill_rank`/`kill_version`,
+that rank dies (os._exit) when it starts storing its part of that version. With `slow_puts` (seconds), every rank's
+part uploads take that long and versions are published without waiting for them (flushed after the last one;
 `queue_size` as given). With `fence_version`, rank 0 starts another writer on the
 run (a single-process Publisher in a new process, which claims a newer epoch) before that version.
 Exit codes: 0 done, 3 the publisher raised (its message on stderr, one line), 17 killed.
@@ -30,7 +31,9 @@ import torch.distributed as dist
 def main() -> None:
     args = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world
+    )
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -119,7 +122,8 @@ def main() -> None:
                 env = {k: val for k, val in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
                 subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
             state = model.state_dict()
-            if args.get("trainable_only") and v > args["first"]:  # as callbacks that send what changes do: no frozen tensors
+            # as callbacks that send what changes do: no frozen tensors
+            if args.get("trainable_only") and v > args["first"]:
                 trainable = {n for n, p in model.named_parameters() if p.requires_grad}
                 state = {k: t for k, t in state.items() if k in trainable}
             pub.publish(state, v)

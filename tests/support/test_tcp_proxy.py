@@ -63,5 +63,7 @@ def test_parallel_connections_share_the_links_pace():
         proxy.stop()
         srv.close()
     # 4 MiB over a 2 MiB/s link: about 2 s together; paced per connection it took about 0.5 s
-    assert elapsed >= 1.7, f"{CONNS} x {PER_CONN} B through a {RATE} B/s link took {elapsed:.2f} s: the pace is per connection"
+    assert elapsed >= 1.7, (
+        f"{CONNS} x {PER_CONN} B through a {RATE} B/s link took {elapsed:.2f} s: the pace is per connection"
+    )
     assert elapsed < 5, elapsed

@@ -18,5 +18,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
 
 VLLM_MARKS = [
     pytest.mark.vllm,
-    pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({VLLM_ERROR}); see scripts/setup.sh"),
+    pytest.mark.skipif(
+        VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({VLLM_ERROR}); see scripts/setup.sh"
+    ),
 ]

@@ -49,8 +49,9 @@ follow them; the newer versions are abandoned.
 
 Limits: FSDP/ZeRO-3-sharded parameters are gathered by TRL's async trainer before they reach
 `send_weights` (frozen parameters, which it does not stream, are read from the model on the
-main process: a sharded model with frozen parameters is refused at the first `send_weights`); the callback reads `model.state_dict()` on the main process and therefore
-needs unsharded parameters (single process or DDP): it refuses an FSDP or ZeRO-3 model in
+main process: a sharded model with frozen parameters is refused at the first `send_weights`); the callback reads
+`model.state_dict()` on the main process and therefore needs unsharded parameters (single process or DDP): it refuses
+an FSDP or ZeRO-3 model in
 `on_train_begin` (`sharding`). An fp32 master on CPU reaches the publisher uncast (its
 `dtype=` casts one tensor at a time: no bf16 copy of the model); on GPU it is cast here.
 
@@ -86,7 +87,9 @@ def checkpoint_name(name: str) -> str | None:
     return name.replace("modules_to_save.default.", "")
 
 
-def inference_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def inference_state(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """`{checkpoint name: tensor cast to dtype, contiguous, on CPU}` in the checkpoint's own key
     set (`checkpoint.checkpoint_state`): names sharing one storage, a tied LM head, are kept once
     (the first) before the cast would give them separate storages. A repeated name is an error."""
@@ -106,7 +109,9 @@ def _checkpoint_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
     return checkpoint_state(raw)
 
 
-def model_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast: bool = True) -> dict[str, torch.Tensor]:
+def model_state(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, cast: bool = True
+) -> dict[str, torch.Tensor]:
     """The inference weights of `model`, see `inference_state`; a PEFT model (GRPOTrainer with a
     `peft_config`): its adapter, making the run an adapter run (sparsesync.lora.bridge). `cast=False`:
     full weights all floating on CPU come uncast, for `Publisher(dtype=dtype)` to cast one at a time."""
@@ -174,7 +179,9 @@ def _refuse_sharded(model: torch.nn.Module | None) -> None:
 class VersionedPublisher:
     """A Publisher plus the version counter and the per-publish log both integrations share."""
 
-    def __init__(self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, bucket: str, dtype: torch.dtype, flush_timeout_s: float, publisher_options: Mapping[str, Any]
+    ) -> None:
         self.bucket = bucket
         self.dtype = dtype
         self.flush_timeout_s = flush_timeout_s
@@ -187,7 +194,8 @@ class VersionedPublisher:
 
     def open(self) -> None:
         if self.publisher is None:
-            self.publisher = Publisher(self.bucket, **{"dtype": self.dtype, **self.publisher_options})  # casts uncast states
+            # casts uncast states
+            self.publisher = Publisher(self.bucket, **{"dtype": self.dtype, **self.publisher_options})
 
     def carry_files(self, model: Any = None, tokenizer: Any = None) -> None:
         """Carry `model`'s config and generation config and `tokenizer`'s files in every commit
@@ -410,7 +418,9 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         self.publish_initial = publish_initial
         self._v = VersionedPublisher(bucket, dtype, flush_timeout_s, publisher_options)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any
+    ) -> None:
         _refuse_sharded(model)  # on every rank, before anything is published or trained
         if not state.is_world_process_zero:
             return
@@ -445,7 +455,9 @@ class SparsesyncCallback(_PublishedViews, TrainerCallback):
         if state.is_world_process_zero and model is not None and state.global_step % self.every_n_steps == 0:
             self._publish(model, state.global_step)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any) -> None:
+    def on_train_end(
+        self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kw: Any
+    ) -> None:
         if not state.is_world_process_zero:
             return
         if model is not None and (self._v.version is None or self._v.version < state.global_step):

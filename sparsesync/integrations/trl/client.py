@@ -84,7 +84,9 @@ class SparsesyncVLLMClient:
         self.replicas = parse_replica_urls(replicas)
         self.sync_timeout_s = sync_timeout_s
         key = api_key or os.environ.get("SPARSESYNC_API_KEY")
-        self._http = httpx.Client(timeout=request_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None)
+        self._http = httpx.Client(
+            timeout=request_timeout_s, headers={"Authorization": f"Bearer {key}"} if key else None
+        )
         try:
             self._wait_until_up(connection_timeout)
         except BaseException:
@@ -92,7 +94,9 @@ class SparsesyncVLLMClient:
             raise
         self._v = VersionedPublisher(bucket, dtype, sync_timeout_s, publisher_options)
         self._next = itertools.count()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, max_concurrent_requests), thread_name_prefix="sparsesync-gen"
+        )
         self.served: list[int | None] = []  # the weight version of every generate() call, in order
         self._trainer: Any = None  # the GRPOTrainer whose global_step numbers the versions (`bind`)
         self.base_url = self.replicas[0]
@@ -125,7 +129,12 @@ class SparsesyncVLLMClient:
         self._v.open()
         pub = self._v.publisher
         assert pub is not None
-        if step is not None and self._v.version is None and pub.committed_version is not None and step <= pub.committed_version:
+        if (
+            step is not None
+            and self._v.version is None
+            and pub.committed_version is not None
+            and step <= pub.committed_version
+        ):
             self._continue(state, step, pub.committed_version)
             version = step
         elif step is not None and step == self._v.version:  # synced again without a step (e.g. by hand after train())
@@ -135,7 +144,12 @@ class SparsesyncVLLMClient:
             version = self._v.publish(state, step)
         pub.flush(self.sync_timeout_s)
         self._wait_for_replicas(version)
-        log.info("sparsesync: version %d published to %s, served by %d replica(s)", version, self._v.bucket, len(self.replicas))
+        log.info(
+            "sparsesync: version %d published to %s, served by %d replica(s)",
+            version,
+            self._v.bucket,
+            len(self.replicas),
+        )
 
     def _same_weights(self, state: dict[str, torch.Tensor], step: int) -> None:
         """A second sync at `step`: the weights must still be version `step` (nothing to publish)."""

@@ -58,7 +58,9 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 log = logging.getLogger(__name__)
 
 # the (version, state digest) pairs reported for the turns of the conversation being generated (one asyncio task each)
-_TURN_VERSIONS: contextvars.ContextVar[list[tuple[int | None, str | None]] | None] = contextvars.ContextVar("sparsesync_turn_versions", default=None)
+_TURN_VERSIONS: contextvars.ContextVar[list[tuple[int | None, str | None]] | None] = contextvars.ContextVar(
+    "sparsesync_turn_versions", default=None
+)
 
 
 def parse_replica_urls(urls: str | Sequence[str]) -> list[str]:
@@ -82,7 +84,8 @@ class SparsesyncRolloutLoop(_AsyncRolloutLoop):
         self.replica_urls = urls
         self._turn = itertools.count()
         self._versions: dict[int, int] = {}  # id(completion messages) -> oldest version that produced them
-        self._pairs: dict[int, list[tuple[int | None, str | None]]] = {}  # id(completion messages) -> its turns' (version, digest)
+        # id(completion messages) -> its turns' (version, digest)
+        self._pairs: dict[int, list[tuple[int | None, str | None]]] = {}
         self.trusted = TrustedCommits(open_store(bucket)) if bucket else None  # None: no rewind check
         self.dropped_groups = 0
 
@@ -113,13 +116,17 @@ class SparsesyncRolloutLoop(_AsyncRolloutLoop):
                 response.raise_for_status()
                 return await response.json()
 
-        content = await self._retry(_do_post, label=f"POST {path}", max_attempts=max(max_retries, len(self.replica_urls)))
+        content = await self._retry(
+            _do_post, label=f"POST {path}", max_attempts=max(max_retries, len(self.replica_urls))
+        )
         versions = _TURN_VERSIONS.get()
         if versions is not None:
             reported = {(c.get("weight_version"), c.get("state_digest")) for c in content.get("choices", [])}
             if len(reported) != 1:
-                raise ConfigError(f"a replica answered {path} with weight versions {sorted(reported, key=str)}; expected one",
-                                  hint="point replica_urls at sparsesync replicas (inference_space)")
+                raise ConfigError(
+                    f"a replica answered {path} with weight versions {sorted(reported, key=str)}; expected one",
+                    hint="point replica_urls at sparsesync replicas (inference_space)",
+                )
             version, digest = reported.pop()
             versions.append((None if version is None else int(version), digest))
         return content

@@ -56,7 +56,15 @@ def _single_process(llm: Any) -> bool:
 class WeightSync:
     """Moves one vLLM engine from version to version (see module docstring)."""
 
-    def __init__(self, llm: Any, source: Mapping[str, torch.Tensor], *, mode: str = "reload", check: bool = True, run_url: str = "") -> None:
+    def __init__(
+        self,
+        llm: Any,
+        source: Mapping[str, torch.Tensor],
+        *,
+        mode: str = "reload",
+        check: bool = True,
+        run_url: str = "",
+    ) -> None:
         """`source`: the tensors vLLM serves now, in checkpoint coordinates (e.g. the checkpoint it
         loaded, `sparsesync.checkpoint.load_checkpoint`: a file map, read only where needed).
         Held by reference: the caller must not change them except through `load`/`patch`."""
@@ -156,4 +164,7 @@ class WeightSync:
             if path is not None:
                 os.unlink(path)
             if not self.llm.reset_prefix_cache():  # KV of the old weights must never be reused
-                raise EngineError("vLLM refused to reset its prefix cache after a weight update", hint="no request may run during an update")
+                raise EngineError(
+                    "vLLM refused to reset its prefix cache after a weight update",
+                    hint="no request may run during an update",
+                )

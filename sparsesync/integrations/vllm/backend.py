@@ -199,8 +199,16 @@ def _tied_heads(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """(LM head module, checkpoint name of the embedding it ties to) for each tied head."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    embeds = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead) and hasattr(m, "weight")}
-    return [(m, embeds[id(m.weight)] + ".weight") for m in model.modules() if isinstance(m, ParallelLMHead) and id(getattr(m, "weight", None)) in embeds]
+    embeds = {
+        id(m.weight): n
+        for n, m in model.named_modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead) and hasattr(m, "weight")
+    }
+    return [
+        (m, embeds[id(m.weight)] + ".weight")
+        for m in model.modules()
+        if isinstance(m, ParallelLMHead) and id(getattr(m, "weight", None)) in embeds
+    ]
 
 
 def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -226,7 +234,12 @@ def _prepack_reloaded_experts(model: torch.nn.Module, tensors: dict[str, torch.T
         if impl is None or sorted(experts) != list(range(mod.w13_weight.shape[0])):
             continue
         try:
-            w13 = torch.stack([torch.cat([_proj(experts[e], "gate_proj", "w1"), _proj(experts[e], "up_proj", "w3")]) for e in sorted(experts)])
+            w13 = torch.stack(
+                [
+                    torch.cat([_proj(experts[e], "gate_proj", "w1"), _proj(experts[e], "up_proj", "w3")])
+                    for e in sorted(experts)
+                ]
+            )
             w2 = torch.stack([_proj(experts[e], "down_proj", "w2") for e in sorted(experts)])
         except (KeyError, TypeError, RuntimeError):
             continue
@@ -258,14 +271,17 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
     update_info_cls = SparsesyncUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.run_url = ""
         self.updates_applied = 0
         self.layout: Layout | None = None
         self.check_enabled = True
         self.last_checked = 0  # tensors read back by the last update
-        self.kernels: dict[str, tuple[torch.nn.Module, Any]] = {}  # module -> (module, packed kernel) last read back and passed
+        # module -> (module, packed kernel) last read back and passed
+        self.kernels: dict[str, tuple[torch.nn.Module, Any]] = {}
 
     def init_transfer_engine(self, init_info: SparsesyncInitInfo) -> None:
         self.run_url = init_info.run_url
@@ -320,7 +336,9 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             for head, _ in heads:
                 unchanged.remember_module(head, "lm_head", self.kernels)
 
-    def _load_sparse(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]) -> None:
+    def _load_sparse(
+        self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]
+    ) -> None:
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
@@ -350,7 +368,9 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
                     problems += readback.check_tied_head(self.model, embed)
             self._raise(problems, len(updates))
 
-    def _check_sparse(self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]) -> list[str]:
+    def _check_sparse(
+        self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]
+    ) -> list[str]:
         """Touched elements (every rank, its shard) and, on a single rank, each touched tensor's digest."""
         from sparsesync.codec import algo_of, tensor_digest
 
@@ -374,14 +394,21 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
             want = readback.same_width(got, exp)
             if got.dtype != want.dtype or bool((readback.bits(got) != readback.bits(want))[m].any()):
                 problems.append(f"tensor '{name}': touched elements differ from the version")
-            elif size == 1 and name in digests and tensor_digest(got.contiguous(), algo_of(digests[name])) != digests[name]:
+            elif (
+                size == 1
+                and name in digests
+                and tensor_digest(got.contiguous(), algo_of(digests[name])) != digests[name]
+            ):
                 problems.append(f"tensor '{name}': digest of the engine's copy differs from the version's")
         return problems
 
     def _layout(self, tensors: dict[str, torch.Tensor]) -> Layout:
         if self.layout is not None:
             return self.layout
-        return Layout({n: tuple(t.shape) for n, t in tensors.items()}, dict(getattr(self.model, "packed_modules_mapping", {}) or {}))
+        return Layout(
+            {n: tuple(t.shape) for n, t in tensors.items()},
+            dict(getattr(self.model, "packed_modules_mapping", {}) or {}),
+        )
 
     def _raise(self, problems: list[str], n: int) -> None:
         self.last_checked = n

@@ -132,7 +132,8 @@ class ServerHook(ApplyHook):
     """The follower's `ApplyHook` for a vLLM server reached through `control` (see module docstring)."""
 
     name = "vllm"
-    pages_out_mirror = True  # an update reads the touched tensors of the mirror once (sparsesync.protocol.follower.hooks)
+    # an update reads the touched tensors of the mirror once (sparsesync.protocol.follower.hooks)
+    pages_out_mirror = True
     takes_digests = True  # the version's per-tensor digests: the worker checks the tensors not sent against them
 
     def __init__(self, control: EngineControl, state: dict[str, torch.Tensor], *, run_url: str = "",
@@ -260,7 +261,9 @@ class FollowRunner:
 
         try:
             state = load_checkpoint(resolve_model(self.model, self.revision))
-            self.hook = ServerHook(self._control(), state, run_url=self.bucket, pause_mode=self.pause_mode, check=self.check)
+            self.hook = ServerHook(
+                self._control(), state, run_url=self.bucket, pause_mode=self.pause_mode, check=self.check
+            )
             self.follower = Follower(self.bucket, hook=self.hook, poll_interval=self.poll_interval,
                                      fleet=FleetOptions(engine=self.hook.name))
         except Exception as e:  # report it; the server keeps serving its startup weights
@@ -302,8 +305,12 @@ class FollowRunner:
     def status(self) -> dict[str, Any]:
         """The follower's status, as the replica app's `/sync` reports it."""
         if self.follower is None:
-            st: dict[str, Any] = {"url": self.bucket, "current_version": None, "state": "failed" if self.setup_error else "starting",
-                                  "last_error": self.setup_error}
+            st: dict[str, Any] = {
+                "url": self.bucket,
+                "current_version": None,
+                "state": "failed" if self.setup_error else "starting",
+                "last_error": self.setup_error,
+            }
         else:
             st = self.follower.status().to_dict()
         hook = self.hook

@@ -24,7 +24,10 @@ from sparsesync.checkpoint import EXPERT_KEY
 
 # fused vLLM modules -> the checkpoint modules they pack, in packing order (Llama/Qwen/Mistral
 # family); the model's own `packed_modules_mapping` adds to it
-DEFAULT_PACKED: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+DEFAULT_PACKED: dict[str, list[str]] = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
 # per-expert checkpoint names (EXPERT_KEY): gate/up go to w13 (gate rows first), down to w2
 _EXPERT = EXPERT_KEY
 _W13_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
@@ -45,7 +48,9 @@ class Location:
 class Layout:
     """The checkpoint key set of one model mapped onto vLLM's layers (see module docstring)."""
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], packed: Mapping[str, Iterable[str]] | None = None) -> None:
+    def __init__(
+        self, shapes: Mapping[str, tuple[int, ...]], packed: Mapping[str, Iterable[str]] | None = None
+    ) -> None:
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
         table = {k: list(v) for k, v in DEFAULT_PACKED.items()}
         for fused, parts in (packed or {}).items():
@@ -83,7 +88,11 @@ class Layout:
             siblings = self._parts[fused]
             idx = siblings.index(mod[-1])
             prefix = ".".join(mod[:-1])
-            row0 = sum(self.shapes[f"{prefix}.{s}.{param}"][0] for s in siblings[:idx] if f"{prefix}.{s}.{param}" in self.shapes)
+            row0 = sum(
+                self.shapes[f"{prefix}.{s}.{param}"][0]
+                for s in siblings[:idx]
+                if f"{prefix}.{s}.{param}" in self.shapes
+            )
             return Location(f"{prefix}.{fused}", param, "fused", part=idx, row0=row0)
         module = ".".join(mod)
         if mod and mod[-1] in ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out"):

@@ -2,8 +2,8 @@
 
 Loaded by vLLM through the `vllm.general_plugins` entry point `sparsesync` (pyproject.toml), so
 `vllm serve MODEL --weight-transfer-config '{"backend": "sparsesync"}'` finds the backend;
-`sparsesync.integrations.vllm.VllmEngine` (and the replica app) also call `register()` itself. Safe to call any number of times, and it imports
-only vLLM's factory (the backend module is loaded lazily when an engine is created).
+`sparsesync.integrations.vllm.VllmEngine` (and the replica app) also call `register()` itself. Safe to call any number
+of times, and it imports only vLLM's factory (the backend module is loaded lazily when an engine is created).
 
 Following a run from vLLM's own server takes the endpoint plugin too (`server.py`), which vLLM
 loads only when `VLLM_PLUGINS` names it. In vLLM's API-server process, with `SPARSESYNC_BUCKET`

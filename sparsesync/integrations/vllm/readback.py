@@ -22,9 +22,9 @@ One exception, only for a layer read through its packed CPU kernel (the identity
 a product cannot show the sign of a zero nor a subnormal the kernel flushes (nor can the
 forward pass, which computes through the same kernel), so there -0.0, +0.0 and subnormals all
 compare as +0.0 on both sides, every other bit pattern exactly. It returns one message per
-mismatching tensor. Tensor parallelism: each rank compares its own shard. Memory: one parameter's read at a time (a probed layer's W is written
-block by block into one tensor) and comparisons in blocks of `_COMPARE_ELEMS` elements, never a
-whole-model or whole-tensor float temporary.
+mismatching tensor. Tensor parallelism: each rank compares its own shard. Memory: one parameter's read at a time (a
+probed layer's W is written block by block into one tensor) and comparisons in blocks of `_COMPARE_ELEMS` elements,
+never a whole-model or whole-tensor float temporary.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def _prepack_perm(shape: tuple[int, ...], isa: str) -> torch.Tensor:
             torch.ops._C.prepack_moe_weight(digits, out, isa)
             src += out.reshape(-1).to(torch.int64) << (8 * k)
         if not torch.equal(torch.sort(src).values, pos):
-            raise RuntimeError(f"vLLM's MoE prepack ({isa}) of shape {list(shape)} is not a permutation: cannot read it back")
+            raise RuntimeError(
+                f"vLLM's MoE prepack ({isa}) of shape {list(shape)} is not a permutation: cannot read it back"
+            )
         _PERMS[key] = src
     return _PERMS[key]
 
@@ -117,7 +119,9 @@ def _kernel_reads_parameter(mod: Layer, p: torch.Tensor) -> bool:
     return not bool(mod.cpu_linear(x, torch.zeros_like(p), None).any())
 
 
-def as_read(mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str, str], torch.Tensor] | None = None) -> torch.Tensor:
+def as_read(
+    mod: torch.nn.Module, loc: Location, cache: dict[tuple[int, str, str], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The parameter as the forward pass reads it, in vLLM's (unpacked) layout. `cache` keeps
     one read per parameter across the checkpoint tensors fused into it."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -191,7 +195,12 @@ def _local_expected(mod: torch.nn.Module, loc: Location, t: torch.Tensor, rank: 
 
 
 def local_pair(
-    model: torch.nn.Module, loc: Location, expected: torch.Tensor, rank: int, size: int, cache: dict[tuple[int, str, str], torch.Tensor] | None = None
+    model: torch.nn.Module,
+    loc: Location,
+    expected: torch.Tensor,
+    rank: int,
+    size: int,
+    cache: dict[tuple[int, str, str], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine value, expected value), both in the rank's checkpoint coordinates."""
     mod = module_of(model, loc)
@@ -199,7 +208,9 @@ def local_pair(
     exp = _local_expected(mod, loc, expected, rank, size)
     if loc.kind == "vocab":
         start = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_start_index", 0) or 0)
-        end = int(getattr(getattr(mod, "shard_indices", None), "org_vocab_end_index", expected.shape[0]) or expected.shape[0])
+        end = int(
+            getattr(getattr(mod, "shard_indices", None), "org_vocab_end_index", expected.shape[0]) or expected.shape[0]
+        )
         return full[: end - start], expected[start:end]
     if loc.kind == "fused":
         rows = exp.shape[0]
@@ -233,7 +244,12 @@ def bits(t: torch.Tensor, *, through_kernel: bool = False) -> torch.Tensor:
 def same_width(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """`want` in `got`'s dtype when `got` is a wider float (exact); else `want` as it is (a
     narrower or other dtype then differs, loudly)."""
-    if got.dtype != want.dtype and got.is_floating_point() and want.is_floating_point() and got.element_size() > want.element_size():
+    if (
+        got.dtype != want.dtype
+        and got.is_floating_point()
+        and want.is_floating_point()
+        and got.element_size() > want.element_size()
+    ):
         return want.to(got.dtype)
     return want
 
@@ -261,11 +277,17 @@ def through_kernel(mod: torch.nn.Module, loc: Location) -> bool:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     p = getattr(mod, loc.param)
-    return (loc.param == "weight" and hasattr(mod, "cpu_linear") and (isinstance(mod, ParallelLMHead) or not _is_embedding(mod))
-            and not _kernel_reads_parameter(mod, p))
+    return (
+        loc.param == "weight"
+        and hasattr(mod, "cpu_linear")
+        and (isinstance(mod, ParallelLMHead) or not _is_embedding(mod))
+        and not _kernel_reads_parameter(mod, p)
+    )
 
 
-def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1) -> list[str]:
+def check(
+    model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.Tensor], *, rank: int = 0, size: int = 1
+) -> list[str]:
     """One message per tensor of `expected` (checkpoint names) the engine does not compute with."""
     problems = []
     cache: dict[tuple[int, str, str], torch.Tensor] = {}
@@ -285,7 +307,8 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
         done.append(want)
         try:
             got, exp = local_pair(model, loc, want.to(torch.device("cpu")), rank, size, cache)
-        except (KeyError, RuntimeError, IndexError, ValueError) as e:  # a layout this read-back does not know: loud, named
+        # a layout this read-back does not know: loud, named
+        except (KeyError, RuntimeError, IndexError, ValueError) as e:
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
         got = got.to("cpu")
@@ -293,7 +316,9 @@ def check(model: torch.nn.Module, layout: Layout, expected: Mapping[str, torch.T
             problems.append(f"tensor '{name}': engine holds shape {list(got.shape)}, expected {list(exp.shape)}")
             continue
         if n := count_differing(got, exp, through_kernel=through_kernel(module_of(model, loc), loc)):
-            problems.append(f"tensor '{name}': {n} of {exp.numel()} elements differ from the version ({loc.module}.{loc.param})")
+            problems.append(
+                f"tensor '{name}': {n} of {exp.numel()} elements differ from the version ({loc.module}.{loc.param})"
+            )
     return problems
 
 

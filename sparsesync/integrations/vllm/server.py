@@ -39,7 +39,13 @@ from fastapi import Request  # at module level: the route's annotations are reso
 
 from sparsesync.access import bearer_matches, check_access, check_key, is_set
 from sparsesync.errors import ConfigError
-from sparsesync.integrations.vllm.follow import FollowRunner, bucket_from_env, pause_mode_from_env, poll_interval_from_env, remote_engine
+from sparsesync.integrations.vllm.follow import (
+    FollowRunner,
+    bucket_from_env,
+    pause_mode_from_env,
+    poll_interval_from_env,
+    remote_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +133,13 @@ class SparsesyncEndpoint:
             if keys and not bearer_matches(request.headers, keys):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)  # as vLLM's AuthenticationMiddleware
             if self.runner is None:
-                st = {"url": None, "state": "static", "current_version": None, "serving_version": None, "engine": "vllm"}
+                st = {
+                    "url": None,
+                    "state": "static",
+                    "current_version": None,
+                    "serving_version": None,
+                    "engine": "vllm",
+                }
             else:
                 st = self.runner.status()
             client = getattr(request.app.state, "engine_client", None)
@@ -144,9 +156,15 @@ class SparsesyncEndpoint:
             return
         keys = api_keys(args)
         try:
-            check_access(keys[0] if keys else None, getattr(args, "host", None),
-                         allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")), setting="--api-key / VLLM_API_KEY",
-                         open_setting="SPARSESYNC_ALLOW_NO_KEY", bind_setting="--host 127.0.0.1", what="vLLM server following a run")
+            check_access(
+                keys[0] if keys else None,
+                getattr(args, "host", None),
+                allow_open=is_set(os.environ.get("SPARSESYNC_ALLOW_NO_KEY")),
+                setting="--api-key / VLLM_API_KEY",
+                open_setting="SPARSESYNC_ALLOW_NO_KEY",
+                bind_setting="--host 127.0.0.1",
+                what="vLLM server following a run",
+            )
             for k in keys[1:]:
                 check_key(k, "--api-key / VLLM_API_KEY")
         except ConfigError as e:
@@ -160,8 +178,10 @@ class SparsesyncEndpoint:
                 hint="""start it with --weight-transfer-config '{"backend": "sparsesync"}'""",
             )
         if int(getattr(args, "api_server_count", 1) or 1) > 1:
-            raise ConfigError("a vLLM server following a run needs one API server process (each would drive the engine)",
-                              hint="drop --api-server-count, or follow with the sidecar: sparsesync follow --vllm URL")
+            raise ConfigError(
+                "a vLLM server following a run needs one API server process (each would drive the engine)",
+                hint="drop --api-server-count, or follow with the sidecar: sparsesync follow --vllm URL",
+            )
         loop = asyncio.get_running_loop()
         model_config = engine_client.model_config
         self.runner = FollowRunner(

@@ -83,9 +83,15 @@ def check(model: torch.nn.Module, layout: Layout, verify: Mapping[str, Any], ker
             problems.append(f"tensor '{name}': cannot read it back ({e})")
             continue
         held = _as_checkpoint(got.detach().to("cpu"), dtype)
-        if held is None or tuple(held.shape) != tuple(layout.shapes[name]) or tensor_digest(held, algo_of(digest)) != digest:
-            problems.append(f"tensor '{name}': not sent by this update, and the engine's copy ({loc.module}.{loc.param}) "
-                            "differs from the version (changed since it was last verified)")
+        if (
+            held is None
+            or tuple(held.shape) != tuple(layout.shapes[name])
+            or tensor_digest(held, algo_of(digest)) != digest
+        ):
+            problems.append(
+                f"tensor '{name}': not sent by this update, and the engine's copy ({loc.module}.{loc.param}) "
+                "differs from the version (changed since it was last verified)"
+            )
     return problems + _tied_head(model, layout, verify, kernels)
 
 

@@ -49,13 +49,21 @@ class EngineSteps:
         """The changes of one version the mirror took, for an engine that held its base."""
         full = {name: self._held.state[name] for name in updates}
         labels = HookLabels(rec.state_digest, self._held.digests, rec.base_version)
-        self._call(lambda: self.hook.apply_sparse(rec.version, updates, full, **labels.for_patch(self.hook)), rec, self._held.state)
+        self._call(
+            lambda: self.hook.apply_sparse(rec.version, updates, full, **labels.for_patch(self.hook)),
+            rec,
+            self._held.state,
+        )
 
     def load_mirror(self, rec: CommitRecord) -> None:
         """All of the mirror, verified first (others may reach its file)."""
         self._held.check(rec)  # MirrorMismatchError: reloaded from an anchor instead
         labels = HookLabels(rec.state_digest, self._held.digests)
-        self._call(lambda: self.hook.load_full(rec.version, self._held.state, **labels.for_load(self.hook)), rec, self._held.state)
+        self._call(
+            lambda: self.hook.load_full(rec.version, self._held.state, **labels.for_load(self.hook)),
+            rec,
+            self._held.state,
+        )
 
     def _call(self, fn: Callable[[], None], rec: CommitRecord, state: State, adopt: Callable[[], None] | None = None,
               digests: dict[str, str] | None = None) -> None:
@@ -67,7 +75,12 @@ class EngineSteps:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - engine failure: reload it from the verified mirror
-            log.log(self._backoff.level(str(e)), "engine failed to apply version %d (%s); reloading all weights", rec.version, e)
+            log.log(
+                self._backoff.level(str(e)),
+                "engine failed to apply version %d (%s); reloading all weights",
+                rec.version,
+                e,
+            )
             try:
                 self._held.check(rec, state, digests)
                 labels = HookLabels(rec.state_digest, self._held.digests if digests is None else digests)
@@ -79,7 +92,8 @@ class EngineSteps:
                     raise
                 raise SparsesyncError(
                     f"engine could not load version {rec.version} of {self._url}: {str(e2)[:300]}",
-                    hint="the replica reports no version until a load succeeds (retried with backoff); check the engine logs",
+                    hint="the replica reports no version until a load succeeds (retried with backoff); check the "
+                         "engine logs",
                 ) from e2
         except BaseException:  # an interrupt inside the engine: its bits are unknown
             self._served(None)

@@ -110,7 +110,9 @@ class FollowerStatus:
     url: str
     current_version: int | None  # version the engine serves (None before the first load)
     newest_version: int | None  # newest committed version seen in the store
-    lag: int | None  # newest_version - current_version; serving a version a rewind abandoned: the versions from the rewind on (lineage.lag)
+    # newest_version - current_version; serving a version a rewind abandoned: the versions from the rewind on
+    # (lineage.lag)
+    lag: int | None
     state: str  # "starting" | "following" | "degraded" (serving last good version) | "stopped"
     last_error: str | None
     last_fetch_s: float | None  # fetch+verify+decode seconds of the last version
@@ -122,8 +124,10 @@ class FollowerStatus:
     failures: int = 0  # failed sync attempts in a row (0 once one succeeds)
     retry_at: float | None = None  # unix time of the next attempt after a failure (backoff); None: none pending
     retry_in_s: float | None = None  # seconds until then, as of this status
-    state_digest: str | None = None  # the commit's state digest of current_version (a version number may be re-committed after a rewind)
-    refused: list[dict[str, str]] = field(default_factory=list)  # commits this follower refuses: {key, reason}, newest first (refusals.py)
+    # the commit's state digest of current_version (a version number may be re-committed after a rewind)
+    state_digest: str | None = None
+    # commits this follower refuses: {key, reason}, newest first (refusals.py)
+    refused: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -145,7 +145,11 @@ def _fs_type(path: Path) -> str | None:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) and len(parts[1]) > len(best):
+                if (
+                    len(parts) > 2
+                    and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/"))
+                    and len(parts[1]) > len(best)
+                ):
                     best, kind = parts[1], parts[2]
         return kind
     except OSError:
@@ -169,14 +173,19 @@ class MirrorDir:
                 self._checked = True
                 try:
                     self.directory.mkdir(parents=True, exist_ok=True)
-                    os.close(create_unlinked(self.directory))  # the probe: a new file with no name, nothing written through a name
+                    # the probe: a new file with no name, nothing written through a name
+                    os.close(create_unlinked(self.directory))
                     self._usable = True
                 except OSError as e:
                     log.warning("mirror directory %s is not writable (%s): the mirror stays in anonymous memory; "
                                 "set %s to a folder on local disk", self.directory, e, ENV_DIR)
                 if self._usable and _fs_type(self.directory) in ("tmpfs", "ramfs"):
-                    log.warning("mirror directory %s is on %s: the mirror is held in memory; set %s to a folder on disk",
-                                self.directory, _fs_type(self.directory), ENV_DIR)
+                    log.warning(
+                        "mirror directory %s is on %s: the mirror is held in memory; set %s to a folder on disk",
+                        self.directory,
+                        _fs_type(self.directory),
+                        ENV_DIR,
+                    )
             return self._usable
 
     @property
@@ -196,15 +205,22 @@ class MirrorDir:
         except Exception as e:
             if not is_full(e):
                 raise
-            log.warning("mirror directory %s is full (%s): staging this anchor in the system's temp dir and keeping the "
-                        "mirror in anonymous memory; free space there or set %s", self.directory, e, ENV_DIR)
+            log.warning(
+                "mirror directory %s is full (%s): staging this anchor in the system's temp dir and keeping the "
+                "mirror in anonymous memory; free space there or set %s",
+                self.directory,
+                e,
+                ENV_DIR,
+            )
         self._full = True
         try:
             return fetch(None)
         finally:
             self._full = False
 
-    def allocator(self, *, page_out: bool) -> tuple[Callable[[Layout], dict[str, torch.Tensor]], Callable[[torch.Tensor], int] | None]:
+    def allocator(
+        self, *, page_out: bool
+    ) -> tuple[Callable[[Layout], dict[str, torch.Tensor]], Callable[[torch.Tensor], int] | None]:
         """(`allocate`, and with `page_out` a callback that unmaps each tensor it allocated once
         called with it: for `codec.load_anchor`'s `alloc` and `written`)."""
         drop: list[Callable[[torch.Tensor], int]] = []

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 
-STREAMING_WINDOW_S = 60.0  # after new parts were seen, poll at poll_interval this long (or until their version is applied)
+# after new parts were seen, poll at poll_interval this long (or until their version is applied)
+STREAMING_WINDOW_S = 60.0
 
 
 def streaming(parts_seen_at: float | None) -> bool:

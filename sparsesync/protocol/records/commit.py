@@ -250,7 +250,9 @@ def _parse_commit(f: Fields, name: tuple[int, int]) -> CommitRecord:
               for i, o in enumerate(anchor_raw)]
     _check_anchor_files(anchor)
     if anchor and any(u.rows is not None for p in parts for u in p.units):
-        raise ValueError("it has an anchor beside parts with row ranges (allowed only when every unit is a whole tensor)")
+        raise ValueError(
+            "it has an anchor beside parts with row ranges (allowed only when every unit is a whole tensor)"
+        )
     if delta is None and not parts and not anchor:
         raise ValueError("it names neither a delta nor an anchor")
     metrics = Fields(f.get("metrics") or {}, "metrics.")
@@ -258,9 +260,18 @@ def _parse_commit(f: Fields, name: tuple[int, int]) -> CommitRecord:
         metrics.number(m, optional=True)
     metrics.text("kind", optional=True, max_len=MAX_COMMIT_BYTES)
     return CommitRecord(
-        version=version, epoch=epoch, writer=f.text("writer"), state_digest=f.digest("state_digest", tensors=True),
-        created_at=created, delta=delta, base_version=base, base_state_digest=f.digest("base_state_digest", optional=True, tensors=True),
-        anchor=anchor, metrics=metrics.raw, format=fmt, parts=parts,
+        version=version,
+        epoch=epoch,
+        writer=f.text("writer"),
+        state_digest=f.digest("state_digest", tensors=True),
+        created_at=created,
+        delta=delta,
+        base_version=base,
+        base_state_digest=f.digest("base_state_digest", optional=True, tensors=True),
+        anchor=anchor,
+        metrics=metrics.raw,
+        format=fmt,
+        parts=parts,
         adapter=None if f.get("adapter") is None else read_adapter(f.get("adapter")),
         files=_files(f.get("files"), version),
     )
@@ -282,13 +293,23 @@ def _parts(f: Fields, version: int, base: int | None) -> list[PartRef]:
         ulist = p.get("units")
         n_units += len(ulist) if isinstance(ulist, list) else 0
         if not isinstance(ulist, list) or not ulist or n_units > _MAX_UNITS:
-            raise ValueError(f"parts[{i}].units is {show(ulist)}, expected a non-empty list (at most {_MAX_UNITS} in all)")
+            raise ValueError(
+                f"parts[{i}].units is {show(ulist)}, expected a non-empty list (at most {_MAX_UNITS} in all)"
+            )
         units = tuple(Unit.from_json(u, f"parts[{i}].units[{j}]") for j, u in enumerate(ulist))
         for u in units:
             start, stop = u.rows or (0, _MAX_ROWS + 1)
             rows.setdefault(u.name, []).append((start, stop, i))
-        out.append(PartRef(key=ref.key, size=ref.size, xxh3=ref.xxh3, base_state_digest=p.digest("base_state_digest", tensors=True),
-                           state_digest=p.digest("state_digest", tensors=True), units=units))
+        out.append(
+            PartRef(
+                key=ref.key,
+                size=ref.size,
+                xxh3=ref.xxh3,
+                base_state_digest=p.digest("base_state_digest", tensors=True),
+                state_digest=p.digest("state_digest", tensors=True),
+                units=units,
+            )
+        )
     for name, spans in rows.items():
         if len(spans) > 1:
             spans.sort()
@@ -317,8 +338,10 @@ def _check_anchor_files(anchor: list[ObjectRef]) -> None:
     shards = sorted(s for n in names if (s := keys.parse_shard_name(n)))
     n = len(shards)
     if _INDEX_NAME not in names or n + 1 != len(names) or shards != [(k, n) for k in range(1, n + 1)]:
-        raise ValueError(f"anchor files {sorted(names)[:4]}{'...' if len(names) > 4 else ''} are neither model.safetensors "
-                         "alone nor shards model-0000k-of-0000n.safetensors (k = 1..n) with model.safetensors.index.json")
+        raise ValueError(
+            f"anchor files {sorted(names)[:4]}{'...' if len(names) > 4 else ''} are neither model.safetensors "
+            "alone nor shards model-0000k-of-0000n.safetensors (k = 1..n) with model.safetensors.index.json"
+        )
 
 
 def _files(raw: Any, version: int) -> list[FileRef]:

@@ -120,7 +120,9 @@ class Fields:
         if v is None and (optional or default is not None):
             return default
         if not isinstance(v, str) or len(v) > max_len:
-            raise ValueError(f"{self.where}{name} is {self._show(name)}, expected a string of at most {max_len} characters")
+            raise ValueError(
+                f"{self.where}{name} is {self._show(name)}, expected a string of at most {max_len} characters"
+            )
         return clean_text(v) if clean else v
 
     def digest(self, name: str, *, optional: bool = False, tensors: bool = False) -> Any:

@@ -47,7 +47,9 @@ class AnchorPlan:
         return [n for n, r in self.owner.items() if r == rank]
 
 
-def assign(tensors: Sequence[tuple[str, int, bool]], world: int, holders: Mapping[str, int] | None = None) -> AnchorPlan:
+def assign(
+    tensors: Sequence[tuple[str, int, bool]], world: int, holders: Mapping[str, int] | None = None
+) -> AnchorPlan:
     """The plan for (name, bytes, sharded) tensors over `world` ranks: plain tensors on the rank
     `holders` names (one rank holds them whole: a fused MoE tensor's experts), else on rank 0
     (replicated); sharded ones largest first (ties by name) to the rank with the fewest bytes so

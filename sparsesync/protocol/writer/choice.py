@@ -59,8 +59,10 @@ class Undecided:
         whole on rank 0, passive elsewhere."""
         if holds_shards(state):
             if self.ctx.config.dtype is not None:
-                raise ConfigError("a sharded publisher publishes its shards as given: dtype= is for whole-state publishing",
-                                  hint="cast the sharded state before publish(), or leave dtype unset")
+                raise ConfigError(
+                    "a sharded publisher publishes its shards as given: dtype= is for whole-state publishing",
+                    hint="cast the sharded state before publish(), or leave dtype unset",
+                )
             return ShardedState(state, ranks=self.ranks, ctx=self.ctx)
         if self.ranks.rank == 0:
             return WholeState(self.ctx, distributed=True)

@@ -43,7 +43,15 @@ from sparsesync.protocol.keys import (
     valid_commits,
     writer_key,
 )
-from sparsesync.protocol.records import MAX_CLAIM_BYTES, MAX_COMMIT_BYTES, CommitRecord, FileRef, ObjectRef, PartRef, WriterClaim
+from sparsesync.protocol.records import (
+    MAX_CLAIM_BYTES,
+    MAX_COMMIT_BYTES,
+    CommitRecord,
+    FileRef,
+    ObjectRef,
+    PartRef,
+    WriterClaim,
+)
 from sparsesync.protocol.run import Run, read_at_most
 from sparsesync.protocol.writer.parts import EncodedPart
 from sparsesync.store import Store
@@ -91,8 +99,10 @@ class CommitWriter:
         Reads records newest epoch first until one is a commit record (one read on a run
         without stray names)."""
         run = Run(self.store)
-        names = sorted(((p[1], o.key) for o in self.store.list(COMMITS) if (p := parse_commit_key(o.key)) and p[1] > above),
-                       reverse=True)
+        names = sorted(
+            ((p[1], o.key) for o in self.store.list(COMMITS) if (p := parse_commit_key(o.key)) and p[1] > above),
+            reverse=True,
+        )
         return next((epoch for epoch, key in names if run.is_commit(key)), above)
 
     def claim(self) -> int:
@@ -112,11 +122,15 @@ class CommitWriter:
                 )
             if self.store.has_create_only and not self.store.put_new(epoch_lock_key(epoch), self.writer.encode()):
                 continue  # another writer reserved this epoch after our listing
-            self.store.put(writer_key(epoch, self.writer), f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode())
+            self.store.put(
+                writer_key(epoch, self.writer),
+                f'{{"epoch": {epoch}, "writer": "{self.writer}", "at": {time.time()}}}'.encode(),
+            )
             self.epoch = epoch
             return epoch
         raise StoreUnavailableError(
-            f"could not claim a writer epoch of {self.store.url}: {CLAIM_TRIES} epochs in a row were taken by other writers",
+            f"could not claim a writer epoch of {self.store.url}: {CLAIM_TRIES} epochs in a row were taken by other "
+            "writers",
             hint="only one trainer may publish to a run; stop the others or use a new run URL",
         )
 
@@ -190,7 +204,11 @@ class CommitWriter:
         seen = f"version {newest[0]} (epoch {newest[1]})" if newest is not None else "no version"
         raise FencedWriterError(
             f"version {version} (epoch {self.epoch}) was written to {self.store.url} but readers do not see it: "
-            + (f"the commit of version {overrulers[0][0]} by epoch {overrulers[0][1]} overrules it; " if overrulers else "")
+            + (
+                f"the commit of version {overrulers[0][0]} by epoch {overrulers[0][1]} overrules it; "
+                if overrulers
+                else ""
+            )
             + f"readers see {seen}",
             hint="another writer holds a newer epoch of this run; stop it, or publish to a new run URL",
         )

@@ -33,8 +33,11 @@ class PublisherConfig:
     writer: str = ""  # writer id recorded in claims and commits; default host-pid-random
     part_bytes: int = DEFAULT_PART_BYTES  # tensor bytes per part of a version (0: one delta file, format 1)
     dist_timeout_s: float = 300.0  # distributed publisher: how long ranks wait for each other's parts
-    dtype: torch.dtype | None = None  # the published dtype of floating tensors, cast one tensor at a time (None: as given)
-    effort: Effort = "size"  # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster (`sparsesync.codec.Effort`)
+    # the published dtype of floating tensors, cast one tensor at a time (None: as given)
+    dtype: torch.dtype | None = None
+    # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster
+    # (`sparsesync.codec.Effort`)
+    effort: Effort = "size"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first option out of range."""
@@ -52,7 +55,9 @@ class PublisherConfig:
         try:
             check_effort(self.effort)
         except ValueError as e:
-            raise ConfigError(str(e), hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)") from None
+            raise ConfigError(
+                str(e), hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)"
+            ) from None
 
     def writer_id(self) -> str:
         """`writer`, or host-pid-random: unique even for two publishers in one process (it breaks

@@ -91,7 +91,9 @@ class WholeWriter(Protocol):
         """`state` read in the publisher's `dtype`."""
         ...
 
-    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO) -> Snapshot | PartedSnapshot:
+    def new_snapshot(
+        self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO
+    ) -> Snapshot | PartedSnapshot:
         """The snapshot of `state` as `version`, digested with `algo` (default: new runs' algorithm)."""
         ...
 

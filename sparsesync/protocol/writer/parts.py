@@ -84,7 +84,9 @@ class PartedSnapshot:
                  effort: Effort = "size", algo: str = DEFAULT_ALGO) -> None:
         self.units = [tuple(p) for p in parts]
         self.algo = algo  # the digest algorithm (`Snapshot`)
-        self.snapshots = [Snapshot(select(state, [u.key for u in units]), version, effort=effort, algo=algo) for units in self.units]
+        self.snapshots = [
+            Snapshot(select(state, [u.key for u in units]), version, effort=effort, algo=algo) for units in self.units
+        ]
         self.version = version
         self._digests: dict[str, str] | None = None  # `digests`, once per version (`diff_encode` clears it)
         self._state_digest: str | None = None
@@ -93,7 +95,9 @@ class PartedSnapshot:
     def whole(cls, state: Mapping[str, torch.Tensor], version: int, part_bytes: int, *, effort: Effort = "size",
               algo: str = DEFAULT_ALGO) -> PartedSnapshot:
         """Whole tensors grouped by `part_bytes` (the single-process publisher)."""
-        return cls([[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version, effort=effort, algo=algo)
+        return cls(
+            [[Unit(n) for n in g] for g in group_by_bytes(state, part_bytes)], state, version, effort=effort, algo=algo
+        )
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -145,9 +149,13 @@ def coalesce_parts(old: Sequence[EncodedPart], new: Sequence[EncodedPart], base_
             raise ValueError(f"part {o.index} covers other units in the two versions")
         changes = compose_changes(o.patch.changes, n.patch.changes)
         data = encode_changes(
-            changes, base_version=base_version, target_version=target_version,
-            base_digests={k: base_digests[k] for k in changes}, target_digests={k: n.patch.target_digests[k] for k in changes},
-            base_state_digest=o.patch.base_state_digest, target_state_digest=n.patch.target_state_digest,
+            changes,
+            base_version=base_version,
+            target_version=target_version,
+            base_digests={k: base_digests[k] for k in changes},
+            target_digests={k: n.patch.target_digests[k] for k in changes},
+            base_state_digest=o.patch.base_state_digest,
+            target_state_digest=n.patch.target_state_digest,
         )
         st = n.patch.stats
         n_changed = sum(c.n_changed for c in changes.values())
@@ -162,7 +170,11 @@ def coalesce_parts(old: Sequence[EncodedPart], new: Sequence[EncodedPart], base_
 def combined_stats(parts: Sequence[EncodedPart]) -> dict[str, float | int]:
     """The metrics of a whole version from its parts' stats (the keys of `PatchStats`)."""
     st = [p.patch.stats for p in parts]
-    n_params, n_changed, nbytes = sum(s.n_params for s in st), sum(s.n_changed for s in st), sum(s.patch_bytes for s in st)
+    n_params, n_changed, nbytes = (
+        sum(s.n_params for s in st),
+        sum(s.n_changed for s in st),
+        sum(s.patch_bytes for s in st),
+    )
     return {"n_params": n_params, "n_changed": n_changed, "density": n_changed / n_params if n_params else 0.0,
             "patch_bytes": nbytes, "bytes_per_changed": nbytes / n_changed if n_changed else 0.0,
             "diff_s": sum(s.diff_s for s in st), "encode_s": sum(s.encode_s for s in st), "parts": len(parts)}

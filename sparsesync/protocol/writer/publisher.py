@@ -166,9 +166,11 @@ class Publisher:
         A `version` that is not an int in [0, MAX_VERSION] is a ConfigError before anything is written.
         """
         if version is not None and (type(version) is not int or not 0 <= version <= MAX_VERSION):
-            raise ConfigError(f"resume(version={version!r}) for {self.store.url}: a version is an int in [0, {MAX_VERSION}]",
-                              hint="pass the version the weights hold (e.g. the optimizer step) as an int, or leave "
-                                   "version out to continue from the newest")
+            raise ConfigError(
+                f"resume(version={version!r}) for {self.store.url}: a version is an int in [0, {MAX_VERSION}]",
+                hint="pass the version the weights hold (e.g. the optimizer step) as an int, or leave "
+                "version out to continue from the newest",
+            )
         self._mode = self._mode.settle(state)
         self._mode.resume(state, version)
 

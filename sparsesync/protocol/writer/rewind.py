@@ -1,4 +1,5 @@
-"""Rewinds, the writer side: a run continues from a checkpoint older than its newest version (docs/protocol.md, "Rewinds").
+"""Rewinds, the writer side: a run continues from a checkpoint older than its newest version (docs/protocol.md,
+"Rewinds").
 
 `rewind(whole, state, version, ...)` (called by `Publisher.resume(state, version=N)` for N below
 the run's newest version, on the writer's parts: `writer.whole.WholeState`) checks the
@@ -60,7 +61,12 @@ def describe_versions(commits: Sequence[Any]) -> str:
         return "no version"
     if vs == list(range(vs[0], vs[-1] + 1)):
         return f"versions {vs[0]}..{vs[-1]}"
-    return "versions " + ", ".join(map(str, vs[:3])) + (" ... " if len(vs) > 5 else ", ") + ", ".join(map(str, vs[3:][-2:]))
+    return (
+        "versions "
+        + ", ".join(map(str, vs[:3]))
+        + (" ... " if len(vs) > 5 else ", ")
+        + ", ".join(map(str, vs[3:][-2:]))
+    )
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,22 @@ def resume_info(run: Run, version: int | None) -> dict[str, Any] | SparsesyncErr
     except SparsesyncError as e:
         return e
     abandoned = [c for c in commits if c.version > n]
-    reuse = target if target is not None and target.has_anchor and not any(u.rows is not None for p in target.parts for u in p.units) else None
+    reuse = (
+        target
+        if target is not None
+        and target.has_anchor
+        and not any(u.rows is not None for p in target.parts for u in p.units)
+        else None
+    )
     info["rewind"] = {
-        "anchor": list(reuse.anchor) if reuse else None, "anchor_bytes": sum(o.size for o in reuse.anchor) if reuse else 0,
-        "state_digest": reuse.state_digest if reuse else None, "version": n, "rewind_from": newest.version,
-        "rewind_from_epoch": max(c.epoch for c in abandoned), "abandoned": [c.version for c in abandoned]}
+        "anchor": list(reuse.anchor) if reuse else None,
+        "anchor_bytes": sum(o.size for o in reuse.anchor) if reuse else 0,
+        "state_digest": reuse.state_digest if reuse else None,
+        "version": n,
+        "rewind_from": newest.version,
+        "rewind_from_epoch": max(c.epoch for c in abandoned),
+        "abandoned": [c.version for c in abandoned],
+    }
     return info
 
 
@@ -137,7 +154,8 @@ def rewind(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, 
         raise ConfigError(f"rewind to version {version} of {url}, whose newest version is {newest.version}",
                           hint="a rewind goes back; resume() without version continues from the newest")
     check_publish(newest, adapter, url)
-    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version, algo_of(newest.state_digest))  # the run's digest algorithm
+    # the run's digest algorithm
+    snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version, algo_of(newest.state_digest))
     target = check_checkpoint(url, commits, version, snap.state_digest)
     w = whole.commits
     rec = CommitRecord(version=version, epoch=w.epoch, writer=w.writer, state_digest=snap.state_digest,
@@ -162,7 +180,9 @@ def rewind(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, 
     return rec
 
 
-def _upload_anchor(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, uid: str, algo: str) -> list[ObjectRef]:
+def _upload_anchor(
+    whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, uid: str, algo: str
+) -> list[ObjectRef]:
     folder = whole.staging / f"rewind-{version}-{uid}"
     try:
         files = write_anchor(dict(state), folder, version=version, algo=algo)
@@ -172,7 +192,9 @@ def _upload_anchor(whole: WholeWriter, state: Mapping[str, torch.Tensor], versio
 
 
 # ------------------------------------------------------------------------------ push --step N <= newest
-def stand_below(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]) -> None:
+def stand_below(
+    whole: WholeWriter, state: Mapping[str, torch.Tensor], version: int, commits: list[CommitRecord]
+) -> None:
     """Stand the writer (not published yet) at the trusted `version`, whose weights `state` holds
     (checked by state digest), without committing anything: its next `publish(state, N)` (N above
     `version`, at or below the run's newest) is a delta `version -> N` whose commit abandons the
@@ -182,8 +204,11 @@ def stand_below(whole: WholeWriter, state: Mapping[str, torch.Tensor], version: 
         raise ConfigError(f"version {version} is not committed under {whole.url}")
     snap = whole.new_snapshot(whole.cast(checkpoint_state(state)), version, algo_of(target.state_digest))
     if snap.state_digest != target.state_digest:
-        raise PatchMismatchError(f"the weights given have state digest {snap.state_digest}, but version {version} of "
-                                 f"{whole.url} has {target.state_digest}", hint="load that version first (`sparsesync pull`)")
+        raise PatchMismatchError(
+            f"the weights given have state digest {snap.state_digest}, but version {version} of "
+            f"{whole.url} has {target.state_digest}",
+            hint="load that version first (`sparsesync pull`)",
+        )
     whole.stand_at(snap, AnchorHistory.of([c for c in commits if c.version <= version]))
 
 
@@ -259,7 +284,8 @@ def plan_push(run: Run, newest: CommitRecord | None, state: Mapping[str, Any], v
         return PushPlan("next", version, None if newest is None else newest.version, [])
     commits = run.commits()
     same = next((c for c in commits if c.version == version), None)
-    if same is not None and same.state_digest == checkpoint_digest(state, algo_of(same.state_digest)):  # in the run's digest algorithm
+    # in the run's digest algorithm
+    if same is not None and same.state_digest == checkpoint_digest(state, algo_of(same.state_digest)):
         if same is commits[-1]:
             return PushPlan("held", version, None, [])
         plan = PushPlan("rewind", version, None, sorted({c.version for c in commits if c.version > version}))

@@ -290,7 +290,8 @@ class ShardedState:
 
     # -- internals --------------------------------------------------------------------
     def _shard_snapshot(self, local: dict[str, torch.Tensor], units: list[Unit], version: int) -> PartedSnapshot:
-        """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of `part_bytes`."""
+        """This rank's `units` (tensors `local`, by `Unit.key`) as the snapshot of `version`, in parts of
+        `part_bytes`."""
         by_key = {u.key: u for u in units}
         groups = [[by_key[k] for k in g] for g in group_by_bytes(local, self.config.part_bytes or (1 << 62))]
         return PartedSnapshot(groups, local, version, effort=self.config.effort)

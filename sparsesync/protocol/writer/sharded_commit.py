@@ -70,8 +70,11 @@ class ShardCommits:
             dist.broadcast_object_list(outcome, src=self.r.src, group=self._up)  # (error or None, state digest)
         error, digest = outcome[0]
         if error is not None:
-            raise RankFailedError(f"version {item.version} of {self.url} was not committed: {error}",
-                                  hint="fix the failing rank and restart the job: the next writer continues from the newest committed version")
+            raise RankFailedError(
+                f"version {item.version} of {self.url} was not committed: {error}",
+                hint="fix the failing rank and restart the job: the next writer continues from the newest committed "
+                     "version",
+            )
         if item.anchor_dir is not None:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         out = {k: v for k, v in item.metrics.items() if not k.startswith("_")} | {"version": item.version}
@@ -98,10 +101,16 @@ class ShardCommits:
         if item.parts is not None:
             base = item.base_version
             assert base is not None
-            refs = [self.commits.put_part(base, item.version, item.uid, part) for part in self.queue.encoded_parts(item)]
+            refs = [
+                self.commits.put_part(base, item.version, item.uid, part) for part in self.queue.encoded_parts(item)
+            ]
         if item.failed:
             raise SparsesyncError(f"encoding version {item.version} failed on this rank")
-        anchor = self.commits.put_anchor(item.version, item.uid, sorted(item.anchor_dir.iterdir())) if item.anchor_dir else []
+        anchor = (
+            self.commits.put_anchor(item.version, item.uid, sorted(item.anchor_dir.iterdir()))
+            if item.anchor_dir
+            else []
+        )
         return refs, anchor
 
     def _commit_all(self, item: PendingVersion, reports: list[dict[str, Any]], t0: float) -> tuple[str | None, str]:
@@ -126,16 +135,26 @@ class ShardCommits:
                 (sd, index), base_sd = self._anchor_index(item, reports), None
                 anchor += index
             rec = CommitRecord(
-                version=item.version, epoch=self.commits.epoch, writer=self.commits.writer, state_digest=sd,
-                created_at=time.time(), base_version=item.base_version if parts else None, base_state_digest=base_sd,
-                anchor=anchor, parts=parts, files=self.files.refs(self.commits, item.version, item.uid, adapter_run=False),
+                version=item.version,
+                epoch=self.commits.epoch,
+                writer=self.commits.writer,
+                state_digest=sd,
+                created_at=time.time(),
+                base_version=item.base_version if parts else None,
+                base_state_digest=base_sd,
+                anchor=anchor,
+                parts=parts,
+                files=self.files.refs(self.commits, item.version, item.uid, adapter_run=False),
             )
             rec.metrics = {**combined_metrics([r["metrics"] for r in reports]), "version": item.version,
                            "base_version": rec.base_version, "ranks": self.r.world,
                            "upload_s": time.perf_counter() - t0, "kind": "delta" if parts else "anchor"}
             if rewind is not None:  # docs/protocol.md, "Rewinds"
                 rec.metrics |= {k: v for k, v in rewind.items() if k not in ("anchor", "state_digest")} | {
-                    "kind": "rewind", "anchor_bytes": sum(o.size for o in anchor), "reused_anchor": rewind["anchor"] is not None}
+                    "kind": "rewind",
+                    "anchor_bytes": sum(o.size for o in anchor),
+                    "reused_anchor": rewind["anchor"] is not None,
+                }
             self.commits.commit(rec)
         except Exception as e:  # noqa: BLE001 - every rank raises it
             return f"rank 0 could not commit: {type(e).__name__}: {e}", ""

@@ -82,7 +82,9 @@ def coalesce(old: PendingVersion, new: PendingVersion,
         shutil.rmtree(old.anchor_dir, ignore_errors=True)
         if new.anchor_dir is None:
             if write_anchor is None:
-                raise ValueError(f"version {old.version} carries an anchor: merging it needs an anchor of {new.version}")
+                raise ValueError(
+                    f"version {old.version} carries an anchor: merging it needs an anchor of {new.version}"
+                )
             write_anchor(new)
     if old.parts is not None and new.parts is not None:
         assert old.base_version is not None and old.base_digests is not None
@@ -94,7 +96,9 @@ def coalesce(old: PendingVersion, new: PendingVersion,
             changes=None, delta=None, anchor_dir=new.anchor_dir, parts=parts,
             metrics={**new.metrics, **combined_stats(parts), "coalesced": coalesced},
         )
-        log.info("uploads lag: coalesced versions %s into %s->%s (in parts)", coalesced, merged.base_version, merged.version)
+        log.info(
+            "uploads lag: coalesced versions %s into %s->%s (in parts)", coalesced, merged.base_version, merged.version
+        )
         return merged
     if old.changes is None or new.changes is None:
         # `old` is the very first version (a bare anchor, handed on above): the merge is an anchor of `new`

@@ -125,7 +125,11 @@ class WholeState:
         """The newest trusted version whose state digest is `state`'s (in the checkpoint's key set), or None."""
         state, _adapter = adapter_state(state, self.tally.adapter)
         commits = self.run.commits()  # hashed in the run's digest algorithm (the newest commit's)
-        same = version_with_digest(commits, checkpoint_digest(state, algo_of(commits[-1].state_digest))) if commits else None
+        same = (
+            version_with_digest(commits, checkpoint_digest(state, algo_of(commits[-1].state_digest)))
+            if commits
+            else None
+        )
         return None if same is None else same.version
 
     def continue_below(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
@@ -236,7 +240,9 @@ class WholeState:
         if item.parts is not None:
             base = item.base_version
             assert base is not None
-            refs = [self.commits.put_part(base, item.version, item.uid, part) for part in self.queue.encoded_parts(item)]
+            refs = [
+                self.commits.put_part(base, item.version, item.uid, part) for part in self.queue.encoded_parts(item)
+            ]
             if item.failed:
                 return None  # encoding failed half-way (publish() raised it): nothing to commit
         rec = CommitRecord(
@@ -259,7 +265,9 @@ class WholeState:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         return rec.metrics
 
-    def new_snapshot(self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO) -> Snapshot | PartedSnapshot:
+    def new_snapshot(
+        self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO
+    ) -> Snapshot | PartedSnapshot:
         """The snapshot of `state` as `version` (in parts when the state is larger than one part),
         digested with `algo` (new runs: `DEFAULT_ALGO`; a resumed run: its own)."""
         # a model that fits in one part is one delta file per version: a parts list would only add

@@ -44,11 +44,30 @@ def model(tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_dry_run_never_prints_bucket_credentials(model, tmp_path, bucket):
     out = tmp_path / "rendered"
-    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/rep", "--bucket", bucket, "--model", str(model),
-                                   "--engine", "embedded", "--dry-run", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "inference",
+            "--space",
+            "me/rep",
+            "--bucket",
+            bucket,
+            "--model",
+            str(model),
+            "--engine",
+            "embedded",
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert SECRET not in res.output and KEY_ID not in res.output
-    assert "set secret SPARSESYNC_BUCKET (value hidden)" in res.output and "set variable SPARSESYNC_BUCKET" not in res.output
+    assert (
+        "set secret SPARSESYNC_BUCKET (value hidden)" in res.output
+        and "set variable SPARSESYNC_BUCKET" not in res.output
+    )
     files = [p.relative_to(out).as_posix() for p in out.rglob("*")]
     assert not [f for f in files if any(part.startswith(".") for part in f.split("/"))], files
     assert (out / "model" / "config.json").is_file()
@@ -74,7 +93,9 @@ def test_credentials_go_only_to_secrets_and_dotfiles_never_upload(model, tmp_pat
         if not path.endswith("/secrets"):
             assert SECRET.encode() not in body, path
     # a hand-built spec that puts a credential in a variable is refused before anything is sent
-    leaky = space.SpaceSpec(space_id="me/x", sources={}, readme=spec.readme, variables={"SPARSESYNC_BUCKET": BUCKETS[1]})
+    leaky = space.SpaceSpec(
+        space_id="me/x", sources={}, readme=spec.readme, variables={"SPARSESYNC_BUCKET": BUCKETS[1]}
+    )
     with pytest.raises(DeployError, match="carries a credential") as e:
         leaky.validate()
     assert SECRET not in str(e.value)
@@ -138,6 +159,21 @@ def test_s3_credentials_reach_the_space_only_as_secrets(model, tmp_path, monkeyp
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     res = CliRunner().invoke(app, [*args, "--s3-credentials", "--dry-run", "--out", str(tmp_path / "dry3")])
     assert isinstance(res.exception, DeployError) and "AWS_SECRET_ACCESS_KEY" in res.exception.message
-    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/x", "--bucket", "hf://buckets/me/b/run", "--model",
-                                   str(model), "--s3-credentials", "--dry-run", "--out", str(tmp_path / "dry4")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "inference",
+            "--space",
+            "me/x",
+            "--bucket",
+            "hf://buckets/me/b/run",
+            "--model",
+            str(model),
+            "--s3-credentials",
+            "--dry-run",
+            "--out",
+            str(tmp_path / "dry4"),
+        ],
+    )
     assert isinstance(res.exception, DeployError) and "s3://" in res.exception.message

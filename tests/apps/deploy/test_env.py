@@ -109,9 +109,20 @@ def test_rendered_folder_boots_as_a_plain_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env.update(spec.variables, ENV_PORT=str(port), ENV_HOST="127.0.0.1")
-    where = subprocess.run([sys.executable, "-c", "import env_space, sparsesync.access as a; print(env_space.__file__); "
-                            "print(a.__file__)"], cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(w).resolve().is_relative_to(folder.resolve()) for w in where), where  # the rendered copies, not the repo's
+    where = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import env_space, sparsesync.access as a; print(env_space.__file__); print(a.__file__)",
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    # the rendered copies, not the repo's
+    assert all(Path(w).resolve().is_relative_to(folder.resolve()) for w in where), where
     proc = subprocess.Popen([sys.executable, "-m", "env_space"], cwd=folder, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -184,8 +195,13 @@ class _SpaceHub(BaseHTTPRequestHandler):
                 item = json.loads(line)
                 if item["key"] == "file":
                     repo["files"][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-            return self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/spaces/{'/'.join(parts[2:4])}/commit/1",
-                                     "commitOid": "1" * 40})
+            return self._reply(
+                200,
+                {
+                    "commitUrl": f"http://{self.headers['Host']}/spaces/{'/'.join(parts[2:4])}/commit/1",
+                    "commitOid": "1" * 40,
+                },
+            )
         if route == "variables":
             req = json.loads(body)
             repo["variables"][req["key"]] = req["value"]
@@ -260,6 +276,8 @@ def test_the_env_space_reads_only_the_standard_library_of_sparsesync(tmp_path):
     folder = space.render(env_space_spec("me/env", task="repeat"), tmp_path / "space")
     code = ("import sys; sys.path.insert(0, '.'); import sparsesync.access; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sparsesync', 'torch', 'numpy')))")
-    res = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=folder, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], cwd=folder, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "['sparsesync', 'sparsesync.access', 'sparsesync.errors']", res.stdout

@@ -31,7 +31,9 @@ def test_specs_private_by_default_token_only_as_secret(tiny):
                                   regions=["us", "eu"], token="hf_secretTokenValue123")
     assert [s.space_id for s in specs] == ["me/rep-1", "me/rep-2", "me/rep-3"]
     assert [s.region for s in specs] == ["us", "eu", "us"]
-    assert all(s.private and s.hardware == "l4x1" and s.secrets == {"HF_TOKEN": "hf_secretTokenValue123"} for s in specs)
+    assert all(
+        s.private and s.hardware == "l4x1" and s.secrets == {"HF_TOKEN": "hf_secretTokenValue123"} for s in specs
+    )
     assert "hf_secret" not in repr(specs[0]) and "HF_TOKEN" not in specs[0].variables
     assert specs[0].variables["SPARSESYNC_ENGINE"] == "vllm" and specs[0].variables["SPARSESYNC_MODEL"] == "model"
     with pytest.raises(DeployError, match="local folder"):
@@ -43,18 +45,46 @@ def test_specs_private_by_default_token_only_as_secret(tiny):
 def test_dry_run_renders_a_space_that_boots_and_follows_a_local_bucket(tiny, tmp_path):
     bucket = tmp_path / "bucket"
     out = tmp_path / "space"
-    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/replica", "--bucket", str(bucket), "--model", str(tiny),
-                                   "--engine", "embedded", "--dry-run", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "inference",
+            "--space",
+            "me/replica",
+            "--bucket",
+            str(bucket),
+            "--model",
+            str(tiny),
+            "--engine",
+            "embedded",
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert "private" in res.output and "dry run: nothing sent" in res.output and "request hardware cpu-upgrade" in res.output
-    for f in ("Dockerfile", "README.md", "requirements.txt", "inference_space/server.py", "sparsesync/protocol/follower/follower.py", "model/model.safetensors"):
+    assert (
+        "private" in res.output
+        and "dry run: nothing sent" in res.output
+        and "request hardware cpu-upgrade" in res.output
+    )
+    for f in (
+        "Dockerfile",
+        "README.md",
+        "requirements.txt",
+        "inference_space/server.py",
+        "sparsesync/protocol/follower/follower.py",
+        "model/model.safetensors",
+    ):
         assert (out / f).is_file(), f
     card = (out / "README.md").read_text()
     assert "sdk: docker" in card and "app_port: 7860" in card and "replica (sparsesync replica)" in card
     assert "transformers==" in (out / "requirements.txt").read_text()
 
     assert not list(out.rglob("*.so")), "compiled files must not travel: the image compiles the codec itself"
-    subprocess.run([sys.executable, "sparsesync/codec/_build.py"], cwd=out, check=True, capture_output=True)  # as the Dockerfile does
+    # as the Dockerfile does
+    subprocess.run([sys.executable, "sparsesync/codec/_build.py"], cwd=out, check=True, capture_output=True)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(SPARSESYNC_MODEL="model", SPARSESYNC_BUCKET=str(bucket), SPARSESYNC_ENGINE="embedded", PORT=str(port),
@@ -84,7 +114,9 @@ def test_dry_run_renders_a_space_that_boots_and_follows_a_local_bucket(tiny, tmp
         while httpx.get(f"{url}/sync", timeout=5).json()["current_version"] != 3:
             assert time.monotonic() < deadline, httpx.get(f"{url}/sync", timeout=5).json()
             time.sleep(0.05)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}, timeout=30)
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["weight_version"] == 3
     finally:
         proc.terminate()
@@ -100,18 +132,38 @@ def test_dry_run_boot_line_runs_as_printed(tiny, tmp_path):
     """The plan's "boot one locally" line, pasted into a shell where the user set the secrets it
     names ($SPARSESYNC_API_KEY), starts the replica (only the port is swapped for a free one)."""
     bucket = tmp_path / "bucket"
-    res = CliRunner().invoke(app, ["deploy", "inference", "--space", "me/replica", "--bucket", str(bucket), "--model", str(tiny),
-                                   "--engine", "embedded", "--api-key", "sk-local-key-123456", "--dry-run"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "inference",
+            "--space",
+            "me/replica",
+            "--bucket",
+            str(bucket),
+            "--model",
+            str(tiny),
+            "--engine",
+            "embedded",
+            "--api-key",
+            "sk-local-key-123456",
+            "--dry-run",
+        ],
+    )
     assert res.exit_code == 0, res.output
     line = _boot_line(res.output)
-    assert "***" not in line and "sk-local-key-123456" not in line and 'SPARSESYNC_API_KEY="$SPARSESYNC_API_KEY"' in line
+    assert (
+        "***" not in line and "sk-local-key-123456" not in line and 'SPARSESYNC_API_KEY="$SPARSESYNC_API_KEY"' in line
+    )
     assert "set secret HF_TOKEN (value hidden)" in res.output  # as the real plan has it
     rendered = res.output.split("rendered into ", 1)[1].split(" ", 1)[0]
     assert line.startswith(f"cd {rendered} && ") and "temporary folder" in res.output
     port = free_port()
     assert line.count("PORT=7860") == 1
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_TOKEN")}
-    env.update(SPARSESYNC_API_KEY="sk-local-key-123456", PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
+    env.update(
+        SPARSESYNC_API_KEY="sk-local-key-123456", PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    )
     proc = subprocess.Popen(["bash", "-c", line.replace("PORT=7860", f"PORT={port}")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -27,8 +27,15 @@ from sparsesync.deploy.inference import VLLM_CMD, inference_space_specs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 KEY = "sk-space-key-0123456789"
-CPU_FLAGS = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "256", "--distributed-executor-backend", "uni",
-             "--enforce-eager"]
+CPU_FLAGS = [
+    "--kv-cache-memory-bytes",
+    str(32 << 20),
+    "--max-model-len",
+    "256",
+    "--distributed-executor-backend",
+    "uni",
+    "--enforce-eager",
+]
 
 
 def _render(tiny: Path, out: Path, *extra: str) -> list[str]:
@@ -41,7 +48,9 @@ def _render(tiny: Path, out: Path, *extra: str) -> list[str]:
 
 def test_the_key_reaches_vllm_only_through_the_environment(tiny, tmp_path):  # type: ignore[no-untyped-def]
     cmd = _render(tiny, tmp_path / "space", "--public", "--api-key", KEY)
-    assert cmd[:2] == ["sh", "-c"] and 'export VLLM_API_KEY="${VLLM_API_KEY:-$SPARSESYNC_API_KEY}"; exec python' in cmd[2]
+    assert (
+        cmd[:2] == ["sh", "-c"] and 'export VLLM_API_KEY="${VLLM_API_KEY:-$SPARSESYNC_API_KEY}"; exec python' in cmd[2]
+    )
     assert "--api-key" not in cmd[2]  # a command line is readable by every process of the machine
     assert not [p for p in (tmp_path / "space").rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     public, = inference_space_specs("me/r", bucket="hf://buckets/me/b/run", model=str(tiny), private=False, api_key=KEY)
@@ -53,8 +62,16 @@ def test_the_key_reaches_vllm_only_through_the_environment(tiny, tmp_path):  # t
 def _boot(out: Path, env: dict[str, str], log: Path, port: int) -> subprocess.Popen[bytes]:
     subprocess.run([sys.executable, "sparsesync/codec/_build.py"], cwd=out, check=True, capture_output=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSESYNC_", "VLLM_", "HOST", "PORT"))}
-    base.update(env, PYTHONPATH=str(out), VLLM_PLUGINS="sparsesync", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1",
-                SPARSESYNC_SERVED_MODEL_NAME="replica", SPARSESYNC_TENSOR_PARALLEL_SIZE="1", PORT=str(port))
+    base.update(
+        env,
+        PYTHONPATH=str(out),
+        VLLM_PLUGINS="sparsesync",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        OMP_NUM_THREADS="1",
+        SPARSESYNC_SERVED_MODEL_NAME="replica",
+        SPARSESYNC_TENSOR_PARALLEL_SIZE="1",
+        PORT=str(port),
+    )
     script = VLLM_CMD.replace("python -m", f"{sys.executable} -m") + " " + " ".join(CPU_FLAGS)
     return subprocess.Popen(["sh", "-c", script], cwd=out, env=base, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -67,8 +84,14 @@ def test_a_public_vllm_space_refuses_requests_without_its_key(tiny, tmp_path):  
 
     out = tmp_path / "space"
     _render(tiny, out, "--public", "--api-key", KEY)
-    spec, = inference_space_specs("me/replica", bucket=str(tmp_path / "bucket"), model=str(tiny), private=False, api_key=KEY,
-                                  allow_local_bucket=True)
+    (spec,) = inference_space_specs(
+        "me/replica",
+        bucket=str(tmp_path / "bucket"),
+        model=str(tiny),
+        private=False,
+        api_key=KEY,
+        allow_local_bucket=True,
+    )
     port = free_port()
     env = {**spec.variables, **spec.secrets, "HOST": "127.0.0.1"}
     log = tmp_path / "vllm.log"
@@ -87,15 +110,28 @@ def test_a_public_vllm_space_refuses_requests_without_its_key(tiny, tmp_path):  
             time.sleep(1)
         body = {"model": "replica", "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer sk-wrong-key-0123456"}, {"Authorization": f"Bearer {KEY}x"}):
-            assert httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30).status_code == 401, headers
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30).status_code == 401, (
+                headers
+            )
             assert httpx.get(f"{url}/sync", headers=headers, timeout=30).status_code == 401, headers
         ok = {"Authorization": f"Bearer {KEY}"}
         assert httpx.post(f"{url}/v1/completions", json=body, headers=ok, timeout=60).status_code == 200
         assert httpx.get(f"{url}/sync", headers=ok, timeout=30).json()["url"] is not None
-        # what vLLM's own server answers to the requests the replica now takes (tests/apps/inference/test_openai_compat.py)
-        r = httpx.post(f"{url}/v1/completions", headers=ok, timeout=60, json={
-            **body, "response_format": {"type": "text"}, "store": False, "metadata": {"run": "a"}, "service_tier": "auto",
-            "logprobs": 20})
+        # what vLLM's own server answers to the requests the replica now takes
+        # (tests/apps/inference/test_openai_compat.py)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers=ok,
+            timeout=60,
+            json={
+                **body,
+                "response_format": {"type": "text"},
+                "store": False,
+                "metadata": {"run": "a"},
+                "service_tier": "auto",
+                "logprobs": 20,
+            },
+        )
         assert r.status_code == 200 and "stop_reason" in r.json()["choices"][0], r.text
         r = httpx.post(f"{url}/v1/completions", headers=ok, timeout=60, json={**body, "logprobs": 21})
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text

@@ -328,7 +328,7 @@ def test_http_api_fuzzed_from_its_openapi_schema(server):
 
     def check(label: str, r: httpx.Response | object, sent: object) -> None:
         status = r.status_code  # type: ignore[attr-defined]
-        if (status >= 500 and not (status == 503 and r.json().get("error") == "capacity_reached")) or (  # type: ignore[attr-defined]
+        if (status >= 500 and not (status == 503 and r.json().get("error") == "capacity_reached")) or (
                 status >= 400 and not _error_shape_ok(r)):  # type: ignore[arg-type]
             problems.append(f"{label} -> {status} {r.text[:200]} for {str(sent)[:200]}")  # type: ignore[attr-defined]
 
@@ -342,7 +342,9 @@ def test_http_api_fuzzed_from_its_openapi_schema(server):
             @fuzz
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case) -> None:  # type: ignore[no-untyped-def]
-                check(op.label, case.call(base_url=server.url, timeout=10), (case.path_parameters, case.query, case.body))
+                check(
+                    op.label, case.call(base_url=server.url, timeout=10), (case.path_parameters, case.query, case.body)
+                )
 
             try:
                 run()
@@ -350,7 +352,9 @@ def test_http_api_fuzzed_from_its_openapi_schema(server):
                 pass
     assert n_ops >= 10  # /reset, /step, /state, /sessions, OpenEnv's routes
 
-    text = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=20)
+    text = st.text(
+        st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()), max_size=20
+    )
     json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text,
                                lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3),
                                max_leaves=12)
@@ -363,7 +367,11 @@ def test_http_api_fuzzed_from_its_openapi_schema(server):
         if use_sid:
             body["session_id"] = sid
         payload = json.dumps(body, ensure_ascii=True, allow_nan=True)  # lone surrogates travel as \ud800 escapes
-        check(path, httpx.post(f"{server.url}{path}", content=payload, headers={"content-type": "application/json"}), payload)
+        check(
+            path,
+            httpx.post(f"{server.url}{path}", content=payload, headers={"content-type": "application/json"}),
+            payload,
+        )
 
     raw()
     assert not problems, "\n".join(problems[:10])

@@ -46,7 +46,9 @@ def _values(schema: dict[str, Any], name: str, spec: dict[str, Any]) -> st.Searc
     pool: list[Any] = [None, True, "x", {}, []]
     for o in options:
         t = o.get("type")
-        bounds = [o.get(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if o.get(k) is not None]
+        bounds = [
+            o.get(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if o.get(k) is not None
+        ]
         if t == "integer":
             pool += _INTS + [b + d for b in bounds for d in (-1, 0, 1)]
         elif t == "number":
@@ -60,11 +62,18 @@ def _values(schema: dict[str, Any], name: str, spec: dict[str, Any]) -> st.Searc
             elif item.get("type") == "string":
                 pool += [[], [""], ["\ud800"], ["a", "b"]]
             else:
-                pool += [[], [{"role": "user", "content": t} for t in ("hi", "\ud800", "")], [{"role": "robot", "content": "x"}], [{}]]
+                pool += [
+                    [],
+                    [{"role": "user", "content": t} for t in ("hi", "\ud800", "")],
+                    [{"role": "robot", "content": "x"}],
+                    [{}],
+                ]
         elif t == "object":
             pool += [{"a": 1.0}, {"1": -100.0}]
     if name in _SMALL:
-        return st.sampled_from(_SMALL[name] + [v for v in pool if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > 2**20])
+        return st.sampled_from(
+            _SMALL[name] + [v for v in pool if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > 2**20]
+        )
     return st.sampled_from(pool)
 
 
@@ -75,7 +84,9 @@ def _bodies(schema: dict[str, Any], component: str) -> st.SearchStrategy[dict[st
     fields = {k: _values(schema, k, v) for k, v in props.items()}
     optional = {k: v for k, v in fields.items() if k not in required}
     base = st.fixed_dictionaries({k: fields[k] for k in required}, optional=optional)
-    extra = st.dictionaries(st.sampled_from(["bogus", "tools", "response_format"]), st.sampled_from([1, "x"]), max_size=1)
+    extra = st.dictionaries(
+        st.sampled_from(["bogus", "tools", "response_format"]), st.sampled_from([1, "x"]), max_size=1
+    )
     return st.tuples(base, extra).map(lambda be: {**be[0], **be[1]})
 
 
@@ -96,10 +107,17 @@ def _check(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
     data = r.json()
     if r.status_code >= 400:
         err = data.get("error")
-        assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"] and isinstance(err.get("type"), str), (body, data)
+        assert (
+            isinstance(err, dict)
+            and isinstance(err.get("message"), str)
+            and err["message"]
+            and isinstance(err.get("type"), str)
+        ), (body, data)
     else:
         lps = [c["logprobs"].get("token_logprobs") or c["logprobs"]["content"] for c in data["choices"]]
-        assert data["choices"] and all(len(c["token_ids"]) == len(lp) for c, lp in zip(data["choices"], lps, strict=True))
+        assert data["choices"] and all(
+            len(c["token_ids"]) == len(lp) for c, lp in zip(data["choices"], lps, strict=True)
+        )
 
 
 @pytest.mark.slow
@@ -121,7 +139,11 @@ def test_completions_api_fuzzed_from_its_openapi_schema(server):
 
         completions()
         chat()
-        for body in ({"prompt": "a", "max_tokens": 2, "seed": 2**64}, {"prompt": "a", "temperature": 1e-300}, {"prompt": "\ud800"}):
+        for body in (
+            {"prompt": "a", "max_tokens": 2, "seed": 2**64},
+            {"prompt": "a", "temperature": 1e-300},
+            {"prompt": "\ud800"},
+        ):
             r = client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code == 400, (body, r.text)

@@ -50,7 +50,11 @@ def test_a_short_or_empty_key_and_an_open_public_address_are_refused(tiny):  # t
     for environ in ({"HOST": "0.0.0.0", "SPARSESYNC_API_KEY": ""}, {"HOST": "0.0.0.0"}, {"HOST": "::"}):
         with pytest.raises(SparsesyncError, match="with no API key") as e:
             parse_config(model, environ=environ)
-        assert "SPARSESYNC_API_KEY" in str(e.value) and "127.0.0.1" in str(e.value) and "SPARSESYNC_ALLOW_NO_KEY=1" in str(e.value)
+        assert (
+            "SPARSESYNC_API_KEY" in str(e.value)
+            and "127.0.0.1" in str(e.value)
+            and "SPARSESYNC_ALLOW_NO_KEY=1" in str(e.value)
+        )
     # the fixes: a key, loopback, or the explicit opt-in (which warns)
     assert parse_config(model, environ={"HOST": "0.0.0.0", "SPARSESYNC_API_KEY": KEY})[0].api_key == KEY
     assert parse_config(model, environ={"SPARSESYNC_API_KEY": ""})[0].api_key is None  # 127.0.0.1 by default
@@ -103,7 +107,10 @@ def test_health_and_sync_answer_while_generations_block_the_pool(tiny):  # type:
     engine's gate; /health, /sync and /v1/models still answer within a second."""
     replica = Replica(EmbeddedEngine(tiny), None)
     body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=300, limits=httpx.Limits(max_connections=100)) as c:
+    with (
+        Server(replica) as srv,
+        httpx.Client(base_url=srv.url, timeout=300, limits=httpx.Limits(max_connections=100)) as c,
+    ):
         stop = threading.Event()
         threads = [threading.Thread(target=lambda: stop.is_set() or c.post("/v1/completions", json=body), daemon=True)
                    for _ in range(60)]
@@ -128,8 +135,24 @@ def test_sigterm_stops_the_server_within_30_s_with_requests_in_flight(tiny, tmp_
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSESYNC_")}
     env.update(PYTHONPATH=str(ROOT), SPARSESYNC_LOG_LEVEL="WARNING")
     log = tmp_path / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "inference_space", "--model", str(tiny), "--engine", "embedded",
-                             "--port", str(port), "--device", "cpu"], env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference_space",
+            "--model",
+            str(tiny),
+            "--engine",
+            "embedded",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     results: list[int] = []
     try:

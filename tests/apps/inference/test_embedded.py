@@ -99,7 +99,9 @@ def test_generation_and_update_never_overlap(tiny, tmp_path):
 
     def client() -> None:
         while not stop.is_set():
-            versions.extend(c.weight_version for c in engine.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0)))
+            versions.extend(
+                c.weight_version for c in engine.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0))
+            )
 
     threads = [threading.Thread(target=client) for _ in range(2)]
     for t in threads:
@@ -219,7 +221,11 @@ def test_a_replaced_parameter_fails_the_check_until_a_full_load(tiny):
     new.view(-1)[:4] += 1
     with pytest.raises(EngineCheckError, match="model.layers.0.mlp.down_proj.weight"):
         engine.apply_sparse(2, {name: SparseUpdate(torch.arange(4), new.view(-1)[:4].clone())}, {name: new})
-    assert engine.weight_version is None and engine.check_error and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
+    assert (
+        engine.weight_version is None
+        and engine.check_error
+        and engine.generate(PROMPTS[0], GREEDY)[0].weight_version is None
+    )
     state = trainer.step()
     engine.load_full(3, state)
     assert engine.weight_version == 3 and tensor_digests(engine.state_dict()) == tensor_digests(state)

@@ -45,7 +45,13 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
 # cut to 300 tokens each: several full KV blocks (the prefix cache matters); the cold one shares
 # no block with the warm one
 WARM = " ".join(f"Repeat the letter {c}: {c} {c} {c}. Count to 5: 0 1 2 3 4 5." for c in "abcdefghijklmnopqrst")
-COLD = " ".join(f"Count to {d}: {' '.join('0123456789'[: d + 1])}. Write a word that starts with the letter {c}." for d, c in zip(range(10), "zyxwvutsrq", strict=True)) * 2
+COLD = (
+    " ".join(
+        f"Count to {d}: {' '.join('0123456789'[: d + 1])}. Write a word that starts with the letter {c}."
+        for d, c in zip(range(10), "zyxwvutsrq", strict=True)
+    )
+    * 2
+)
 PROMPT_TOKENS = 300
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 VERSIONS = 5  # deltas after the anchor
@@ -56,7 +62,10 @@ ENGINES = [
     pytest.param(
         "vllm",
         id="vllm",
-        marks=[pytest.mark.vllm, pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({_VLLM_ERROR})")],
+        marks=[
+            pytest.mark.vllm,
+            pytest.mark.skipif(_VLLM_ERROR is not None, reason=f"vLLM cannot be imported here ({_VLLM_ERROR})"),
+        ],
     ),
 ]
 
@@ -102,8 +111,14 @@ def test_replica_serves_exactly_version_n(arch, kind, tmp_path):
         return
     # each vLLM cell in its own process: single-process vLLM keeps process-global parallel
     # state, and an MoE engine cannot start where a dense one set it up (no expert-parallel group)
-    code = f"from tests.apps.inference.test_matrix import follow_and_compare; follow_and_compare({arch!r}, 'vllm', {str(tmp_path)!r})"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH")])))
+    code = (
+        f"from tests.apps.inference.test_matrix import follow_and_compare; follow_and_compare({arch!r}, 'vllm', "
+        f"{str(tmp_path)!r})"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     tail = [ln for ln in (proc.stdout + proc.stderr).splitlines() if " INFO " not in ln and " WARNING " not in ln][-25:]
     assert proc.returncode == 0, "\n".join(tail)
@@ -122,7 +137,11 @@ def follow_and_compare(arch: str, kind: str, tmp_path) -> None:  # type: ignore[
     with Publisher(bucket, anchor_every=0) as pub:
         for step in range(1, VERSIONS + 2):  # version 1 is the anchor; then the deltas
             _answer(replica, WARM)  # warms the prefix cache with the old weights
-            state = _anchor_differing_everywhere(trainer) if step == 1 else trainer.step(density=0.01, scale=0.05, tensor_fraction=0.5)
+            state = (
+                _anchor_differing_everywhere(trainer)
+                if step == 1
+                else trainer.step(density=0.01, scale=0.05, tensor_fraction=0.5)
+            )
             version = pub.publish(state, step)
             pub.flush()
             assert follower.sync_once() == version, follower.status().last_error

@@ -28,14 +28,18 @@ ERROR_KEYS = {"message", "type", "param", "code"}  # vLLM's ErrorInfo
 
 def test_neutral_fields_are_accepted(served):  # type: ignore[no-untyped-def]
     _, _, client = served
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
-                                          **NEUTRAL)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3, **NEUTRAL
+    )
     assert chat.choices[0].message.role == "assistant"
     neutral = {k: v for k, v in NEUTRAL.items() if k != "parallel_tool_calls"}  # a chat field in the SDK
     done = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body=neutral)
     assert len(done.choices) == 1
-    stream = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
-                                                 stream=True, **NEUTRAL))
+    stream = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3, stream=True, **NEUTRAL
+        )
+    )
     assert stream[-1].choices[0].finish_reason == "length"
 
 
@@ -43,8 +47,12 @@ def test_neutral_fields_are_accepted(served):  # type: ignore[no-untyped-def]
 def test_non_neutral_fields_are_refused_in_vllms_error_shape(served, field, value):  # type: ignore[no-untyped-def]
     srv, _, client = served
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
-                                       extra_body={field: value})
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=3,
+            extra_body={field: value},
+        )
     err = e.value.body
     assert set(err) == ERROR_KEYS and err["param"] == field and err["code"] == 400 and field in err["message"], err
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value},
@@ -61,11 +69,18 @@ def test_echo_is_refused_in_vllms_error_shape(served):  # type: ignore[no-untype
 
 def test_top_logprobs_up_to_20(served):  # type: ignore[no-untyped-def]
     _, replica, client = served
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
-                                          temperature=0.0, logprobs=True, top_logprobs=20)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=20,
+    )
     for e in chat.choices[0].logprobs.content:
         tops = [t.logprob for t in e.top_logprobs]
-        assert len(tops) == 20 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]  # greedy: sampled is the top
+        # greedy: sampled is the top
+        assert len(tops) == 20 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]
     done = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=1.0, seed=3, logprobs=5,
                                      extra_body={"return_tokens_as_token_ids": True})  # keys unique per token id
     lp = done.choices[0].logprobs
@@ -76,8 +91,13 @@ def test_top_logprobs_up_to_20(served):  # type: ignore[no-untyped-def]
             client.completions.create(model="tiny", prompt="hi", max_tokens=2, **bad)
         assert e.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2,
-                                       logprobs=True, top_logprobs=21)
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=2,
+            logprobs=True,
+            top_logprobs=21,
+        )
     assert e.value.body["param"] == "top_logprobs"
 
 
@@ -89,23 +109,40 @@ def test_choices_carry_stop_reason(served):  # type: ignore[no-untyped-def]
     assert (full.choices[0].model_extra or {})["stop_reason"] is None  # length: no stop reason, as vLLM
     stop = text.strip()[:1] if text.strip() else text[:1]
     assert stop, text
-    cut = client.completions.create(model="tiny", prompt="Repeat the letter a:", max_tokens=12, temperature=0.0, stop=[stop, "zzz"],
-                                    extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model="tiny",
+        prompt="Repeat the letter a:",
+        max_tokens=12,
+        temperature=0.0,
+        stop=[stop, "zzz"],
+        extra_body={"ignore_eos": True},
+    )
     c = cut.choices[0]
     assert c.finish_reason == "stop" and (c.model_extra or {})["stop_reason"] == stop and stop not in c.text
     chunks = list(client.completions.create(model="tiny", prompt="Repeat the letter a:", max_tokens=12, temperature=0.0,
                                             stop=[stop, "zzz"], stream=True, extra_body={"ignore_eos": True}))
     assert all("stop_reason" in (ch.choices[0].model_extra or {}) for ch in chunks)
     assert (chunks[-1].choices[0].model_extra or {})["stop_reason"] == stop
-    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2,
-                                               stream=True))
+    chat = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, stream=True
+        )
+    )
     assert all("stop_reason" in (ch.choices[0].model_extra or {}) for ch in chat)
 
 
 def test_unknown_routes_answer_in_the_error_shape(served):  # type: ignore[no-untyped-def]
     srv, _, _ = served
     auth = {"Authorization": f"Bearer {KEY}"}
-    for method, path, code in [("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404), ("GET", "/v1/completions", 405),
-                               ("DELETE", "/health", 405)]:
+    for method, path, code in [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v2/completions", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/health", 405),
+    ]:
         r = httpx.request(method, f"{srv.url}{path}", headers=auth)
-        assert r.status_code == code and set(r.json()) == {"error"} and set(r.json()["error"]) == ERROR_KEYS, (method, path, r.text)
+        assert r.status_code == code and set(r.json()) == {"error"} and set(r.json()["error"]) == ERROR_KEYS, (
+            method,
+            path,
+            r.text,
+        )

@@ -57,14 +57,17 @@ def test_completions_stream_equals_non_stream(served):  # type: ignore[no-untype
         tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
         finish[c.index] = c.finish_reason or finish.get(c.index)
     for c in full.choices:
-        assert texts[c.index] == c.text and ids[c.index] == _extra(c, "token_ids") and finish[c.index] == c.finish_reason
+        assert (
+            texts[c.index] == c.text and ids[c.index] == _extra(c, "token_ids") and finish[c.index] == c.finish_reason
+        )
         assert lps[c.index] == c.logprobs.token_logprobs and tokens[c.index] == c.logprobs.tokens
         assert _extra(c, "weight_version") is None
     # OpenAI's logprobs shape: token strings, offsets into the text, top-1 dicts
     lp = full.choices[0].logprobs
     assert lp.tokens == [replica.engine.tokenizer.decode([t]) for t in _extra(full.choices[0], "token_ids")]
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    assert all(isinstance(d, dict) and lp.tokens[i] in d for i, d in enumerate(lp.top_logprobs))  # greedy: top-1 is sampled
+    # greedy: top-1 is sampled
+    assert all(isinstance(d, dict) and lp.tokens[i] in d for i, d in enumerate(lp.top_logprobs))
     assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs)
 
 
@@ -72,8 +75,15 @@ def test_chat_content_parts_developer_role_stream(served):  # type: ignore[no-un
     _, replica, client = served
     messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
                 {"role": "user", "content": [{"type": "text", "text": "Count"}, {"type": "text", "text": "to 5:"}]}]
-    args = dict(model="tiny", messages=messages, max_completion_tokens=8, temperature=0.0, logprobs=True, top_logprobs=1,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=8,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**args)
     want = replica.engine.apply_chat_template([{"role": "system", "content": "Be brief."},
                                                {"role": "user", "content": "Count\nto 5:"}])
@@ -118,7 +128,9 @@ def test_api_key(served):  # type: ignore[no-untyped-def]
             r = h.get(path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
         assert h.get("/sync", headers={"X-API-Key": KEY}).status_code == 200
-        assert h.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert (
+            h.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        )
 
 
 def test_request_cost_bounds(served):  # type: ignore[no-untyped-def]
@@ -126,8 +138,14 @@ def test_request_cost_bounds(served):  # type: ignore[no-untyped-def]
     # 96 MiB announced: 413 at once, nothing of the body read
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         t0 = time.monotonic()
-        s.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {KEY}\r\nContent-Length: {96 << 20}\r\n\r\n").encode() + b"{" + b" " * (1 << 20))
+        s.sendall(
+            (
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Length: {96 << 20}\r\n\r\n"
+            ).encode()
+            + b"{"
+            + b" " * (1 << 20)
+        )
         reply = s.recv(65536)
         assert reply.startswith(b"HTTP/1.1 413") and time.monotonic() - t0 < 2, reply[:200]
     # 96 MiB streamed without a length: cut off once past the cap
@@ -152,7 +170,10 @@ def test_request_cost_bounds(served):  # type: ignore[no-untyped-def]
                           ({"prompt": ["a"] * 200, "n": 2}, "256")]:
             r = h.post("/v1/completions", json=bad)
             assert r.status_code == 400 and word in r.json()["error"]["message"], (bad, r.text)
-        r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**5})
+        r = h.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**5},
+        )
         assert r.status_code == 400 and "context" in r.text
 
 

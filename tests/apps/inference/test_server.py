@@ -38,7 +38,9 @@ class Server:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(replica, **app_options), host="127.0.0.1", port=self.port, log_level="warning")  # type: ignore[arg-type]
+        config = uvicorn.Config(
+            create_app(replica, **app_options), host="127.0.0.1", port=self.port, log_level="warning"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -74,7 +76,11 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
     bucket = tmp_path / "bucket"
     trainer = Trainer(tiny, seed=4)
     replica = Replica(EmbeddedEngine(tiny), str(bucket), poll_interval=0.05, served_model_name="tiny")
-    with Server(replica) as srv, httpx.Client(base_url=srv.url, timeout=30) as c, Publisher(str(bucket), anchor_every=0) as pub:
+    with (
+        Server(replica) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+        Publisher(str(bucket), anchor_every=0) as pub,
+    ):
         # before the first version: serve --model, weight_version null
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 1}
         r = c.post("/v1/completions", json=body)
@@ -82,17 +88,39 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
         out = r.json()
         assert out["object"] == "text_completion" and out["model"] == "tiny" and out["weight_version"] is None
         ch = out["choices"][0]
-        assert set(ch) >= {"index", "text", "finish_reason", "prompt_token_ids", "token_ids", "logprobs", "weight_version"}
+        assert set(ch) >= {
+            "index",
+            "text",
+            "finish_reason",
+            "prompt_token_ids",
+            "token_ids",
+            "logprobs",
+            "weight_version",
+        }
         assert len(ch["token_ids"]) == len(ch["logprobs"]["token_logprobs"]) == 6 and ch["finish_reason"] == "length"
         lp = ch["logprobs"]  # OpenAI's shape: token strings, offsets, the top-1 beside the sampled token
         assert lp["tokens"] == [replica.engine.tokenizer.decode([t]) for t in ch["token_ids"]]
         assert lp["text_offset"][0] == 0 and len(lp["text_offset"]) == len(lp["top_logprobs"]) == 6
         assert all(lp["tokens"][i] in lp["top_logprobs"][i] for i in range(6))  # greedy: sampled == top-1
-        assert out["usage"] == {"prompt_tokens": len(ch["prompt_token_ids"]), "completion_tokens": 6, "total_tokens": len(ch["prompt_token_ids"]) + 6}
+        assert out["usage"] == {
+            "prompt_tokens": len(ch["prompt_token_ids"]),
+            "completion_tokens": 6,
+            "total_tokens": len(ch["prompt_token_ids"]) + 6,
+        }
         assert c.get("/sync").json()["serving_version"] is None
 
         # token-id prompts, n, seed
-        r = c.post("/v1/completions", json={"prompt": ch["prompt_token_ids"], "max_tokens": 4, "temperature": 1.0, "n": 3, "seed": 5, "top_p": 0.95})
+        r = c.post(
+            "/v1/completions",
+            json={
+                "prompt": ch["prompt_token_ids"],
+                "max_tokens": 4,
+                "temperature": 1.0,
+                "n": 3,
+                "seed": 5,
+                "top_p": 0.95,
+            },
+        )
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
         assert r.json()["choices"][0]["prompt_token_ids"] == ch["prompt_token_ids"]
 
@@ -107,13 +135,22 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
         out = c.post("/v1/completions", json=body).json()
         assert out["weight_version"] == 2 and out["choices"][0]["weight_version"] == 2
 
-        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
+        chat = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0},
+        )
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["role"] == "assistant" and chat.json()["weight_version"] == 2
         models = c.get("/v1/models").json()
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["weight_version"] == 2
-        assert c.get("/health").json() == {"status": "ok", "engine": "embedded", "weight_version": 2, "state": "following",
-                                           "state_digest": pub.state_digest}  # the version's identity (a rewind reuses numbers)
+        assert c.get("/health").json() == {
+            "status": "ok",
+            "engine": "embedded",
+            "weight_version": 2,
+            "state": "following",
+            # the version's identity (a rewind reuses numbers)
+            "state_digest": pub.state_digest,
+        }
 
         # malformed requests: clear 4xx naming the problem
         for bad, code, word in [
@@ -128,7 +165,10 @@ def test_server_contract_follow_and_degrade(tiny, tmp_path):
             r = c.post("/v1/completions", json=bad)
             assert r.status_code == code, (bad, r.text)
             assert word in r.json()["error"]["message"], (bad, r.text)
-        assert c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+        assert (
+            c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code
+            == 422
+        )
         assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 422
 
         # a bad patch: the replica keeps serving its last good version and says so
@@ -181,17 +221,31 @@ def test_trl_vllm_clients_talk_to_a_replica(tiny, tmp_path):  # type: ignore[no-
 
         client = VLLMClient(base_url=srv.url, connection_timeout=10)
         assert client.model == replica.model_name
-        prompts = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 1}).json()["choices"][0]["prompt_token_ids"]
-                   for p in PROMPTS[:2]]
+        prompts = [
+            c.post("/v1/completions", json={"prompt": p, "max_tokens": 1}).json()["choices"][0]["prompt_token_ids"]
+            for p in PROMPTS[:2]
+        ]
         out = client.generate(prompts, n=2, temperature=0.0, top_k=5, min_p=0.05, repetition_penalty=1.2, max_tokens=5,
                               generation_kwargs={"ignore_eos": True})
         assert out["prompt_ids"] == prompts and len(out["completion_ids"]) == 4
         for i, ids in enumerate(out["completion_ids"]):  # prompt-major; greedy: what one request of that prompt gives
-            one = c.post("/v1/completions", json={"prompt": prompts[i // 2], "max_tokens": 5, "temperature": 0.0, "top_k": 5,
-                                                  "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True}).json()
+            one = c.post(
+                "/v1/completions",
+                json={
+                    "prompt": prompts[i // 2],
+                    "max_tokens": 5,
+                    "temperature": 0.0,
+                    "top_k": 5,
+                    "min_p": 0.05,
+                    "repetition_penalty": 1.2,
+                    "ignore_eos": True,
+                },
+            ).json()
             assert ids == one["choices"][0]["token_ids"] and one["weight_version"] == 3
             assert out["logprob_token_ids"][i] == [[t] for t in ids]
-            assert [lp[0] for lp in out["logprobs"][i]] == pytest.approx(one["choices"][0]["logprobs"]["token_logprobs"])
+            assert [lp[0] for lp in out["logprobs"][i]] == pytest.approx(
+                one["choices"][0]["logprobs"]["token_logprobs"]
+            )
 
         chat = client.chat([[{"role": "user", "content": "Count to 5:"}]], n=1, temperature=0.0, max_tokens=4)
         assert len(chat["completion_ids"]) == 1 and len(chat["logprobs"][0]) == len(chat["completion_ids"][0])

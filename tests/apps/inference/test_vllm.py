@@ -54,12 +54,15 @@ def test_plugin_entry_point_registers_the_backend():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.plugins import load_general_plugins
 
-    declared = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    declared = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]["entry-points"][
+        "vllm.general_plugins"
+    ]
     assert declared == {"sparsesync": "sparsesync.integrations.vllm.plugin:register"}
     module, func = declared["sparsesync"].split(":")
     assert callable(getattr(importlib.import_module(module), func))
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "sparsesync" in eps, "pip install -e . to register it"  # (older installs name the old module, kept as a shim)
+    # (older installs name the old module, kept as a shim)
+    assert "sparsesync" in eps, "pip install -e . to register it"
     load_general_plugins()
     assert "sparsesync" in WeightTransferEngineFactory._registry
 
@@ -90,7 +93,10 @@ def test_vllm_replica_follows_six_versions(engine, tiny, tmp_path):
     st = follower.status()
     assert st.state == "following" and st.versions_applied == 6 and st.anchor_loads == 1
     assert len({str(s) for s in seen}) > 1, "the updates never changed a generation: the test proves nothing"
-    print(f"vLLM pause per sync: last {engine.pauses.last_ms:.1f} ms, mean {engine.pauses.mean_ms:.1f} ms, max {engine.pauses.max_ms:.1f} ms")
+    print(
+        f"vLLM pause per sync: last {engine.pauses.last_ms:.1f} ms, mean {engine.pauses.mean_ms:.1f} ms, max "
+        f"{engine.pauses.max_ms:.1f} ms"
+    )
 
 
 def _read_back(engine):  # type: ignore[no-untyped-def]
@@ -427,9 +433,14 @@ def test_vllm_tensor_parallel_2_follows_a_run(tiny, tmp_path):
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("tensor parallelism 2 needs 2 CPU cores")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[3]), os.environ.get("PYTHONPATH")])),
+    )
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    proc = subprocess.run([sys.executable, "-c", _TP_CELL, str(tmp_path), str(tiny)], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP_CELL, str(tmp_path), str(tiny)], capture_output=True, text=True, timeout=900, env=env
+    )
     tail = [ln for ln in (proc.stdout + proc.stderr).splitlines() if " INFO " not in ln and " WARNING " not in ln][-25:]
     assert proc.returncode == 0 and "TP2 OK 3" in proc.stdout, "\n".join(tail)
 
@@ -472,4 +483,6 @@ def test_vllm_lora_slot_generates_like_a_fresh_engine_with_the_same_adapter(tmp_
         assert a.token_ids == b.token_ids and a.weight_version == 3
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-3
     fresh._lora_request = None  # the base alone: the adapter must matter, or the test proves nothing
-    assert [replica.generate(p, GREEDY)[0].logprobs for p in PROMPTS] != [fresh.generate(p, GREEDY)[0].logprobs for p in PROMPTS]
+    assert [replica.generate(p, GREEDY)[0].logprobs for p in PROMPTS] != [
+        fresh.generate(p, GREEDY)[0].logprobs for p in PROMPTS
+    ]

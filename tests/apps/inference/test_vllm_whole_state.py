@@ -41,7 +41,9 @@ def test_vllm_replica_never_reports_a_version_over_an_edited_parameter(tiny, tmp
     engine = VllmEngine(tiny, kv_cache_memory_bytes=16 << 20)
     _KEEP.append(engine)
     with caplog.at_level("ERROR"):
-        follower, trainer = follow_edit_follow(engine, tiny, str(tmp_path / "b"), lambda: engine.llm.collective_rpc(edit))
+        follower, trainer = follow_edit_follow(
+            engine, tiny, str(tmp_path / "b"), lambda: engine.llm.collective_rpc(edit)
+        )
     # refusing loudly (no version, degraded) would also keep the promise; these engines recover
     assert engine.check_error is None, f"refused instead of reloading: {engine.check_error}"
     assert engine.weight_version == 2 and follower.status().current_version == 2

@@ -44,7 +44,9 @@ def follow_edit_follow(engine, model_dir, bucket: str, edit):  # type: ignore[no
         pub.flush()
         follower.sync_once()
     rec = follower.run.newest()
-    assert rec is not None and rec.version == 2 and (rec.delta is not None or rec.parts), "version 2 must arrive as a delta"
+    assert rec is not None and rec.version == 2 and (rec.delta is not None or rec.parts), (
+        "version 2 must arrive as a delta"
+    )
     return follower, trainer
 
 
@@ -55,7 +57,9 @@ def assert_bit_exact_at_2(engine, follower, trainer, tmp_path, caplog) -> None: 
     assert not torch.equal(live[NORM], torch.zeros_like(live[NORM])), "labels v2 over the zeroed norm"
     assert engine.weight_version == 2 and follower.status().current_version == 2
     assert tensor_digests(live) == tensor_digests(trainer.state), "the replica labels v2 but holds other bits"
-    assert greedy(engine) == greedy(EmbeddedEngine(trainer.save_version(tmp_path / "v2"))), "labels v2, computes otherwise"
+    assert greedy(engine) == greedy(EmbeddedEngine(trainer.save_version(tmp_path / "v2"))), (
+        "labels v2, computes otherwise"
+    )
     assert any("reloading all weights" in r.getMessage() for r in caplog.records), "the edit went unseen"
 
 
@@ -66,7 +70,9 @@ def _norm(engine):  # type: ignore[no-untyped-def]
 def test_an_in_place_edit_of_a_parameter_no_version_touched_is_caught(tiny, tmp_path, caplog):
     engine = EmbeddedEngine(tiny)
     with caplog.at_level("ERROR"):
-        follower, trainer = follow_edit_follow(engine, tiny, str(tmp_path / "b"), lambda: _norm(engine).weight.data.zero_())
+        follower, trainer = follow_edit_follow(
+            engine, tiny, str(tmp_path / "b"), lambda: _norm(engine).weight.data.zero_()
+        )
     assert_bit_exact_at_2(engine, follower, trainer, tmp_path, caplog)
 
 

@@ -134,7 +134,9 @@ def test_stale_samples_get_a_capped_importance_weight() -> None:
 def _group(gid: int, versions: list[int], rewards: list[float] | None = None) -> Group:
     rewards = rewards or [float(i) for i in range(len(versions))]
     adv = group_advantages(rewards).tolist()
-    return Group(gid, "p", [Sample((1,), (2,), (-1.0,), r, a, v) for v, r, a in zip(versions, rewards, adv, strict=True)])
+    return Group(
+        gid, "p", [Sample((1,), (2,), (-1.0,), r, a, v) for v, r, a in zip(versions, rewards, adv, strict=True)]
+    )
 
 
 def test_buffer_keeps_versions_and_drops_stale_samples() -> None:
@@ -384,8 +386,14 @@ def test_a_rollout_worker_stopped_by_a_bug_is_reported_at_once(monkeypatch):
         raise KeyError("completion")
 
     monkeypatch.setattr(rollout, "play_group", buggy)
-    workers = rollout.RolloutWorkers(RolloutBuffer(4, max_staleness=1), ReplicaPool(["http://127.0.0.1:9"]), "http://127.0.0.1:9",
-                                     task="t", params=rollout.SamplingParams(), workers=2)
+    workers = rollout.RolloutWorkers(
+        RolloutBuffer(4, max_staleness=1),
+        ReplicaPool(["http://127.0.0.1:9"]),
+        "http://127.0.0.1:9",
+        task="t",
+        params=rollout.SamplingParams(),
+        workers=2,
+    )
     workers.start()
     try:
         deadline = time.monotonic() + 10

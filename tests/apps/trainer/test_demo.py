@@ -39,7 +39,9 @@ def test_local_run_learns_within_the_staleness_bound_and_ends_bit_exact(tmp_path
     assert all(s["staleness_max"] <= opts.max_staleness for s in report.steps)
     # every replica serves the final version, and the bucket rebuilds the trainer's exact weights
     assert report.final_version == opts.steps
-    assert all(st["current_version"] == report.final_version == st["serving_version"] for st in report.replicas.values())
+    assert all(
+        st["current_version"] == report.final_version == st["serving_version"] for st in report.replicas.values()
+    )
     assert report.checks["bit_exact"]["ok"] and report.checks["replica_outputs"]["ok"]
     # weights moved only through sparse patches much smaller than the model
     deltas = [c for c in report.commits if c.get("patch_bytes")]

@@ -91,7 +91,8 @@ def _replay(url: str) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embeddings(tmp_path: Path) -> None:
-    with _job(tmp_path, "qwen3-tied", steps=3, effort="speed") as (config, bucket, replica):  # [sync] effort reaches every rank
+    # [sync] effort reaches every rank
+    with _job(tmp_path, "qwen3-tied", steps=3, effort="speed") as (config, bucket, replica):
         proc = _torchrun(config)
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-4000:]
@@ -135,7 +136,9 @@ def _version_folder(model: str, bucket: str, version: int, dest: Path) -> Path:
     shutil.copytree(model, dest)
     for f in dest.glob("*.safetensors"):
         f.unlink()
-    save_file({k: t.contiguous() for k, t in Run(bucket).reconstruct(version)[1].items()}, str(dest / "model.safetensors"))
+    save_file(
+        {k: t.contiguous() for k, t in Run(bucket).reconstruct(version)[1].items()}, str(dest / "model.safetensors")
+    )
     return dest
 
 

@@ -98,7 +98,9 @@ def test_requests_are_spread_and_parsed(replicas: list[TinyReplica]) -> None:
     assert {o.replica for o in outs} == {r.url for r in replicas}
     assert replicas[0].hits == replicas[1].hits == 3
     c = outs[0].choices[0]
-    assert len(outs[0].choices) == 3 and c.token_ids == (1, 2) and c.logprobs == (-0.5, -0.25) and c.prompt_ids == (7, 8)
+    assert (
+        len(outs[0].choices) == 3 and c.token_ids == (1, 2) and c.logprobs == (-0.5, -0.25) and c.prompt_ids == (7, 8)
+    )
     assert {o.choices[0].weight_version for o in outs} == {3, None}  # None: start-up weights
 
 

@@ -21,7 +21,8 @@ def states() -> list[dict[str, torch.Tensor]]:
     -0.0 and subnormals among the values."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(40000, generator=g).to(torch.bfloat16)
-    a.view(torch.int16)[:4] = torch.tensor([0x7FC1, -32768, 0x0001, -0x7F81 - 1], dtype=torch.int16)  # NaN payload, -0.0, subnormal, -NaN
+    # NaN payload, -0.0, subnormal, -NaN
+    a.view(torch.int16)[:4] = torch.tensor([0x7FC1, -32768, 0x0001, -0x7F81 - 1], dtype=torch.int16)
     b = torch.tensor([[0.0, -0.0, 1e-45, float("inf"), 1.0]] * 3, dtype=torch.float32)
     c = torch.randn(257, generator=g).to(torch.float16)
     out = [{"a": a, "b": b, "c": c}]

@@ -190,7 +190,9 @@ def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_
 
         cb2 = SparsesyncCallback(str(bucket), anchor_every=0)
         # the restart also changes the reward (the fix the crash called for), so steps 5.. really differ
-        trainer = _grpo(tiny_model, out, cb2, max_steps=8, reward=lambda completions, **_: [s.count("a") / 8 for s in completions])
+        trainer = _grpo(
+            tiny_model, out, cb2, max_steps=8, reward=lambda completions, **_: [s.count("a") / 8 for s in completions]
+        )
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-4"))
         final = model_state(trainer.model)
         deadline = time.monotonic() + 60
@@ -200,7 +202,17 @@ def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_
         follower.stop()
 
     commits = Run(str(bucket)).commits()
-    assert [(c.version, c.epoch) for c in commits] == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 2), (8, 2)]
+    assert [(c.version, c.epoch) for c in commits] == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 1),
+        (4, 2),
+        (5, 2),
+        (6, 2),
+        (7, 2),
+        (8, 2),
+    ]
     assert commits[4].metrics["kind"] == "rewind" and [c.base_version for c in commits[5:]] == [4, 5, 6, 7]
     assert cb2.version == 8 and cb2.state_digest == state_digest(tensor_digests(final)) != abandoned
     # the replica served the resumed trainer's weights at the end, and never the abandoned version again
@@ -227,7 +239,9 @@ def test_grpo_crash_after_the_newest_checkpoint_rewinds_the_run_and_the_replica_
     assert _bits_equal(load_file(str(tmp_path / "pulled.safetensors")), saved)
 
 
-def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(tiny_model: Path, tmp_path: Path) -> None:
+def test_grpo_resume_with_other_weights_at_the_same_step_fails_before_training(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     from sparsesync.errors import PatchMismatchError
 
     bucket = tmp_path / "bucket"
@@ -337,7 +351,9 @@ def test_callback_refuses_an_fsdp_sharded_model_before_training(tiny_model: Path
         assert cb.version == 0
         fully_shard(model, mesh=None)
         with pytest.raises(ConfigError, match="sharded model: the model is wrapped by FSDP"):
-            SparsesyncCallback(str(tmp_path / "bucket2")).on_train_begin(None, TrainerState(), TrainerControl(), model=model)
+            SparsesyncCallback(str(tmp_path / "bucket2")).on_train_begin(
+                None, TrainerState(), TrainerControl(), model=model
+            )
         assert not (tmp_path / "bucket2" / "commits").exists()  # nothing published
         cb._v.close()
     finally:
@@ -395,7 +411,9 @@ def test_async_grpo_resume_continues_at_trls_model_version(tiny_model: Path, tmp
     """TRL's `_inner_training_loop` restores `model_version` from the checkpoint's rollout_state.json
     (it cannot train on CPU, so the test sets the restored value as TRL does)."""
     bucket = tmp_path / "bucket"
-    first = _async_trainer(tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
+    first = _async_trainer(
+        tiny_model, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch
+    )
     _train_begin(first)
     _optimizer_step(first.model)
     first._sync_weight()
@@ -473,7 +491,9 @@ def _publish_both_paths(model_dir: Path, tmp_path: Path, monkeypatch: pytest.Mon
     keys = _checkpoint_keys(model_dir)
     # AsyncGRPOTrainer + SparsesyncWeightTransfer, one decoder layer frozen
     bucket = tmp_path / "async"
-    trainer = _async_trainer(model_dir, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch)
+    trainer = _async_trainer(
+        model_dir, tmp_path / "out", SparsesyncWeightTransfer(str(bucket), anchor_every=0), monkeypatch
+    )
     for name, p in trainer.model.named_parameters():
         if "layers.1." in name:
             p.requires_grad_(False)
@@ -532,7 +552,9 @@ def test_every_path_publishes_the_checkpoint_key_set_the_embedded_engine_takes(
 
 
 @pytest.mark.vllm
-def test_vllm_engine_takes_the_key_set_of_every_path_for_a_tied_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vllm_engine_takes_the_key_set_of_every_path_for_a_tied_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from inference_space.engines.vllm_engine import VllmEngine

@@ -63,7 +63,9 @@ def _samples(q, n: int, timeout: float = 120.0) -> list:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_async_rollout_worker_tags_samples_with_the_replicas_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_async_rollout_worker_tags_samples_with_the_replicas_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerControl, TrainerState
     from trl import chat_template_utils
@@ -71,7 +73,8 @@ def test_async_rollout_worker_tags_samples_with_the_replicas_versions(tmp_path: 
     from trl.experimental.async_grpo import async_grpo_trainer as trl_async
 
     monkeypatch.setattr(trl_async, "get_peak_flops_per_device", lambda accelerator, dtype: None)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[3]))  # the spawned child imports this checkout
+    # the spawned child imports this checkout
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[3]))
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     bucket = str(tmp_path / "bucket")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -193,4 +196,7 @@ def test_samples_of_a_version_a_rewind_abandoned_are_told_from_the_new_one(tmp_p
     assert not trusted.trusts(3, None)
     loop = SparsesyncRolloutLoop.__new__(SparsesyncRolloutLoop)  # its check alone, on the replica's answers
     loop.trusted = trusted
-    assert loop.untrusted({new, kept}) == [] and set(loop.untrusted({new, abandoned, (None, None)})) == {(None, None), abandoned}
+    assert loop.untrusted({new, kept}) == [] and set(loop.untrusted({new, abandoned, (None, None)})) == {
+        (None, None),
+        abandoned,
+    }

@@ -12,7 +12,11 @@ SHAPES = {
     "model.layers.0.self_attn.o_proj.weight": (128, 128),
     "model.layers.0.mlp.gate.weight": (4, 128),
     "model.layers.0.input_layernorm.weight": (128,),
-    **{f"model.layers.0.mlp.experts.{e}.{p}.weight": (64, 128) if p != "down_proj" else (128, 64) for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")},
+    **{
+        f"model.layers.0.mlp.experts.{e}.{p}.weight": (64, 128) if p != "down_proj" else (128, 64)
+        for e in range(4)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    },
     "model.layers.1.mlp.gate_proj.weight": (256, 128),
     "model.layers.1.mlp.up_proj.weight": (256, 128),
     "model.layers.1.mlp.down_proj.weight": (128, 256),
@@ -22,21 +26,41 @@ SHAPES = {
 def test_reload_groups_are_whole_vllm_layers_and_only_those_touched():
     layout = Layout(SHAPES, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
     assert layout.complete_groups(["model.layers.0.self_attn.q_proj.weight"]) == [
-        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
     ]
     experts = layout.complete_groups(["model.layers.0.mlp.experts.2.up_proj.weight"])
     assert len(experts) == 12 and all(".mlp.experts." in n for n in experts)  # every expert of the layer, nothing else
-    assert layout.complete_groups(["model.layers.1.mlp.up_proj.weight"]) == ["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]
-    assert layout.complete_groups(["model.layers.0.input_layernorm.weight"]) == ["model.layers.0.input_layernorm.weight"]
-    assert layout.complete_groups(["model.layers.0.mlp.gate.weight"]) == ["model.layers.0.mlp.gate.weight"]  # the router is not an expert
+    assert layout.complete_groups(["model.layers.1.mlp.up_proj.weight"]) == [
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ]
+    assert layout.complete_groups(["model.layers.0.input_layernorm.weight"]) == [
+        "model.layers.0.input_layernorm.weight"
+    ]
+    # the router is not an expert
+    assert layout.complete_groups(["model.layers.0.mlp.gate.weight"]) == ["model.layers.0.mlp.gate.weight"]
 
 
 def test_locations_in_fused_layers():
     layout = Layout(SHAPES)
     v = layout.locate("model.layers.0.self_attn.v_proj.weight")
-    assert (v.module, v.param, v.kind, v.part, v.row0) == ("model.layers.0.self_attn.qkv_proj", "weight", "fused", 2, 192)
+    assert (v.module, v.param, v.kind, v.part, v.row0) == (
+        "model.layers.0.self_attn.qkv_proj",
+        "weight",
+        "fused",
+        2,
+        192,
+    )
     up = layout.locate("model.layers.0.mlp.experts.3.up_proj.weight")
-    assert (up.module, up.param, up.kind, up.expert, up.part) == ("model.layers.0.mlp.experts", "w13_weight", "expert_w13", 3, 1)
+    assert (up.module, up.param, up.kind, up.expert, up.part) == (
+        "model.layers.0.mlp.experts",
+        "w13_weight",
+        "expert_w13",
+        3,
+        1,
+    )
     down = layout.locate("model.layers.0.mlp.experts.1.down_proj.weight")
     assert (down.param, down.kind, down.expert) == ("w2_weight", "expert_w2", 1)
     assert layout.locate("model.embed_tokens.weight").kind == "vocab"

@@ -81,8 +81,11 @@ def _http_404() -> Iterator[str]:
 
 def test_follow_cli_names_the_fix_for_a_server_without_dev_routes(tmp_path):
     with _http_404() as url:
-        res = CliRunner().invoke(app, ["follow", "--vllm", url, "--bucket", str(tmp_path / "b"), "--model", str(tmp_path)])
-    assert res.exit_code != 0 and isinstance(res.exception, EngineError), res.output  # run_guarded prints it as one line
+        res = CliRunner().invoke(
+            app, ["follow", "--vllm", url, "--bucket", str(tmp_path / "b"), "--model", str(tmp_path)]
+        )
+    # run_guarded prints it as one line
+    assert res.exit_code != 0 and isinstance(res.exception, EngineError), res.output
     assert "/weight_info" in res.exception.message and "VLLM_SERVER_DEV_MODE=1" in res.exception.hint
 
 
@@ -103,8 +106,17 @@ def _server_without_backend() -> Iterator[str]:
 
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._answer(500, {"error": {"message": "Weight transfer not configured. Please set weight_transfer_config "
-                                                   "to enable weight transfer.", "type": "InternalServerError", "code": 500}})
+            self._answer(
+                500,
+                {
+                    "error": {
+                        "message": "Weight transfer not configured. Please set weight_transfer_config "
+                        "to enable weight transfer.",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                },
+            )
 
         def log_message(self, *a: object) -> None:
             pass
@@ -208,7 +220,9 @@ def _answers(url: str, *, stream: bool = False) -> list[tuple[list[int], list[fl
     return [_complete(url, p, stream=stream) for p in PROMPTS]
 
 
-def _assert_same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]], what: str) -> None:
+def _assert_same(
+    got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]], what: str
+) -> None:
     for (ids, lps), (ids0, lps0) in zip(got, want, strict=True):
         assert ids == ids0 and len(ids) == 8, f"{what}: token ids {ids} != {ids0}"
         assert max(abs(a - b) for a, b in zip(lps, lps0, strict=True)) <= 1e-3, f"{what}: logprobs {lps} vs {lps0}"
@@ -243,9 +257,17 @@ def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
         (plugins / rel).write_text(text)
     pypath = os.pathsep.join([str(ROOT), str(plugins)])
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    a, url_a, _ = _start(["sparsesync.integrations.vllm", "serve", str(tiny)], {
-        "PYTHONPATH": pypath, "VLLM_PLUGINS": "sparsesync", "SPARSESYNC_BUCKET": bucket, "SPARSESYNC_POLL_INTERVAL": "0.1",
-        "SPARSESYNC_REPLICA_ID": "in-process"}, log_a)
+    a, url_a, _ = _start(
+        ["sparsesync.integrations.vllm", "serve", str(tiny)],
+        {
+            "PYTHONPATH": pypath,
+            "VLLM_PLUGINS": "sparsesync",
+            "SPARSESYNC_BUCKET": bucket,
+            "SPARSESYNC_POLL_INTERVAL": "0.1",
+            "SPARSESYNC_REPLICA_ID": "in-process",
+        },
+        log_a,
+    )
     b, url_b, _ = _start(["vllm.entrypoints.openai.api_server", "--model", str(final)],
                          {"PYTHONPATH": pypath, "VLLM_SERVER_DEV_MODE": "1", "SPARSESYNC_REPLICA_ID": "sidecar"}, log_b)
     runner = None
@@ -255,7 +277,9 @@ def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
         fresh = _answers(url_b)  # B still holds the final weights it started with: the fresh-server reference
         fresh_streamed = _answers(url_b, stream=True)
         start = _answers(url_a)
-        assert [i for i, _ in start] != [i for i, _ in fresh], "the run never changed a generation: the test proves nothing"
+        assert [i for i, _ in start] != [i for i, _ in fresh], (
+            "the run never changed a generation: the test proves nothing"
+        )
         assert httpx.get(f"{url_a}/sync").json()["current_version"] is None
 
         os.environ["SPARSESYNC_REPLICA_ID"] = "sidecar"  # the sidecar runs in this process
@@ -270,7 +294,9 @@ def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
             for step, state in enumerate(versions, start=1):
                 version = pub.publish(state, step)
                 pub.flush()
-                _wait_version(lambda: httpx.get(f"{url_a}/sync").json()["serving_version"], version, "in-process server")
+                _wait_version(
+                    lambda: httpx.get(f"{url_a}/sync").json()["serving_version"], version, "in-process server"
+                )
                 _wait_version(lambda: runner.status()["serving_version"], version, "sidecar-driven server")
                 sync = httpx.get(f"{url_a}/sync").json()
                 assert sync["state"] == "following" and sync["vllm_weight_version"] == str(version), sync
@@ -290,8 +316,11 @@ def test_vllm_servers_follow_five_versions_in_process_and_by_sidecar(tmp_path):
             beats = {s.record.replica: s.record for s in read_fleet(open_store(bucket)).replicas}
         assert all(beats[r].version == 5 and beats[r].engine == "vllm" for r in ("in-process", "sidecar")), beats
         side = runner.status()
-        print(f"vLLM server paused per version: in-process last {sync['pause_last_ms']:.0f} ms, max {sync['pause_max_ms']:.0f} ms; "
-              f"sidecar last {side['pause_last_ms']:.0f} ms, max {side['pause_max_ms']:.0f} ms")
+        print(
+            f"vLLM server paused per version: in-process last {sync['pause_last_ms']:.0f} ms, max "
+            f"{sync['pause_max_ms']:.0f} ms; "
+            f"sidecar last {side['pause_last_ms']:.0f} ms, max {side['pause_max_ms']:.0f} ms"
+        )
     finally:
         if runner is not None:
             runner.stop()

@@ -77,8 +77,13 @@ def test_readme_vllm_serve_command_starts_follows_and_stops_cleanly(tmp_path, mo
         (plugins / rel).parent.mkdir(parents=True, exist_ok=True)
         (plugins / rel).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARSESYNC_", "VLLM_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(plugins)]), VLLM_PLUGINS="sparsesync", SPARSESYNC_BUCKET=bucket,
-               SPARSESYNC_POLL_INTERVAL="0.1", OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(plugins)]),
+        VLLM_PLUGINS="sparsesync",
+        SPARSESYNC_BUCKET=bucket,
+        SPARSESYNC_POLL_INTERVAL="0.1",
+        OMP_NUM_THREADS="1",
+    )
     port = _free_port()
     log = tmp_path / "server.log"
     pub = Publisher(bucket, anchor_every=0)

@@ -59,7 +59,8 @@ def test_sync_needs_the_key_vllm_needs(monkeypatch):  # type: ignore[no-untyped-
     wrongs = [KEY[:-1] + "x", KEY[:-1], KEY + "0", "sk-wrong-key-123"]
     with _Uvicorn(_app([KEY, "sk-other-key-98765"])) as url, httpx.Client(base_url=url) as c:
         assert c.get("/sync", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-        assert c.get("/sync", headers={"Authorization": "Bearer sk-other-key-98765"}).status_code == 200  # any of vLLM's keys
+        # any of vLLM's keys
+        assert c.get("/sync", headers={"Authorization": "Bearer sk-other-key-98765"}).status_code == 200
         for wrong in wrongs:
             for headers in ({"Authorization": f"Bearer {wrong}"}, {"X-API-Key": wrong}, {"X-API-Key": KEY},
                             {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {wrong}", "X-API-Key": KEY}):
@@ -68,7 +69,10 @@ def test_sync_needs_the_key_vllm_needs(monkeypatch):  # type: ignore[no-untyped-
         assert c.get("/sync").status_code == 401
     monkeypatch.setenv("VLLM_API_KEY", KEY)  # vLLM's rule: --api-key, else VLLM_API_KEY
     with _Uvicorn(_app(None)) as url, httpx.Client(base_url=url) as c:
-        assert c.get("/sync").status_code == 401 and c.get("/sync", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert (
+            c.get("/sync").status_code == 401
+            and c.get("/sync", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
     monkeypatch.delenv("VLLM_API_KEY")
     with _Uvicorn(_app(None)) as url:  # no key anywhere: open, as vLLM's /v1
         assert httpx.get(f"{url}/sync").status_code == 200
@@ -86,7 +90,10 @@ def test_following_on_an_open_address_needs_a_key(monkeypatch, host):  # type: i
     with pytest.raises(ConfigError, match="shorter than 8"):
         asyncio.run(SparsesyncEndpoint().init_state(engine, Namespace(), Namespace(host=host, api_key=["short"])))
     # with a key, or the opt-in, the check passes (and the next one, the backend, speaks)
-    for args, env in ((Namespace(host=host, api_key=[KEY]), {}), (Namespace(host=host, api_key=None), {"SPARSESYNC_ALLOW_NO_KEY": "1"})):
+    for args, env in (
+        (Namespace(host=host, api_key=[KEY]), {}),
+        (Namespace(host=host, api_key=None), {"SPARSESYNC_ALLOW_NO_KEY": "1"}),
+    ):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         with pytest.raises(ConfigError, match="weight-transfer backend"):

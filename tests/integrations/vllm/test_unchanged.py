@@ -26,19 +26,26 @@ def test_untouched_tensors_are_checked_by_digest_and_packed_kernels_by_identity(
     kernels: unchanged.Kernels = {}
 
     problems = unchanged.check(model, layout, verify, kernels)  # the packed layer was never verified
-    assert problems == [f"tensor '{DOWN}': the packed CPU kernel of 'model.layers.0.mlp.down_proj' is not the one last read back and verified"]
+    assert problems == [
+        f"tensor '{DOWN}': the packed CPU kernel of 'model.layers.0.mlp.down_proj' is not the one last read back and "
+        "verified"
+    ]
     unchanged.remember(model, layout.locate(DOWN), kernels)
     assert unchanged.check(model, layout, verify, kernels) == []
 
     model.model.norm.weight.data[3] = -model.model.norm.weight.data[3]  # in place, behind the engine's back
     assert [p.split(":")[0] for p in unchanged.check(model, layout, verify, kernels)] == [f"tensor '{NORM}'"]
-    model.model.norm.weight = torch.nn.Parameter(norm.clone(), requires_grad=False)  # a new Parameter, the version's bits
+    # a new Parameter, the version's bits
+    model.model.norm.weight = torch.nn.Parameter(norm.clone(), requires_grad=False)
     assert unchanged.check(model, layout, verify, kernels) == []
     zero = norm.clone()
     zero[zero == 0] = 1
     zero[5] = 0.0
     model.model.norm.weight = torch.nn.Parameter(zero, requires_grad=False)
-    verify[NORM] = [tensor_digest(torch.where(torch.arange(32) == 5, torch.tensor(-0.0, dtype=torch.bfloat16), zero)), "bfloat16"]
+    verify[NORM] = [
+        tensor_digest(torch.where(torch.arange(32) == 5, torch.tensor(-0.0, dtype=torch.bfloat16), zero)),
+        "bfloat16",
+    ]
     assert len(unchanged.check(model, layout, verify, kernels)) == 1, "-0.0 in the version, +0.0 in the engine: differ"
 
     packed = model.model.layers[0].mlp.down_proj

@@ -58,8 +58,10 @@ def test_read_back_compares_in_bounded_blocks_and_still_finds_every_difference(m
     expected[DOWN][299, 199] += 1  # and the last one
     expected[NORM][5] = torch.finfo(torch.bfloat16).tiny / 4 if norm[5] == 0 else norm[5] + 1
     got = readback.check(model, layout, expected)
-    assert got == [f"tensor '{DOWN}': 2 of 60000 elements differ from the version (model.layers.0.mlp.down_proj.weight)",
-                   f"tensor '{NORM}': 1 of 200 elements differ from the version (model.norm.weight)"]
+    assert got == [
+        f"tensor '{DOWN}': 2 of 60000 elements differ from the version (model.layers.0.mlp.down_proj.weight)",
+        f"tensor '{NORM}': 1 of 200 elements differ from the version (model.norm.weight)",
+    ]
 
 
 def test_bit_patterns_compare_in_blocks(monkeypatch):

@@ -97,7 +97,16 @@ def _half_write(real, self, version, updates, full):  # type: ignore[no-untyped-
         self._sd[name].view(-1)[upd.indices[:n]] = upd.values[:n]
 
 
-STEPS = ["fetch", "decode", "mirror", "gate", "engine-apply", "engine-readback", "engine-apply-and-reload", "after-apply"]
+STEPS = [
+    "fetch",
+    "decode",
+    "mirror",
+    "gate",
+    "engine-apply",
+    "engine-readback",
+    "engine-apply-and-reload",
+    "after-apply",
+]
 
 
 def _inject(step: str, monkeypatch: pytest.MonkeyPatch, f: Follower, engine: EmbeddedEngine) -> None:
@@ -108,17 +117,27 @@ def _inject(step: str, monkeypatch: pytest.MonkeyPatch, f: Follower, engine: Emb
         monkeypatch.setattr(run_mod, "read_patch", _once(bug)(run_mod.read_patch))
         monkeypatch.setattr(parts_mod, "read_patch", _once(bug)(parts_mod.read_patch))
     elif step == "mirror":  # after the mirror's bits were written
-        monkeypatch.setattr(run_mod, "apply_patch", _once(bug, before=lambda real, *a, **kw: real(*a, **kw))(run_mod.apply_patch))
+        monkeypatch.setattr(
+            run_mod, "apply_patch", _once(bug, before=lambda real, *a, **kw: real(*a, **kw))(run_mod.apply_patch)
+        )
         monkeypatch.setattr(parts_mod, "verify_digests", _once(bug)(parts_mod.verify_digests))
     elif step == "gate":  # what a fleet record with written_at = 10**400 did
-        monkeypatch.setattr(Follower, "_gate", _once(OverflowError("int too large to convert to float"))(Follower._gate))
+        monkeypatch.setattr(
+            Follower, "_gate", _once(OverflowError("int too large to convert to float"))(Follower._gate)
+        )
     elif step == "engine-apply":
-        monkeypatch.setattr(EmbeddedEngine, "_apply_sparse", _once(bug, before=_half_write)(EmbeddedEngine._apply_sparse))
+        monkeypatch.setattr(
+            EmbeddedEngine, "_apply_sparse", _once(bug, before=_half_write)(EmbeddedEngine._apply_sparse)
+        )
     elif step == "engine-readback":
         monkeypatch.setattr(engine, "_check", _once(EngineCheckError("injected read-back mismatch"))(engine._check))
     elif step == "engine-apply-and-reload":  # the engine fails the update and the reload after it
-        monkeypatch.setattr(EmbeddedEngine, "_apply_sparse", _once(bug, before=_half_write)(EmbeddedEngine._apply_sparse))
-        monkeypatch.setattr(EmbeddedEngine, "_load_full", _once(RuntimeError("reload failed"))(EmbeddedEngine._load_full))
+        monkeypatch.setattr(
+            EmbeddedEngine, "_apply_sparse", _once(bug, before=_half_write)(EmbeddedEngine._apply_sparse)
+        )
+        monkeypatch.setattr(
+            EmbeddedEngine, "_load_full", _once(RuntimeError("reload failed"))(EmbeddedEngine._load_full)
+        )
     elif step == "after-apply":
         monkeypatch.setattr(Follower, "_advance", _once(bug)(Follower._advance))
 

@@ -73,6 +73,10 @@ def test_follower_passes_only_what_a_hook_takes(tmp_path: Path) -> None:
     assert [(kind, v) for kind, v, _ in labelled.calls] == [("full", 0), ("sparse", 1)]
     (_, _, full_kw), (_, _, sparse_kw) = labelled.calls
     assert full_kw == {"state_digest": commits[0].state_digest, "digests": tensor_digests(states[0])}
-    assert sparse_kw == {"state_digest": commits[1].state_digest, "digests": tensor_digests(states[1]), "base_version": 0}
+    assert sparse_kw == {
+        "state_digest": commits[1].state_digest,
+        "digests": tensor_digests(states[1]),
+        "base_version": 0,
+    }
     for f in followers:
         f.stop()

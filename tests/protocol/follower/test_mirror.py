@@ -63,7 +63,9 @@ def _step(state: dict[str, torch.Tensor], g: torch.Generator, density: float = 0
     return out
 
 
-def _published(url: str, n_tensors: int, numel: int, seed: int, **publisher: object) -> tuple[list[dict[str, str]], int]:
+def _published(
+    url: str, n_tensors: int, numel: int, seed: int, **publisher: object
+) -> tuple[list[dict[str, str]], int]:
     """Versions 0..3 of an `n_tensors` x `numel` bf16 model (each delta touching every page of
     every tensor) published to `url`; (each version's tensor digests, model bytes). The states
     are freed, with what the publisher freed, before this returns."""
@@ -102,7 +104,9 @@ def test_mirror_is_a_shared_file_map_in_the_mirror_dir(tmp_path: Path, monkeypat
     assert list(mdir.iterdir()) == []  # ... and unlinked at once: nothing is left behind
 
 
-def test_following_a_large_model_keeps_anonymous_memory_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_following_a_large_model_keeps_anonymous_memory_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """48 MB of weights followed through an anchor and 3 deltas (each touching every page of
     every tensor): the anonymous memory grows by less than a quarter of the model."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
@@ -114,10 +118,14 @@ def test_following_a_large_model_keeps_anonymous_memory_bounded(tmp_path: Path, 
     assert f.sync_once() == 3
     grown = _status("RssAnon") - before
     assert tensor_digests(f.mirror) == final
-    assert grown < model_bytes // 4, f"anonymous memory grew by {grown >> 20} MiB following a {model_bytes >> 20} MiB model"
+    assert grown < model_bytes // 4, (
+        f"anonymous memory grew by {grown >> 20} MiB following a {model_bytes >> 20} MiB model"
+    )
 
 
-def test_a_failed_apply_leaves_the_mapped_mirror_at_its_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_apply_leaves_the_mapped_mirror_at_its_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """All or nothing on the file map: a version whose digests fail after its writes is undone in place."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "mirror"))
     url = str(tmp_path / "run")
@@ -247,13 +255,19 @@ def test_the_mirror_leaves_the_process_rss_tensor_by_tensor_and_keeps_its_bits(
     assert tensor_digests(engine.weights) == expected[3] and tensor_digests(f.mirror) == expected[3]
     assert all(is_file_backed(t) for t in f.mirror.values())
     if not pages_out:
-        assert after > model_bytes * 0.9, f"{after >> 20} MiB of the {model_bytes >> 20} MiB mirror mapped after the sync"
+        assert after > model_bytes * 0.9, (
+            f"{after >> 20} MiB of the {model_bytes >> 20} MiB mirror mapped after the sync"
+        )
         return
-    assert after < model_bytes // 8, f"{after >> 20} MiB of the {model_bytes >> 20} MiB mirror stayed mapped after the sync"
+    assert after < model_bytes // 8, (
+        f"{after >> 20} MiB of the {model_bytes >> 20} MiB mirror stayed mapped after the sync"
+    )
     assert mapped_in_hook and max(mapped_in_hook) < model_bytes // 3, [m >> 20 for m in mapped_in_hook]
 
 
-def test_reading_an_anchor_and_its_deltas_never_maps_the_whole_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reading_an_anchor_and_its_deltas_never_maps_the_whole_mirror(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The process's peak RSS while a follower (for a hook that sets `pages_out_mirror`) reads a
     48 MB anchor and 3 deltas into its mirror grows by less than half the model (measured:
     14-16 MiB; 53 MiB when the anchor's tensors stay mapped): each tensor leaves RSS once read

@@ -164,7 +164,7 @@ def test_a_full_load_from_a_changed_mirror_reloads_from_the_run(tmp_path: Path, 
     v0, v1 = _versions()
     engine = _Engine()
     f = Follower(url, engine, mirror_dir=tmp_path / "mirror", prefetch=False)  # type: ignore[arg-type]
-    with Publisher(url, anchor_every=0, **({"part_bytes": part_bytes} if part_bytes else {})) as pub:  # type: ignore[arg-type]
+    with Publisher(url, anchor_every=0, **({"part_bytes": part_bytes} if part_bytes else {})) as pub:
         pub.publish(v0, 0)
         pub.flush()
         assert f.sync_once() == 0
@@ -228,7 +228,8 @@ from sparsesync.protocol.follower.follower import Follower
 from sparsesync.protocol.follower.mirror import is_file_backed
 f = Follower(sys.argv[1], mirror_dir=sys.argv[2], prefetch=False)
 print("version", f.sync_once(), f.status().state, f.status().last_error, flush=True)
-print("digests", sorted(tensor_digests(f.mirror).items()), "file-backed", any(is_file_backed(t) for t in f.mirror.values()))
+backed = any(is_file_backed(t) for t in f.mirror.values())
+print("digests", sorted(tensor_digests(f.mirror).items()), "file-backed", backed)
 """
 
 

@@ -29,10 +29,19 @@ from tests.support.weights import assert_bit_equal, make_state
 
 
 def test_the_plan_spreads_tensors_by_bytes_and_keeps_replicated_ones_on_rank_0():
-    sizes = [("embed", 1000, True), ("norm", 10, False), *[(f"l{i}", 100 + i, True) for i in range(20)], ("head", 1000, True)]
+    sizes = [
+        ("embed", 1000, True),
+        ("norm", 10, False),
+        *[(f"l{i}", 100 + i, True) for i in range(20)],
+        ("head", 1000, True),
+    ]
     for world in (1, 2, 3, 4, 8):
         plan = assign(sizes, world)
-        assert plan.owner["norm"] == 0 and set(plan.owner) == {n for n, _, _ in sizes} and list(plan.owner) == [n for n, _, _ in sizes]
+        assert (
+            plan.owner["norm"] == 0
+            and set(plan.owner) == {n for n, _, _ in sizes}
+            and list(plan.owner) == [n for n, _, _ in sizes]
+        )
         load = [sum(b for n, b, _ in sizes if plan.owner[n] == r) for r in range(world)]
         assert max(load) <= sum(load) / world + 1000  # about 1/N each, plus at most the largest tensor
         assert plan.total_size == sum(load) and plan == assign(sizes, world)  # the same plan on every rank
@@ -49,7 +58,7 @@ def test_tensors_one_rank_holds_whole_are_written_by_that_rank_and_count_in_its_
     assert plan.owner == {"e0": 0, "e1": 1, "norm": 0, "embed": 1, "head": 0}
 
 
-def _sharded_run(root: Path, state: dict[str, torch.Tensor], edit=None) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
+def _sharded_run(root: Path, state: dict[str, torch.Tensor], edit=None) -> tuple[str, Path]:
     """A run whose version 1 is a sharded anchor (3 shards + index); `edit(folder)` may change the
     files first; the commit records what is then stored (a hostile writer's record)."""
     stage = root / "stage"
@@ -119,7 +128,10 @@ def _overlap(stage: Path) -> None:
         t = {k: f2.get_tensor(k) for k in f2.keys()}
         extra = sorted(f1.keys())[0]
         t[extra] = f1.get_tensor(extra)
-        digests = {**json.loads(meta["sparsesync.digests"]), extra: json.loads(f1.metadata()["sparsesync.digests"])[extra]}
+        digests = {
+            **json.loads(meta["sparsesync.digests"]),
+            extra: json.loads(f1.metadata()["sparsesync.digests"])[extra],
+        }
     save_file(t, str(p2), metadata={**meta, "sparsesync.digests": json.dumps(digests)})
 
 
@@ -133,15 +145,25 @@ def _other_weights(stage: Path) -> None:
     save_file(t, str(p), metadata=meta)
 
 
-@pytest.mark.parametrize("edit,error,words", [
-    (_index_edit(_move_to_missing), PatchFormatError, "weight_map does not match"),
-    (_index_edit(_traverse), PatchFormatError, "weight_map does not match"),
-    (_index_edit(_swap_homes), PatchFormatError, "in other files than the ones holding them"),
-    (_index_edit(_other_digest), DigestMismatchError, "state digest"),
-    (_overlap, PatchFormatError, "appears in two shards"),
-    (_other_weights, DigestMismatchError, "digest"),
-], ids=["index-names-missing-file", "index-traversal-name", "index-wrong-homes", "index-state-digest", "overlapping-tensors",
-        "shard-with-stale-digests"])
+@pytest.mark.parametrize(
+    "edit,error,words",
+    [
+        (_index_edit(_move_to_missing), PatchFormatError, "weight_map does not match"),
+        (_index_edit(_traverse), PatchFormatError, "weight_map does not match"),
+        (_index_edit(_swap_homes), PatchFormatError, "in other files than the ones holding them"),
+        (_index_edit(_other_digest), DigestMismatchError, "state digest"),
+        (_overlap, PatchFormatError, "appears in two shards"),
+        (_other_weights, DigestMismatchError, "digest"),
+    ],
+    ids=[
+        "index-names-missing-file",
+        "index-traversal-name",
+        "index-wrong-homes",
+        "index-state-digest",
+        "overlapping-tensors",
+        "shard-with-stale-digests",
+    ],
+)
 def test_hostile_sharded_anchors_fail_loudly(tmp_path, edit, error, words):
     url, _ = _sharded_run(tmp_path, make_state(0), edit)
     run = Run(url)
@@ -162,31 +184,61 @@ def test_anchor_bytes_that_do_not_match_their_commit_are_refused(tmp_path):
         Run(url).reconstruct()
 
 
-@pytest.mark.parametrize("names,reason", [
-    (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], "neither model.safetensors alone"),
-    (["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors", INDEX_NAME], "neither model.safetensors alone"),
-    (["model-00001-of-00002.safetensors", "model-00002-of-00003.safetensors", INDEX_NAME], "neither model.safetensors alone"),
-    (["model.safetensors", INDEX_NAME], "neither model.safetensors alone"),
-    (["../model.safetensors"], "is not a anchor object name"),
-    (["..", "model.safetensors"], "is not a anchor object name"),
-    (["weights.bin"], "is not a anchor object name"),
-])
+@pytest.mark.parametrize(
+    "names,reason",
+    [
+        (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], "neither model.safetensors alone"),
+        (
+            ["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors", INDEX_NAME],
+            "neither model.safetensors alone",
+        ),
+        (
+            ["model-00001-of-00002.safetensors", "model-00002-of-00003.safetensors", INDEX_NAME],
+            "neither model.safetensors alone",
+        ),
+        (["model.safetensors", INDEX_NAME], "neither model.safetensors alone"),
+        (["../model.safetensors"], "is not a anchor object name"),
+        (["..", "model.safetensors"], "is not a anchor object name"),
+        (["weights.bin"], "is not a anchor object name"),
+    ],
+)
 def test_commit_records_name_only_transformers_anchor_files(tmp_path, names, reason):
     prefix = anchor_prefix(1, 1, "0123456789ab")
-    raw = {"version": 1, "epoch": 1, "writer": "w", "state_digest": "0" * 16, "created_at": 1.0, "format": "sparsesync-commit/1",
-           "anchor": [{"key": prefix + n, "size": 1, "xxh3": "0" * 16} for n in names]}
+    raw = {
+        "version": 1,
+        "epoch": 1,
+        "writer": "w",
+        "state_digest": "0" * 16,
+        "created_at": 1.0,
+        "format": "sparsesync-commit/1",
+        "anchor": [{"key": prefix + n, "size": 1, "xxh3": "0" * 16} for n in names],
+    }
     with pytest.raises(MalformedCommitError, match=reason):
         CommitRecord.from_json(json.dumps(raw).encode(), commit_key(1, 1))
-    raw["anchor"] = [{"key": prefix + n, "size": 1, "xxh3": "0" * 16} for n in ("model-00002-of-00002.safetensors",
-                                                                                  "model-00001-of-00002.safetensors", INDEX_NAME)]
+    raw["anchor"] = [
+        {"key": prefix + n, "size": 1, "xxh3": "0" * 16}
+        for n in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", INDEX_NAME)
+    ]
     assert len(CommitRecord.from_json(json.dumps(raw).encode(), commit_key(1, 1)).anchor) == 3
 
 
 def test_anchors_in_two_folders_are_refused():
-    raw = {"version": 1, "epoch": 1, "writer": "w", "state_digest": "0" * 16, "created_at": 1.0, "format": "sparsesync-commit/1",
-           "anchor": [{"key": anchor_prefix(1, 1, uid) + n, "size": 1, "xxh3": "0" * 16}
-                      for uid, n in (("aa", "model-00001-of-00002.safetensors"), ("bb", "model-00002-of-00002.safetensors"),
-                                     ("aa", INDEX_NAME))]}
+    raw = {
+        "version": 1,
+        "epoch": 1,
+        "writer": "w",
+        "state_digest": "0" * 16,
+        "created_at": 1.0,
+        "format": "sparsesync-commit/1",
+        "anchor": [
+            {"key": anchor_prefix(1, 1, uid) + n, "size": 1, "xxh3": "0" * 16}
+            for uid, n in (
+                ("aa", "model-00001-of-00002.safetensors"),
+                ("bb", "model-00002-of-00002.safetensors"),
+                ("aa", INDEX_NAME),
+            )
+        ],
+    }
     with pytest.raises(MalformedCommitError, match="more than one folder"):
         CommitRecord.from_json(json.dumps(raw).encode(), commit_key(1, 1))
 

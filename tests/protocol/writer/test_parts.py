@@ -141,7 +141,8 @@ def test_follower_fails_whole_when_one_part_is_damaged(tmp_path):
     assert f.sync_once() == 2
     st = f.status()
     assert st.state == "degraded" and st.current_version == 2, st
-    assert "version 3" in (st.last_error or "") and rec3.parts[-1].key in (st.last_error or ""), st.last_error  # names the damaged part
+    # names the damaged part
+    assert "version 3" in (st.last_error or "") and rec3.parts[-1].key in (st.last_error or ""), st.last_error
     assert_bit_equal(f.mirror, states[1])
     assert rec2.version == 2
 
@@ -443,7 +444,8 @@ def test_an_anchor_beside_row_range_parts_is_not_a_commit(tmp_path):
     ckey = f"commits/v{2:010d}-e{rec.epoch:06d}.json"
     raw = json.loads(open_store(url).get(ckey))
     anchor = [{"key": f"anchors/v{2:010d}-e{rec.epoch:06d}-0123abcd/model.safetensors", "size": 8, "xxh3": "0" * 16}]
-    assert CommitRecord.from_json(json.dumps({**raw, "anchor": anchor}).encode(), ckey).has_anchor  # whole tensors: allowed
+    # whole tensors: allowed
+    assert CommitRecord.from_json(json.dumps({**raw, "anchor": anchor}).encode(), ckey).has_anchor
     first = raw["parts"][0]
     name = first["units"][0][0]
     parts = [{**first, "units": [[name, 0, 1], *first["units"][1:]]}, *raw["parts"][1:]]

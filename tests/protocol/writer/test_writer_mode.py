@@ -71,7 +71,9 @@ def test_modes_are_writer_modes_at_run_time(tmp_path):
         assert isinstance(passive, WriterMode) and isinstance(undecided, WriterMode)
         assert passive.settle(state) is passive
         # a passive rank publishes nothing: it only counts versions as rank 0 numbers them
-        assert passive.publish(state, None) == 0 and passive.publish(state, 7) == 7 and passive.publish(state, None) == 8
+        assert (
+            passive.publish(state, None) == 0 and passive.publish(state, 7) == 7 and passive.publish(state, None) == 8
+        )
         assert passive.version_of(state) is None and passive.state_digest is None and pub.pending == 0
         # an undecided rank of replicated weights becomes rank 1's passive mode
         assert type(undecided.settle(state)) is Passive and undecided.state_digest is None
