@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -22,6 +22,10 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   applies; `trl_apply_s`: safetensors load, copy to the GPU, `index_put_`, no checks.
 - `snapshot_host_rss_GB`: growth of this process's resident memory when the host snapshot is
   made (the trainer's extra host memory; the model's bf16 bytes once).
+- `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep),
+  `digest_cpu_GBps` the C codec's over a host copy, `digest_matches_cpu` whether they agree.
+- `replica_host_model_copies`: host memory the replica's process grew by (engine + mirror), in
+  copies of the model's bytes.
 - `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine on CUDA applying one
 version
   (`Engine.apply_sparse` with the follower's decoded updates: write plus the read-back check),
@@ -54,6 +58,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import qwen_like_shapes
 
@@ -276,6 +281,28 @@ def bench_codec(
     save()
 
 
+def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Callable[[], None]) -> None:
+    """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev` (on CUDA the
+    torch path, `codec.blocks_torch`; on the CPU the C codec), every rep timed; its value compared
+    with the C codec's over a host copy (bit-identical, or the run fails)."""
+    from sparsesync.codec.digest import tensor_digest
+
+    g = torch.Generator(device=dev).manual_seed(3)
+    t = torch.randint(-(1 << 15), 1 << 15, (nbytes // 2,), dtype=torch.int16, device=dev, generator=g)
+    t = t.view(torch.bfloat16)
+    times, got = [], ""
+    for _ in range(reps):
+        dt, got = timed(dev, lambda: tensor_digest(t, "xxh3b"))
+        times.append(dt)
+    host = t.cpu()
+    cpu_s, want = timed(torch.device("cpu"), lambda: tensor_digest(host, "xxh3b"))
+    row.update(digest_bytes=nbytes, digest_device=str(dev), digest_s_all=times, digest_GBps=nbytes / min(times) / 1e9,
+               digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=got == want)
+    print(f"[digest] xxh3b on {dev}: {row['digest_GBps']:.1f} GB/s (C codec on this host: "
+          f"{row['digest_cpu_GBps']:.1f} GB/s), same digest as the C codec: {got == want}", flush=True)
+    save()
+
+
 def bench_pause(
     dev: torch.device, hidden: int, layers: int, lr: float, reps: int, row: dict, save: Callable[[], None]
 ) -> None:
@@ -295,9 +322,15 @@ def bench_pause(
         model.generation_config.eos_token_id = small.eos_token_id
         model.save_pretrained(tmp)
         del model
+        gc.collect()
+        rss0 = rss_bytes()  # the process baseline: libraries loaded, the model saved
         engine = EmbeddedEngine(tmp, device=str(dev))
         mirror = engine.state_dict()  # the follower's verified copy, on the host
         n_params = sum(t.numel() for t in mirror.values())
+        model_bytes = sum(t.numel() * t.element_size() for t in mirror.values())
+        # the host memory a replica holds beyond the process baseline: the engine's (on CUDA: none
+        # but what loading left) and the follower's mirror (today a host copy), in model copies
+        row.update(replica_host_model_copies=(rss_bytes() - rss0) / model_bytes)
         row.update(
             engine_params=n_params, engine_hidden=hidden, engine_layers=layers, engine_load_s=time.perf_counter() - t0
         )
@@ -348,7 +381,7 @@ def main() -> None:
     }
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
-    result: dict[str, Any] = {"env": env, "rows": [], "pause": {}}
+    result: dict[str, Any] = {"env": env, "rows": [], "pause": {}, "digest": {}}
     a.json.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
@@ -376,6 +409,10 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         save()
+    try:  # the digest's GB/s: 1 GiB on the device (tiny: 16 MiB)
+        bench_digest(dev, (16 if a.tiny else 1024) << 20, 3 if a.tiny else 5, result["digest"], save)
+    except Exception as e:  # noqa: BLE001 - reported, the other figures still count
+        result["digest"]["error"] = f"{type(e).__name__}: {e}"
     try:  # the replica's pause, on a ~0.6B model (vocab 512)
         if a.tiny:
             bench_pause(dev, 128, 2, 1e-3, 1, result["pause"], save)
@@ -415,7 +452,7 @@ def main() -> None:
         or r.get("apply_bit_exact") is False
         or r.get("cuda_snapshot_same_bytes") is False
     ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
-    if bad or "error" in result["pause"] or any("error" in r for r in result["rows"]):
+    if bad or "error" in result["pause"] or "error" in result["digest"] or any("error" in r for r in result["rows"]):
         print(f"NOT BIT-EXACT or failed: {bad or 'see errors in the JSON'}")
         sys.exit(1)
 

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
+
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 OVERHEAD_SIZE = "128x2"  # the 1 MB model: each role's fixed memory, subtracted from the figures

@@ -33,7 +33,8 @@
 # .git) and the uncommitted changes to tracked files if any, the exact command, the start time,
 # env.json, summary.json, gpu_bench.json whole (every repetition of every figure), the pytest
 # junit XML and console output, and per shape the ratios read off the bench
-# (`publish_stall_over_trl`, `apply_over_index_put`; null where a figure was not measured).
+# (`publish_stall_over_trl`, `apply_over_index_put`), and `replica_pause_ms`, `replica_host_model_copies`,
+# `digest_GBps` (null where a figure was not measured).
 # Commit that file as benchmarks/results/gpu_check_<gpu>_<date>.json. Expected on one H100 with 16 cores: about 5 minutes in all (tests ~1.5, bench ~3.5).
 # Exit code: 0 when every step passed, else 1.
 #

@@ -38,6 +38,8 @@ def record(out: Path, commit: str, command: str, started: str, dirty: str = "") 
     return {"commit": commit, "uncommitted_changes": dirty or None, "command": command, "started": started,
             "env": _read(out, "env.json"), "summary": _read(out, "summary.json"), "per_shape": shapes,
             "replica_pause_ms": (bench.get("pause") or {}).get("replica_pause_ms"),
+            "replica_host_model_copies": (bench.get("pause") or {}).get("replica_host_model_copies"),
+            "digest_GBps": (bench.get("digest") or {}).get("digest_GBps"),
             "gpu_bench": bench or None, "pytest_junit_xml": _read(out, "pytest.xml", False),
             "pytest_output": _read(out, "pytest.out", False)}
 

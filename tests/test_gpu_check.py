@@ -48,6 +48,9 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert rec["gpu_bench"] == json.loads((out / "gpu_bench.json").read_text())
     assert rec["pytest_junit_xml"] == (out / "pytest.xml").read_text() and "skipped" in rec["pytest_output"]
     assert rec["per_shape"] and all(v["publish_stall_over_trl"] > 0 for v in rec["per_shape"].values())
+    # the named fields, read off the bench (the digest checked against the C codec's)
+    assert rec["digest_GBps"] > 0 and rec["gpu_bench"]["digest"]["digest_matches_cpu"] is True
+    assert rec["replica_pause_ms"] > 0 and rec["replica_host_model_copies"] > 0
     suite = ET.parse(out / "pytest.xml").getroot().find("testsuite")
     assert (
         suite is not None
