@@ -3,10 +3,11 @@ plain TRL-style extraction (torch nonzero + gather + safetensors save) in the sa
 
     nice .venv/bin/python benchmarks/codec_bench.py                 # 0.6B params (~8 GB RAM, ~3-5 min on 2 cores)
     nice .venv/bin/python benchmarks/codec_bench.py --params 5e7    # quick
-    nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1   #
-    speed sweep nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...   # both sides on one thread (fair on a
-    loaded machine) nice .venv/bin/python benchmarks/codec_bench.py --effort size,speed ...   # the codec's two efforts
-    side by side
+    # speed sweep:
+    nice .venv/bin/python benchmarks/codec_bench.py --lrs '' --modes master --densities 0.001,0.003,0.01,0.03,0.1
+    # both sides on one thread (fair on a loaded machine):
+    nice .venv/bin/python benchmarks/codec_bench.py --threads 1 ...
+    nice .venv/bin/python benchmarks/codec_bench.py --effort size,speed ...   # the codec's two efforts side by side
 
 Writes benchmarks/results/codec_bench.json (override with --json) and prints a table.
 

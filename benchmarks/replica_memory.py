@@ -19,9 +19,9 @@ Figures are in copies of the model: (figure - the same figure of the same role r
 model of the same shape, i.e. the interpreter, libraries, vLLM's KV cache) / model bytes.
 
     git archive MAIN_COMMIT | tar -x -C /var/tmp/main && (cd /var/tmp/main && python sparsesync/codec/_build.py)
-    nice .venv/bin/python benchmarks/replica_memory.py --tree /var/tmp/main --out
-    benchmarks/results/replica_memory_baseline.json nice .venv/bin/python benchmarks/replica_memory.py --baseline-tree
-    /var/tmp/main [--sizes 1024x5,2048x5,2560x8] \
+    nice .venv/bin/python benchmarks/replica_memory.py --tree /var/tmp/main \
+        --out benchmarks/results/replica_memory_baseline.json
+    nice .venv/bin/python benchmarks/replica_memory.py --baseline-tree /var/tmp/main [--sizes 1024x5,2048x5,2560x8] \
         [--vllm-sizes 1024x5,2048x5] [--out benchmarks/results/replica_memory.json]
 
 `--tree` picks the source tree the workers import (this script's by default). With
