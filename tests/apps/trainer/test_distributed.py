@@ -96,10 +96,10 @@ def test_torchrun_fsdp2_trainer_publishes_every_version_bit_exact_with_tied_embe
         proc = _torchrun(config)
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-4000:]
-        m = re.search(r"published version (\d+) \(state digest (\w+)\)", out)
+        m = re.search(r"published version (\d+) \(state digest ([\w:]+)\)", out)
         assert m and int(m.group(1)) == 3, out[-3000:]
         assert out.count("trained 3 steps") == 1  # rank 0 reports for the job
-        commit = re.search(r"commit record of version 3: state digest (\w+)", out)
+        commit = re.search(r"commit record of version 3: state digest ([\w:]+)", out)
         assert commit and commit.group(1) == Run(bucket).commit(3).state_digest != m.group(2)
         digests = _replay(bucket)
         assert sorted(digests) == [0, 1, 2, 3] and digests[3] == m.group(2)  # the gathered full weights
@@ -193,7 +193,7 @@ def test_torchrun_trainer_resumed_from_an_older_version_rewinds_the_run_and_repl
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-4000:]
         assert out.count(f"[model] path holds version {older} of") == 2, out[-3000:]  # on every rank
-        m = re.search(r"published version (\d+) \(state digest (\w+)\)", out)
+        m = re.search(r"published version (\d+) \(state digest ([\w:]+)\)", out)
         assert m and int(m.group(1)) == older + 2, out[-3000:]
         run = Run(bucket)
         commits = run.commits()
