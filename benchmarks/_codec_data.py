@@ -92,3 +92,16 @@ def step(
         else:
             out[name] = (w.float() - u.mul_(lr)).to(torch.bfloat16)
     return out
+
+
+def provenance() -> dict[str, str]:
+    """What a results file records about its run: the exact command and the commit of this tree
+    (`git describe --dirty`: "-dirty" when it had uncommitted changes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                            capture_output=True, text=True).stdout.strip()
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit or "unknown"}

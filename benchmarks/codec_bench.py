@@ -48,7 +48,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
+from _codec_data import make_weights, provenance, qwen_like_shapes, step  # noqa: E402
 
 from sparsesync.codec import Snapshot, apply_patch, decode_patch, read_patch  # noqa: E402
 from sparsesync.codec._encodings import key_of  # noqa: E402
@@ -333,7 +333,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "wall_s": time.perf_counter() - t_start,
     }
-    a.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    a.json.write_text(json.dumps({**provenance(), "env": env, "rows": rows}, indent=1))
     print(
         "\nseconds for the whole model (best / median of --reps, ours and TRL-style interleaved; ratio of the bests, "
         "and median of the per-rep ratios):"

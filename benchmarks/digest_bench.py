@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _codec_data import make_weights, qwen_like_shapes, step  # noqa: E402
+from _codec_data import make_weights, provenance, qwen_like_shapes, step  # noqa: E402
 
 from sparsesync.codec import Snapshot, apply_patch, read_patch  # noqa: E402
 from sparsesync.codec.digest import tensor_digest, tensor_digests  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
     rows["apply"] = _summary(app, nbytes)
     rows["patch_bytes"] = {a: len(patches[a]) for a in ALGOS}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    args.json.write_text(json.dumps({**provenance(), **rows}, indent=2) + "\n")
     print(
         f"model {nbytes / 1e9:.2f} GB, largest tensor {rows['largest_tensor_bytes'] / 1e6:.0f} MB, {args.reps} reps "
         "(median, [min, max])"
