@@ -65,13 +65,26 @@ class Members:
     n_changed: list[int]
 
 
+def _shared_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of `a` and `b` (a binary search over slice
+    comparisons: a few C compares, not a Python step per byte)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _put_names(out: bytearray, names: Sequence[str]) -> None:
     prev = b""
     for name in names:
         nb = name.encode("utf-8")
-        shared = 0
-        while shared < min(len(nb), len(prev)) and nb[shared] == prev[shared]:
-            shared += 1
+        shared = _shared_prefix(nb, prev)
         _table._varint(out, shared)
         _table._varint(out, len(nb) - shared)
         out += nb[shared:]
