@@ -18,6 +18,7 @@ member.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -128,6 +129,11 @@ class ParsedGroup:
     target_digests: tuple[str, ...]
 
 
+def _hex(digests: bytes) -> tuple[str, ...]:
+    """Each stored digest (8 bytes, little-endian) as its 16 hex digits."""
+    return tuple(f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist())
+
+
 def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[ParsedGroup]:
     """The groups of an inflated group section of a patch of format `fmt` (see the module
     docstring for the checks; digests come back as the section stores them, bare hex)."""
@@ -179,7 +185,7 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
             raise _bad(f"{where}: members not sorted by name")
         if len(r.shape) != 1:
             raise _bad(f"{where}: shape {list(r.shape)}, expected one dimension (the members' concatenation)")
-        numels = [int(np.prod(s, dtype=np.int64)) if s else 1 for s in shapes[start : start + m]]
+        numels = [math.prod(s) for s in shapes[start : start + m]]  # exact: a huge product fails the checks below
         if any(n > 1 << 48 for n in numels) or sum(numels) != r.shape[0]:
             raise _bad(f"{where}: members hold {sum(numels)} elements, the group's coding {r.shape[0]}")
         ch = changed[start : start + m]
@@ -191,7 +197,6 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
         offs = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(numels, out=offs[1:])
         out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, np.asarray(ch, dtype=np.int64),
-                               tuple(base[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m)),
-                               tuple(target[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m))))
+                               _hex(base[8 * start : 8 * (start + m)]), _hex(target[8 * start : 8 * (start + m)])))
         start += m
     return out
