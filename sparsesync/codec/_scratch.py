@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
 _local = threading.local()
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def cat_into(slot: str, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -27,11 +25,5 @@ def cat_into(slot: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = bufs[(slot, dtype)] = torch.empty(n, dtype=dtype)
     out = buf[:n]
-    iv = _INT_VIEW.get(out.element_size())
-    if iv is not None and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors):
-        # numpy's concatenate over the bits: torch.cat into `out` ran at a fifth of its speed
-        # (measured on a LoRA adapter's bf16 groups)
-        np.concatenate([t.detach().reshape(-1).view(iv).numpy() for t in tensors], out=out.view(iv).numpy())
-    else:
-        torch.cat([t.reshape(-1) for t in tensors], out=out)
+    torch.cat([t.reshape(-1) for t in tensors], out=out)
     return out

@@ -1,8 +1,8 @@
 """Many small tensors at the cost of few (issue 51): a group's members hashed and written in one
 native call each (`members_blocks`, `members_put`), digest checks of a whole version in one
-pass (`all_blocks`), group names prefix-coded without a Python step per byte, a group's
-members laid end to end by numpy; and a budget of Python calls per member for encode and apply,
-which fails when per-member Python comes back on either path."""
+pass (`all_blocks`), group names prefix-coded without a Python step per byte; and a budget of
+Python calls per member for encode, read and apply, which fails when per-member Python comes
+back on any of them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparsesync.codec import _groups, _native, _scratch, apply_patch, read_patch, state_digest
+from sparsesync.codec import _groups, _native, apply_patch, read_patch, state_digest
 from sparsesync.codec._group_write import write_group
 from sparsesync.codec.blocks_digest import BLOCK, combine_many, digest_bytes, digests_many, n_blocks
 from sparsesync.codec.digest import LEGACY_ALGO, all_blocks, put_and_digests, tensor_digest
@@ -141,20 +141,6 @@ def test_shared_prefix_is_the_longest_common_prefix():
         while k < min(len(a), len(b)) and a[k] == b[k]:
             k += 1
         assert _groups._shared_prefix(a, b) == k, (a, b)
-
-
-def test_cat_into_lays_members_end_to_end_without_torch_cat(monkeypatch):
-    g = torch.Generator().manual_seed(7)
-    ts = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (5, 17, 1000)] + [torch.randn(4, 6).t().to(
-        torch.bfloat16)]  # the last one not contiguous
-    want = torch.cat([t.reshape(-1) for t in ts])
-    calls = []
-    real = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = _scratch.cat_into("test", ts)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and not calls  # numpy's concatenate did it
-    flags = _scratch.cat_into("test", [torch.ones(3, dtype=torch.bool)] * 2)
-    assert torch.equal(flags, torch.ones(6, dtype=torch.bool))
 
 
 def _calls(fn):

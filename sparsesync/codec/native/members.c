@@ -125,11 +125,11 @@ static PyObject *py_members_put(PyObject *self, PyObject *args) {
             xh_job j = {dp, bufs[i].len, 0, nb, (uint64_t *)bb.buf + at, hw};
             xh_run(&j);
         }
-        for (; k < ni && idx[k] < hi; k++) { /* idx[k] >= lo: the previous member stopped there */
-            uint8_t *e = dp + (idx[k] - lo) * w;
-            memcpy(op + k * w, e, (size_t)w);
-            memcpy(e, vp + k * w, (size_t)w);
-        }
+        int64_t k0 = k;
+        while (k < ni && idx[k] < hi) k++; /* [k0, k): this member's (idx[k0] >= lo: the previous member stopped there) */
+#define CALL(W) for (int64_t q = k0; q < k; q++) { uint8_t *e = dp + (idx[q] - lo) * W; memcpy(op + q * W, e, W); memcpy(e, vp + q * W, W); }
+        DISPATCH_WIDTH(w, CALL)
+#undef CALL
         if (ab.len) {
             xh_job j = {dp, bufs[i].len, 0, nb, (uint64_t *)ab.buf + at, hw};
             xh_run(&j);
