@@ -6,7 +6,8 @@ exactly the declared size, that positions are in range, strictly increasing and 
 (optionally) that the tensor's bytes match the patch's base digest, writing nothing.
 `apply_patch` makes the same checks and the digest checks, and writes: CPU tensors are each
 written as soon as they are decoded (while in cache) and hashed in the pass that writes them;
-CUDA tensors only after every check. Whatever fails (a stream, a base digest, a target digest),
+other devices' through `device_apply` (compact updates copied there, digests checked there;
+"xxh3" runs: only after every check). Whatever fails (a stream, a base digest, a target digest),
 every tensor's old bits are restored before the error (PatchFormatError, PatchMismatchError or
 DigestMismatchError) is raised. Works for CPU and CUDA tensors.
 """
@@ -373,6 +374,11 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
     targets = {n: e.target_digest for n, e in h.tensors.items()}
     if all(tensors[n].device.type == "cpu" for n in h.tensors):
         return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
+    from sparsesync.codec import device_apply  # imports this module
+
+    if device_apply.device_apply_supported(patch):  # "xxh3b": compact updates to the device, digests checked there
+        return device_apply._apply_on_device(patch, tensors, verify=verify, check_base_digest=check_base_digest,
+                                             written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
     hashed: dict[str, str] = {}
     old = write_updates(tensors, updates, digests=hashed if verify else None, written=written, algo=patch_algo(h))

@@ -1,0 +1,237 @@
+"""Applying a patch to tensors on a device (a GPU), all or nothing, every digest checked there.
+
+The steps, for a patch whose digests are "xxh3b" (a patch of an older run, "xxh3", keeps the
+host path of `apply.apply_patch`):
+1. decode on the host (`apply.decode_patch`, the same decoders and checks as the CPU path: every
+   stream decodes to exactly the declared size, positions in range, strictly increasing);
+2. ONE host->device copy of the compact updates: the indices and value bits of every touched
+   tensor packed into one buffer (pinned where the device is CUDA);
+3. on the device, in stream order: the block digests of every touched tensor (the base), its old
+   values at the indices gathered, the new values scattered in place (`index_copy_` on the flat
+   bit view), the block digests again (the target);
+4. ONE device synchronization: every block digest of the patch comes to the host at once
+   (8 bytes per 64 KiB block), where each tensor's digest is combined (`blocks_digest.combine`)
+   and compared with the patch's base and target digests.
+
+Guarantee (all or nothing): when `apply_on_device` returns, every touched tensor holds exactly
+its target digest's bits (and held its base digest's before, if `check_base_digest`). On any
+failure (a base digest that does not match: PatchMismatchError; a target digest: DigestMismatchError;
+an error or interrupt raised while scattering, or by `written`) the old bits are scattered back
+into every tensor before the error is raised, naming each bad tensor, its digest and the
+expected one. The code is device-agnostic torch: on CPU tensors it runs the same operations
+(tests compare it bit for bit with the C path). Memory on the device: the packed update, the
+old values (one per changed element) and the digest temporaries (`blocks_torch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparsesync.codec import _parallel
+from sparsesync.codec.apply import (
+    SparseUpdate,
+    Written,
+    _check_layout,
+    _listing,
+    _not_produced,
+    decode_patch,
+    patch_algo,
+)
+from sparsesync.codec.blocks_digest import combine, n_blocks
+from sparsesync.codec.blocks_torch import block_digests_torch
+from sparsesync.codec.diff import bits_view
+from sparsesync.codec.digest import BLOCKS_ALGO
+from sparsesync.codec.patch import Patch
+from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError
+
+_ALIGN = 8  # every packed segment starts at a multiple of 8 bytes (an int64 view needs it)
+
+
+def device_apply_supported(patch: Patch) -> bool:
+    """Whether `patch`'s digests can be checked on the device ("xxh3b"; "xxh3" is one host stream)."""
+    return patch_algo(patch.header) == BLOCKS_ALGO
+
+
+def apply_on_device(
+    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True, check_base_digest: bool = True,
+    written: Written | None = None,
+) -> dict[str, SparseUpdate]:
+    """Apply `patch` in place to `tensors` on whatever device each is on (module docstring);
+    returns the decoded updates (host tensors). A Ctrl-C is raised once the writes are done or
+    undone (`_parallel.interrupts_deferred`). `written` is called with each tensor once its new
+    values are scattered (the digests are checked after; an undo may write it again)."""
+    if not (verify or check_base_digest):
+        raise ValueError("apply_on_device needs verify=True or check_base_digest=True: one digest must be checked")
+    with _parallel.interrupts_deferred():
+        return _apply_on_device(patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
+
+
+@dataclass
+class _Job:
+    """The work on one device: its tensors' flat bit views, their packed updates there, the old
+    values gathered, and the block digests enqueued (base, then target)."""
+
+    device: torch.device
+    names: list[str]
+    flats: dict[str, torch.Tensor] = field(default_factory=dict)
+    at: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (indices, value bits)
+    old: dict[str, torch.Tensor] = field(default_factory=dict)
+    digests: list[torch.Tensor] = field(default_factory=list)
+    host: torch.Tensor | None = None  # the packed host buffer, alive until the device has read it
+
+    def undo(self) -> None:
+        """Scatter every gathered old value back (a tensor not yet written gets its own bits)."""
+        for n, old in self.old.items():
+            self.flats[n].index_copy_(0, self.at[n][0], old)
+        _synchronize(self.device)
+
+
+def _apply_on_device(
+    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
+    written: Written | None,
+) -> dict[str, SparseUpdate]:
+    """`apply_on_device` once its arguments are checked."""
+    _check_layout(patch, tensors)
+    if not device_apply_supported(patch):
+        raise ValueError(
+            f"patch {patch.header.base_version}->{patch.header.target_version} has '{patch_algo(patch.header)}' "
+            "digests: only 'xxh3b' is checked on a device (apply it with codec.apply_patch)"
+        )
+    h = patch.header
+    names = list(h.tensors)
+    try:
+        updates = decode_patch(patch, tensors, check_base_digest=False)
+    except PatchFormatError:
+        if check_base_digest:  # decoded against other weights: say that instead
+            _raise_base(patch, _mismatched(patch, tensors, _digest_all(tensors, names), base=True))
+        raise
+    jobs = _jobs(tensors, updates, names)
+    try:
+        for job in jobs:
+            _enqueue(job, tensors, check_base_digest=check_base_digest, verify=verify, written=written)
+        got = _collect(jobs, tensors, check_base_digest=check_base_digest, verify=verify)
+    except BaseException:
+        for job in jobs:
+            job.undo()
+        raise
+    bad_base = _mismatched(patch, tensors, got[0], base=True) if check_base_digest else []
+    bad_target = _mismatched(patch, tensors, got[1], base=False) if verify else []
+    if bad_base or bad_target:
+        for job in jobs:
+            job.undo()
+        if bad_base:
+            _raise_base(patch, bad_base)
+        raise _not_produced(
+            patch, DigestMismatchError(_listing(bad_target), hint="reload from the newest anchor and replay the chain")
+        ) from None
+    return {n: updates[n] for n in names}
+
+
+def _jobs(tensors: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], names: list[str]) -> list[_Job]:
+    """One job per device, its updates packed into one buffer and copied there at once."""
+    by_device: dict[torch.device, list[str]] = {}
+    for n in names:
+        by_device.setdefault(tensors[n].device, []).append(n)
+    jobs = []
+    for device, group in by_device.items():
+        job = _Job(device, group, {n: bits_view(tensors[n]) for n in group})
+        job.host, job.at = _pack(device, {n: updates[n] for n in group}, job.flats)
+        jobs.append(job)
+    return jobs
+
+
+def _seg(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _pack(
+    device: torch.device, updates: Mapping[str, SparseUpdate], flats: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The indices (int64) and value bits of `updates` laid out in one host buffer (pinned for
+    CUDA), copied to `device` in one transfer: (host buffer, name -> (indices, value bits) there)."""
+    spans, total = {}, 0
+    for n, u in updates.items():
+        k, w = u.indices.numel(), flats[n].element_size()
+        spans[n] = (total, total + 8 * k, k)
+        total += 8 * k + _seg(k * w)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda" and torch.cuda.is_available())
+    for n, u in updates.items():
+        i0, v0, k = spans[n]
+        host[i0:v0].view(torch.int64).copy_(u.indices)
+        host[v0 : v0 + k * flats[n].element_size()].view(flats[n].dtype).copy_(u.values.view(flats[n].dtype))
+    dev = host.to(device, non_blocking=True)
+    at = {}
+    for n, (i0, v0, k) in spans.items():
+        at[n] = (dev[i0:v0].view(torch.int64), dev[v0 : v0 + k * flats[n].element_size()].view(flats[n].dtype))
+    return host, at
+
+
+def _enqueue(job: _Job, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool, verify: bool,
+             written: Written | None) -> None:
+    """In the device's stream order: base block digests, old values gathered, new values scattered
+    (`written` told of each tensor), target block digests. Nothing here waits for the device."""
+    if check_base_digest:
+        job.digests += [block_digests_torch(job.flats[n]) for n in job.names]
+    for n in job.names:
+        job.old[n] = job.flats[n].index_select(0, job.at[n][0])
+    for n in job.names:
+        job.flats[n].index_copy_(0, *job.at[n])
+        if written is not None:
+            written(tensors[n])
+    if verify:
+        job.digests += [block_digests_torch(job.flats[n]) for n in job.names]
+
+
+def _collect(jobs: list[_Job], tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool,
+             verify: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """Every job's block digests to the host (one synchronization per device), combined per
+    tensor: (base digests, target digests) by name."""
+    base: dict[str, str] = {}
+    target: dict[str, str] = {}
+    for job in jobs:
+        flat = torch.cat(job.digests).cpu().numpy().view(np.uint64) if job.digests else np.empty(0, np.uint64)
+        job.host = None  # the copy it fed has completed: the device has run everything before this read
+        at = 0
+        for out in ([base] if check_base_digest else []) + ([target] if verify else []):
+            for n in job.names:
+                nbytes = tensors[n].numel() * tensors[n].element_size()
+                k = n_blocks(nbytes)
+                out[n] = combine(flat[at : at + k], nbytes)
+                at += k
+    return base, target
+
+
+def _digest_all(tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, str]:
+    """The "xxh3b" digest of each named tensor, computed on its device."""
+    return {n: combine(block_digests_torch(tensors[n]).cpu().numpy().view(np.uint64),
+                       tensors[n].numel() * tensors[n].element_size()) for n in names}
+
+
+def _mismatched(patch: Patch, tensors: Mapping[str, torch.Tensor], got: Mapping[str, str], *, base: bool) -> list[str]:
+    """One line per touched tensor whose digest in `got` is not the patch's base (or target) digest."""
+    out = []
+    for n, e in patch.header.tensors.items():
+        want = e.base_digest if base else e.target_digest
+        if got[n] != want:
+            out.append(f"tensor '{n}': digest {got[n]}, expected {want}")
+    return out
+
+
+def _raise_base(patch: Patch, bad: list[str]) -> None:
+    if not bad:
+        return
+    h = patch.header
+    raise PatchMismatchError(
+        f"patch {h.base_version}->{h.target_version}: tensors are not at base version {h.base_version}: "
+        + _listing(bad),
+        hint=f"load version {h.base_version} (anchor plus chain) before applying this patch",
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
