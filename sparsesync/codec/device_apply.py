@@ -90,26 +90,55 @@ class _Job:
         _synchronize(self.device)
 
 
-def _apply_on_device(
-    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
-    written: Written | None,
-) -> dict[str, SparseUpdate]:
-    """`apply_on_device` once its arguments are checked."""
+@dataclass
+class StagedPatch:
+    """A patch decoded on the host and its compact updates copied to the tensors' devices
+    (`stage_on_device`); nothing written yet (`apply_staged` writes it)."""
+
+    patch: Patch
+    updates: dict[str, SparseUpdate]  # host tensors, by name in the patch's order
+    jobs: list[_Job]
+
+
+def stage_on_device(
+    patch: Patch, tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool = True
+) -> StagedPatch:
+    """Check `patch` against `tensors`' layout, decode it on the host (reading the base bits it
+    needs from the tensors) and copy the updates to their devices in one transfer per device;
+    writes nothing. A patch that does not decode is PatchFormatError, or PatchMismatchError when
+    (`check_base_digest`) the tensors are not at its base."""
     _check_layout(patch, tensors)
     if not device_apply_supported(patch):
         raise ValueError(
             f"patch {patch.header.base_version}->{patch.header.target_version} has '{patch_algo(patch.header)}' "
             "digests: only 'xxh3b' is checked on a device (apply it with codec.apply_patch)"
         )
-    h = patch.header
-    names = list(h.tensors)
+    names = list(patch.header.tensors)
     try:
         updates = decode_patch(patch, tensors, check_base_digest=False)
     except PatchFormatError:
         if check_base_digest:  # decoded against other weights: say that instead
-            _raise_base(patch, _mismatched(patch, tensors, _digest_all(tensors, names), base=True))
+            _raise_base(patch, _mismatched(patch, _digest_all(tensors, names), base=True))
         raise
-    jobs = _jobs(tensors, updates, names)
+    return StagedPatch(patch, {n: updates[n] for n in names}, _jobs(tensors, updates, names))
+
+
+def apply_staged(
+    staged: StagedPatch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool = True,
+    check_base_digest: bool = True, written: Written | None = None,
+) -> dict[str, SparseUpdate]:
+    """Write a staged patch into `tensors` (the same layout and devices as when staged), all or
+    nothing, its digests checked on the devices (module docstring); returns its updates."""
+    if not (verify or check_base_digest):
+        raise ValueError("apply_staged needs verify=True or check_base_digest=True: one digest must be checked")
+    patch, jobs = staged.patch, staged.jobs
+    _check_layout(patch, tensors)
+    for job in jobs:
+        moved = [n for n in job.names if tensors[n].device != job.device]
+        if moved:
+            raise PatchMismatchError(f"tensor '{moved[0]}': on {tensors[moved[0]].device}, staged for {job.device}",
+                                     hint="stage the patch again for the tensors it is applied to")
+        job.flats, job.old, job.digests = {n: bits_view(tensors[n]) for n in job.names}, {}, []
     try:
         for job in jobs:
             _enqueue(job, tensors, check_base_digest=check_base_digest, verify=verify, written=written)
@@ -118,17 +147,25 @@ def _apply_on_device(
         for job in jobs:
             job.undo()
         raise
-    bad_base = _mismatched(patch, tensors, got[0], base=True) if check_base_digest else []
-    bad_target = _mismatched(patch, tensors, got[1], base=False) if verify else []
+    bad_base = _mismatched(patch, got[0], base=True) if check_base_digest else []
+    bad_target = _mismatched(patch, got[1], base=False) if verify else []
     if bad_base or bad_target:
         for job in jobs:
             job.undo()
-        if bad_base:
-            _raise_base(patch, bad_base)
+        _raise_base(patch, bad_base)
         raise _not_produced(
             patch, DigestMismatchError(_listing(bad_target), hint="reload from the newest anchor and replay the chain")
         ) from None
-    return {n: updates[n] for n in names}
+    return dict(staged.updates)
+
+
+def _apply_on_device(
+    patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
+    written: Written | None,
+) -> dict[str, SparseUpdate]:
+    """`apply_on_device` once its arguments are checked."""
+    staged = stage_on_device(patch, tensors, check_base_digest=check_base_digest)
+    return apply_staged(staged, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
 
 
 def _jobs(tensors: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], names: list[str]) -> list[_Job]:
@@ -206,12 +243,28 @@ def _collect(jobs: list[_Job], tensors: Mapping[str, torch.Tensor], *, check_bas
 
 
 def _digest_all(tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, str]:
-    """The "xxh3b" digest of each named tensor, computed on its device."""
-    return {n: combine(block_digests_torch(tensors[n]).cpu().numpy().view(np.uint64),
-                       tensors[n].numel() * tensors[n].element_size()) for n in names}
+    return device_digests({n: tensors[n] for n in names})
 
 
-def _mismatched(patch: Patch, tensors: Mapping[str, torch.Tensor], got: Mapping[str, str], *, base: bool) -> list[str]:
+def device_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The "xxh3b" digest of every tensor, computed on its device: the block digests of all of
+    them come to the host together (one synchronization per device, not one per tensor)."""
+    by_device: dict[torch.device, list[str]] = {}
+    for n, t in tensors.items():
+        by_device.setdefault(t.device, []).append(n)
+    out: dict[str, str] = {}
+    for names in by_device.values():
+        blocks = [block_digests_torch(tensors[n]) for n in names]
+        flat = torch.cat(blocks).cpu().numpy().view(np.uint64) if blocks else np.empty(0, np.uint64)
+        at = 0
+        for n in names:
+            nbytes = tensors[n].numel() * tensors[n].element_size()
+            out[n] = combine(flat[at : at + n_blocks(nbytes)], nbytes)
+            at += n_blocks(nbytes)
+    return {n: out[n] for n in tensors}
+
+
+def _mismatched(patch: Patch, got: Mapping[str, str], *, base: bool) -> list[str]:
     """One line per touched tensor whose digest in `got` is not the patch's base (or target) digest."""
     out = []
     for n, e in patch.header.tensors.items():
@@ -222,6 +275,7 @@ def _mismatched(patch: Patch, tensors: Mapping[str, torch.Tensor], got: Mapping[
 
 
 def _raise_base(patch: Patch, bad: list[str]) -> None:
+    """PatchMismatchError naming every tensor in `bad` (nothing when it is empty)."""
     if not bad:
         return
     h = patch.header
