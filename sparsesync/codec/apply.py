@@ -25,6 +25,7 @@ from sparsesync.codec import _container, _encodings, _parallel
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import (
+    BLOCKS_ALGO,
     DEFAULT_ALGO,
     algo_of,
     put_and_digest,
@@ -36,6 +37,7 @@ from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEnt
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
+DEVICE_PATH: list[Callable[..., dict[str, SparseUpdate]]] = []  # `device_apply` registers itself (codec/__init__)
 R = TypeVar("R")
 
 
@@ -374,11 +376,8 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
     targets = {n: e.target_digest for n, e in h.tensors.items()}
     if all(tensors[n].device.type == "cpu" for n in h.tensors):
         return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
-    from sparsesync.codec import device_apply  # imports this module
-
-    if device_apply.device_apply_supported(patch):  # "xxh3b": compact updates to the device, digests checked there
-        return device_apply._apply_on_device(patch, tensors, verify=verify, check_base_digest=check_base_digest,
-                                             written=written)
+    if DEVICE_PATH and patch_algo(h) == BLOCKS_ALGO:  # compact updates to the device, digests checked there
+        return DEVICE_PATH[0](patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
     hashed: dict[str, str] = {}
     old = write_updates(tensors, updates, digests=hashed if verify else None, written=written, algo=patch_algo(h))

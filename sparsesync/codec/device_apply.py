@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparsesync.codec import _parallel
+from sparsesync.codec import _parallel, apply
 from sparsesync.codec.apply import (
     SparseUpdate,
     Written,
@@ -118,7 +118,8 @@ def stage_on_device(
         updates = decode_patch(patch, tensors, check_base_digest=False)
     except PatchFormatError:
         if check_base_digest:  # decoded against other weights: say that instead
-            _raise_base(patch, _mismatched(patch, _digest_all(tensors, names), base=True))
+            want = {n: e.base_digest for n, e in patch.header.tensors.items()}
+            _raise_base(patch, _mismatched(want, _digest_all(tensors, names)))
         raise
     return StagedPatch(patch, {n: updates[n] for n in names}, _jobs(tensors, updates, names))
 
@@ -133,30 +134,85 @@ def apply_staged(
         raise ValueError("apply_staged needs verify=True or check_base_digest=True: one digest must be checked")
     patch, jobs = staged.patch, staged.jobs
     _check_layout(patch, tensors)
-    for job in jobs:
-        moved = [n for n in job.names if tensors[n].device != job.device]
-        if moved:
-            raise PatchMismatchError(f"tensor '{moved[0]}': on {tensors[moved[0]].device}, staged for {job.device}",
-                                     hint="stage the patch again for the tensors it is applied to")
-        job.flats, job.old, job.digests = {n: bits_view(tensors[n]) for n in job.names}, {}, []
-    try:
-        for job in jobs:
-            _enqueue(job, tensors, check_base_digest=check_base_digest, verify=verify, written=written)
-        got = _collect(jobs, tensors, check_base_digest=check_base_digest, verify=verify)
-    except BaseException:
-        for job in jobs:
-            job.undo()
-        raise
-    bad_base = _mismatched(patch, got[0], base=True) if check_base_digest else []
-    bad_target = _mismatched(patch, got[1], base=False) if verify else []
+    h = patch.header
+    bad_base, bad_target = _scatter_checked(
+        jobs, tensors, {n: e.base_digest for n, e in h.tensors.items()} if check_base_digest else None,
+        {n: e.target_digest for n, e in h.tensors.items()} if verify else None, written)
     if bad_base or bad_target:
-        for job in jobs:
-            job.undo()
         _raise_base(patch, bad_base)
         raise _not_produced(
             patch, DigestMismatchError(_listing(bad_target), hint="reload from the newest anchor and replay the chain")
         ) from None
     return dict(staged.updates)
+
+
+def _scatter_checked(jobs: list[_Job], tensors: Mapping[str, torch.Tensor], base: Mapping[str, str] | None,
+                     target: Mapping[str, str] | None, written: Written | None) -> tuple[list[str], list[str]]:
+    """Scatter every job into `tensors` and check their digests against `base` (before) and
+    `target` (after), each None: not checked. Returns (base mismatches, target mismatches), one
+    line per tensor; when either is not empty, or anything raises, every old bit is back first."""
+    for job in jobs:
+        moved = [n for n in job.names if tensors[n].device != job.device]
+        if moved:
+            raise PatchMismatchError(f"tensor '{moved[0]}': on {tensors[moved[0]].device}, staged for {job.device}",
+                                     hint="stage the update again for the tensors it is applied to")
+        job.flats, job.old, job.digests = {n: bits_view(tensors[n]) for n in job.names}, {}, []
+    check_base, verify = base is not None, target is not None
+    try:
+        for job in jobs:
+            _enqueue(job, tensors, check_base_digest=check_base, verify=verify, written=written)
+        got = _collect(jobs, tensors, check_base_digest=check_base, verify=verify)
+    except BaseException:
+        for job in jobs:
+            job.undo()
+        raise
+    bad = [_mismatched(want, have) if want is not None else [] for want, have in ((base, got[0]), (target, got[1]))]
+    if bad[0] or bad[1]:
+        for job in jobs:
+            job.undo()
+    return bad[0], bad[1]
+
+
+class CheckedWrite:
+    """Updates written into tensors on their devices by `write_checked`; `undo()` puts every old bit back."""
+
+    def __init__(self, jobs: list[_Job]) -> None:
+        self._jobs = jobs
+
+    def undo(self) -> None:
+        for job in self._jobs:
+            job.undo()
+
+
+def write_checked(tensors: Mapping[str, torch.Tensor], updates: Mapping[str, SparseUpdate], *,
+                  base: Mapping[str, str] | None, target: Mapping[str, str], what: str) -> CheckedWrite:
+    """Write `updates` (host indices and values) into `tensors` (contiguous, on any device) all or
+    nothing, as `apply_staged` does: one transfer, base digests (where `base` names one) and target
+    digests (every tensor) checked on the device with one synchronization. On a mismatch every old
+    bit is back and PatchMismatchError (base) or DigestMismatchError (target) names each tensor
+    (`what`: the update, for the message). Returns the write, for a caller that must undo it later."""
+    names = list(updates)
+    for n in names:
+        t = tensors[n]
+        if not t.is_contiguous() or t.numel() != _numel_of(updates[n], t):
+            raise PatchMismatchError(f"tensor '{n}': {list(t.shape)} not contiguous or not the update's",
+                                     hint="write it through the engine's own loader")
+    jobs = _jobs(tensors, updates, names)
+    known = {n: d for n, d in (base or {}).items() if n in updates}
+    bad_base, bad_target = _scatter_checked(jobs, tensors, known or None, {n: target[n] for n in names}, None)
+    if bad_base:
+        raise PatchMismatchError(f"{what}: tensors are not at its base: " + _listing(bad_base),
+                                 hint="reload the version in full")
+    if bad_target:
+        raise DigestMismatchError(f"{what} did not produce the target bits (undone): " + _listing(bad_target),
+                                  hint="reload the version in full")
+    return CheckedWrite(jobs)
+
+
+def _numel_of(u: SparseUpdate, t: torch.Tensor) -> int:
+    """`t`'s element count when every index of `u` is in range (else -1: refused before any write)."""
+    idx = u.indices
+    return t.numel() if idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < t.numel()) else -1
 
 
 def _apply_on_device(
@@ -264,14 +320,9 @@ def device_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {n: out[n] for n in tensors}
 
 
-def _mismatched(patch: Patch, got: Mapping[str, str], *, base: bool) -> list[str]:
-    """One line per touched tensor whose digest in `got` is not the patch's base (or target) digest."""
-    out = []
-    for n, e in patch.header.tensors.items():
-        want = e.base_digest if base else e.target_digest
-        if got[n] != want:
-            out.append(f"tensor '{n}': digest {got[n]}, expected {want}")
-    return out
+def _mismatched(want: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
+    """One line per tensor of `want` whose digest in `got` is another."""
+    return [f"tensor '{n}': digest {got[n]}, expected {d}" for n, d in want.items() if got[n] != d]
 
 
 def _raise_base(patch: Patch, bad: list[str]) -> None:
@@ -289,3 +340,6 @@ def _raise_base(patch: Patch, bad: list[str]) -> None:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+apply.DEVICE_PATH[:] = [_apply_on_device]  # apply_patch's path for tensors off the CPU

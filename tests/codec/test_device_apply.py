@@ -137,6 +137,12 @@ def test_one_transfer_of_the_updates_and_one_read_of_the_digests_per_patch(monke
     assert_bit_equal(work, target)
 
 
+def test_apply_patch_takes_the_device_path_for_tensors_off_the_cpu():
+    from sparsesync.codec import apply as A
+
+    assert A.DEVICE_PATH == [D._apply_on_device]  # registered when the codec is imported
+
+
 def test_a_patch_of_an_older_run_keeps_the_host_path():
     base, target = _case()
     data = _patch(base, target, algo="xxh3")
