@@ -33,7 +33,7 @@ def _ratio(row: dict, num: str, den: str) -> float | None:
 def record(out: Path, commit: str, command: str, started: str, dirty: str = "") -> dict:
     bench = _read(out, "gpu_bench.json") or {}
     shapes = {r["shape"]: {"publish_stall_over_trl": _ratio(r, "diff_encode_s", "trl_extract_s"),
-                           "apply_over_index_put": _ratio(r, "decode_apply_s", "trl_apply_s")}
+                           "apply_over_index_put": _ratio(r, "device_apply_s", "index_put_s")}
               for r in bench.get("rows", [])}
     return {"commit": commit, "uncommitted_changes": dirty or None, "command": command, "started": started,
             "env": _read(out, "env.json"), "summary": _read(out, "summary.json"), "per_shape": shapes,
