@@ -39,11 +39,12 @@ def _checked_reports(f: Follower, engine: EmbeddedEngine, states: dict) -> list[
     return seen
 
 
-def test_a_mirrorless_follower_reaches_the_bits_of_the_mirror_follower(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("part_bytes", [0, 300_000], ids=["one-file", "parts"])
+def test_a_mirrorless_follower_reaches_the_bits_of_the_mirror_follower(tiny, tmp_path, monkeypatch, part_bytes):
     url = str(tmp_path / "run")
     with_mirror, on_device = EmbeddedEngine(tiny), EmbeddedEngine(tiny, device_state=True)
     assert not with_mirror.holds_device_state and on_device.holds_device_state
-    run = Versions(url, on_device.state_dict())
+    run = Versions(url, on_device.state_dict(), part_bytes=part_bytes)
     staged = []
     real = engine_held.apply_staged
     monkeypatch.setattr(engine_held, "apply_staged", lambda *a, **kw: staged.append(1) or real(*a, **kw))
@@ -58,7 +59,8 @@ def test_a_mirrorless_follower_reaches_the_bits_of_the_mirror_follower(tiny, tmp
             assert_bit_equal(on_device.state_dict(), with_mirror.state_dict())
             assert_bit_equal(on_device.state_dict(), run.states[v])
             assert fd.mirror == {} and fd.status().state_digest == run.pub.run.commit(v).state_digest
-        assert reports == [1, 2, 3, 4] and len(staged) == 3  # one anchor, then each delta on the device path
+        # one anchor, then each delta: one file on the device path, parts through the parts reader
+        assert reports == [1, 2, 3, 4] and len(staged) == (0 if part_bytes else 3)
         st = fd.status()
         assert (st.anchor_loads, st.versions_applied, st.current_version) == (1, 4, 4)
     finally:
