@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from sparsesync.codec.blocks_digest import BLOCK, n_blocks
+from sparsesync.codec.blocks_torch import block_digests_torch
 from sparsesync.codec.diff import bits_view
 from sparsesync.codec.prepared_base import hist_sample
 
@@ -111,6 +113,46 @@ def class_ranks(a: torch.Tensor, thresholds: Sequence[int], idx: torch.Tensor, s
         pos = torch.nonzero_static(at == c, size=size).reshape(-1)
         out.append(before[idx[pos]].long() - 1)
     return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=a.device)
+
+
+def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 << 20) -> list[torch.Tensor]:
+    """`blocks_torch.block_digests_torch` of each tensor (int64 per 64 KiB block, on its
+    device), with tensors smaller than `batch_bytes` laid end to end, each zero-padded to whole
+    blocks (as the digest pads a tensor's last block), and hashed in one call per batch: the
+    per-call work of the digest does not repeat per tensor. A larger tensor is hashed alone."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batch: list[int] = []
+    batch_at = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_at
+        if not batch:
+            return
+        dev = tensors[batch[0]].device
+        buf = torch.zeros(batch_at, dtype=torch.uint8, device=dev)
+        at = 0
+        spans = []
+        for i in batch:
+            raw = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[at : at + raw.numel()] = raw
+            spans.append((i, at // BLOCK, n_blocks(raw.numel())))
+            at += n_blocks(raw.numel()) * BLOCK
+        digests = block_digests_torch(buf, chunk_blocks=max(256, batch_at // BLOCK))
+        for i, first, count in spans:
+            out[i] = digests[first : first + count]
+        batch, batch_at = [], 0
+
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= batch_bytes:
+            out[i] = block_digests_torch(t)
+            continue
+        if batch_at + n_blocks(nbytes) * BLOCK > batch_bytes:
+            flush()
+        batch.append(i)
+        batch_at += n_blocks(nbytes) * BLOCK
+    flush()
+    return [d if d is not None else torch.empty(0, dtype=torch.int64) for d in out]
 
 
 class Packer:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -37,10 +37,10 @@ from sparsesync.codec import _parallel
 from sparsesync.codec._classes import class_sizes
 from sparsesync.codec._select import _HIST_SAMPLE, MIN_CLASSED_NUMEL
 from sparsesync.codec.blocks_digest import combine
-from sparsesync.codec.blocks_torch import block_digests_torch
 from sparsesync.codec.cast import layout, owned_copy
 from sparsesync.codec.device_changes import (
     Packer,
+    block_digests_many,
     class_ranks,
     compact,
     flat_bits,
@@ -76,6 +76,23 @@ def weights_device(state: Mapping[str, torch.Tensor]) -> torch.device:
     if len(devices) > 1:
         raise ValueError(f"the state's tensors live on several devices: {sorted(map(str, devices))}")
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+BATCH_BYTES = 256 << 20  # target bytes hashed in one batch (`device_changes.block_digests_many`)
+
+
+@dataclass
+class _Plan:
+    """One changed tensor's entries in the publish's read (`Packer` indices; None: not read)."""
+
+    indices: int
+    base: int
+    target: int
+    blocks: int = -1
+    ranks: int | None = None
+    full: int | None = None
+    hist: np.ndarray | None = None
+    thresholds: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -146,7 +163,9 @@ class DeviceSnapshot:
     def _digests(self, bits: Mapping[str, torch.Tensor]) -> dict[str, str]:
         """The "xxh3b" digests of tensors given as their bits, computed on their device, one read."""
         pk = Packer(self.device)
-        handles = {n: pk.add(block_digests_torch(b.to(self.device))) for n, b in bits.items()}
+        names = list(bits)
+        blocks = block_digests_many([bits[n].to(self.device) for n in names])
+        handles = {n: pk.add(d) for n, d in zip(names, blocks)}
         got = pk.read()
         return {n: combine(got[h].view(np.uint64), bits[n].numel() * bits[n].element_size())
                 for n, h in handles.items()}
@@ -170,14 +189,10 @@ class DeviceSnapshot:
             raise PatchMismatchError("the state differs from the snapshot's layout: " + "; ".join(problems),
                                      hint="publish the same model on the same device every version")
 
-    def extract(self, current: Mapping[str, torch.Tensor], target_version: int) -> Extracted:
-        """The changes from the snapshot's version to `current` (as `target_version`), read back
-        in two reads; then the snapshot holds `current` (see the module docstring)."""
-        t0 = time.perf_counter()
-        self._check(current)
-        names = list(self.state)
-        size = self.effort == "size"
-        # pass 1: count (and the histograms the size encoder's thresholds come from), one read
+    def _count(self, names: list[str], current: Mapping[str, torch.Tensor],
+               size: bool) -> tuple[list[torch.Tensor], np.ndarray]:
+        """Pass 1: per tensor its count of changes (and, for the size encoder, the key
+        histograms its thresholds come from), all read back in one read."""
         rows = []
         for n in names:
             a, b = self._base(n), flat_bits(current[n])
@@ -186,9 +201,27 @@ class DeviceSnapshot:
             if size and a.numel() >= MIN_CLASSED_NUMEL:
                 row += [sample_hist(a, _HIST_SAMPLE), key_hist(keys(a), m)]
             rows.append(torch.cat(row))
-        counts = to_host(torch.cat(rows)) if rows else np.empty(0, dtype=np.int64)
+        return rows, (to_host(torch.cat(rows)) if rows else np.empty(0, dtype=np.int64))
+
+    def extract(self, current: Mapping[str, torch.Tensor], target_version: int) -> Extracted:
+        """The changes from the snapshot's version to `current` (as `target_version`), read back
+        in two reads; then the snapshot holds `current` (see the module docstring)."""
+        t0 = time.perf_counter()
+        self._check(current)
+        names = list(self.state)
+        size = self.effort == "size"
+        rows, counts = self._count(names, current, size)
         # pass 2: compact the changed elements and what the encoder reads of the base, one read
-        pk, on_device, plan = Packer(self.device), {}, {}
+        pk = Packer(self.device)
+        on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # indices, target bits: to advance
+        plan: dict[str, _Plan] = {}
+        targets: dict[str, torch.Tensor] = {}  # hashed in batches (a cast target is a temporary)
+
+        def hash_targets() -> None:
+            for name, d in zip(targets, block_digests_many(list(targets.values()))):
+                plan[name].blocks = pk.add(d)
+            targets.clear()
+
         off = 0
         for n, r in zip(names, rows):
             k, hist, chg = int(counts[off]), counts[off + 1 : off + 129], counts[off + 129 : off + 257]
@@ -199,25 +232,25 @@ class DeviceSnapshot:
             numel = a.numel()
             idx, ba, tb = compact(a, b, k)
             on_device[n] = (idx, tb)
-            thr: list[int] = []
-            ranks = full = None
-            classed = size and numel >= MIN_CLASSED_NUMEL and 16 <= k < numel  # as `_select.choose` decides
-            if classed:
-                thr = thresholds_from_hist(hist, numel, chg, _HIST_SAMPLE)
-                if thr:
-                    ranks = pk.add(class_ranks(a, thr, idx, class_sizes(chg, thr)))
+            p = plan[n] = _Plan(pk.add(idx), pk.add(ba, bits=True), pk.add(tb, bits=True))
+            if size and numel >= MIN_CLASSED_NUMEL and 16 <= k < numel:  # classed, as `_select.choose` decides
+                p.hist, p.thresholds = hist.copy(), thresholds_from_hist(hist, numel, chg, _HIST_SAMPLE)
+                if p.thresholds:
+                    p.ranks = pk.add(class_ranks(a, p.thresholds, idx, class_sizes(chg, p.thresholds)))
             if 4 * k >= numel:
-                full = pk.add(a, bits=True)  # read before the snapshot advances
-            plan[n] = (pk.add(idx), pk.add(ba, bits=True), pk.add(tb, bits=True), pk.add(block_digests_torch(b)),
-                       ranks, full, hist.copy() if classed else None, thr)
+                p.full = pk.add(a, bits=True)  # read before the snapshot advances
+            targets[n] = b
+            if sum(t.numel() * t.element_size() for t in targets.values()) >= BATCH_BYTES:
+                hash_targets()
+        hash_targets()  # the touched tensors' target digests (8 bytes per 64 KiB block come back)
         got = pk.read()
         changes, prepared, digests = {}, {}, dict(self.digests)
-        for n, (i, ba_h, tb_h, blocks, ranks, full, hist_h, thr) in plan.items():
+        for n, p in plan.items():
             t = self.state[n]
-            changes[n] = TensorChange(t.dtype, tuple(t.shape), got[i], got[ba_h], got[tb_h])
-            prepared[n] = PreparedBase(t.numel(), hist_h, thr, None if ranks is None else got[ranks],
-                                       None if full is None else got[full])
-            digests[n] = combine(got[blocks].view(np.uint64), t.numel() * t.element_size())
+            changes[n] = TensorChange(t.dtype, tuple(t.shape), got[p.indices], got[p.base], got[p.target])
+            prepared[n] = PreparedBase(t.numel(), p.hist, p.thresholds, None if p.ranks is None else got[p.ranks],
+                                       None if p.full is None else got[p.full])
+            digests[n] = combine(got[p.blocks].view(np.uint64), t.numel() * t.element_size())
         # advance: a Ctrl-C waits, the snapshot moves whole
         with _parallel.interrupts_deferred():
             for n, (idx, tb) in on_device.items():
