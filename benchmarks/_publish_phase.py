@@ -12,6 +12,9 @@ one version, alternating target and base (the same density). Per rep:
 - `follower_lag_s`: from the `publish()` call to the follower holding the version
   (stall + background coding + upload + the follower's sync), and
   `lag_over_stall_plus_decode` = lag / (stall + follower_sync_s), per rep (the best in the row).
+- `publish_patch_bytes_over_snapshot`: its first patch's size over `Snapshot.diff_encode`'s of the
+  same step (1.0 on CUDA weights; on CPU weights the host snapshot groups small tensors, which
+  the device path does not).
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ def bench_publish(dev: torch.device, a: dict[str, torch.Tensor], b: dict[str, to
         publish_patch_bytes=m["patch_bytes"], publish_B_per_changed=m["patch_bytes"] / max(1, m["n_changed"]),
         publish_follower_bit_exact=exact,
     )
+    if isinstance(row.get("patch_bytes"), int):  # 1.0 on CUDA weights (no small-tensor groups on either path)
+        row["publish_patch_bytes_over_snapshot"] = m["patch_bytes"] / row["patch_bytes"]
     if isinstance(row.get("trl_extract_s"), float):
         row["publish_stall_over_trl"] = row["publish_stall_s"] / row["trl_extract_s"]
     save()

@@ -14,6 +14,13 @@ one is encoded (`stream.PartStream`); the commit record (format 2, listing the p
 is still written last. A version is streamed this way when no other version waits for upload;
 otherwise it is encoded whole and queued (and coalesced).
 
+Weights on a GPU (`snapshot_place`; `Publisher(snapshot=...)`): the snapshot is a
+`codec.DeviceSnapshot` beside them (one delta file per version, no parts). `publish` extracts the
+changes there (two device->host reads) and queues them unencoded; `upload` entropy codes them
+first (`_encode_late`, in version order; a failure stops the publisher as a failed upload does,
+nothing of the version committed). The anchor policy counts a version's delta bytes once it is
+encoded, so `anchor_fraction` may see them a version or two late.
+
 `upload` (on the uploader's thread) stores the version's objects, then the commit record
 through `CommitWriter.commit` (fenced, confirmed visible), then records it in the `Tally`.
 
