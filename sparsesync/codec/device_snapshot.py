@@ -66,8 +66,13 @@ def placement_for(state: Mapping[str, torch.Tensor]) -> Placement:
     if dev.type != "cuda":
         return "device"
     free, _total = torch.cuda.mem_get_info(dev)
-    nbytes = sum(layout(state, n)[2].numel() * layout(state, n)[1].itemsize for n in state)
-    return "device" if 2 * nbytes <= free else "host"
+    return placement_of(sum(layout(state, n)[2].numel() * layout(state, n)[1].itemsize for n in state), free)
+
+
+def placement_of(model_bytes: int, free_bytes: int) -> Placement:
+    """"device" when a model of `model_bytes` fits twice in `free_bytes` of device memory (its
+    snapshot beside it, and room for the passes' temporaries), else "host"."""
+    return "device" if 2 * model_bytes <= free_bytes else "host"
 
 
 def weights_device(state: Mapping[str, torch.Tensor]) -> torch.device:

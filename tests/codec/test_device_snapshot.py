@@ -140,3 +140,13 @@ def test_class_ranks_equal_the_c_pass():
     want = np.concatenate(class_ranks(host, thr, idx.numpy(), sizes))
     got = device_changes.class_ranks(a.view(torch.int16), thr, idx, sizes).numpy()
     assert np.array_equal(got, want)
+
+
+def test_the_snapshot_goes_on_the_device_when_the_model_fits_twice():
+    from sparsesync.codec.device_snapshot import placement_of
+
+    gb = 1 << 30
+    assert placement_of(14 * gb, 139 * gb) == "device"
+    assert placement_of(14 * gb, 28 * gb) == "device"
+    assert placement_of(14 * gb, 28 * gb - 1) == "host"
+    assert placement_of(70 * gb, 100 * gb) == "host"
