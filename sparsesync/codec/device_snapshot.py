@@ -150,7 +150,7 @@ class DeviceSnapshot:
         for n in state:
             t = owned_copy(state, n, home)
             self.state[n] = t.pin_memory() if pin else t
-        self.digests: dict[str, str] = self._digests({n: flat_bits(t) for n, t in self.state.items()})
+        self.digests: dict[str, str] = self._digests()
         self.state_digest: str = state_digest(self.digests)
 
     @property
@@ -165,14 +165,24 @@ class DeviceSnapshot:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
-    def _digests(self, bits: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        """The "xxh3b" digests of tensors given as their bits, computed on their device, one read."""
+    def _digests(self) -> dict[str, str]:
+        """The "xxh3b" digests of the snapshot's tensors, computed on the comparing device (a
+        host copy brought over in batches of `BATCH_BYTES`), one read."""
         pk = Packer(self.device)
-        names = list(bits)
-        blocks = block_digests_many([bits[n].to(self.device) for n in names])
-        handles = {n: pk.add(d) for n, d in zip(names, blocks)}
+        handles: dict[str, int] = {}
+        batch: dict[str, torch.Tensor] = {}
+
+        def hash_batch() -> None:
+            handles.update((n, pk.add(d)) for n, d in zip(batch, block_digests_many(list(batch.values()))))
+            batch.clear()
+
+        for n in self.state:
+            batch[n] = self._base(n)
+            if sum(t.numel() * t.element_size() for t in batch.values()) >= BATCH_BYTES:
+                hash_batch()
+        hash_batch()
         got = pk.read()
-        return {n: combine(got[h].view(np.uint64), bits[n].numel() * bits[n].element_size())
+        return {n: combine(got[h].view(np.uint64), self.state[n].numel() * self.state[n].element_size())
                 for n, h in handles.items()}
 
     def _base(self, name: str) -> torch.Tensor:
