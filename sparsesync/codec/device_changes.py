@@ -32,6 +32,10 @@ from sparsesync.codec.prepared_base import hist_sample
 
 _READS = threading.local()
 HIST_CHUNK = 1 << 24  # elements whose keys are histogrammed at once (bounds the int64 temporaries)
+# 64 KiB blocks per call of the digest (256 MiB: about 1.3 GB of temporaries on the device). Each
+# call builds its constant tensors afresh, host->device copies that wait for the device on CUDA:
+# fewer, larger calls keep those waits to about one per 256 MiB (not counted by `reads`)
+DIGEST_CHUNK_BLOCKS = 4096
 
 
 def reads() -> int:
@@ -137,7 +141,7 @@ def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 <
             buf[at : at + raw.numel()] = raw
             spans.append((i, at // BLOCK, n_blocks(raw.numel())))
             at += n_blocks(raw.numel()) * BLOCK
-        digests = block_digests_torch(buf, chunk_blocks=max(256, batch_at // BLOCK))
+        digests = block_digests_torch(buf, chunk_blocks=DIGEST_CHUNK_BLOCKS)
         for i, first, count in spans:
             out[i] = digests[first : first + count]
         batch, batch_at = [], 0
@@ -145,7 +149,7 @@ def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 <
     for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
         if nbytes >= batch_bytes:
-            out[i] = block_digests_torch(t)
+            out[i] = block_digests_torch(t, chunk_blocks=DIGEST_CHUNK_BLOCKS)
             continue
         if batch_at + n_blocks(nbytes) * BLOCK > batch_bytes:
             flush()

@@ -150,3 +150,14 @@ def test_the_snapshot_goes_on_the_device_when_the_model_fits_twice():
     assert placement_of(14 * gb, 28 * gb) == "device"
     assert placement_of(14 * gb, 28 * gb - 1) == "host"
     assert placement_of(70 * gb, 100 * gb) == "host"
+
+
+def test_batched_block_digests_equal_one_tensor_at_a_time():
+    from sparsesync.codec.blocks_torch import block_digests_torch
+
+    g = torch.Generator().manual_seed(9)
+    ts = [torch.randn(n, generator=g).bfloat16() for n in (0, 1, 32768, 32769, 100000, 7, 300000)]
+    ts.append(torch.randn(64, 96, generator=g).t())  # a non-contiguous view
+    got = device_changes.block_digests_many(ts, batch_bytes=256 << 10)  # small batches: both branches run
+    for t, d in zip(ts, got, strict=True):
+        assert torch.equal(d, block_digests_torch(t)), t.shape
