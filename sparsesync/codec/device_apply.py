@@ -20,7 +20,10 @@ an error or interrupt raised while scattering, or by `written`) the old bits are
 into every tensor before the error is raised, naming each bad tensor, its digest and the
 expected one. The code is device-agnostic torch: on CPU tensors it runs the same operations
 (tests compare it bit for bit with the C path). Memory on the device: the packed update, the
-old values (one per changed element) and the digest temporaries (`blocks_torch`).
+old values (one per changed element) and the digest temporaries (`device_changes.block_digests_many`:
+the blocks of many tensors hashed together, one digest call per 256 MiB; each call's constants are
+host->device copies that wait for the device, so "one synchronization" is the one read of the
+digests plus about one wait per 256 MiB hashed, until the digest kernel keeps its constants there).
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from sparsesync.codec.apply import (
     decode_patch,
     patch_algo,
 )
-from sparsesync.codec.blocks_digest import BLOCK, combine, n_blocks
-from sparsesync.codec.blocks_torch import _blocks
+from sparsesync.codec.blocks_digest import combine, n_blocks
+from sparsesync.codec.device_changes import block_digests_many
 from sparsesync.codec.diff import bits_view
 from sparsesync.codec.digest import BLOCKS_ALGO
 from sparsesync.codec.patch import Patch
@@ -268,7 +271,7 @@ def _enqueue(job: _Job, tensors: Mapping[str, torch.Tensor], *, check_base_diges
     """In the device's stream order: base block digests, old values gathered, new values scattered
     (`written` told of each tensor), target block digests. Nothing here waits for the device."""
     if check_base_digest:
-        job.digests.append(block_digests_many([job.flats[n] for n in job.names]))
+        job.digests += block_digests_many([job.flats[n] for n in job.names])
     for n in job.names:
         job.old[n] = job.flats[n].index_select(0, job.at[n][0])
     for n in job.names:
@@ -276,7 +279,7 @@ def _enqueue(job: _Job, tensors: Mapping[str, torch.Tensor], *, check_base_diges
         if written is not None:
             written(tensors[n])
     if verify:
-        job.digests.append(block_digests_many([job.flats[n] for n in job.names]))
+        job.digests += block_digests_many([job.flats[n] for n in job.names])
 
 
 def _collect(jobs: list[_Job], tensors: Mapping[str, torch.Tensor], *, check_base_digest: bool,
@@ -310,7 +313,7 @@ def device_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
         by_device.setdefault(t.device, []).append(n)
     out: dict[str, str] = {}
     for names in by_device.values():
-        blocks = [block_digests_many([tensors[n] for n in names])]
+        blocks = block_digests_many([tensors[n] for n in names])
         flat = torch.cat(blocks).cpu().numpy().view(np.uint64) if blocks else np.empty(0, np.uint64)
         at = 0
         for n in names:
@@ -335,49 +338,6 @@ def _raise_base(patch: Patch, bad: list[str]) -> None:
         + _listing(bad),
         hint=f"load version {h.base_version} (anchor plus chain) before applying this patch",
     )
-
-
-_BATCH_BLOCKS = 512  # 64 KiB blocks hashed per pass (32 MiB; the pass's temporaries about 4x that)
-
-
-def block_digests_many(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The XXH3-64 of every 64 KiB block of each tensor (its last block zero-padded), all of them
-    concatenated in order, as int64 on their device: the `blocks_torch` definition, but the blocks
-    of many tensors hashed in one pass of `_BATCH_BLOCKS` (a model's small tensors each cost one
-    round of kernel launches otherwise). Temporaries: one pass's blocks and their products."""
-    pieces: list[torch.Tensor] = []  # (m, 8192) int64 rows: blocks
-    for t in tensors:
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        full = flat.numel() // BLOCK
-        if full:
-            body = flat[: full * BLOCK]
-            body = body if body.data_ptr() % 8 == 0 else body.clone()  # int64 needs aligned storage
-            pieces.append(body.view(torch.int64).view(full, BLOCK // 8))
-        if flat.numel() % BLOCK:
-            pad = torch.zeros(BLOCK, dtype=torch.uint8, device=flat.device)
-            pad[: flat.numel() - full * BLOCK] = flat[full * BLOCK :]
-            pieces.append(pad.view(torch.int64).view(1, BLOCK // 8))
-    if not pieces:
-        return torch.empty(0, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
-    out: list[torch.Tensor] = []
-    batch: list[torch.Tensor] = []
-    size = 0
-
-    def run() -> None:
-        words = batch[0] if len(batch) == 1 else torch.cat(batch)
-        out.append(_blocks(words.view(-1, 64, 16, 8)))
-        batch.clear()
-
-    for p in pieces:
-        for lo in range(0, p.shape[0], _BATCH_BLOCKS):
-            part = p[lo : lo + _BATCH_BLOCKS]
-            if size + part.shape[0] > _BATCH_BLOCKS:
-                run()
-                size = 0
-            batch.append(part)
-            size += part.shape[0]
-    run()
-    return torch.cat(out)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -11,7 +11,6 @@ import torch
 from sparsesync.codec import apply_patch, diff_state, encode_changes, read_patch, state_digest, tensor_digests
 from sparsesync.codec import device_apply as D
 from sparsesync.codec.blocks_digest import BLOCK, n_blocks
-from sparsesync.codec.blocks_torch import block_digests_torch
 from sparsesync.errors import DigestMismatchError, PatchMismatchError
 from tests.support.patches import _case, _clone, _raw_patch, _span, assert_bit_equal, bits, make_pair
 
@@ -137,16 +136,6 @@ def test_one_transfer_of_the_updates_and_one_read_of_the_digests_per_patch(monke
     assert len(packs) == 1 and set(packs[0][1]) == set(names)
     assert reads == [2 * blocks]  # base and target block digests of every touched tensor, read together
     assert_bit_equal(work, target)
-
-
-def test_block_digests_of_many_tensors_are_each_tensors_across_pass_boundaries(monkeypatch):
-    monkeypatch.setattr(D, "_BATCH_BLOCKS", 3)
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randint(0, 256, (BLOCK * 9 + 5,), dtype=torch.uint8, generator=g)
-    ts = [raw[: BLOCK * 4], raw[1 : BLOCK * 2 + 2], torch.empty(0, dtype=torch.uint8), raw[7:20], raw[: BLOCK * 9 + 5]]
-    ts += [raw[:BLOCK * 2].view(torch.bfloat16), raw[:12].view(torch.float32)]
-    got = D.block_digests_many(ts)
-    assert torch.equal(got, torch.cat([block_digests_torch(t) for t in ts]))
 
 
 def test_apply_patch_takes_the_device_path_for_tensors_off_the_cpu():
