@@ -41,6 +41,10 @@ whole state it serves against them before the version is reported (the embedded 
 every live tensor; vLLM: see `integrations.vllm.backend`). Engines without them check what they
 last verified.
 
+An engine that holds verified state on its device (`holds_device_state`: the embedded engine on a
+GPU) takes versions through `write_in_place`: the follower writes into its live tensors inside the
+pause, then the whole-state check runs as above before the version is served.
+
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
 vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` k (up to
 20) also the k most likely tokens' (OpenAI's top logprobs).

@@ -40,6 +40,10 @@ objects stored for the next version and fetches and decodes them before its comm
 (`parts_reader.Prefetcher`: nothing prefetched is trusted until the commit's digests and every
 check pass).
 
+A hook whose `holds_device_state` is set (a GPU engine) gets no mirror: `engine_held.HeldEngine`
+writes each version straight into the engine's tensors (deltas all or nothing on the device,
+anchors tensor by tensor), and what is reported is what they hold (its module docstring).
+
 The parts: `mirror_steps` (what the mirror holds and how a version gets into it), `engine_steps`
 (how a verified version reaches the engine, and its recovery), `polling` (how long the background loop waits);
 this module plans each sync and keeps the status.
