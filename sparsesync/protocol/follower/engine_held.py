@@ -12,8 +12,8 @@ and the engine steps (`engine_steps.EngineSteps`):
   scatters the old bits back. A delta in parts goes through `Run.apply_delta` on the engine's
   tensors inside the pause (all or nothing too; decoded there, not ahead);
 - an anchor is downloaded and its files checked while the engine serves, then read inside the pause
-  tensor by tensor through one host buffer (the largest tensor), each tensor hashed against the
-  anchor's digest before it is copied into the engine;
+  into the engine's tensors through one host buffer of 64 MiB, each tensor hashed where it lives
+  against the anchor's digest (`anchor_into`);
 - after either, the engine checks its whole live state against the version's digests before it
   reports the version (`write_in_place`).
 
@@ -23,7 +23,7 @@ failure inside the pause); the follower reports a version only after `write_in_p
 A delta is taken only on top of the version held (`in_sync`); otherwise (and for a step that
 would reload a mirror, which there is none of) `version` becomes None and the follower re-plans
 from an anchor. Host memory beyond the process's baseline: the compact updates of one delta, or
-while an anchor loads one buffer of its largest tensor (the anchor's files are on disk).
+while an anchor loads a buffer of 64 MiB (the anchor's files are on disk).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from sparsesync.codec import state_digest
-from sparsesync.codec.anchor import load_anchor
 from sparsesync.codec.device_apply import apply_staged, device_apply_supported, stage_on_device
 from sparsesync.errors import DigestMismatchError, MirrorMismatchError
+from sparsesync.protocol.follower.anchor_into import load_into
 from sparsesync.protocol.follower.hooks import ApplyHook
 from sparsesync.protocol.follower.mirror_steps import BAD_OBJECT
 from sparsesync.protocol.records import CommitRecord
@@ -139,30 +139,9 @@ class HeldEngine:
         return delta, rec.delta.key
 
     def _load_anchor(self, rec: CommitRecord, files: list[Path], live: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        """Read the anchor's tensors one by one through one host buffer, each hashed against the
-        anchor's digest (`load_anchor`), into the engine's tensors; the anchor's digests."""
-        names: dict[int, str] = {}
-
-        def alloc(layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-            missing = sorted(set(live) - set(layout)) + sorted(set(layout) - set(live))
-            if missing:
-                raise MirrorMismatchError(f"anchor of version {rec.version} and the engine differ in tensors "
-                                          f"{missing[:5]}", hint="publish the model the replica serves")
-            size = max((torch.empty(0, dtype=dt).element_size() * _numel(sh) for dt, sh in layout.values()), default=0)
-            buf = torch.empty(-(-size // 8) * 8, dtype=torch.uint8)
-            out = {}
-            for n, (dt, shape) in layout.items():
-                nbytes = torch.empty(0, dtype=dt).element_size() * _numel(shape)
-                out[n] = buf[:nbytes].view(dt).view(shape)
-                names[id(out[n])] = n
-            return out
-
-        def written(t: torch.Tensor) -> None:
-            live[names[id(t)]].copy_(t)  # a copy from pageable memory: done when it returns
-
-        _, info = load_anchor(files, alloc=alloc, written=written)
-        self.run.check_anchor(rec, info.version, info.state_digest)
-        return dict(info.digests)
+        """The anchor's tensors read into the engine's through one bounded host buffer, each hashed
+        where it lives against the anchor's digest (`anchor_into`); the anchor's digests."""
+        return load_into(self.run, rec, files, live)
 
     def _write(self, rec: CommitRecord, write: Callable[[Mapping[str, torch.Tensor]], Mapping[str, str]],
                base_version: int | None, key: str) -> None:
@@ -185,9 +164,3 @@ class HeldEngine:
         self.digests, self.version, self.behind = got, rec.version, False
         self._served(rec)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 
 from inference_space.engines.embedded import EmbeddedEngine  # noqa: E402
 from sparsesync.codec import device_apply  # noqa: E402
-from sparsesync.errors import PatchMismatchError  # noqa: E402
-from sparsesync.protocol.follower import engine_held  # noqa: E402
+from sparsesync.errors import DigestMismatchError, PatchMismatchError  # noqa: E402
+from sparsesync.protocol.follower import anchor_into, engine_held  # noqa: E402
 from sparsesync.protocol.follower.engine_held import HeldEngine  # noqa: E402
 from sparsesync.protocol.follower.follower import Follower  # noqa: E402
 from tests.protocol.follower.test_engine import A, Versions  # noqa: E402
@@ -135,5 +135,34 @@ def test_a_failure_while_scattering_into_the_engine_restores_its_bits(tiny, tmp_
         assert f.status().state == "degraded"
         assert f.sync_once() == 2 and reports[-2:] == [1, 2]  # through the anchor
         assert_bit_equal(engine.state_dict(), run.states[2])
+    finally:
+        run.pub.close()
+
+
+def test_an_anchor_loads_into_the_engine_through_a_bounded_buffer_each_tensor_hashed_there(tiny, tmp_path,
+                                                                                            monkeypatch):
+    url = str(tmp_path / "run")
+    engine = EmbeddedEngine(tiny, device_state=True)
+    run = Versions(url, engine.state_dict())
+    try:
+        monkeypatch.setattr(anchor_into, "CHUNK", 4096)  # every weight matrix crosses in several pieces
+        sizes = []
+        real = anchor_into._copy_in
+        monkeypatch.setattr(anchor_into, "_copy_in", lambda f, s, n, d, buf, p: (sizes.append(buf.numel()),
+                                                                                 real(f, s, n, d, buf, p))[1])
+        f = Follower(url, engine)
+        run.publish(1)
+        assert f.sync_once() == 1
+        assert_bit_equal(engine.state_dict(), run.states[1])
+        assert sizes and set(sizes) == {4096}  # one buffer of CHUNK bytes, whatever the tensor
+        # a shard whose bytes are not its recorded digests' (the file digest aside): refused, named
+        rec = f.run.commit(1)
+        files = f.run.download_anchor(rec, tmp_path)
+        shard = next(p for p in files if p.suffix == ".safetensors")
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0xFF  # inside the last tensor's bytes
+        shard.write_bytes(bytes(data))
+        with pytest.raises(DigestMismatchError, match="loaded into the engine: tensor '"):
+            anchor_into.load_into(f.run, rec, files, engine.device_tensors())
     finally:
         run.pub.close()
