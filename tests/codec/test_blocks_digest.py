@@ -205,3 +205,23 @@ def test_digest_forms_name_their_algorithm_and_a_state_never_mixes_them():
     for bad in ("xxh3b:123", "XXH3B:0123456789abcdef", "0123456789ABCDEF", "sha256:0123456789abcdef"):
         with pytest.raises(ValueError, match="expected 16 lowercase hex"):
             algo_of(bad)
+
+
+def test_a_gpu_kernel_that_fails_on_first_use_hands_over_to_torch(monkeypatch, caplog):
+    from sparsesync.codec import digest
+
+    monkeypatch.setattr(digest, "_cuda_impl", None)
+    monkeypatch.setattr(digest, "_cuda_impl_ran", False)
+
+    def broken(t: torch.Tensor) -> str:
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    t = _special(torch.bfloat16, 40000, 9)
+    with caplog.at_level("WARNING", logger="sparsesync.codec.digest"):
+        assert digest._first_use_falls_back(broken, t) == tensor_digest(t, "xxh3b")
+    assert "failed on its first use (RuntimeError: Failed to find C compiler" in caplog.text
+    assert digest._cuda_digest() is tensor_digest_torch  # for the rest of the process
+    # once the kernel has run, a later failure is not hidden
+    monkeypatch.setattr(digest, "_cuda_impl_ran", True)
+    with pytest.raises(RuntimeError, match="C compiler"):
+        digest._first_use_falls_back(broken, t)
