@@ -55,6 +55,7 @@ def interpreted(tmp_path_factory) -> dict:
     return out["digests"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(cases()))
 def test_triton_equals_c(name, interpreted):
     t = cases()[name]
@@ -69,6 +70,7 @@ def test_this_process_never_saw_the_interpreter_flag(interpreted):
     assert "TRITON_INTERPRET" not in os.environ  # set for the child only
 
 
+@pytest.mark.slow
 def test_kernel_compiles_for_an_h100_without_spilling(tmp_path):
     """The GPU compiler (triton's bundled ptxas, no GPU needed) accepts the kernel for sm_90, and
     the compiled kernel keeps everything in registers: no stack, no local memory (a spill would
