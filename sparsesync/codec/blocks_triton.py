@@ -22,6 +22,8 @@ CPU path needs no triton.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import triton
@@ -153,13 +155,15 @@ def block_digests_triton(
     if full and body.data_ptr() % 8:  # a view at an odd byte offset: int64 loads need aligned storage
         body = body.clone()
     words = body.view(torch.int64)
-    for lo in range(0, full, launch_blocks):
-        hi = min(full, lo + launch_blocks)
-        _launch(words[lo * WORDS : hi * WORDS], out[lo:hi], rounds)
-    if n % BLOCK:
-        pad = torch.zeros(BLOCK, dtype=torch.uint8, device=flat.device)
-        pad[: n - full * BLOCK] = flat[full * BLOCK :]
-        _launch(pad.view(torch.int64), out[full:], rounds)
+    # triton launches on the current device: make it the tensor's (cuda:1 while cuda:0 is current)
+    with torch.cuda.device(flat.device) if flat.device.type == "cuda" else contextlib.nullcontext():
+        for lo in range(0, full, launch_blocks):
+            hi = min(full, lo + launch_blocks)
+            _launch(words[lo * WORDS : hi * WORDS], out[lo:hi], rounds)
+        if n % BLOCK:
+            pad = torch.zeros(BLOCK, dtype=torch.uint8, device=flat.device)
+            pad[: n - full * BLOCK] = flat[full * BLOCK :]
+            _launch(pad.view(torch.int64), out[full:], rounds)
     return out
 
 
