@@ -24,8 +24,8 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   made (the trainer's extra host memory; the model's bf16 bytes once).
 - `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep;
   `digest_impl`: on CUDA the Triton kernel where triton imports), `digest_torch_GBps` the torch
-  implementation's, `digest_triton_GBps_by_rounds` the Triton kernel's at 4, 8 (the default) and
-  16 rounds per step, `digest_cpu_GBps` the C codec's over a host copy, `digest_matches_cpu`
+  implementation's, `digest_triton_by_config` the Triton kernel's at several rounds per step and
+  warps per program (8 and 4: the default), `digest_cpu_GBps` the C codec's over a host copy, `digest_matches_cpu`
   whether every one of them agrees with the C codec.
 - `replica_host_model_copies`: host memory the replica's process grew by (engine + mirror), in
   copies of the model's bytes.
@@ -288,7 +288,7 @@ def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Cal
     """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev`, every rep
     timed: `tensor_digest` (on CUDA the Triton kernel, `codec.blocks_triton`, where triton imports,
     else torch operations; on the CPU the C codec), and side by side on CUDA the Triton kernel at
-    other rounds per step and the torch implementation (`codec.blocks_torch`; on the CPU too).
+    other rounds per step and warps per program, and the torch implementation (`codec.blocks_torch`; on the CPU too).
     Each value is compared with the C codec's over a host copy (bit-identical, or the run fails)."""
     from sparsesync.codec import digest
     from sparsesync.codec.blocks_torch import tensor_digest_torch
@@ -314,20 +314,21 @@ def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Cal
     torch_times, torch_same = best(lambda: tensor_digest_torch(t))
     row.update(digest_torch_s_all=torch_times, digest_torch_GBps=nbytes / min(torch_times) / 1e9,
                digest_torch_matches_cpu=torch_same)
-    row["digest_triton_GBps_by_rounds"] = None  # the Triton kernel runs on CUDA only (tests: CPU interpreter)
+    row["digest_triton_by_config"] = None  # the Triton kernel runs on CUDA only (tests: CPU interpreter)
     if dev.type == "cuda" and impl.endswith("blocks_triton"):
         from sparsesync.codec.blocks_triton import tensor_digest_triton
 
-        by_rounds = {}
-        for rounds in (4, 8, 16):
-            rt, rsame = best(lambda r=rounds: tensor_digest_triton(t, r))  # type: ignore[misc]
-            by_rounds[str(rounds)] = {"GBps": nbytes / min(rt) / 1e9, "s_all": rt, "matches_cpu": rsame}
+        by_config = {}
+        for rounds, warps in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8)):  # (8, 4): the default
+            rt, rsame = best(lambda r=rounds, w=warps: tensor_digest_triton(t, r, w))  # type: ignore[misc]
+            by_config[f"rounds={rounds},warps={warps}"] = {"GBps": nbytes / min(rt) / 1e9, "s_all": rt,
+                                                           "matches_cpu": rsame}
             row["digest_matches_cpu"] = row["digest_matches_cpu"] and rsame
-        row["digest_triton_GBps_by_rounds"] = by_rounds
+        row["digest_triton_by_config"] = by_config
     row["digest_matches_cpu"] = row["digest_matches_cpu"] and torch_same
     print(f"[digest] xxh3b on {dev} ({impl}): {row['digest_GBps']:.1f} GB/s; torch operations "
           f"{row['digest_torch_GBps']:.1f} GB/s; C codec on this host {row['digest_cpu_GBps']:.1f} GB/s; "
-          f"Triton by rounds per step: {row['digest_triton_GBps_by_rounds']}; all equal to the C codec's: "
+          f"Triton by configuration: {row['digest_triton_by_config']}; all equal to the C codec's: "
           f"{row['digest_matches_cpu']}", flush=True)
     save()
 

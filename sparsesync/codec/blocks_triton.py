@@ -130,21 +130,24 @@ def _xxh3b_blocks_kernel(words_ptr, table_ptr, out_ptr, R: tl.constexpr):
     tl.store(out_ptr + blk, h.to(tl.int64, bitcast=True))
 
 
-def _launch(words: torch.Tensor, out: torch.Tensor, rounds: int) -> None:
+def _launch(words: torch.Tensor, out: torch.Tensor, rounds: int, warps: int) -> None:
     """Hash `words` (int64, a whole number of blocks) into `out` (int64, one per block)."""
     k = out.numel()
     assert words.numel() == k * WORDS and k <= _MAX_LAUNCH_BLOCKS, (words.numel(), k)
-    _xxh3b_blocks_kernel[(k,)](words, _table(words.device), out, R=rounds, num_warps=WARPS)
+    _xxh3b_blocks_kernel[(k,)](words, _table(words.device), out, R=rounds, num_warps=warps)
 
 
 def block_digests_triton(
-    t: torch.Tensor, rounds: int = ROUNDS, launch_blocks: int = _MAX_LAUNCH_BLOCKS
+    t: torch.Tensor, rounds: int = ROUNDS, launch_blocks: int = _MAX_LAUNCH_BLOCKS, warps: int = WARPS
 ) -> torch.Tensor:
     """XXH3-64 of each 65536-byte block of `t`'s bytes (the last zero-padded), as int64 on
-    `t`'s device (the bits of the uint64 digests). `launch_blocks`: blocks per kernel launch
-    (at most 2^17; smaller only to test the cut)."""
+    `t`'s device (the bits of the uint64 digests). `rounds` per step and `warps` per program
+    change the speed only; `launch_blocks`: blocks per kernel launch (at most 2^17; smaller only
+    to test the cut)."""
     if rounds not in (1, 2, 4, 8, 16, 32, 64):
         raise ValueError(f"rounds={rounds}: a power of two dividing 64")
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps={warps}: 1, 2, 4, 8 or 16")
     if not 1 <= launch_blocks <= _MAX_LAUNCH_BLOCKS:
         raise ValueError(f"launch_blocks={launch_blocks}: between 1 and {_MAX_LAUNCH_BLOCKS}")
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -159,16 +162,16 @@ def block_digests_triton(
     with torch.cuda.device(flat.device) if flat.device.type == "cuda" else contextlib.nullcontext():
         for lo in range(0, full, launch_blocks):
             hi = min(full, lo + launch_blocks)
-            _launch(words[lo * WORDS : hi * WORDS], out[lo:hi], rounds)
+            _launch(words[lo * WORDS : hi * WORDS], out[lo:hi], rounds, warps)
         if n % BLOCK:
             pad = torch.zeros(BLOCK, dtype=torch.uint8, device=flat.device)
             pad[: n - full * BLOCK] = flat[full * BLOCK :]
-            _launch(pad.view(torch.int64), out[full:], rounds)
+            _launch(pad.view(torch.int64), out[full:], rounds, warps)
     return out
 
 
-def tensor_digest_triton(t: torch.Tensor, rounds: int = ROUNDS) -> str:
+def tensor_digest_triton(t: torch.Tensor, rounds: int = ROUNDS, warps: int = WARPS) -> str:
     """The "xxh3b" digest of `t` computed on its own device by the Triton kernel (one copy of
     8 bytes per block to the host)."""
     nbytes = t.numel() * t.element_size()
-    return combine(block_digests_triton(t, rounds).cpu().numpy().view(np.uint64), nbytes)
+    return combine(block_digests_triton(t, rounds, warps=warps).cpu().numpy().view(np.uint64), nbytes)

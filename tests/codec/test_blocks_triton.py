@@ -103,7 +103,7 @@ def test_offsets_inside_one_launch_fit_32_bits():
 
     assert bt._MAX_LAUNCH_BLOCKS * bt.WORDS <= 2**31 - 1
     assert bt._MAX_LAUNCH_BLOCKS * bt.WORDS * 8 >= 8 << 30  # and a launch still covers 8 GiB
-    for bad in ({"rounds": 3}, {"launch_blocks": 0}, {"launch_blocks": bt._MAX_LAUNCH_BLOCKS + 1}):
+    for bad in ({"rounds": 3}, {"warps": 3}, {"launch_blocks": 0}, {"launch_blocks": bt._MAX_LAUNCH_BLOCKS + 1}):
         with pytest.raises(ValueError):
             bt.block_digests_triton(torch.zeros(8, dtype=torch.uint8), **bad)
 

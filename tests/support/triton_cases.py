@@ -6,7 +6,8 @@ process that hashes them under Triton's CPU interpreter.
 decorated for the interpreter: the variable must be set before triton's `jit` runs, and only in
 this child, never in the test process where vLLM and torch run) and prints one JSON object:
 `{"interpret": bool, "seconds": float, "digests": {case: {variant: digest}}}`; the variants are
-the default launch and, for a few cases, other `rounds` per step and a cut into several launches.
+the default launch and, for a few cases, other `rounds` per step, other `warps` per program and a
+cut into several launches.
 The interpreter runs about 0.1 s per 64 KiB block: the cases hold about 80 blocks in all.
 """
 
@@ -67,7 +68,7 @@ def cases() -> dict[str, torch.Tensor]:
 
 VARIANTS = {  # case -> the keyword sets of block_digests_triton tried on it besides the default
     "random-fp32-5-blocks": [{"launch_blocks": 1}, {"launch_blocks": 2}, {"rounds": 1}, {"rounds": 64}],
-    "bytes-65537": [{"rounds": 4}, {"rounds": 16}, {"launch_blocks": 1}],
+    "bytes-65537": [{"rounds": 4}, {"rounds": 16}, {"rounds": 16, "warps": 8}, {"launch_blocks": 1}],
 }
 
 
