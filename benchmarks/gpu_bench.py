@@ -15,6 +15,9 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   Publisher's default on a GPU trainer (each 256 MiB slice is copied to the host and compared
   there); `diff_encode_cuda_snapshot_s`: the same with `Snapshot(device="cuda")` (the compare
   runs on the GPU, only the changes are copied).
+- `publish_stall_s`, `follower_lag_s`, `lag_over_stall_plus_decode`, `publish_stall_over_trl`:
+  `Publisher.publish()` on the device weights (snapshot beside them, entropy coding in the
+  background) and a follower on a local folder (benchmarks/_publish_phase.py).
 - `trl_extract_s`: TRL-style, on the GPU: bitwise compare, nonzero, gather, copy to host,
   safetensors save (int32 indices + bf16 values).
 - `decode_apply_s`: `apply_patch(read_patch(bytes), cuda_weights)` (decode and validate, base
@@ -64,6 +67,7 @@ from safetensors.torch import save as st_save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import qwen_like_shapes
+from _publish_phase import bench_publish
 
 from sparsesync.codec import Snapshot, apply_patch, read_patch
 from sparsesync.codec.diff import bits_view
@@ -250,6 +254,18 @@ def bench_codec(
             gc.collect()
             torch.cuda.empty_cache()
         save()
+
+    # -- trainer side: Publisher.publish() on the device weights, and a follower's lag ----------
+    if budget.left() < 4 * min(ours) + 20:
+        row["publish_phase"] = "skipped: budget"
+    else:
+        try:
+            bench_publish(dev, a, b, reps, budget.left, row, save)
+        except torch.OutOfMemoryError as e:
+            row["publish_phase"] = f"out of GPU memory: {e}"
+            gc.collect()
+            torch.cuda.empty_cache()
+    save()
 
     # -- replica side: decode + verify + apply into CUDA weights ---------------------------
     work = {k: v.clone() for k, v in a.items()}
@@ -462,6 +478,10 @@ def main() -> None:
         "snapshot_host_rss_GB",
         "diff_encode_s",
         "diff_encode_cuda_snapshot_s",
+        "publish_stall_s",
+        "publish_stall_over_trl",
+        "lag_over_stall_plus_decode",
+        "snapshot_device",
         "trl_extract_s",
         "decode_apply_s",
         "follower_apply_s",
@@ -481,6 +501,7 @@ def main() -> None:
         if r.get("snapshot_bit_exact") is False
         or r.get("apply_bit_exact") is False
         or r.get("cuda_snapshot_same_bytes") is False
+        or r.get("publish_follower_bit_exact") is False
     ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else []) + (
         ["digest"] if result["digest"].get("digest_matches_cpu") is False else []
     )
