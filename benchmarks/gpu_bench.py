@@ -306,7 +306,7 @@ def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Cal
     else torch operations; on the CPU the C codec), and side by side on CUDA the Triton kernel at
     other rounds per step and warps per program, and the torch implementation (`codec.blocks_torch`; on the CPU too).
     Each value is compared with the C codec's over a host copy (bit-identical, or the run fails)."""
-    from sparsesync.codec import digest
+    from sparsesync.codec import device_blocks, digest
     from sparsesync.codec.blocks_torch import tensor_digest_torch
 
     g = torch.Generator(device=dev).manual_seed(3)
@@ -324,7 +324,7 @@ def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Cal
         return times, same
 
     times, same = best(lambda: digest.tensor_digest(t, "xxh3b"))
-    impl = digest._cuda_digest().__module__ if dev.type == "cuda" else "sparsesync.codec.blocks_digest (C)"
+    impl = device_blocks.cuda_impl().__module__ if dev.type == "cuda" else "sparsesync.codec.blocks_digest (C)"
     row.update(digest_bytes=nbytes, digest_device=str(dev), digest_impl=impl, digest_s_all=times,
                digest_GBps=nbytes / min(times) / 1e9, digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=same)
     torch_times, torch_same = best(lambda: tensor_digest_torch(t))

@@ -22,9 +22,8 @@ Object bytes (patch files, anchor files, checkpoint files) are digested the same
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,6 @@ import torch
 import xxhash
 
 from sparsesync.codec import _native, _parallel, blocks_digest
-
-log = logging.getLogger(__name__)
 
 LEGACY_ALGO = "xxh3"  # XXH3-64 of the whole stream: 16 bare hex digits
 BLOCKS_ALGO = "xxh3b"  # block-parallel: "xxh3b:" + 16 hex digits
@@ -90,67 +87,20 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-_cuda_impl: Callable[[torch.Tensor], str] | None = None  # chosen on the first CUDA tensor
-_cuda_impl_ran = False  # it has given a digest in this process
-
-
-def _cuda_digest() -> Callable[[torch.Tensor], str]:
-    """The "xxh3b" implementation for CUDA tensors: the Triton kernel when triton imports (it
-    comes with torch's CUDA builds), else torch operations. Imported on first use, so the CPU
-    path never imports triton."""
-    global _cuda_impl
-    if _cuda_impl is None:
-        try:
-            from sparsesync.codec.blocks_triton import tensor_digest_triton
-
-            _cuda_impl = tensor_digest_triton
-        except ImportError:
-            from sparsesync.codec.blocks_torch import tensor_digest_torch
-
-            _cuda_impl = tensor_digest_torch
-    return _cuda_impl
-
-
-def _device_digest(flat: torch.Tensor) -> str:
-    """"xxh3b" of a non-CPU tensor on its own device: CUDA by `_cuda_digest`'s choice, any
-    other device by torch operations."""
-    from sparsesync.codec.blocks_torch import tensor_digest_torch
-
-    return _first_use_falls_back(_cuda_digest(), flat) if flat.device.type == "cuda" else tensor_digest_torch(flat)
-
-
-def _first_use_falls_back(impl: Callable[[torch.Tensor], str], flat: torch.Tensor) -> str:
-    """`impl(flat)`; if the Triton kernel fails on its first use (no C compiler for triton's
-    launcher, a GPU this triton does not support), the torch implementation (bit-identical,
-    slower) gives the digest and takes over for this process, with a warning."""
-    global _cuda_impl, _cuda_impl_ran
-    from sparsesync.codec.blocks_torch import tensor_digest_torch
-
-    if impl is tensor_digest_torch or _cuda_impl_ran:
-        return impl(flat)
-    try:
-        out = impl(flat)
-    except Exception as e:  # noqa: BLE001 - it could not compile or launch: the same digest by torch
-        log.warning("xxh3b: the Triton kernel failed on its first use (%s: %s); hashing CUDA tensors with "
-                    "torch operations instead (the same digests, slower)", type(e).__name__, e)
-        _cuda_impl = tensor_digest_torch
-        return tensor_digest_torch(flat)
-    _cuda_impl_ran = True
-    return out
-
-
 def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO, *, threads: int | None = None) -> str:
     """The `algo` digest of `t`'s raw bytes. "xxh3b": a CPU tensor is hashed by the C codec
     (`threads` across its blocks, None: one per 16 MiB up to the CPUs), any other device's on
-    that device (a CUDA tensor by the Triton kernel `blocks_triton` when triton imports, else
-    by `blocks_torch`; 8 bytes per 64 KiB block come back). "xxh3": a CUDA tensor is copied to
+    that device (`device_blocks`: a CUDA tensor by the Triton kernel where triton imports, else
+    by torch operations; 8 bytes per 64 KiB block come back). "xxh3": a CUDA tensor is copied to
     host in 64 MiB pieces."""
     _check_algo(algo)
     flat = _byte_view(t)
     if algo == BLOCKS_ALGO:
         if flat.device.type == "cpu":
             return blocks_digest.digest_bytes(flat.numpy(), threads)
-        return _device_digest(flat)
+        from sparsesync.codec.device_blocks import tensor_digest_device  # (imports triton only for CUDA)
+
+        return tensor_digest_device(flat)
     h = xxhash.xxh3_64()
     if flat.device.type == "cpu":
         h.update(flat.numpy().data)

@@ -208,20 +208,22 @@ def test_digest_forms_name_their_algorithm_and_a_state_never_mixes_them():
 
 
 def test_a_gpu_kernel_that_fails_on_first_use_hands_over_to_torch(monkeypatch, caplog):
-    from sparsesync.codec import digest
+    from sparsesync.codec import device_blocks
 
-    monkeypatch.setattr(digest, "_cuda_impl", None)
-    monkeypatch.setattr(digest, "_cuda_impl_ran", False)
+    monkeypatch.setattr(device_blocks, "_cuda_impl", None)
+    monkeypatch.setattr(device_blocks, "_cuda_impl_ran", False)
 
-    def broken(t: torch.Tensor) -> str:
+    def broken(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
     t = _special(torch.bfloat16, 40000, 9)
-    with caplog.at_level("WARNING", logger="sparsesync.codec.digest"):
-        assert digest._first_use_falls_back(broken, t) == tensor_digest(t, "xxh3b")
+    want = block_digests(t.view(torch.uint8).numpy()).tolist()
+    with caplog.at_level("WARNING", logger="sparsesync.codec.device_blocks"):
+        got = device_blocks._first_use_falls_back(broken, t, 256)
+    assert got.numpy().view(np.uint64).tolist() == want
     assert "failed on its first use (RuntimeError: Failed to find C compiler" in caplog.text
-    assert digest._cuda_digest() is tensor_digest_torch  # for the rest of the process
+    assert device_blocks.cuda_impl() is block_digests_torch  # for the rest of the process
     # once the kernel has run, a later failure is not hidden
-    monkeypatch.setattr(digest, "_cuda_impl_ran", True)
+    monkeypatch.setattr(device_blocks, "_cuda_impl_ran", True)
     with pytest.raises(RuntimeError, match="C compiler"):
-        digest._first_use_falls_back(broken, t)
+        device_blocks._first_use_falls_back(broken, t, 256)

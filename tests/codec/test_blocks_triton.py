@@ -111,14 +111,16 @@ def test_offsets_inside_one_launch_fit_32_bits():
 def test_the_cpu_path_never_imports_triton_and_cuda_picks_the_kernel(tmp_path):
     code = """
 import sys, torch
-from sparsesync.codec import digest
+from sparsesync.codec import device_blocks, device_changes, digest
 digest.tensor_digest(torch.arange(100000, dtype=torch.float32), "xxh3b")
-print("triton" in sys.modules, digest._cuda_digest().__module__)
+digest.tensor_digest(torch.arange(100000, dtype=torch.float32), "xxh3")
+device_changes.block_digests_many([torch.arange(10.0)])  # the device publish path, on CPU tensors
+print("triton" in sys.modules, device_blocks.cuda_impl().__module__)
 for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "sparsesync.codec.blocks_triton"))]:
     del sys.modules[name]
 sys.modules["triton"] = None  # triton not installed: the torch implementation
-digest._cuda_impl = None
-print(digest._cuda_digest().__module__)
+device_blocks._cuda_impl = None
+print(device_blocks.cuda_impl().__module__)
 """
     r = _child(["-c", code], False, tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]

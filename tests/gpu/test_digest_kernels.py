@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-from sparsesync.codec import digest
+from sparsesync.codec import device_blocks, digest
 from sparsesync.codec.blocks_torch import tensor_digest_torch
 from tests.support.triton_cases import VARIANTS, cases
 
@@ -52,10 +52,10 @@ def test_gpu_digests_equal_the_c_digest(name):
 
 @NEEDS_TRITON
 def test_cuda_tensors_are_hashed_by_the_triton_kernel():
-    from sparsesync.codec.blocks_triton import tensor_digest_triton
+    from sparsesync.codec.blocks_triton import block_digests_triton
 
     digest.tensor_digest(torch.ones(10, device="cuda"), "xxh3b")
-    assert digest._cuda_digest() is tensor_digest_triton
+    assert device_blocks.cuda_impl() is block_digests_triton  # it ran, and did not fall back to torch
 
 
 @NEEDS_TRITON
@@ -71,3 +71,18 @@ def test_a_tensor_of_more_than_2_31_elements():
     want = digest.tensor_digest(g.cpu(), "xxh3b")
     assert tensor_digest_triton(g) == want
     assert tensor_digest_triton(g[1:]) == digest.tensor_digest(g[1:].cpu(), "xxh3b")  # unaligned: cloned
+
+
+@NEEDS_TRITON
+def test_the_device_publish_path_hashes_with_the_triton_kernel(monkeypatch):
+    """`device_changes.block_digests_many` (a publish from CUDA weights) goes through
+    `device_blocks`: the Triton kernel runs (the flag only it sets) and the digests are the C codec's."""
+    from sparsesync.codec.blocks_digest import block_digests
+    from sparsesync.codec.device_changes import block_digests_many
+
+    monkeypatch.setattr(device_blocks, "_cuda_impl_ran", False)
+    ts = [cases()[n] for n in ("bf16-1", "bf16-32769", "bytes-262114", "view-transpose")]
+    got = block_digests_many([t.cuda() for t in ts], batch_bytes=1 << 17)  # batched and alone, both
+    assert device_blocks._cuda_impl_ran
+    for t, d in zip(ts, got, strict=True):
+        assert d.cpu().numpy().view("<u8").tolist() == block_digests(t.contiguous().view(torch.uint8).numpy()).tolist()
