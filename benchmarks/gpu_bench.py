@@ -25,8 +25,11 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   applies; `trl_apply_s`: safetensors load, copy to the GPU, `index_put_`, no checks.
 - `snapshot_host_rss_GB`: growth of this process's resident memory when the host snapshot is
   made (the trainer's extra host memory; the model's bf16 bytes once).
-- `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep),
-  `digest_cpu_GBps` the C codec's over a host copy, `digest_matches_cpu` whether they agree.
+- `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep;
+  `digest_impl`: on CUDA the Triton kernel where triton imports), `digest_torch_GBps` the torch
+  implementation's, `digest_triton_by_config` the Triton kernel's at several rounds per step and
+  warps per program (8 and 4: the default), `digest_cpu_GBps` the C codec's over a host copy,
+  `digest_matches_cpu` whether every one of them agrees with the C codec.
 - `device_apply_s`: the device apply (`codec.device_apply.apply_on_device`: host decode, one
   transfer, scatter, base and target digests on the device; on the CPU the same torch code on CPU
   tensors), `device_apply_staged_s` its part inside a mirror-less replica's pause, `index_put_s`
@@ -344,24 +347,51 @@ def bench_device_apply(dev: torch.device, data: bytes, work: dict[str, torch.Ten
 
 
 def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Callable[[], None]) -> None:
-    """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev` (on CUDA the
-    torch path, `codec.blocks_torch`; on the CPU the C codec), every rep timed; its value compared
-    with the C codec's over a host copy (bit-identical, or the run fails)."""
-    from sparsesync.codec.digest import tensor_digest
+    """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev`, every rep
+    timed: `tensor_digest` (on CUDA the Triton kernel, `codec.blocks_triton`, where triton imports,
+    else torch operations; on the CPU the C codec), and side by side on CUDA the Triton kernel at
+    other rounds per step and warps per program, and the torch implementation (`codec.blocks_torch`; on the CPU too).
+    Each value is compared with the C codec's over a host copy (bit-identical, or the run fails)."""
+    from sparsesync.codec import device_blocks, digest
+    from sparsesync.codec.blocks_torch import tensor_digest_torch
 
     g = torch.Generator(device=dev).manual_seed(3)
     t = torch.randint(-(1 << 15), 1 << 15, (nbytes // 2,), dtype=torch.int16, device=dev, generator=g)
     t = t.view(torch.bfloat16)
-    times, got = [], ""
-    for _ in range(reps):
-        dt, got = timed(dev, lambda: tensor_digest(t, "xxh3b"))
-        times.append(dt)
     host = t.cpu()
-    cpu_s, want = timed(torch.device("cpu"), lambda: tensor_digest(host, "xxh3b"))
-    row.update(digest_bytes=nbytes, digest_device=str(dev), digest_s_all=times, digest_GBps=nbytes / min(times) / 1e9,
-               digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=got == want)
-    print(f"[digest] xxh3b on {dev}: {row['digest_GBps']:.1f} GB/s (C codec on this host: "
-          f"{row['digest_cpu_GBps']:.1f} GB/s), same digest as the C codec: {got == want}", flush=True)
+    cpu_s, want = timed(torch.device("cpu"), lambda: digest.tensor_digest(host, "xxh3b"))
+
+    def best(fn: Callable[[], str]) -> tuple[list[float], bool]:
+        times, same = [], True
+        for _ in range(reps):
+            dt, got = timed(dev, fn)
+            times.append(dt)
+            same = same and got == want
+        return times, same
+
+    times, same = best(lambda: digest.tensor_digest(t, "xxh3b"))
+    impl = device_blocks.cuda_impl().__module__ if dev.type == "cuda" else "sparsesync.codec.blocks_digest (C)"
+    row.update(digest_bytes=nbytes, digest_device=str(dev), digest_impl=impl, digest_s_all=times,
+               digest_GBps=nbytes / min(times) / 1e9, digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=same)
+    torch_times, torch_same = best(lambda: tensor_digest_torch(t))
+    row.update(digest_torch_s_all=torch_times, digest_torch_GBps=nbytes / min(torch_times) / 1e9,
+               digest_torch_matches_cpu=torch_same)
+    row["digest_triton_by_config"] = None  # the Triton kernel runs on CUDA only (tests: CPU interpreter)
+    if dev.type == "cuda" and impl.endswith("blocks_triton"):
+        from sparsesync.codec.blocks_triton import tensor_digest_triton
+
+        by_config = {}
+        for rounds, warps in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8)):  # (8, 4): the default
+            rt, rsame = best(lambda r=rounds, w=warps: tensor_digest_triton(t, r, w))  # type: ignore[misc]
+            by_config[f"rounds={rounds},warps={warps}"] = {"GBps": nbytes / min(rt) / 1e9, "s_all": rt,
+                                                           "matches_cpu": rsame}
+            row["digest_matches_cpu"] = row["digest_matches_cpu"] and rsame
+        row["digest_triton_by_config"] = by_config
+    row["digest_matches_cpu"] = row["digest_matches_cpu"] and torch_same
+    print(f"[digest] xxh3b on {dev} ({impl}): {row['digest_GBps']:.1f} GB/s; torch operations "
+          f"{row['digest_torch_GBps']:.1f} GB/s; C codec on this host {row['digest_cpu_GBps']:.1f} GB/s; "
+          f"Triton by configuration: {row['digest_triton_by_config']}; all equal to the C codec's: "
+          f"{row['digest_matches_cpu']}", flush=True)
     save()
 
 
@@ -536,7 +566,9 @@ def main() -> None:
         or r.get("apply_bit_exact") is False
         or r.get("cuda_snapshot_same_bytes") is False
         or r.get("publish_follower_bit_exact") is False
-    ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
+    ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else []) + (
+        ["digest"] if result["digest"].get("digest_matches_cpu") is False else []
+    )
     if bad or "error" in result["pause"] or "error" in result["digest"] or any("error" in r for r in result["rows"]):
         print(f"NOT BIT-EXACT or failed: {bad or 'see errors in the JSON'}")
         sys.exit(1)

@@ -78,7 +78,7 @@ def _constants(dev: torch.device) -> tuple[torch.Tensor, ...]:
     """The secret's keys, the lane swap and the initial accumulators as tensors on `dev`, made
     once per device: building them per call is a host->device copy that waits for the device."""
 
-    def i64(x: list[int]) -> torch.Tensor:
+    def i64(x: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=dev)
 
     return i64(_STRIPE_KEYS), i64(_SWAP), i64(_LAST_KEY), i64(_ACC0), i64(_SCRAMBLE_KEY), i64(_MERGE_KEY)

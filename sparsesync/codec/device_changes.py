@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec.blocks_digest import BLOCK, n_blocks
-from sparsesync.codec.blocks_torch import block_digests_torch
+from sparsesync.codec.device_blocks import block_digests_device
 from sparsesync.codec.diff import bits_view
 from sparsesync.codec.prepared_base import hist_sample
 
@@ -34,7 +34,8 @@ _READS = threading.local()
 HIST_CHUNK = 1 << 24  # elements whose keys are histogrammed at once (bounds the int64 temporaries)
 # 64 KiB blocks per call of the digest (256 MiB: about 1.3 GB of temporaries on the device). Each
 # call builds its constant tensors afresh, host->device copies that wait for the device on CUDA:
-# fewer, larger calls keep those waits to about one per 256 MiB (not counted by `reads`)
+# fewer, larger calls keep those waits to about one per 256 MiB (not counted by `reads`). Where the
+# Triton kernel hashes CUDA tensors (`device_blocks`), it has no such per-call copies
 DIGEST_CHUNK_BLOCKS = 4096
 
 
@@ -120,7 +121,7 @@ def class_ranks(a: torch.Tensor, thresholds: Sequence[int], idx: torch.Tensor, s
 
 
 def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 << 20) -> list[torch.Tensor]:
-    """`blocks_torch.block_digests_torch` of each tensor (int64 per 64 KiB block, on its
+    """`device_blocks.block_digests_device` of each tensor (int64 per 64 KiB block, on its
     device), with tensors smaller than `batch_bytes` laid end to end, each zero-padded to whole
     blocks (as the digest pads a tensor's last block), and hashed in one call per batch: the
     per-call work of the digest does not repeat per tensor. A larger tensor is hashed alone."""
@@ -141,7 +142,7 @@ def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 <
             buf[at : at + raw.numel()] = raw
             spans.append((i, at // BLOCK, n_blocks(raw.numel())))
             at += n_blocks(raw.numel()) * BLOCK
-        digests = block_digests_torch(buf, chunk_blocks=DIGEST_CHUNK_BLOCKS)
+        digests = block_digests_device(buf, DIGEST_CHUNK_BLOCKS)
         for i, first, count in spans:
             out[i] = digests[first : first + count]
         batch, batch_at = [], 0
@@ -149,7 +150,7 @@ def block_digests_many(tensors: Sequence[torch.Tensor], batch_bytes: int = 256 <
     for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
         if nbytes >= batch_bytes:
-            out[i] = block_digests_torch(t, chunk_blocks=DIGEST_CHUNK_BLOCKS)
+            out[i] = block_digests_device(t, DIGEST_CHUNK_BLOCKS)
             continue
         if batch_at + n_blocks(nbytes) * BLOCK > batch_bytes:
             flush()
