@@ -13,8 +13,8 @@ one version, alternating target and base (the same density). Per rep:
   (stall + background coding + upload + the follower's sync), and
   `lag_over_stall_plus_decode` = lag / (stall + follower_sync_s), per rep (the best in the row).
 - `publish_patch_bytes_over_snapshot`: its first patch's size over `Snapshot.diff_encode`'s of the
-  same step (1.0 on CUDA weights; on CPU weights the host snapshot groups small tensors, which
-  the device path does not).
+  same step (1.0 on CPU weights: both paths group small tensors alike; on CUDA weights below
+  1.0 when the model has small tensors, which the host snapshot groups only for CPU weights).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def bench_publish(dev: torch.device, a: dict[str, torch.Tensor], b: dict[str, to
         publish_patch_bytes=m["patch_bytes"], publish_B_per_changed=m["patch_bytes"] / max(1, m["n_changed"]),
         publish_follower_bit_exact=exact,
     )
-    if isinstance(row.get("patch_bytes"), int):  # 1.0 on CUDA weights (no small-tensor groups on either path)
+    if isinstance(row.get("patch_bytes"), int):  # 1.0 on CPU weights (both paths group small tensors)
         row["publish_patch_bytes_over_snapshot"] = m["patch_bytes"] / row["patch_bytes"]
     if isinstance(row.get("trl_extract_s"), float):
         row["publish_stall_over_trl"] = row["publish_stall_s"] / row["trl_extract_s"]

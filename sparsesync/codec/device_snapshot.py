@@ -8,10 +8,13 @@ indices and base/target bits (sizes now known: no further synchronization), prep
 encoder reads of the base (class ranks; the whole base only for a change of at least 1/4 of a
 tensor: `prepared_base`), computes the touched tensors' "xxh3b" block digests, and reads all of
 that back in ONE more read (`device_changes.to_host`, pinned memory on CUDA). Two reads per
-publish, whatever the number of tensors. Only then does the snapshot advance (in place: the
-changed elements). The returned `Extracted` holds host copies only, so the caller's weights may
-change at once; `Extracted.encode()` (entropy coding, on any thread) makes the same patch bytes
-as `Snapshot.diff_encode` makes for the same tensors without groups (a CUDA `Snapshot`'s patch).
+publish, whatever the number of tensors. The small tensors a CPU `Snapshot` groups
+(`_groups.plan_groups`) are kept on the host instead (`device_groups`): their current bits come
+back packed in the first read and are diffed and coded there, in groups. Only then does the
+snapshot advance (in place: the changed elements). The returned `Extracted` holds host copies
+only, so the caller's weights may change at once; `Extracted.encode()` (entropy coding, on any
+thread) makes the same patch bytes as a CPU `Snapshot.diff_encode` makes for the same states,
+groups included.
 
 Placement (`Placement`): "device": the copy on the weights' device (2 B/param for bf16 of GPU
 memory); "host": in host memory (pinned on CUDA), each tensor brought to the weights' device to
@@ -19,7 +22,8 @@ be compared (the model crosses PCIe once per pass, two passes per publish) and a
 host. `placement_for` picks "device" when the model fits twice in the GPU's free memory.
 
 Guarantees: after `extract`, the snapshot holds `current`'s bits and `.digests` its digests;
-if anything fails before the reads complete, the snapshot is left as it was. Only the "xxh3b"
+if anything fails before the reads complete or while the grouped tensors advance, the snapshot
+(both halves) is left as it was. Only the "xxh3b"
 digest (`DEFAULT_ALGO`) is computed on the device; a run with another digest keeps `Snapshot`.
 """
 
@@ -47,8 +51,8 @@ from sparsesync.codec.device_changes import (
     key_hist,
     keys,
     sample_hist,
-    to_host,
 )
+from sparsesync.codec.device_groups import HostGroups, SmallChanges
 from sparsesync.codec.diff import TensorChange, put_bits, to_np_bits
 from sparsesync.codec.digest import BLOCKS_ALGO, state_digest
 from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensors
@@ -115,14 +119,19 @@ class Extracted:
     n_params: int
     effort: Effort
     diff_s: float  # seconds of device work and reads (the publisher's stall)
+    small: SmallChanges = field(default_factory=SmallChanges)  # the grouped tensors' part (`device_groups`)
 
     def encode(self) -> EncodedPatch:
         """The patch (entropy coding on the host; any thread)."""
         t0 = time.perf_counter()
-        encoded = encode_tensors(self.changes, base=self.prepared, effort=self.effort)
+        own = {n: c for n, c in self.changes.items() if n in self.prepared}  # the rest: the groups' members
+        encoded = encode_tensors(own, base=self.prepared, effort=self.effort)
+        alone, groups = self.small.encode(self.effort)
+        encoded = dict(sorted({**encoded, **alone}.items()))
         data = assemble_patch(encoded, base_version=self.base_version, target_version=self.target_version,
                               base_digests=self.base_digests, target_digests=self.target_digests,
-                              base_state_digest=self.base_state_digest, target_state_digest=self.target_state_digest)
+                              base_state_digest=self.base_state_digest, target_state_digest=self.target_state_digest,
+                              groups=groups)
         n_changed = sum(c.n_changed for c in self.changes.values())
         stats = PatchStats(n_params=self.n_params, n_changed=n_changed,
                            density=n_changed / self.n_params if self.n_params else 0.0, patch_bytes=len(data),
@@ -146,11 +155,18 @@ class DeviceSnapshot:
         self.effort, self.version, self.algo = check_effort(effort), version, algo
         home = self.device if placement == "device" else torch.device("cpu")
         pin = placement == "host" and self.device.type == "cuda"
+        self.small = HostGroups(state, algo)  # the tensors a CPU snapshot groups: on the host, grouped
         self.state: dict[str, torch.Tensor] = {}
         for n in state:
+            if n in self.small.names:
+                continue
             t = owned_copy(state, n, home)
             self.state[n] = t.pin_memory() if pin else t
-        self.digests: dict[str, str] = self._digests()
+        self.large = list(self.state)  # compared on the device
+        self.state.update(self.small.views())
+        self.state = {n: self.state[n] for n in state}
+        self.digests: dict[str, str] = {**self._digests(), **self.small.digests()}
+        self.digests = {n: self.digests[n] for n in state}
         self.state_digest: str = state_digest(self.digests)
 
     @property
@@ -176,7 +192,7 @@ class DeviceSnapshot:
             handles.update((n, pk.add(d)) for n, d in zip(batch, block_digests_many(list(batch.values()))))
             batch.clear()
 
-        for n in self.state:
+        for n in self.large:
             batch[n] = self._base(n)
             if sum(t.numel() * t.element_size() for t in batch.values()) >= BATCH_BYTES:
                 hash_batch()
@@ -209,9 +225,10 @@ class DeviceSnapshot:
                                      hint="publish the same model on the same device every version")
 
     def _count(self, names: list[str], current: Mapping[str, torch.Tensor],
-               size: bool) -> tuple[list[torch.Tensor], np.ndarray]:
+               size: bool) -> tuple[list[torch.Tensor], np.ndarray, list[np.ndarray]]:
         """Pass 1: per tensor its count of changes (and, for the size encoder, the key
-        histograms its thresholds come from), all read back in one read."""
+        histograms its thresholds come from), and the grouped tensors' current bits (one
+        buffer per group, `device_groups`), all read back in one read."""
         rows = []
         for n in names:
             a, b = self._base(n), self._target(current, n)
@@ -220,16 +237,39 @@ class DeviceSnapshot:
             if size and a.numel() >= MIN_CLASSED_NUMEL:
                 row += [sample_hist(a, _HIST_SAMPLE), key_hist(keys(a), m)]
             rows.append(torch.cat(row))
-        return rows, (to_host(torch.cat(rows)) if rows else np.empty(0, dtype=np.int64))
+        pk = Packer(self.device)
+        at = pk.add(torch.cat(rows)) if rows else -1
+        small = self.small.pack(current, self.device, pk)
+        got = pk.read()
+        return rows, (got[at] if rows else np.empty(0, dtype=np.int64)), [got[i] for i in small]
+
+    def _advance(self, on_device: dict[str, tuple[torch.Tensor, torch.Tensor]], changes: dict[str, TensorChange],
+                 digests: dict[str, str], small_bits: list[np.ndarray]) -> SmallChanges:
+        """Move both halves of the snapshot to the version just read: the grouped tensors on the
+        host (their changes and digests added to `changes`, `digests`), then the others; a failure
+        puts the groups back."""
+        small = self.small.advance(small_bits)  # raises with the groups as they were
+        changes.update(small.changes)
+        digests.update(small.digests)
+        try:
+            for n, (idx, tb) in on_device.items():
+                if self.placement == "device":
+                    flat_bits(self.state[n]).index_copy_(0, idx, tb)
+                else:
+                    put_bits(to_np_bits(flat_bits(self.state[n])), changes[n].indices, changes[n].target_bits)
+        except BaseException:
+            small.undo()
+            raise
+        return small
 
     def extract(self, current: Mapping[str, torch.Tensor], target_version: int) -> Extracted:
         """The changes from the snapshot's version to `current` (as `target_version`), read back
         in two reads; then the snapshot holds `current` (see the module docstring)."""
         t0 = time.perf_counter()
         self._check(current)
-        names = list(self.state)
+        names = self.large
         size = self.effort == "size"
-        rows, counts = self._count(names, current, size)
+        rows, counts, small_bits = self._count(names, current, size)
         # pass 2: compact the changed elements and what the encoder reads of the base, one read
         pk = Packer(self.device)
         on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # indices, target bits: to advance
@@ -270,13 +310,8 @@ class DeviceSnapshot:
             prepared[n] = PreparedBase(t.numel(), p.hist, p.thresholds, None if p.ranks is None else got[p.ranks],
                                        None if p.full is None else got[p.full])
             digests[n] = combine(got[p.blocks].view(np.uint64), t.numel() * t.element_size())
-        # advance: a Ctrl-C waits, the snapshot moves whole
-        with _parallel.interrupts_deferred():
-            for n, (idx, tb) in on_device.items():
-                if self.placement == "device":
-                    flat_bits(self.state[n]).index_copy_(0, idx, tb)
-                else:
-                    put_bits(to_np_bits(flat_bits(self.state[n])), changes[n].indices, changes[n].target_bits)
+        with _parallel.interrupts_deferred():  # a Ctrl-C waits: the snapshot moves whole
+            small = self._advance(on_device, changes, digests, small_bits)
             base_digests, base_sd = self.digests, self.state_digest
             self.digests = digests
             self.state_digest = state_digest(digests) if changes else base_sd
@@ -284,4 +319,4 @@ class DeviceSnapshot:
         n_params = sum(t.numel() for t in self.state.values())
         return Extracted(dict(sorted(changes.items())), prepared, base_version, target_version, base_digests,
                          dict(digests), base_sd, self.state_digest, n_params, self.effort,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, small)

@@ -1,6 +1,6 @@
 """The device path (`codec.device_snapshot`) run on CPU tensors: the same torch code a GPU runs,
-compared bit for bit with the C codec's path (its diff, its encoder given the whole base, its
-digests), and its device->host reads counted."""
+compared bit for bit with the C codec's path (a CPU `Snapshot`: its diff, its encoder given the
+whole base, its groups of small tensors, its digests), and its device->host reads counted."""
 
 from __future__ import annotations
 
@@ -8,24 +8,34 @@ import numpy as np
 import pytest
 import torch
 
-from sparsesync.codec import device_changes
+from sparsesync.codec import device_changes, read_patch
+from sparsesync.codec._groups import SMALL_NUMEL
 from sparsesync.codec.device_snapshot import DeviceSnapshot
 from sparsesync.codec.diff import diff_state
 from sparsesync.codec.digest import state_digest, tensor_digest
 from sparsesync.codec.patch import assemble_patch, encode_tensors
 from sparsesync.codec.prepared_base import PreparedBase
+from sparsesync.codec.snapshot import Snapshot
 
 
-def c_path(base: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], v0: int, v1: int,
-           effort: str = "size") -> tuple[bytes, dict[str, str]]:
-    """The patch and target digests the C codec makes (host diff, encoder with the whole base)."""
+def c_path_alone(base: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], v0: int, v1: int,
+                 effort: str = "size") -> bytes:
+    """The patch the C codec makes with every tensor coded alone (no groups)."""
     changes = diff_state(base, cur)
     encoded = encode_tensors(changes, base=base, effort=effort)  # type: ignore[arg-type]
     bd = {n: tensor_digest(t) for n, t in base.items()}
     td = {n: tensor_digest(t) for n, t in cur.items()}
-    data = assemble_patch(encoded, base_version=v0, target_version=v1, base_digests=bd, target_digests=td,
+    return assemble_patch(encoded, base_version=v0, target_version=v1, base_digests=bd, target_digests=td,
                           base_state_digest=state_digest(bd), target_state_digest=state_digest(td))
-    return data, td
+
+
+def c_path(base: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], v0: int, v1: int,
+           effort: str = "size") -> tuple[bytes, dict[str, str]]:
+    """The patch and target digests the C codec makes: a CPU `Snapshot` (host diff, encoder with
+    the whole base, small tensors in groups)."""
+    snap = Snapshot(base, v0, effort=effort)  # type: ignore[arg-type]
+    enc = snap.diff_encode({k: v.contiguous() for k, v in cur.items()}, v1)  # contiguous: its grouping path
+    return enc.data, enc.target_digests
 
 
 def bits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +55,7 @@ def edge_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         "block_past": torch.randn(32769, generator=g).bfloat16(),
         "one": torch.randn(1, generator=g).bfloat16(),
         "empty": torch.randn(0, generator=g),
-        "dense": torch.randn(5000, generator=g).half(),
+        "dense": torch.randn(140000, generator=g).half(),  # not grouped: its full base is prepared
         "unchanged": torch.randn(9000, generator=g).bfloat16(),
         "classed": torch.randn(200000, generator=g).bfloat16(),
         "t": torch.randn(64, 96, generator=g).bfloat16(),
@@ -79,13 +89,21 @@ def edge_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return base, cur
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("effort", ["size", "speed"])
-def test_device_path_bytes_equal_the_c_path(effort):
+def test_device_path_bytes_equal_the_c_path(effort, grouped, monkeypatch):
+    """grouped=False: no tensor is kept on the host (`device_groups.MAX_BYTES`), so every edge
+    case runs through the device code, against the C codec coding each tensor alone."""
+    if not grouped:
+        monkeypatch.setattr("sparsesync.codec.device_groups.MAX_BYTES", -1)
     base, cur = edge_states()
     snap = DeviceSnapshot(base, 0, effort=effort)
     assert snap.digests == {n: tensor_digest(t) for n, t in base.items()}
+    assert bool(snap.small.names) == grouped
     ex = snap.extract(cur, 1)
     data, td = c_path(base, cur, 0, 1, effort)
+    if not grouped:
+        data = c_path_alone(base, cur, 0, 1, effort)
     assert ex.encode().data == data
     assert ex.target_digests == td
     assert "unchanged" not in ex.changes and "empty" not in ex.changes
@@ -100,7 +118,8 @@ def test_device_path_bytes_equal_the_c_path(effort):
     nxt["bf16"].view(-1).view(torch.int16)[1::53] -= 1
     ex2 = snap.extract(nxt, 2)
     cur_c = {k: v.contiguous() for k, v in cur.items()}
-    assert ex2.encode().data == c_path(cur_c, nxt, 1, 2, effort)[0]
+    assert ex2.encode().data == (c_path(cur_c, nxt, 1, 2, effort)[0] if grouped else
+                                 c_path_alone(cur_c, nxt, 1, 2, effort))
     assert ex2.base_state_digest == ex.target_state_digest
 
 
@@ -108,15 +127,103 @@ def test_device_path_bytes_equal_the_c_path(effort):
 def test_reads_per_publish_do_not_grow_with_tensors(placement):
     g = torch.Generator().manual_seed(3)
     for n_tensors in (3, 40):
-        base = {f"w{i}": torch.randn(5000 + 37 * i, generator=g).bfloat16() for i in range(n_tensors)}
+        # large tensors on the device path, as many small ones in groups (their bits ride in the first read)
+        base = {f"w{i}": torch.randn(SMALL_NUMEL + 1 + 37 * i, generator=g).bfloat16() for i in range(n_tensors)}
+        base.update({f"s{i}": torch.randn(500 + 37 * i, generator=g).bfloat16() for i in range(n_tensors)})
         cur = {k: v.clone() for k, v in base.items()}
         for v in cur.values():
             v.view(torch.int16)[::11] += 1
         snap = DeviceSnapshot(base, 0, placement=placement)
         before = device_changes.reads()
         ex = snap.extract(cur, 1)
-        assert device_changes.reads() - before == 2, n_tensors  # the counts, then the compact changes
-        assert ex.encode().data == c_path(base, cur, 0, 1)[0]
+        assert device_changes.reads() - before == 2, n_tensors  # counts and small bits, then the compact changes
+        data = ex.encode().data
+        assert data == c_path(base, cur, 0, 1)[0]
+        assert sum(len(gr.members) for gr in read_patch(data).header.groups) == n_tensors
+
+
+def versions_with_small_tensors() -> list[dict[str, torch.Tensor]]:
+    """Five versions of a state with large bf16 tensors and groupable small ones of two dtypes
+    (bf16, fp32: a LoRA adapter's shapes and norms), a lone small fp16 (no group: alone in its
+    dtype), an empty one; each version touches them differently."""
+    g = torch.Generator().manual_seed(11)
+    s0 = {"big.a": torch.randn(SMALL_NUMEL + 5, generator=g).bfloat16(),
+          "big.b": torch.randn(300, 500, generator=g).bfloat16(),
+          "lone.fp16": torch.randn(77, generator=g).half(), "empty": torch.randn(0, generator=g).bfloat16()}
+    for i in range(24):
+        s0[f"layers.{i}.lora_A"] = torch.randn(16, 64 + i, generator=g).bfloat16()
+        s0[f"layers.{i}.lora_B"] = torch.randn(96, 16, generator=g).bfloat16()
+        s0[f"layers.{i}.norm"] = torch.randn(64 + 3 * i, generator=g)
+    s0["layers.big_small"] = torch.randn(SMALL_NUMEL, generator=g).bfloat16()  # the largest grouped size
+    out = [s0]
+
+    def step(prev: dict[str, torch.Tensor], names: list[str], every: int) -> dict[str, torch.Tensor]:
+        nxt = {k: v.clone() for k, v in prev.items()}
+        for n in names:
+            flat = nxt[n].view(-1)
+            ints = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+            ints[:: every] += 1
+        return nxt
+
+    small = [n for n in s0 if n.startswith("layers.")]
+    out.append(step(out[-1], list(s0), 13))  # everything a little
+    out.append(step(out[-1], ["layers.3.lora_B", "big.a"], 7))  # one member of a group: coded alone
+    out.append(step(out[-1], ["big.b"], 5))  # no small tensor
+    out.append(step(out[-1], small[::2] + ["lone.fp16"], 1))  # some members of each group, densely
+    return out
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("effort", ["size", "speed"])
+def test_grouped_small_tensors_bytes_equal_the_cpu_snapshot(placement, effort):
+    """Over several versions the device path's patches are the CPU `Snapshot`'s byte for byte,
+    groups of two dtypes included, and its snapshot and digests move as the CPU one's."""
+    states = versions_with_small_tensors()
+    dev = DeviceSnapshot(states[0], 0, placement=placement, effort=effort)
+    cpu = Snapshot(states[0], 0, effort=effort)
+    assert dev.digests == cpu.digests and dev.state_digest == cpu.state_digest
+    grouped, dtypes = 0, set()
+    for v, cur in enumerate(states[1:], start=1):
+        ex = dev.extract(cur, v)
+        enc = cpu.diff_encode(cur, v)
+        data = ex.encode().data
+        assert data == enc.data, v
+        assert ex.target_digests == enc.target_digests and ex.target_state_digest == enc.target_state_digest
+        assert {n: c.n_changed for n, c in ex.changes.items()} == {n: c.n_changed for n, c in enc.changes.items()}
+        groups = read_patch(data).header.groups
+        grouped += len(groups)
+        dtypes |= {cur[gr.members[0]].dtype for gr in groups}
+    assert grouped >= 4 and dtypes == {torch.bfloat16, torch.float32}  # both dtypes' groups, in two versions
+    for n, t in states[-1].items():  # both halves of the snapshot hold the last version
+        assert torch.equal(dev.state[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+
+
+def test_a_failing_group_leaves_the_snapshot_as_it_was(monkeypatch):
+    """All or nothing: a failure while the grouped tensors advance leaves both halves (device and
+    host) and the digests as they were; the next version is then extracted from the old one."""
+    from sparsesync.codec import device_groups
+
+    states = versions_with_small_tensors()
+    dev = DeviceSnapshot(states[0], 0)
+    digests, sd = dict(dev.digests), dev.state_digest
+    real = device_groups.diff_cpu_tensor
+    calls = []
+
+    def fails_late(base, target, **kw):  # the fault: the second group's (fp32) diff fails, the first (bf16) advanced
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the diff")
+        return real(base, target, **kw)
+
+    monkeypatch.setattr(device_groups, "diff_cpu_tensor", fails_late)
+    with pytest.raises(MemoryError):
+        dev.extract(states[1], 1)
+    monkeypatch.undo()
+    assert dev.version == 0 and dev.digests == digests and dev.state_digest == sd
+    for n, t in states[0].items():
+        assert torch.equal(dev.state[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+    ex = dev.extract(states[2], 2)
+    assert ex.encode().data == c_path(states[0], states[2], 0, 2)[0]
 
 
 def test_prepared_base_for_other_thresholds_is_refused():

@@ -45,6 +45,45 @@ def test_follower_reaches_the_published_bits(tmp_path, place):
     assert verify_run(url).ok
 
 
+def lora_state(seed: int) -> dict[str, torch.Tensor]:
+    """A LoRA adapter's shapes (small bf16 A/B matrices, not named as PEFT names them) with fp32
+    norms beside them: groups of two dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(12):
+        out[f"layers.{i}.adapter_a.weight"] = (torch.randn(8, 64, generator=g) * 0.02).bfloat16()
+        out[f"layers.{i}.adapter_b.weight"] = (torch.randn(64, 8, generator=g) * 0.02).bfloat16()
+        out[f"layers.{i}.norm.weight"] = torch.randn(64, generator=g)
+    return out
+
+
+def test_grouped_small_tensors_reach_the_follower_with_the_cpu_path_bytes(tmp_path):
+    """Small tensors of two dtypes published from the device path (kept and grouped on the host):
+    a real Follower reaches the bits, and every delta file is the CPU publisher's, byte for byte."""
+    g = torch.Generator().manual_seed(5)
+    states = [lora_state(0)]
+    for _ in range(5):
+        states.append(train_step(states[-1], g, density=0.05))
+    urls = {place: str(tmp_path / place) for place in ("device", "cpu")}
+    for place, url in urls.items():
+        with Publisher(url, snapshot=place, anchor_every=100) as pub:
+            for v, s in enumerate(states):
+                pub.publish(s, v)
+                pub.flush()
+    f = Follower(urls["device"], poll_interval=0.05)
+    assert f.sync_once() == len(states) - 1
+    assert_bit_equal(f.mirror, states[-1])
+    assert verify_run(urls["device"]).ok
+    deltas = {}
+    for place, url in urls.items():
+        run = Run(url)
+        deltas[place] = [run.fetch(c.delta) for c in run.commits() if c.delta is not None]
+    assert len(deltas["device"]) == len(states) - 1 and deltas["device"] == deltas["cpu"]
+    from sparsesync.codec import read_patch
+
+    assert all(read_patch(d).header.groups for d in deltas["device"])  # grouped, both halves
+
+
 def test_cpu_weights_keep_the_cpu_snapshot(tmp_path):
     with Publisher(str(tmp_path / "run")) as pub:
         pub.publish(make_state(0), 0)
