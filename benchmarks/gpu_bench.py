@@ -15,6 +15,9 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   Publisher's default on a GPU trainer (each 256 MiB slice is copied to the host and compared
   there); `diff_encode_cuda_snapshot_s`: the same with `Snapshot(device="cuda")` (the compare
   runs on the GPU, only the changes are copied).
+- `publish_stall_s`, `follower_lag_s`, `lag_over_stall_plus_decode`, `publish_stall_over_trl`:
+  `Publisher.publish()` on the device weights (snapshot beside them, entropy coding in the
+  background) and a follower on a local folder (benchmarks/_publish_phase.py).
 - `trl_extract_s`: TRL-style, on the GPU: bitwise compare, nonzero, gather, copy to host,
   safetensors save (int32 indices + bf16 values).
 - `decode_apply_s`: `apply_patch(read_patch(bytes), cuda_weights)` (decode and validate, base
@@ -22,14 +25,23 @@ Per shape, each figure the best of the reps that fit the time budget (every rep 
   applies; `trl_apply_s`: safetensors load, copy to the GPU, `index_put_`, no checks.
 - `snapshot_host_rss_GB`: growth of this process's resident memory when the host snapshot is
   made (the trainer's extra host memory; the model's bf16 bytes once).
-- `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep),
-  `digest_cpu_GBps` the C codec's over a host copy, `digest_matches_cpu` whether they agree.
-- `replica_host_model_copies`: host memory the replica's process grew by (engine + mirror), in
-  copies of the model's bytes.
-- `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine on CUDA applying one
-version
-  (`Engine.apply_sparse` with the follower's decoded updates: write plus the read-back check),
-  as `PauseStats` measures it.
+- `digest_GBps`: the tensor digest ("xxh3b") of a 1 GiB bf16 tensor on the device (best rep;
+  `digest_impl`: on CUDA the Triton kernel where triton imports), `digest_torch_GBps` the torch
+  implementation's, `digest_triton_by_config` the Triton kernel's at several rounds per step and
+  warps per program (8 and 4: the default), `digest_cpu_GBps` the C codec's over a host copy,
+  `digest_matches_cpu` whether every one of them agrees with the C codec.
+- `device_apply_s`: the device apply (`codec.device_apply.apply_on_device`: host decode, one
+  transfer, scatter, base and target digests on the device; on the CPU the same torch code on CPU
+  tensors), `device_apply_staged_s` its part inside a mirror-less replica's pause, `index_put_s`
+  a bare `index_put_` of the same decoded update already on the device; `apply_over_index_put`
+  (and `staged_apply_over_index_put`) their ratio, in the same run.
+- `replica_host_model_copies`: host memory the replica's process grew by (engine, follower with
+  no host mirror, the anchor's load), in copies of the model's bytes (on the CPU the engine's own
+  weights are host memory; `--tiny`: a sub-MB model, so mostly the libraries' noise).
+- `replica_pause_ms` (a ~0.6B Qwen3 model: hidden 1024, 64 layers, vocab 512): the embedded engine
+  on the device following a local run with no host mirror (`device_state=True`): each delta's
+  pause (`write_in_place`: the device apply plus the engine's whole-state check), as `PauseStats`
+  measures it; `replica_anchor_load_ms` the anchor's load straight into the engine.
 
 Reps alternate direction (base -> target, then target -> base: the same density) so no
 snapshot has to be rebuilt between them; the replica's weights are put back by a copy. Phases that would not fit
@@ -61,6 +73,7 @@ from safetensors.torch import save as st_save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _codec_data import qwen_like_shapes
+from _publish_phase import bench_publish
 
 from sparsesync.codec import Snapshot, apply_patch, read_patch
 from sparsesync.codec.diff import bits_view
@@ -248,6 +261,18 @@ def bench_codec(
             torch.cuda.empty_cache()
         save()
 
+    # -- trainer side: Publisher.publish() on the device weights, and a follower's lag ----------
+    if budget.left() < 4 * min(ours) + 20:
+        row["publish_phase"] = "skipped: budget"
+    else:
+        try:
+            bench_publish(dev, a, b, reps, budget.left, row, save)
+        except torch.OutOfMemoryError as e:
+            row["publish_phase"] = f"out of GPU memory: {e}"
+            gc.collect()
+            torch.cuda.empty_cache()
+    save()
+
     # -- replica side: decode + verify + apply into CUDA weights ---------------------------
     work = {k: v.clone() for k, v in a.items()}
     applies: dict[str, list[float]] = {"decode_apply": [], "follower_apply": [], "trl_apply": []}
@@ -272,6 +297,7 @@ def bench_codec(
         save()
     row.update({f"{k}_s": min(v) for k, v in applies.items()})
     row.update({f"{k}_all_s": v for k, v in applies.items()})
+    ok = bench_device_apply(dev, fwd, work, a, b, reps, row) and ok
     row["apply_bit_exact"] = ok
     del work, a, b
     gc.collect()
@@ -281,38 +307,110 @@ def bench_codec(
     save()
 
 
+def bench_device_apply(dev: torch.device, data: bytes, work: dict[str, torch.Tensor], a: dict[str, torch.Tensor],
+                       b: dict[str, torch.Tensor], reps: int, row: dict) -> bool:
+    """The device apply (`codec.device_apply`, the tensors' own device; on the CPU the same torch
+    code on CPU tensors) against a bare `index_put_` of the same update, in the same run:
+    `device_apply_s` read + host decode + one transfer + scatter + base and target digests on the
+    device; `device_apply_staged_s` the part a mirror-less replica pauses for (`apply_staged`: the
+    decode and the transfer happen while it serves); `index_put_s` the decoded indices and values
+    already on the device, `index_put_` per tensor, no check. Returns whether every result was b."""
+    from sparsesync.codec import decode_patch
+    from sparsesync.codec.device_apply import apply_on_device, apply_staged, stage_on_device
+
+    ups = decode_patch(read_patch(data), work, check_base_digest=False)
+    on_dev = {n: (u.indices.to(dev), u.values.to(dev)) for n, u in ups.items()}
+
+    def index_put() -> None:
+        for n, (i, v) in on_dev.items():
+            work[n].view(-1).index_put_((i,), v)
+
+    times: dict[str, list[float]] = {"device_apply": [], "device_apply_staged": [], "index_put": []}
+    ok = True
+    for _ in range(reps):
+        for key in times:
+            if key == "device_apply_staged":
+                staged = stage_on_device(read_patch(data), work)
+                sync(dev)
+                dt, _ = timed(dev, lambda: apply_staged(staged, work))  # noqa: B023 - called at once
+            else:
+                dt, _ = timed(dev, index_put if key == "index_put" else lambda: apply_on_device(read_patch(data), work))
+            times[key].append(dt)
+            ok = ok and same_bits(work, b)
+            for k in work:
+                work[k].copy_(a[k])
+    row.update({f"{k}_s": min(v) for k, v in times.items()})
+    row.update({f"{k}_all_s": v for k, v in times.items()})
+    row.update(apply_over_index_put=min(times["device_apply"]) / min(times["index_put"]),
+               staged_apply_over_index_put=min(times["device_apply_staged"]) / min(times["index_put"]))
+    return ok
+
+
 def bench_digest(dev: torch.device, nbytes: int, reps: int, row: dict, save: Callable[[], None]) -> None:
-    """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev` (on CUDA the
-    torch path, `codec.blocks_torch`; on the CPU the C codec), every rep timed; its value compared
-    with the C codec's over a host copy (bit-identical, or the run fails)."""
-    from sparsesync.codec.digest import tensor_digest
+    """The tensor digest ("xxh3b", docs/format.md) of one `nbytes` bf16 tensor on `dev`, every rep
+    timed: `tensor_digest` (on CUDA the Triton kernel, `codec.blocks_triton`, where triton imports,
+    else torch operations; on the CPU the C codec), and side by side on CUDA the Triton kernel at
+    other rounds per step and warps per program, and the torch implementation (`codec.blocks_torch`; on the CPU too).
+    Each value is compared with the C codec's over a host copy (bit-identical, or the run fails)."""
+    from sparsesync.codec import device_blocks, digest
+    from sparsesync.codec.blocks_torch import tensor_digest_torch
 
     g = torch.Generator(device=dev).manual_seed(3)
     t = torch.randint(-(1 << 15), 1 << 15, (nbytes // 2,), dtype=torch.int16, device=dev, generator=g)
     t = t.view(torch.bfloat16)
-    times, got = [], ""
-    for _ in range(reps):
-        dt, got = timed(dev, lambda: tensor_digest(t, "xxh3b"))
-        times.append(dt)
     host = t.cpu()
-    cpu_s, want = timed(torch.device("cpu"), lambda: tensor_digest(host, "xxh3b"))
-    row.update(digest_bytes=nbytes, digest_device=str(dev), digest_s_all=times, digest_GBps=nbytes / min(times) / 1e9,
-               digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=got == want)
-    print(f"[digest] xxh3b on {dev}: {row['digest_GBps']:.1f} GB/s (C codec on this host: "
-          f"{row['digest_cpu_GBps']:.1f} GB/s), same digest as the C codec: {got == want}", flush=True)
+    cpu_s, want = timed(torch.device("cpu"), lambda: digest.tensor_digest(host, "xxh3b"))
+
+    def best(fn: Callable[[], str]) -> tuple[list[float], bool]:
+        times, same = [], True
+        for _ in range(reps):
+            dt, got = timed(dev, fn)
+            times.append(dt)
+            same = same and got == want
+        return times, same
+
+    times, same = best(lambda: digest.tensor_digest(t, "xxh3b"))
+    impl = device_blocks.cuda_impl().__module__ if dev.type == "cuda" else "sparsesync.codec.blocks_digest (C)"
+    row.update(digest_bytes=nbytes, digest_device=str(dev), digest_impl=impl, digest_s_all=times,
+               digest_GBps=nbytes / min(times) / 1e9, digest_cpu_GBps=nbytes / cpu_s / 1e9, digest_matches_cpu=same)
+    torch_times, torch_same = best(lambda: tensor_digest_torch(t))
+    row.update(digest_torch_s_all=torch_times, digest_torch_GBps=nbytes / min(torch_times) / 1e9,
+               digest_torch_matches_cpu=torch_same)
+    row["digest_triton_by_config"] = None  # the Triton kernel runs on CUDA only (tests: CPU interpreter)
+    if dev.type == "cuda" and impl.endswith("blocks_triton"):
+        from sparsesync.codec.blocks_triton import tensor_digest_triton
+
+        by_config = {}
+        for rounds, warps in ((4, 4), (8, 4), (16, 4), (8, 8), (16, 8)):  # (8, 4): the default
+            rt, rsame = best(lambda r=rounds, w=warps: tensor_digest_triton(t, r, w))  # type: ignore[misc]
+            by_config[f"rounds={rounds},warps={warps}"] = {"GBps": nbytes / min(rt) / 1e9, "s_all": rt,
+                                                           "matches_cpu": rsame}
+            row["digest_matches_cpu"] = row["digest_matches_cpu"] and rsame
+        row["digest_triton_by_config"] = by_config
+    row["digest_matches_cpu"] = row["digest_matches_cpu"] and torch_same
+    print(f"[digest] xxh3b on {dev} ({impl}): {row['digest_GBps']:.1f} GB/s; torch operations "
+          f"{row['digest_torch_GBps']:.1f} GB/s; C codec on this host {row['digest_cpu_GBps']:.1f} GB/s; "
+          f"Triton by configuration: {row['digest_triton_by_config']}; all equal to the C codec's: "
+          f"{row['digest_matches_cpu']}", flush=True)
     save()
 
 
 def bench_pause(
     dev: torch.device, hidden: int, layers: int, lr: float, reps: int, row: dict, save: Callable[[], None]
 ) -> None:
-    """The embedded engine on `dev` applying one version as a follower hands it over."""
+    """The embedded engine on `dev` following a local run with no host mirror (`device_state=True`,
+    the default on a GPU): each delta staged while it serves and applied into its tensors by the
+    device apply; its pause per version (`PauseStats`) and the host memory the replica's process
+    grew by (engine, follower, the anchor's load), in copies of the model's bytes."""
     from inference_space.engines.embedded import EmbeddedEngine
+    from sparsesync.protocol.follower.follower import Follower
+    from sparsesync.protocol.writer.publisher import Publisher
     from sparsesync.tiny_model import arch_config, build_tiny_model
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_model(tmp)  # the tokenizer, and a config to copy
+        from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
 
         small = AutoConfig.from_pretrained(tmp)
@@ -322,34 +420,42 @@ def bench_pause(
         model.generation_config.eos_token_id = small.eos_token_id
         model.save_pretrained(tmp)
         del model
+        base = {k: v.contiguous() for k, v in load_file(str(Path(tmp) / "model.safetensors")).items()}
+        target = master_step(base, lr)
+        run = str(Path(tmp) / "run")
+        versions = [base] + [target, base] * reps  # every version published before the replica starts
+        with Publisher(run, anchor_every=0, anchor_fraction=1e9) as pub:
+            for v, state in enumerate(versions, start=1):
+                pub.publish(state, v)
+            pub.flush()
+        n_params = sum(t.numel() for t in base.values())
+        model_bytes = sum(t.numel() * t.element_size() for t in base.values())
+        from sparsesync.protocol.follower.mirror import release_freed_memory
+
         gc.collect()
-        rss0 = rss_bytes()  # the process baseline: libraries loaded, the model saved
-        engine = EmbeddedEngine(tmp, device=str(dev))
-        mirror = engine.state_dict()  # the follower's verified copy, on the host
-        n_params = sum(t.numel() for t in mirror.values())
-        model_bytes = sum(t.numel() * t.element_size() for t in mirror.values())
-        # the host memory a replica holds beyond the process baseline: the engine's (on CUDA: none
-        # but what loading left) and the follower's mirror (today a host copy), in model copies
-        row.update(replica_host_model_copies=(rss_bytes() - rss0) / model_bytes)
+        release_freed_memory()
+        rss0 = rss_bytes()  # the process baseline: libraries loaded, the run written, the publisher's copies held
+        engine = EmbeddedEngine(tmp, device=str(dev), device_state=True)
+        pauses: list[float] = []
+        add = engine.pauses.add
+        engine.pauses.add = lambda ms, wait: (pauses.append(ms), add(ms, wait))[1]  # type: ignore[method-assign]
+        follower = Follower(run, engine, prefetch=False)
+        got = follower.sync_once()  # the anchor straight into the engine, then every delta on the device
+        gc.collect()
+        release_freed_memory()
+        row.update(replica_host_model_copies=(rss_bytes() - rss0) / model_bytes, replica_mirror=bool(follower.mirror))
         row.update(
             engine_params=n_params, engine_hidden=hidden, engine_layers=layers, engine_load_s=time.perf_counter() - t0
         )
-        print(f"[pause] embedded engine on {dev}: {n_params / 1e6:.0f}M params", flush=True)
-        base = {k: v.clone() for k, v in mirror.items()}
-        target = master_step(base, lr)
-        snap = Snapshot(base, 0)
-        patches = [snap.diff_encode(target, 1).data, snap.diff_encode(base, 2).data]
-        pauses, ok = [], True
-        for i in range(reps):
-            for j, data in enumerate(patches):
-                updates = apply_patch(read_patch(data), mirror, check_base_digest=False)
-                engine.apply_sparse(2 * i + j + 1, updates, {n: mirror[n] for n in updates})
-                pauses.append(engine.pauses.last_ms)
-            ok = ok and same_bits(engine.state_dict(), base)
-        row.update(replica_pause_ms=min(pauses), replica_pause_all_ms=pauses, replica_bit_exact=ok,
-                   replica_changed=sum(u.indices.numel() for u in updates.values()))
+        print(f"[pause] embedded engine on {dev}, no host mirror: {n_params / 1e6:.0f}M params", flush=True)
+        deltas = pauses[1:]  # the first pause is the anchor's load
+        ok = got == len(versions) and same_bits(engine.state_dict(), versions[-1])
+        row.update(replica_pause_ms=min(deltas) if deltas else None, replica_pause_all_ms=deltas,
+                   replica_anchor_load_ms=pauses[0] if pauses else None, replica_bit_exact=ok,
+                   replica_follower_state=follower.status().state)
+        follower.stop()
         engine.close()
-        del engine
+        del engine, follower
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -432,10 +538,18 @@ def main() -> None:
         "snapshot_host_rss_GB",
         "diff_encode_s",
         "diff_encode_cuda_snapshot_s",
+        "publish_stall_s",
+        "publish_stall_over_trl",
+        "lag_over_stall_plus_decode",
+        "snapshot_device",
         "trl_extract_s",
         "decode_apply_s",
         "follower_apply_s",
         "trl_apply_s",
+        "device_apply_s",
+        "device_apply_staged_s",
+        "index_put_s",
+        "apply_over_index_put",
         "snapshot_bit_exact",
         "apply_bit_exact",
     )
@@ -451,7 +565,10 @@ def main() -> None:
         if r.get("snapshot_bit_exact") is False
         or r.get("apply_bit_exact") is False
         or r.get("cuda_snapshot_same_bytes") is False
-    ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else [])
+        or r.get("publish_follower_bit_exact") is False
+    ] + (["pause"] if result["pause"].get("replica_bit_exact") is False else []) + (
+        ["digest"] if result["digest"].get("digest_matches_cpu") is False else []
+    )
     if bad or "error" in result["pause"] or "error" in result["digest"] or any("error" in r for r in result["rows"]):
         print(f"NOT BIT-EXACT or failed: {bad or 'see errors in the JSON'}")
         sys.exit(1)

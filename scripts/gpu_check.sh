@@ -6,9 +6,9 @@
 #   bash scripts/gpu_check.sh --download   # on a machine with the package index: fetch the wheels into .whl/
 #
 # Made for a CUDA machine image with NO network that already has: x86-64, Python 3.12 with pip
-# and setuptools, torch (2.11 or later, CUDA), numpy, safetensors, xxhash, transformers, peft,
-# pytest, typer, rich, and, to compile the codec's C passes, a C compiler (cc/gcc) and the Python
-# headers (Python.h). Step 0 (prereqs) checks each of these and names what is missing and how
+# and setuptools, torch (2.11 or later, CUDA; the triton its build brings, optional), numpy,
+# safetensors, xxhash, transformers, peft, pytest, typer, rich, and, to compile the codec's C
+# passes, a C compiler (cc/gcc) and the Python headers (Python.h). Step 0 (prereqs) checks each of these and names what is missing and how
 # to add it. zstandard and constriction travel as wheels in the ignored folder .whl/ (carry it
 # along with the working tree), fetched beforehand with --download, i.e.:
 #
@@ -21,7 +21,8 @@
 #
 # Steps, each under its own `timeout` so one hang cannot eat the machine's time (seconds,
 # overridable: GPU_CHECK_T_PREREQS, _INSTALL, _BUILD, _ENV, _TESTS, _BENCH):
-#   0. prereqs  python, pip, setuptools, torch, a C compiler, the Python headers (a missing one stops here)
+#   0. prereqs  python, pip, setuptools, torch, a C compiler, the Python headers (a missing one stops here);
+#               triton's version (optional: without it the digest of CUDA tensors runs as torch operations)
 #   1. install  the carried wheels into /tmp/sparsesync-site (pip --no-index --no-deps), on PYTHONPATH
 #   2. build    the codec's C passes in place (python sparsesync/codec/_build.py); the repo on PYTHONPATH
 #   3. env      versions, the GPU, nvidia-smi                              -> $OUT/env.json
@@ -105,6 +106,8 @@ prereqs() {  # what the steps need that the carried wheels do not bring; one lin
   inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null)
   [ -f "$inc/Python.h" ] || { echo "MISSING: the Python headers ($inc/Python.h; apt-get install python3-dev)"; missing=1; }
   [ $missing -eq 0 ] && echo "prerequisites present: $("$PY" -V 2>&1), torch $("$PY" -c 'import torch; print(torch.__version__)'), cc $cc"
+  # triton is optional: with it CUDA tensors are digested by the Triton kernel, without it by torch operations
+  echo "triton: $("$PY" -c 'import triton; print(triton.__version__)' 2>/dev/null || echo "absent (the digest of CUDA tensors falls back to torch operations)")"
   return $missing
 }
 
@@ -133,7 +136,7 @@ print_env() {
 import json, os, platform, subprocess, sys
 from importlib import metadata
 out = {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()}
-for m in ("torch", "numpy", "safetensors", "xxhash", "zstandard", "constriction", "transformers", "peft",
+for m in ("torch", "triton", "numpy", "safetensors", "xxhash", "zstandard", "constriction", "transformers", "peft",
           "huggingface_hub", "hf_xet", "pytest", "typer", "rich", "httpx"):
     try:
         out[m] = metadata.version(m)

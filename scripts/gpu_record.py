@@ -32,8 +32,15 @@ def _ratio(row: dict, num: str, den: str) -> float | None:
 
 def record(out: Path, commit: str, command: str, started: str, dirty: str = "") -> dict:
     bench = _read(out, "gpu_bench.json") or {}
-    shapes = {r["shape"]: {"publish_stall_over_trl": _ratio(r, "diff_encode_s", "trl_extract_s"),
-                           "apply_over_index_put": _ratio(r, "decode_apply_s", "trl_apply_s")}
+    # the stall: `Publisher.publish()` on the device weights (a bench without that phase: `diff_encode_s`)
+    shapes = {r["shape"]: {"publish_stall_over_trl": _ratio(r, "publish_stall_s", "trl_extract_s")
+                           or _ratio(r, "diff_encode_s", "trl_extract_s"),
+                           "publish_stall_source": "publish_stall_s" if "publish_stall_s" in r else "diff_encode_s",
+                           "lag_over_stall_plus_decode": r.get("lag_over_stall_plus_decode"),
+                           # the device apply against a bare index_put_ of the same update (a bench without
+                           # that phase: decode+apply against the TRL-style load + index_put_)
+                           "apply_over_index_put": _ratio(r, "device_apply_s", "index_put_s")
+                           or _ratio(r, "decode_apply_s", "trl_apply_s")}
               for r in bench.get("rows", [])}
     return {"commit": commit, "uncommitted_changes": dirty or None, "command": command, "started": started,
             "env": _read(out, "env.json"), "summary": _read(out, "summary.json"), "per_shape": shapes,

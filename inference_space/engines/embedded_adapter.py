@@ -45,3 +45,4 @@ class EmbeddedAdapterEngine(EmbeddedEngine):
         self._live = _LiveMap(self.model, views)
         self._specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in views.items()}
         self._aliases = {}
+        self.holds_device_state = False  # an adapter run keeps the mirror follower (the device path is untested there)

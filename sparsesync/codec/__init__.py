@@ -15,6 +15,7 @@ except ImportError as e:  # a source tree that was never built
         "sparsesync/codec/_build.py"
     ) from None
 
+from sparsesync.codec import device_apply as _device_apply  # noqa: F401 - registers apply_patch's device path
 from sparsesync.codec._parallel import interrupts_deferred
 from sparsesync.codec.anchor import AnchorInfo, load_anchor, write_anchor
 from sparsesync.codec.apply import SparseUpdate, apply_patch, decode_patch, verify_digests

@@ -36,6 +36,7 @@ from sparsesync.codec._streams import (  # noqa: F401 - Ctx, check_indices: the 
     zstd_compress,
     zstd_decompress,
 )
+from sparsesync.codec.prepared_base import PreparedBase
 
 # ---------------------------------------------------------------------------- positions
 # Each: encode(indices, ctx) -> (params, {role: StreamOut}); decode(params, streams, ctx) -> int64 indices
@@ -82,7 +83,7 @@ def _gaps_enc(
     ctx: Ctx,
     thresholds: list[int],
     base_at_idx: np.ndarray | None,
-    base_full: np.ndarray | None,
+    base_full: np.ndarray | PreparedBase | None,
     sizes: list[int] | None = None,
 ) -> tuple[dict, dict[str, StreamOut]]:
     """Gap coding, optionally per class of the base magnitude: within each class, the ranks of
@@ -92,9 +93,9 @@ def _gaps_enc(
     if thresholds:
         if base_at_idx is None or base_full is None:
             raise ValueError("class-conditioned gaps need the base")
-        ranks = class_ranks(
-            base_full, thresholds, idx, class_sizes(key_counts(base_at_idx), thresholds) if sizes is None else sizes
-        )
+        sizes = class_sizes(key_counts(base_at_idx), thresholds) if sizes is None else sizes
+        ranks = (base_full.class_ranks(thresholds, sizes) if isinstance(base_full, PreparedBase)
+                 else class_ranks(base_full, thresholds, idx, sizes))
     else:
         ranks = [idx]
     ranks = [np.ascontiguousarray(r, dtype=np.int64) for r in ranks]

@@ -3,7 +3,9 @@
 Guarantee: `FlatGroup.diff_encode` gives the same changes, element for element, as diffing each
 member on its own, codes them as one flat tensor (the touched members' concatenation in name
 order; a single touched member is coded alone, as format 3 does), and advances the members to
-`current` only once the encoding succeeded; its `undo` puts the old bits back. Memory: the
+`current` only once the encoding succeeded; its `undo` puts the old bits back. Its two halves,
+`split` and `code`, serve a device snapshot's host groups (`device_groups`), which diff and
+advance in `publish` and code later from a copy of the base: the same bytes. Memory: the
 group holds its members' bytes once (the snapshot's copy); a version adds a copy of the
 current members (the concatenation diffed) and, when only some members changed, of theirs.
 """
@@ -69,43 +71,8 @@ class FlatGroup:
         tb = time.perf_counter()
         if ch is None:
             return Done(diff_s=tb - ta)
-        offs = self.offsets
-        cuts = np.searchsorted(ch.indices, offs)
-        counts = np.diff(cuts)
-        touched = np.flatnonzero(counts).tolist()
-        dtype = self.flat.dtype
-        changes = {
-            self.names[m]: TensorChange(
-                dtype,
-                self.shapes[m],
-                ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
-                ch.base_bits[cuts[m] : cuts[m + 1]],
-                ch.target_bits[cuts[m] : cuts[m + 1]],
-            )
-            for m in touched
-        }
-        group, encoded = None, {}
-        if len(touched) == 1:  # coded alone: an "xxh3" file stays format 3
-            name = self.names[touched[0]]
-            encoded[name] = encode_tensor(name, changes[name], self.views[touched[0]], effort=effort)
-        else:
-            if len(touched) == len(self.names):
-                vidx, base = ch.indices, self.flat
-            else:  # the touched members' concatenation: shift each member's indices to its place there
-                sizes = offs[1:] - offs[:-1]
-                starts = np.concatenate([[0], np.cumsum(sizes[touched])[:-1]])
-                vidx = ch.indices - np.repeat(offs[touched] - starts, counts[touched])
-                base = cat_into("base", [self.flat[offs[m] : offs[m + 1]] for m in touched])
-            vch = TensorChange(dtype, (int(base.numel()),), vidx, ch.base_bits, ch.target_bits)
-            first = self.names[touched[0]]
-            group = (
-                encode_tensor(first, vch, base, effort=effort),
-                _groups.Members(
-                    [self.names[m] for m in touched],
-                    [self.shapes[m] for m in touched],
-                    [int(counts[m]) for m in touched],
-                ),
-            )
+        touched, counts, changes = self.split(ch)
+        encoded, group = self.code(ch, touched, counts, self.flat, effort)
         bits = to_np_bits(bits_view(self.flat))
 
         def undo() -> None:
@@ -114,6 +81,7 @@ class FlatGroup:
         put_bits(bits, ch.indices, ch.target_bits)
         try:
             if algo == BLOCKS_ALGO:  # every touched member in one native call
+                offs = self.offsets
                 got = digests_many([bits[offs[m] : offs[m + 1]] for m in touched])
                 digests = {self.names[m]: d for m, d in zip(touched, got)}
             else:
@@ -122,3 +90,49 @@ class FlatGroup:
             undo()
             raise
         return Done(changes, encoded, group, digests, tb - ta, time.perf_counter() - tb, undo)
+
+    def split(self, ch: TensorChange) -> tuple[list[int], np.ndarray, dict[str, TensorChange]]:
+        """Of `ch` (a change of the whole flat tensor): the members it touches (positions in
+        `names`), every member's count of changed elements, each touched member's own change."""
+        offs = self.offsets
+        cuts = np.searchsorted(ch.indices, offs)
+        counts = np.diff(cuts)
+        touched = np.flatnonzero(counts).tolist()
+        changes = {
+            self.names[m]: TensorChange(
+                self.flat.dtype,
+                self.shapes[m],
+                ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
+                ch.base_bits[cuts[m] : cuts[m + 1]],
+                ch.target_bits[cuts[m] : cuts[m + 1]],
+            )
+            for m in touched
+        }
+        return touched, counts, changes
+
+    def code(
+        self, ch: TensorChange, touched: list[int], counts: np.ndarray, base: torch.Tensor, effort: Effort
+    ) -> tuple[dict[str, EncodedTensor], tuple[EncodedTensor, _groups.Members] | None]:
+        """`ch` (`split` gave `touched`, `counts`) coded against `base`, the group's flat tensor
+        before the change (`flat`, or a copy of it): the touched members as one flat tensor, or
+        a single touched member alone (as format 3 codes it: an "xxh3" file stays format 3)."""
+        offs = self.offsets
+        if len(touched) == 1:
+            m = touched[0]
+            name = self.names[m]
+            own = TensorChange(ch.dtype, self.shapes[m], ch.indices - offs[m], ch.base_bits, ch.target_bits)
+            return {name: encode_tensor(name, own, base[offs[m] : offs[m + 1]].view(self.shapes[m]),
+                                        effort=effort)}, None
+        if len(touched) == len(self.names):
+            vidx, vbase = ch.indices, base
+        else:  # the touched members' concatenation: shift each member's indices to its place there
+            sizes = offs[1:] - offs[:-1]
+            starts = np.concatenate([[0], np.cumsum(sizes[touched])[:-1]])
+            vidx = ch.indices - np.repeat(offs[touched] - starts, counts[touched])
+            vbase = cat_into("base", [base[offs[m] : offs[m + 1]] for m in touched])
+        vch = TensorChange(ch.dtype, (int(vbase.numel()),), vidx, ch.base_bits, ch.target_bits)
+        first = self.names[touched[0]]
+        members = _groups.Members(
+            [self.names[m] for m in touched], [self.shapes[m] for m in touched], [int(counts[m]) for m in touched]
+        )
+        return {}, (encode_tensor(first, vch, vbase, effort=effort), members)

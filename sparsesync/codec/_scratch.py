@@ -25,5 +25,5 @@ def cat_into(slot: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = bufs[(slot, dtype)] = torch.empty(n, dtype=dtype)
     out = buf[:n]
-    torch.cat([t.reshape(-1) for t in tensors], out=out)
+    torch.cat([t.reshape(-1).cpu() for t in tensors], out=out)  # device members: host copies (small)
     return out

@@ -16,6 +16,7 @@ import numpy as np
 from sparsesync.codec import _encodings as E
 from sparsesync.codec import _native
 from sparsesync.codec.diff import TensorChange
+from sparsesync.codec.prepared_base import PreparedBase, hist_sample, thresholds_from_hist
 
 MIN_CLASSED_NUMEL = 4096  # below this, class bitmaps cost more header than they save
 # base elements sampled for the class-threshold search (size only: 2^18 saved 0.1% of a patch for 4x the sampling)
@@ -56,25 +57,19 @@ def choose_thresholds(
     contiguous key ranges, in C); a class is added only when it saves more than `min_gain`.
     The base's key histogram comes from about _HIST_SAMPLE elements in 64 evenly spaced
     contiguous blocks (cache friendly, deterministic)."""
-    n = base_full.size
-    if n <= _HIST_SAMPLE:
-        starts, block = np.zeros(1, dtype=np.int64), n
-    else:
-        block = _HIST_SAMPLE // 64
-        starts = np.linspace(0, n - block, 64).astype(np.int64)
+    starts, block = hist_sample(base_full.size, _HIST_SAMPLE)
     hist = np.empty(128, dtype=np.int64)
     _native.key_hist(np.ascontiguousarray(base_full), base_full.dtype.itemsize, starts, block, hist)
-    tot = hist.astype(np.float64) * (n / max(1, min(n, _HIST_SAMPLE)))
-    chg = changed_keys.astype(np.float64)
-    return _native.thresholds_dp(tot, chg, max_classes, min_gain)
+    return thresholds_from_hist(hist, base_full.size, changed_keys, _HIST_SAMPLE, max_classes, min_gain)
 
 
 def choose(
-    ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | None = None, *, classes: bool = True
+    ch: TensorChange, ctx: E.Ctx, base_full: np.ndarray | PreparedBase | None = None, *, classes: bool = True
 ) -> tuple[str, dict, dict, str, dict, dict]:
     """(positions, position_params, position_streams, values, value_params, value_streams).
     `classes=False` leaves out the class-conditioned codings (and the pass over the whole base
-    that finding each change's class rank takes, on both sides)."""
+    that finding each change's class rank takes, on both sides). `base_full`: the base's bits,
+    or what the encoder reads of them prepared on a device (`prepared_base`: the same bytes)."""
     n, numel = ch.n_changed, ch.numel
     idx = ch.indices
     raw_pos = "raw_i32" if numel <= np.iinfo(np.int32).max else "raw_i64"
@@ -88,7 +83,8 @@ def choose(
     if n < numel:
         if classes and base_full is not None and numel >= MIN_CLASSED_NUMEL and n >= 16:
             changed_keys = E.key_counts(ch.base_bits)
-            thresholds = choose_thresholds(base_full, changed_keys)
+            thresholds = (base_full.thresholds_for(changed_keys, _HIST_SAMPLE) if isinstance(base_full, PreparedBase)
+                          else choose_thresholds(base_full, changed_keys))
             sizes = E.class_sizes(changed_keys, thresholds)  # shared by gaps and delta
         gp, gs = E._gaps_enc(idx, ctx, thresholds, ch.base_bits, base_full, sizes)
         pos_cands.append((_size(gs) + 60 * (len(thresholds) + 1), "gaps", lambda: (gp, gs)))
@@ -114,7 +110,8 @@ def choose(
             if base_full is None:
                 full, tgt = ch.base_bits, ch.target_bits
             else:
-                full, tgt = base_full, base_full.copy()
+                full = base_full.whole() if isinstance(base_full, PreparedBase) else base_full
+                tgt = full.copy()
                 tgt[idx] = ch.target_bits
             fp, fs = E._delta_enc(full, tgt, ctx)
             if _size(fs) + 20 < best[0]:

@@ -6,7 +6,8 @@ exactly the declared size, that positions are in range, strictly increasing and 
 (optionally) that the tensor's bytes match the patch's base digest, writing nothing.
 `apply_patch` makes the same checks and the digest checks, and writes: CPU tensors are each
 written as soon as they are decoded (while in cache) and hashed in the pass that writes them;
-CUDA tensors only after every check. Whatever fails (a stream, a base digest, a target digest),
+other devices' through `device_apply` (compact updates copied there, digests checked there;
+"xxh3" runs: only after every check). Whatever fails (a stream, a base digest, a target digest),
 every tensor's old bits are restored before the error (PatchFormatError, PatchMismatchError or
 DigestMismatchError) is raised. Works for CPU and CUDA tensors.
 """
@@ -25,6 +26,7 @@ from sparsesync.codec._group_write import write_group
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import (
+    BLOCKS_ALGO,
     DEFAULT_ALGO,
     algo_of,
     algos_of,
@@ -36,6 +38,7 @@ from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEnt
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
+DEVICE_PATH: list[Callable[..., dict[str, SparseUpdate]]] = []  # `device_apply` registers itself (codec/__init__)
 R = TypeVar("R")
 
 
@@ -367,6 +370,8 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
     targets = {n: e.target_digest for n, e in h.tensors.items()}
     if all(tensors[n].device.type == "cpu" for n in h.tensors):
         return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
+    if DEVICE_PATH and patch_algo(h) == BLOCKS_ALGO:  # compact updates to the device, digests checked there
+        return DEVICE_PATH[0](patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
     hashed: dict[str, str] = {}
     old = write_updates(tensors, updates, digests=hashed if verify else None, written=written, algo=patch_algo(h))

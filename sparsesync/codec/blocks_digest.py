@@ -4,12 +4,13 @@ Definition (normative text in docs/format.md, "Digests"): split the tensor's raw
 little-endian) into blocks of BLOCK = 65536 bytes, the last one padded with zero bytes to BLOCK;
 h_i = XXH3-64 (seed 0) of block i; the digest is XXH3-64 of `LE64(h_0) .. LE64(h_{k-1}) ||
 LE64(byte length)`, written `xxh3b:` + 16 lowercase hex digits. The blocks are independent, so
-a GPU (`blocks_torch`) or several CPU threads hash them at once, at memory speed; the length in
-the final hash keeps a tensor and the same bytes followed by zeros apart.
+a GPU (`blocks_triton`, or `blocks_torch`) or several CPU threads hash them at once, at memory
+speed; the length in the final hash keeps a tensor and the same bytes followed by zeros apart.
 
-Guarantee: `digest_bytes(buf)` equals `blocks_torch.tensor_digest_torch` of the same bytes on
-every device (the tests compare them), and `Hasher` fed the same bytes in any cut at block
-boundaries gives the same digest. Integrity, not authentication (as for "xxh3").
+Guarantee: `digest_bytes(buf)` equals `blocks_torch.tensor_digest_torch` and
+`blocks_triton.tensor_digest_triton` of the same bytes on every device (the tests compare them),
+and `Hasher` fed the same bytes in any cut at block boundaries gives the same digest. Integrity,
+not authentication (as for "xxh3").
 """
 
 from __future__ import annotations

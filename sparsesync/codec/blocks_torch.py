@@ -16,6 +16,8 @@ Temporaries: about 4x the bytes of `chunk_blocks` blocks at a time.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -71,27 +73,34 @@ def _fold(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return lower ^ upper
 
 
+@functools.lru_cache(maxsize=8)
+def _constants(dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """The secret's keys, the lane swap and the initial accumulators as tensors on `dev`, made
+    once per device: building them per call is a host->device copy that waits for the device."""
+
+    def i64(x: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=dev)
+
+    return i64(_STRIPE_KEYS), i64(_SWAP), i64(_LAST_KEY), i64(_ACC0), i64(_SCRAMBLE_KEY), i64(_MERGE_KEY)
+
+
 def _blocks(words: torch.Tensor) -> torch.Tensor:
     """XXH3-64 of each block: `words` int64 (k, 64, 16, 8) (block, round, stripe, lane) ->
     int64 (k,) with the digests' bits."""
-    dev = words.device
-    keys = torch.tensor(_STRIPE_KEYS, dtype=torch.int64, device=dev)  # (16, 8)
-    swap = torch.tensor(_SWAP, device=dev)
+    keys, swap, last_key, acc0, scr, mk = _constants(words.device)
     contrib = _mul_lohi(words ^ keys) + words[..., swap]  # (k, 64, 16, 8): what each stripe adds
     per_round = contrib[:, :63].sum(dim=2)  # rounds 0..62: all 16 stripes (int64 sums wrap, as u64 adds do)
     last = words[:, 63, 15]
     final = (
         contrib[:, 63, :15].sum(dim=1)
-        + _mul_lohi(last ^ torch.tensor(_LAST_KEY, dtype=torch.int64, device=dev))
+        + _mul_lohi(last ^ last_key)
         + last[:, swap]
     )
-    acc = torch.tensor(_ACC0, dtype=torch.int64, device=dev).expand(words.shape[0], 8).clone()
-    scr = torch.tensor(_SCRAMBLE_KEY, dtype=torch.int64, device=dev)
+    acc = acc0.expand(words.shape[0], 8).clone()
     for r in range(63):
         acc += per_round[:, r]
         acc = ((acc ^ _shr(acc, 47)) ^ scr) * _P32_1
     acc += final
-    mk = torch.tensor(_MERGE_KEY, dtype=torch.int64, device=dev)
     mixed = acc ^ mk
     h = _fold(mixed[:, 0::2], mixed[:, 1::2]).sum(dim=1) + _s64(BLOCK * _P64_1)
     h = h ^ _shr(h, 37)

@@ -1,7 +1,8 @@
 """Digests of tensor bytes, in one of two algorithms (docs/format.md, "Digests"):
 
 - "xxh3b" (what new runs write): XXH3-64 of each 64 KiB block, combined by XXH3-64 over the
-  block digests and the length (`blocks_digest`; a GPU computes it with `blocks_torch`), written
+  block digests and the length (`blocks_digest`; a GPU computes it with the Triton kernel
+  `blocks_triton`, or `blocks_torch` where triton is absent), written
   `xxh3b:` + 16 lowercase hex digits;
 - "xxh3" (runs written before it, still read): XXH3-64 of the whole byte stream, 16 bare hex
   digits.
@@ -102,16 +103,17 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 def tensor_digest(t: torch.Tensor, algo: str = DEFAULT_ALGO, *, threads: int | None = None) -> str:
     """The `algo` digest of `t`'s raw bytes. "xxh3b": a CPU tensor is hashed by the C codec
     (`threads` across its blocks, None: one per 16 MiB up to the CPUs), any other device's on
-    that device (`blocks_torch`, 8 bytes per 64 KiB block come back). "xxh3": a CUDA tensor is
-    copied to host in 64 MiB pieces."""
+    that device (`device_blocks`: a CUDA tensor by the Triton kernel where triton imports, else
+    by torch operations; 8 bytes per 64 KiB block come back). "xxh3": a CUDA tensor is copied to
+    host in 64 MiB pieces."""
     _check_algo(algo)
     flat = _byte_view(t)
     if algo == BLOCKS_ALGO:
         if flat.device.type == "cpu":
             return blocks_digest.digest_bytes(flat.numpy(), threads)
-        from sparsesync.codec.blocks_torch import tensor_digest_torch
+        from sparsesync.codec.device_blocks import tensor_digest_device  # (imports triton only for CUDA)
 
-        return tensor_digest_torch(flat)
+        return tensor_digest_device(flat)
     h = xxhash.xxh3_64()
     if flat.device.type == "cpu":
         h.update(flat.numpy().data)

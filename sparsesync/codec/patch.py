@@ -24,6 +24,7 @@ from sparsesync.codec import _container, _encodings, _groups, _parallel, _table,
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
 from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, all_blocks, is_digest
+from sparsesync.codec.prepared_base import PreparedBase
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
 FORMAT_NAME = "sparsesync.patch"
@@ -191,13 +192,18 @@ def ctx_for(entry: TensorEntry, base_bits: Callable[[np.ndarray | None], np.ndar
 
 # ---------------------------------------------------------------------------- writing
 def _choose(
-    change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | None, classes: bool
+    change: TensorChange, ctx: _encodings.Ctx, base: torch.Tensor | PreparedBase | None, classes: bool
 ) -> tuple[str, dict, dict, str, dict, dict]:
     """Smallest (positions, values) encoding pair for one tensor's change."""
     from sparsesync.codec import _select
 
-    base_full = None
-    if base is not None:
+    base_full: np.ndarray | PreparedBase | None = None
+    if isinstance(base, PreparedBase):
+        if base.numel != change.numel:
+            raise PatchMismatchError(f"tensor '{ctx.name}': prepared base of {base.numel} elements, expected "
+                                     f"{change.numel}", hint="pass the base the changes were diffed against")
+        base_full = base
+    elif base is not None:
         if tuple(base.shape) != tuple(change.shape) or base.dtype != change.dtype:
             raise PatchMismatchError(
                 f"tensor '{ctx.name}': base is {base.dtype} {tuple(base.shape)}, expected {change.dtype} "
@@ -223,10 +229,11 @@ class EncodedTensor:
 
 
 def encode_tensor(
-    name: str, change: TensorChange, base: torch.Tensor | None = None, *, effort: Effort = "size"
+    name: str, change: TensorChange, base: torch.Tensor | PreparedBase | None = None, *, effort: Effort = "size"
 ) -> EncodedTensor:
     """Encode one non-empty change (the smallest encodings; see `encode_changes`); `base`: the
-    tensor the change was diffed against, if the encoder has it. `effort` (`Effort`): "speed"
+    tensor the change was diffed against, if the encoder has it (or what the encoder reads of
+    it, prepared on a device: `prepared_base`, the same bytes). `effort` (`Effort`): "speed"
     leaves out the codings conditioned on the base's magnitude classes."""
     st = _container.st_dtype_name(change.dtype)
     ctx = _encodings.Ctx(name, st, np_uint_dtype(change.dtype), change.numel, change.n_changed, None)
@@ -236,7 +243,8 @@ def encode_tensor(
     )
 
 
-def encode_tensors(changes: Mapping[str, TensorChange], *, base: Mapping[str, torch.Tensor] | None = None,
+def encode_tensors(changes: Mapping[str, TensorChange], *,
+                   base: Mapping[str, torch.Tensor] | Mapping[str, PreparedBase] | None = None,
                    effort: Effort = "size") -> dict[str, EncodedTensor]:
     """Encode every non-empty change (`encode_tensor`). Tensors are encoded on the codec's
     thread pool; the result does not depend on it."""

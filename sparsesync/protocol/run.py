@@ -273,24 +273,33 @@ class Run:
         (state, per-tensor digests). `alloc`: where the tensors go, `written`: told of each once
         loaded (`codec.anchor.load_anchor`)."""
         with tempfile.TemporaryDirectory(dir=workdir, prefix="sparsesync-anchor-") as tmp:
-            items = [(ref.key, Path(tmp) / Path(ref.key).name) for ref in rec.anchor]
-            self.store.get_many(items)
-            for ref, (_key, path) in zip(rec.anchor, items, strict=True):
-                size = path.stat().st_size
-                if size != ref.size or file_digest(path) != ref.xxh3:
-                    raise DigestMismatchError(
-                        f"anchor file {self.store.object_url(ref.key)} is corrupt "
-                        f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
-                        hint="the stored anchor is damaged; publish a new anchor",
-                    )
             # shards and, when sharded, the index
-            state, info = load_anchor([p for _k, p in items], alloc=alloc, written=written)
-        if info.version != rec.version or info.state_digest != rec.state_digest:
-            raise DigestMismatchError(
-                f"anchor of version {rec.version} under {self.url} holds version {info.version} "
-                f"with state digest {info.state_digest}, expected {rec.state_digest}"
-            )
+            state, info = load_anchor(self.download_anchor(rec, Path(tmp)), alloc=alloc, written=written)
+        self.check_anchor(rec, info.version, info.state_digest)
         return state, dict(info.digests)
+
+    def download_anchor(self, rec: CommitRecord, folder: Path) -> list[Path]:
+        """The anchor files of `rec`, downloaded into `folder`, each checked against the size and
+        digest its commit records (DigestMismatchError)."""
+        items = [(ref.key, folder / Path(ref.key).name) for ref in rec.anchor]
+        self.store.get_many(items)
+        for ref, (_key, path) in zip(rec.anchor, items, strict=True):
+            size = path.stat().st_size
+            if size != ref.size or file_digest(path) != ref.xxh3:
+                raise DigestMismatchError(
+                    f"anchor file {self.store.object_url(ref.key)} is corrupt "
+                    f"({size} bytes, expected {ref.size} with digest {ref.xxh3})",
+                    hint="the stored anchor is damaged; publish a new anchor",
+                )
+        return [p for _k, p in items]
+
+    def check_anchor(self, rec: CommitRecord, info_version: int, info_state: str) -> None:
+        """DigestMismatchError unless the anchor loaded holds `rec`'s version and state digest."""
+        if info_version != rec.version or info_state != rec.state_digest:
+            raise DigestMismatchError(
+                f"anchor of version {rec.version} under {self.url} holds version {info_version} "
+                f"with state digest {info_state}, expected {rec.state_digest}"
+            )
 
     def load_delta(self, rec: CommitRecord, digests: Mapping[str, str]) -> Patch:
         """Fetch and check the delta of `rec` for a holder whose tensors have `digests`.

@@ -205,3 +205,25 @@ def test_digest_forms_name_their_algorithm_and_a_state_never_mixes_them():
     for bad in ("xxh3b:123", "XXH3B:0123456789abcdef", "0123456789ABCDEF", "sha256:0123456789abcdef"):
         with pytest.raises(ValueError, match="expected 16 lowercase hex"):
             algo_of(bad)
+
+
+def test_a_gpu_kernel_that_fails_on_first_use_hands_over_to_torch(monkeypatch, caplog):
+    from sparsesync.codec import device_blocks
+
+    monkeypatch.setattr(device_blocks, "_cuda_impl", None)
+    monkeypatch.setattr(device_blocks, "_cuda_impl_ran", False)
+
+    def broken(t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    t = _special(torch.bfloat16, 40000, 9)
+    want = block_digests(t.view(torch.uint8).numpy()).tolist()
+    with caplog.at_level("WARNING", logger="sparsesync.codec.device_blocks"):
+        got = device_blocks._first_use_falls_back(broken, t, 256)
+    assert got.numpy().view(np.uint64).tolist() == want
+    assert "failed on its first use (RuntimeError: Failed to find C compiler" in caplog.text
+    assert device_blocks.cuda_impl() is block_digests_torch  # for the rest of the process
+    # once the kernel has run, a later failure is not hidden
+    monkeypatch.setattr(device_blocks, "_cuda_impl_ran", True)
+    with pytest.raises(RuntimeError, match="C compiler"):
+        device_blocks._first_use_falls_back(broken, t, 256)

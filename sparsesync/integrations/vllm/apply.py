@@ -14,7 +14,9 @@ user's own script). Guarantees:
   layer together) and nothing else; the values come from `self.source`: references to the served
   version's tensors in checkpoint coordinates, never a copy of its own (at start the checkpoint
   the engine loaded; then the tensors each `load` and `patch` was given, e.g. the follower's
-  file-backed mirror). "sparse" mode (GPU): indices and values only.
+  file-backed mirror). "sparse" mode (GPU): indices and values only, with the digests of the
+  touched tensors before and after (the worker writes the tensors it holds in checkpoint layout
+  with the device apply and checks both on the device, `device_sparse.py`).
 - The whole state, not only what an update touched: a "reload" update also hands the worker
   the version's digest and dtype of every tensor it does not send (`verify`), which the worker
   checks against what its forward pass reads (`unchanged.py`) before the version moves. The
@@ -114,6 +116,7 @@ class WeightSync:
         the source's tensors for those names, by reference. A touched tensor not in `full` is
         written into the source's tensor in place (a caller that owns the source, e.g. a copy of
         the checkpoint)."""
+        base = {n: self.digests[n] for n in updates if n in self.digests}  # what the engine holds now
         for name, upd in updates.items():
             if full is not None and name in full:
                 self.source[name] = full[name]
@@ -126,6 +129,7 @@ class WeightSync:
                 "updates": {n: (u.indices, u.values) for n, u in updates.items()},
                 "shapes": {n: list(self.source[n].shape) for n in updates},
                 "digests": dict(digests or {}),
+                "base_digests": base,
             }
             self._transfer(version, "sparse", payload)
             return sorted(updates)

@@ -21,15 +21,15 @@ cut its shard). Two kinds, both in checkpoint (HF) coordinates:
   repacked from the reloaded embedding (the head keeps a packed copy of the startup weights),
   and reloaded MoE experts are prepacked again (the path leaves them in checkpoint layout,
   which the CPU experts kernel misreads).
-- "sparse": flat indices + values per tensor, written in place through
-  `load_checkpoint_weight_patches` (fused qkv/gate_up, experts and tensor-parallel shards
-  handled by the model's own weight loaders). GPU only: on CPU that loader fails inside the
-  reload path.
+- "sparse": flat indices + values per tensor. Tensors held as the checkpoint holds them: the
+  device apply, digests checked on the device (`device_sparse.py`); the others (shards, packed
+  kernels) through `load_checkpoint_weight_patches`, GPU only (on CPU that loader fails inside
+  the reload path). A failure of the second undoes the first.
 
 Guarantee (the engine-side proof): after loading, unless `check` is off, the worker reads its
 weights back in checkpoint coordinates from what the forward pass reads (`readback.py`):
 dense: every element of every tensor sent, and the tied head against the embedding; sparse:
-every touched element, and each touched tensor's digest on a single rank. A mismatch raises
+held tensors by digest on the device, the others every touched element and digest (host). A mismatch raises
 `EngineCheckError`, so the caller never reports the version as served.
 
 The rest of the state (a dense update's `verify`: the version's digest and dtype of every
@@ -64,7 +64,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from sparsesync.errors import EngineCheckError
-from sparsesync.integrations.vllm import readback, unchanged
+from sparsesync.integrations.vllm import device_sparse, readback, unchanged
 from sparsesync.integrations.vllm.layout import Layout, Location
 from sparsesync.protocol.follower.mirror import pager, release_freed_memory
 
@@ -107,7 +107,7 @@ def stage_file(kind: str, payload: dict[str, Any], directory: str | None = None)
         flat = {}
         for n, (idx, val) in payload["updates"].items():
             flat[f"{n}.indices"], flat[f"{n}.values"] = idx.contiguous(), val.contiguous()
-        meta = {"shapes": json.dumps(payload.get("shapes", {})), "digests": json.dumps(payload.get("digests", {}))}
+        meta = {k: json.dumps(payload.get(k, {})) for k in ("shapes", "digests", "base_digests")}
     save_file(flat, path, metadata=meta)
     return path
 
@@ -163,6 +163,7 @@ def _load_payload(info: SparsesyncUpdateInfo) -> dict[str, Any]:
         "updates": {n: (flat[f"{n}.indices"], flat[f"{n}.values"]) for n in names},
         "shapes": json.loads(meta.get("shapes", "{}")),
         "digests": json.loads(meta.get("digests", "{}")),
+        "base_digests": json.loads(meta.get("base_digests", "{}")),
     }
 
 
@@ -300,7 +301,8 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
         if update_info.kind == "dense":
             self._load_dense(payload["tensors"], payload.get("verify") or {})
         else:
-            self._load_sparse(payload["updates"], payload.get("shapes", {}), payload.get("digests", {}))
+            self._load_sparse(payload["updates"], payload.get("shapes", {}), payload.get("digests", {}),
+                              payload.get("base_digests", {}))
         self.updates_applied += 1
 
     def _tp(self) -> tuple[int, int]:
@@ -337,15 +339,47 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
                 unchanged.remember_module(head, "lm_head", self.kernels)
 
     def _load_sparse(
-        self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]
+        self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str],
+        base_digests: dict[str, str],
     ) -> None:
+        """Tensors held as the checkpoint holds them: the device apply, digests checked on the device
+        (`device_sparse`); the others through vLLM's loaders; all or nothing between the two."""
+        rank, size = self._tp()
+        layout = self.layout or Layout({n: tuple(s) for n, s in shapes.items()})
+        held = device_sparse.held_views(self.model, layout, updates, shapes, digests) if size == 1 else {}
+        for head, emb in _tied_heads(self.model):  # a head packed apart from its embedding: vLLM's loaders
+            if emb in held and readback.through_kernel(head, Location("lm_head", "weight", "vocab")):
+                del held[emb]
+        rest = {n: u for n, u in updates.items() if n not in held}
+        if rest and self.device.type == "cpu":
+            raise RuntimeError(f"sparse in-place patches of layers vLLM packs ({', '.join(sorted(rest)[:3])}) are "
+                               "GPU-only in vLLM 0.32 (CPU: send kind='dense')")
+        done = device_sparse.write_held(held, updates, base_digests, digests) if held else None  # checked, or undone
+        try:
+            problems = self._load_loader_patches(rest, shapes, digests)
+            for head, emb in _tied_heads(self.model) if self.check_enabled and size == 1 else []:
+                if emb in updates:  # the head's kernel against the embedding as held
+                    loc = Location(emb.rsplit(".", 1)[0], "weight", "vocab")
+                    embed = readback.as_read(readback.module_of(self.model, loc), loc)[: tuple(shapes[emb])[0]]
+                    problems += readback.check_tied_head(self.model, embed)
+            self._raise(problems, len(updates))
+        except BaseException:
+            if done is not None:
+                done.undo()
+            raise
+
+    def _load_loader_patches(
+        self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]
+    ) -> list[str]:
+        """The sparse tensors not held as the checkpoint holds them: vLLM's weight loaders; the
+        read-back's problems (`check`)."""
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
         )
 
-        if self.device.type == "cpu":
-            raise RuntimeError("sparse in-place patches are GPU-only in vLLM 0.32 (CPU: send kind='dense')")
+        if not updates:
+            return []
         patches = []
         for name, (indices, values) in updates.items():
             patches.append(
@@ -358,15 +392,7 @@ class SparsesyncWeightTransferEngine(WeightTransferEngine[SparsesyncInitInfo, Sp
                 )
             )
         load_checkpoint_weight_patches(self.model, patches)
-        if self.check_enabled:
-            problems = self._check_sparse(updates, shapes, digests)
-            rank, size = self._tp()
-            for head, emb in _tied_heads(self.model):
-                if emb in updates and size == 1:  # the head's kernel against the embedding as held
-                    loc = Location(emb.rsplit(".", 1)[0], "weight", "vocab")
-                    embed = readback.as_read(readback.module_of(self.model, loc), loc)[: tuple(shapes[emb])[0]]
-                    problems += readback.check_tied_head(self.model, embed)
-            self._raise(problems, len(updates))
+        return self._check_sparse(updates, shapes, digests) if self.check_enabled else []
 
     def _check_sparse(
         self, updates: dict[str, tuple[torch.Tensor, torch.Tensor]], shapes: dict[str, Any], digests: dict[str, str]

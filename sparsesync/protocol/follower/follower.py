@@ -40,6 +40,10 @@ objects stored for the next version and fetches and decodes them before its comm
 (`parts_reader.Prefetcher`: nothing prefetched is trusted until the commit's digests and every
 check pass).
 
+A hook whose `holds_device_state` is set (a GPU engine) gets no mirror: `engine_held.HeldEngine`
+writes each version straight into the engine's tensors (deltas all or nothing on the device,
+anchors tensor by tensor), and what is reported is what they hold (its module docstring).
+
 The parts: `mirror_steps` (what the mirror holds and how a version gets into it), `engine_steps`
 (how a verified version reaches the engine, and its recovery), `polling` (how long the background loop waits);
 this module plans each sync and keeps the status.
@@ -47,6 +51,7 @@ this module plans each sync and keeps the status.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -55,6 +60,7 @@ from pathlib import Path
 from sparsesync.errors import MirrorMismatchError, RunKindError, SparsesyncError, StoreError
 from sparsesync.protocol import lineage
 from sparsesync.protocol.follower.backoff import Backoff
+from sparsesync.protocol.follower.engine_held import HeldEngine
 from sparsesync.protocol.follower.engine_steps import EngineSteps
 from sparsesync.protocol.follower.fleet_member import FleetMember, FleetOptions
 from sparsesync.protocol.follower.hooks import ApplyHook, FollowerStatus, NoHook
@@ -98,12 +104,18 @@ class Follower:
         self.poll_interval = poll_interval
         self.max_poll_interval = max_poll_interval
         self.max_retry_interval = max_retry_interval
-        self._prefetch = Prefetcher(self.store) if prefetch else None
-        self._held = HeldMirror(self.run, mirror_dir, pages_out=self.hook.pages_out_mirror, prefetch=self._prefetch)
+        # a hook holding verified state on its device: no host mirror, versions written into the engine
+        self._device = HeldEngine(self.run, self.hook, self._served) if self.hook.holds_device_state else None
+        self._prefetch = Prefetcher(self.store) if prefetch and self._device is None else None
         self._commits: list[CommitRecord] = []  # the last listing's trusted commits
         self._served_epoch: int | None = None  # the served commit's epoch
         self._backoff = Backoff()
-        self._engine = EngineSteps(self.hook, self._held, self._backoff, self.store.url, self._served)
+        self._mirror = None if self._device is not None else HeldMirror(
+            self.run, mirror_dir, pages_out=self.hook.pages_out_mirror, prefetch=self._prefetch)
+        self._steps = None if self._mirror is None else EngineSteps(
+            self.hook, self._mirror, self._backoff, self.store.url, self._served)
+        self._held: HeldMirror | HeldEngine = self._device or self._mirror  # type: ignore[assignment]
+        self._engine: EngineSteps | HeldEngine = self._device or self._steps  # type: ignore[assignment]
         self._refusals = Refusals(self.store.url)  # commits it will not take: logged once, reported in status()
         self._suspect: set[str] = set()  # object keys that failed once (refetched next time)
         self._bad: set[str] = set()  # object keys that failed twice (planned around)
@@ -281,35 +293,45 @@ class Follower:
 
     def _execute(self, steps: list[Step]) -> None:
         """Each step into the mirror, then into the engine. The engine gets a patch only when it
-        held the mirror's previous version; otherwise (`EngineSteps.behind`) the whole mirror."""
+        held the mirror's previous version; otherwise (`EngineSteps.behind`) the whole mirror.
+        With no mirror (`engine_held`), each step goes straight into the engine."""
         for step in steps:
+            if self._device is not None:
+                self._refusals.check(step.commit, self.adapter)
+                last = step is steps[-1]
+                fetch_s, apply_s = self._device.run_step(
+                    step, in_sync=self._in_sync(), gate=functools.partial(self._gate, step.commit, last=last))
+                self._advance(step.commit, fetch_s, apply_s, anchor=step.kind == "anchor")
+                continue
+            held, engine = self._mirror, self._steps
+            assert held is not None and engine is not None
             rec = step.commit
             self._refusals.check(rec, self.adapter)
             t0 = time.perf_counter()
             last = step is steps[-1]
             if step.kind == "anchor":
-                state, digests = self._held.fetch_anchor(rec)
+                state, digests = held.fetch_anchor(rec)
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._engine.load_anchor(rec, state, digests)
+                engine.load_anchor(rec, state, digests)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=True)
             elif step.kind == "reload":  # the mirror is at rec.version and the engine is not
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
-                self._engine.load_mirror(rec)
+                engine.load_mirror(rec)
                 self._advance(rec, 0.0, time.perf_counter() - t1, anchor=False)
             else:
                 in_sync = self._in_sync()
-                updates = self._held.stage_delta(rec)  # all or nothing (or the mirror is marked for reload)
-                self._engine.behind = True  # the mirror has taken rec.version; the engine has not
+                updates = held.stage_delta(rec)  # all or nothing (or the mirror is marked for reload)
+                engine.behind = True  # the mirror has taken rec.version; the engine has not
                 fetch_s = time.perf_counter() - t0
                 self._gate(rec, last=last)
                 t1 = time.perf_counter()
                 if in_sync:
-                    self._engine.apply_delta(rec, updates)
+                    engine.apply_delta(rec, updates)
                 else:  # the engine missed earlier changes of the mirror: send all of it
-                    self._engine.load_mirror(rec)
+                    engine.load_mirror(rec)
                 self._advance(rec, fetch_s, time.perf_counter() - t1, anchor=False)
 
     def _in_sync(self) -> bool:

@@ -16,6 +16,11 @@ fields (a hook subclasses `ApplyHook`, so each defaults to False):
   the whole state it serves, not only what the version touched, before reporting it.
 - `takes_base_version`: `apply_sparse` also gets `base_version=`, the version the update is a
   delta from (the engine refuses it when it holds another; the follower then reloads it in full).
+- `holds_device_state`: the engine's own tensors are the verified state (a GPU engine): the follower
+  keeps no host mirror and writes each version straight into them inside the engine's pause, through
+  `write_in_place` (deltas by `codec.device_apply`, all or nothing, base and target digests checked on
+  the device; anchors tensor by tensor, hashed), reading them outside the pause through
+  `device_tensors` (`engine_held` states the whole).
 - `pages_out_mirror`: the follower keeps the mirror out of the process's RSS (`mirror.pager`:
   each tensor unmapped once read or written, the bits kept in the page cache): for engines whose
   update reads what it touches of the mirror once and costs far more than mapping it back (vLLM:
@@ -26,13 +31,15 @@ fields (a hook subclasses `ApplyHook`, so each defaults to False):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from sparsesync.codec.apply import SparseUpdate
+
+InPlaceWrite = Callable[[Mapping[str, torch.Tensor]], Mapping[str, str]]  # live tensors -> the version's digests
 
 
 class ApplyHook(Protocol):
@@ -45,6 +52,7 @@ class ApplyHook(Protocol):
     takes_digests: bool = False  # `digests=` on both calls
     takes_base_version: bool = False  # `base_version=` on `apply_sparse`
     pages_out_mirror: bool = False  # the follower keeps the mirror out of the process's RSS
+    holds_device_state: bool = False  # no host mirror: versions are written into the engine (`write_in_place`)
 
     def load_full(self, version: int, tensors: Mapping[str, torch.Tensor], *, state_digest: str | None = None,
                   digests: Mapping[str, str] | None = None) -> None:
@@ -64,6 +72,25 @@ class ApplyHook(Protocol):
         indices and target values); `full` holds the complete new value of each touched tensor
         (views of the mirror, read-only) for engines that reload whole tensors. The engine
         pauses only for the in-place write and reports `version` from then on."""
+
+    def device_tensors(self) -> Mapping[str, torch.Tensor]:
+        """(`holds_device_state`) The live tensors the forward pass reads, by checkpoint name, for
+        reading only (decoding against them while the engine serves)."""
+        _lacks_device_state(self)
+        return {}
+
+    def write_in_place(self, version: int, write: InPlaceWrite, *, base_version: int | None,
+                       state_digest: str | None = None) -> None:
+        """(`holds_device_state`) Pause the engine, call `write` with its live tensors; `write`
+        brings them to `version` (from `base_version`; None: every tensor, a full load) and returns
+        the version's per-tensor digests, against which the engine checks its whole state; then serve
+        `version`. If anything raises, the engine reports no version until a later write passes, and
+        a delta is refused (EngineCheckError, nothing written) unless the engine holds `base_version`."""
+        _lacks_device_state(self)
+
+
+def _lacks_device_state(hook: object) -> None:
+    raise NotImplementedError(f"{type(hook).__name__} does not hold device state (holds_device_state is False)")
 
 
 @dataclass(frozen=True)

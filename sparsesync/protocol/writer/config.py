@@ -21,6 +21,13 @@ from sparsesync.codec.patch import check_effort
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.writer.parts import DEFAULT_PART_BYTES
 
+# where a publisher's snapshot lives: "auto" (None): CPU weights as "cpu"; GPU weights "device" when
+# the model fits twice in the GPU's free memory, else "host". "cpu": the host copy diffed and encoded
+# by the C codec in `publish`; "device": on the weights' device, "host": in (pinned) host memory,
+# both with changes extracted on the weights' device and entropy coding in the background
+# (`codec.device_snapshot`)
+SNAPSHOT_PLACES = ("auto", "cpu", "device", "host")
+
 
 @dataclass
 class PublisherConfig:
@@ -38,6 +45,8 @@ class PublisherConfig:
     # "size": smallest patches; "speed": 26-29% larger at 1.6% density, encode and decode faster
     # (`sparsesync.codec.Effort`)
     effort: Effort = "size"
+    # where the snapshot of weights on a GPU lives (`SNAPSHOT_PLACES`; None: picked, `whole.snapshot_place`)
+    snapshot: str | None = None
 
     def validate(self) -> None:
         """Raise ConfigError naming the first option out of range."""
@@ -58,6 +67,9 @@ class PublisherConfig:
             raise ConfigError(
                 str(e), hint="'size' (smallest patches) or 'speed' (faster encode and decode, larger patches)"
             ) from None
+        if self.snapshot not in (None, *SNAPSHOT_PLACES):
+            raise ConfigError(f"snapshot={self.snapshot!r}: must be one of {', '.join(SNAPSHOT_PLACES)} or None",
+                              hint="None or 'auto': on the GPU when the model fits twice, else pinned host memory")
 
     def writer_id(self) -> str:
         """`writer`, or host-pid-random: unique even for two publishers in one process (it breaks

@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from sparsesync.codec import DEFAULT_ALGO, Snapshot
+from sparsesync.codec.device_snapshot import DeviceSnapshot
 from sparsesync.errors import ConfigError
 from sparsesync.protocol.keys import check_version
 from sparsesync.protocol.records import AdapterMeta, CommitRecord
@@ -93,11 +94,11 @@ class WholeWriter(Protocol):
 
     def new_snapshot(
         self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO
-    ) -> Snapshot | PartedSnapshot:
+    ) -> Snapshot | PartedSnapshot | DeviceSnapshot:
         """The snapshot of `state` as `version`, digested with `algo` (default: new runs' algorithm)."""
         ...
 
-    def stand_at(self, snap: Snapshot | PartedSnapshot, history: AnchorHistory) -> None:
+    def stand_at(self, snap: Snapshot | PartedSnapshot | DeviceSnapshot, history: AnchorHistory) -> None:
         """Continue from `snap`, a version the run trusts: the next `publish` is a delta against it."""
         ...
 
@@ -113,6 +114,7 @@ class Tally:
     committed: int | None  # the newest version committed (or resumed from)
     last: int | None  # the newest version published (or resumed from)
     metrics: list[dict[str, Any]] = field(default_factory=list)  # one per committed version, in commit order
+    snapshot_device: str | None = None  # where the writer's snapshot lives (None: none yet, or not this rank's)
 
     def next_version(self, step: int | None) -> int:
         """The version `publish(step)` publishes; ConfigError before anything is written if it cannot."""

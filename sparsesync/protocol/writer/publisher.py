@@ -104,6 +104,16 @@ class Publisher:
         group (`torch.distributed.ProcessGroup`, *optional*):
             The ranks that publish together (default: the world, when torch.distributed runs
             with more than one process).
+        snapshot (`str`, *optional*):
+            Where the copy of the last published version lives (reported as `snapshot_device`).
+            None or `"auto"`: weights on the CPU as `"cpu"`; weights on a GPU on that GPU when the
+            model fits twice in its free memory, else `"host"`. `"cpu"`: a host copy, diffed and
+            encoded in `publish`. `"device"`: on the weights' device; `"host"`: in pinned host
+            memory; both find the changes on the weights' device (two device->host reads per
+            version) and `publish` returns once they are in host memory, while the entropy coding
+            runs on the uploader thread (`flush`/`close` wait for it; a failure there is raised
+            from the next `publish`/`flush`, as an upload failure is). One process only: a sharded
+            publisher keeps its CPU snapshot.
 
     Raises ConfigError for an option out of range, before anything is written.
     """
@@ -113,12 +123,12 @@ class Publisher:
                  anchor_every: int = 50, anchor_fraction: float = 0.5, queue_size: int = 4,
                  retry_backoff_s: float = 0.5, writer: str = "", part_bytes: int = DEFAULT_PART_BYTES,
                  effort: Effort = "size", dist_timeout_s: float = 300.0, group: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, snapshot: str | None = None) -> None:
         files = CheckpointFiles(collect_files(extra_files))  # checked before anything is written
         self.config = PublisherConfig(anchor_every=anchor_every, anchor_fraction=anchor_fraction,
                                       queue_size=queue_size, retry_backoff_s=retry_backoff_s, writer=writer,
                                       part_bytes=part_bytes, dist_timeout_s=dist_timeout_s, effort=effort,
-                                      dtype=dtype)
+                                      dtype=dtype, snapshot=snapshot)
         self.config.validate()
         ranks = Ranks.of(group)
         self.store = open_store(url, create=True) if isinstance(url, str) else url
@@ -138,7 +148,9 @@ class Publisher:
         `state`: a state dict, or a `peft.PeftModel` (its adapter is published: an adapter run);
         distributed, this rank's `model.state_dict()` (every rank calls it with the same step).
         Returns after diff+encode (and anchor serialization on anchor versions; sharded, the
-        gather of its tensors); the upload happens in the background.
+        gather of its tensors); the upload happens in the background. With a snapshot beside GPU
+        weights (`snapshot`), returns once the changes are in host memory: the entropy coding
+        happens in the background too.
         """
         self._mode = self._mode.settle(state)
         return self._mode.publish(state, step)
@@ -235,6 +247,13 @@ class Publisher:
         """State digest of the newest version this publisher published or resumed from (sharded:
         the global digest of the newest committed version; ConfigError until it is committed)."""
         return self._mode.state_digest
+
+    @property
+    def snapshot_device(self) -> str | None:
+        """Where the snapshot of the last published version lives: "cpu" (the C codec's host
+        copy), a device ("cuda:0"), "pinned" or "host" memory (compared on the weights' device);
+        None before the first publish/resume (and on ranks that hold none)."""
+        return self._tally.snapshot_device
 
     @property
     def pending(self) -> int:

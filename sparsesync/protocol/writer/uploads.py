@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsesync.codec import TensorChange, compose_changes, encode_changes
+from sparsesync.codec.device_snapshot import Extracted
 from sparsesync.errors import SparsesyncError, StoreUnavailableError
 from sparsesync.protocol.keys import new_uid
 from sparsesync.protocol.writer.config import PublisherConfig
@@ -58,6 +59,9 @@ class PendingVersion:
     parts: list[EncodedPart] | None = None  # the delta in parts (instead of `delta`), appended as encoded
     sealed: bool = True  # False while parts are still being encoded (streamed to the uploader)
     failed: bool = False  # encoding stopped half-way: never committed
+    # changes extracted on a device, entropy coded by the uploader before `delta` is stored (None: encoded)
+    unencoded: Extracted | None = None
+    queued_at: float = 0.0  # time.perf_counter() when `publish` handed it over (for `encode_wait_s`)
 
     @property
     def pure_delta(self) -> bool:

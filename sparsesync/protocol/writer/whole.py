@@ -14,6 +14,13 @@ one is encoded (`stream.PartStream`); the commit record (format 2, listing the p
 is still written last. A version is streamed this way when no other version waits for upload;
 otherwise it is encoded whole and queued (and coalesced).
 
+Weights on a GPU (`snapshot_place`; `Publisher(snapshot=...)`): the snapshot is a
+`codec.DeviceSnapshot` beside them (one delta file per version, no parts). `publish` extracts the
+changes there (two device->host reads) and queues them unencoded; `upload` entropy codes them
+first (`_encode_late`, in version order; a failure stops the publisher as a failed upload does,
+nothing of the version committed). The anchor policy counts a version's delta bytes once it is
+encoded, so `anchor_fraction` may see them a version or two late.
+
 `upload` (on the uploader's thread) stores the version's objects, then the commit record
 through `CommitWriter.commit` (fenced, confirmed visible), then records it in the `Tally`.
 
@@ -36,7 +43,8 @@ import torch
 from sparsesync.checkpoint import checkpoint_digest, checkpoint_state
 from sparsesync.codec import DEFAULT_ALGO, Snapshot, algo_of, write_anchor
 from sparsesync.codec.cast import CastState, state_nbytes
-from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError
+from sparsesync.codec.device_snapshot import DeviceSnapshot, placement_for, weights_device
+from sparsesync.errors import ConfigError, PatchMismatchError, RunNotFoundError, SparsesyncError
 from sparsesync.lora.state import adapter_state
 from sparsesync.protocol.adapter_runs import check_publish
 from sparsesync.protocol.records import CommitRecord, PartRef
@@ -61,7 +69,8 @@ class WholeState:
         self.queue, self.anchors, self.staging, self.tally = ctx.queue, ctx.anchors, ctx.staging, ctx.tally
         self.ctx, self.distributed = ctx, distributed
         self.url = self.run.store.url
-        self.snapshot: Snapshot | PartedSnapshot | None = None  # the last published (or resumed) version
+        # the last published (or resumed) version
+        self.snapshot: Snapshot | PartedSnapshot | DeviceSnapshot | None = None
         self._dtype_picked = self.config.dtype is not None  # else the first publish/resume picks it (`_pick_dtype`)
         self.queue.start(self.upload)
 
@@ -162,6 +171,17 @@ class WholeState:
                 metrics={"snapshot_s": time.perf_counter() - t0},
             )
             self.write_anchor(item)
+        elif isinstance(self.snapshot, DeviceSnapshot):
+            ex = self.snapshot.extract(state, version)  # the changes in host memory: encoded in the background
+            item = PendingVersion(
+                version=version, base_version=ex.base_version, state_digest=ex.target_state_digest,
+                base_state_digest=ex.base_state_digest, digests=dict(ex.target_digests),
+                base_digests=dict(ex.base_digests), changes=ex.changes, delta=None, anchor_dir=None,
+                metrics={"diff_s": ex.diff_s, "snapshot_device": self.snapshot.where}, unencoded=ex,
+            )
+            if self.anchors.due(version):  # the delta bytes count once encoded (`_encode_late`)
+                self.write_anchor(item)
+            item.queued_at = time.perf_counter()
         elif isinstance(self.snapshot, PartedSnapshot):
             with PartStream(self.queue, self.snapshot, version) as stream:
                 item = stream.encode(state)
@@ -214,7 +234,7 @@ class WholeState:
             )
         self.stand_at(snap, AnchorHistory.of(commits))
 
-    def stand_at(self, snap: Snapshot | PartedSnapshot, history: AnchorHistory) -> None:
+    def stand_at(self, snap: Snapshot | PartedSnapshot | DeviceSnapshot, history: AnchorHistory) -> None:
         """Continue from `snap`, a version the run trusts (`resume`, a rewind), whose anchors
         `history` describes: the next `publish` is a delta against it."""
         self.snapshot = snap
@@ -234,6 +254,8 @@ class WholeState:
     def _commit(self, item: PendingVersion) -> dict[str, Any] | None:
         """`upload`: store `item`'s objects, then its commit record (fenced, confirmed visible);
         the commit's metrics, or None when its encoding failed half-way (nothing committed)."""
+        if item.unencoded is not None:
+            self._encode_late(item)
         t0 = time.perf_counter()
         adapter = self.tally.adapter
         refs: list[PartRef] = []
@@ -265,11 +287,35 @@ class WholeState:
             shutil.rmtree(item.anchor_dir, ignore_errors=True)
         return rec.metrics
 
+    def _encode_late(self, item: PendingVersion) -> None:
+        """Uploader thread: entropy code a version extracted on a device (`DeviceSnapshot`), in
+        version order before its objects are stored; a failure stops the publisher as a failed
+        upload does (raised from the next `publish`/`flush`), nothing of the version committed."""
+        assert item.unencoded is not None
+        # how long after `publish` returned the coding began (>= 0: it overlapped the caller's next step)
+        item.metrics["encode_wait_s"] = time.perf_counter() - item.queued_at
+        try:
+            enc = item.unencoded.encode()
+        except Exception as e:
+            raise SparsesyncError(f"encoding version {item.version} for {self.url} failed in the background: {e!r}",
+                                  hint="start a new Publisher (its first version is an anchor)") from e
+        item.delta, item.unencoded = enc.data, None
+        item.metrics.update(enc.stats.to_dict())
+        self.anchors.add_delta(len(enc.data))
+
     def new_snapshot(
         self, state: Mapping[str, torch.Tensor], version: int, algo: str = DEFAULT_ALGO
-    ) -> Snapshot | PartedSnapshot:
+    ) -> Snapshot | PartedSnapshot | DeviceSnapshot:
         """The snapshot of `state` as `version` (in parts when the state is larger than one part),
-        digested with `algo` (new runs: `DEFAULT_ALGO`; a resumed run: its own)."""
+        digested with `algo` (new runs: `DEFAULT_ALGO`; a resumed run: its own); beside the
+        weights when `snapshot_place` says so (one delta file per version, coded in the background)."""
+        place = snapshot_place(state, self.config.snapshot, algo)
+        self.tally.snapshot_device = "cpu" if place == "cpu" else None
+        if place != "cpu":
+            snap = DeviceSnapshot(state, version, placement="device" if place == "device" else "host",
+                                  effort=self.config.effort, algo=algo)
+            self.tally.snapshot_device = snap.where
+            return snap
         # a model that fits in one part is one delta file per version: a parts list would only add
         # an entry per tensor to every commit record (5.5 KB per version for a 23M-parameter model)
         if self.config.part_bytes and state_nbytes(state) > self.config.part_bytes:
@@ -297,3 +343,17 @@ class WholeState:
 
     def _enqueue(self, item: PendingVersion) -> None:
         self.queue.put(item, self.write_anchor)
+
+
+def snapshot_place(state: Mapping[str, torch.Tensor], wanted: str | None, algo: str) -> str:
+    """Where a whole-state writer keeps its snapshot (`config.SNAPSHOT_PLACES`): "cpu", or
+    "device"/"host" (a `DeviceSnapshot`). Picked (None, "auto"): "cpu" for CPU weights and for a
+    run digested with another algorithm than the device computes (a resumed "xxh3" run), else
+    "device" when the model fits twice in the GPU's free memory, else "host"."""
+    if wanted == "cpu" or algo != DEFAULT_ALGO or not state:
+        return "cpu"
+    if wanted in ("device", "host"):
+        return wanted
+    if weights_device(state).type == "cpu":
+        return "cpu"
+    return placement_for(state)
