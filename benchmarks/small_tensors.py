@@ -180,7 +180,7 @@ def main() -> None:
                     {**json.loads(p.stdout.strip().splitlines()[-1]), "round": rnd, "loadavg": os.getloadavg()}
                 )
     record["loadavg_end"] = os.getloadavg()
-    table = {}
+    table: dict[str, dict] = {}
     for label, runs in record["runs"].items():
         for c, d in cases(args):
             mine = [r for r in runs if r["case"] == c and r["density"] == d]
