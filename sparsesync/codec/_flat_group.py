@@ -21,9 +21,10 @@ import torch
 
 from sparsesync.codec import _groups
 from sparsesync.codec._scratch import cat_into
+from sparsesync.codec.blocks_digest import digests_many
 from sparsesync.codec.cast import uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, put_bits, to_np_bits
-from sparsesync.codec.digest import DEFAULT_ALGO, tensor_digest
+from sparsesync.codec.digest import BLOCKS_ALGO, DEFAULT_ALGO, tensor_digest
 from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
 
 
@@ -79,7 +80,12 @@ class FlatGroup:
 
         put_bits(bits, ch.indices, ch.target_bits)
         try:
-            digests = {self.names[m]: tensor_digest(self.views[m], algo) for m in touched}
+            if algo == BLOCKS_ALGO:  # every touched member in one native call
+                offs = self.offsets
+                got = digests_many([bits[offs[m] : offs[m + 1]] for m in touched])
+                digests = {self.names[m]: d for m, d in zip(touched, got)}
+            else:
+                digests = {self.names[m]: tensor_digest(self.views[m], algo) for m in touched}
         except BaseException:
             undo()
             raise

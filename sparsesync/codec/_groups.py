@@ -18,6 +18,7 @@ member.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -65,13 +66,26 @@ class Members:
     n_changed: list[int]
 
 
+def _shared_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of `a` and `b` (a binary search over slice
+    comparisons: a few C compares, not a Python step per byte)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _put_names(out: bytearray, names: Sequence[str]) -> None:
     prev = b""
     for name in names:
         nb = name.encode("utf-8")
-        shared = 0
-        while shared < min(len(nb), len(prev)) and nb[shared] == prev[shared]:
-            shared += 1
+        shared = _shared_prefix(nb, prev)
         _table._varint(out, shared)
         _table._varint(out, len(nb) - shared)
         out += nb[shared:]
@@ -113,6 +127,11 @@ class ParsedGroup:
     n_changed: np.ndarray  # int64 per member
     base_digests: tuple[str, ...]
     target_digests: tuple[str, ...]
+
+
+def _hex(digests: bytes) -> tuple[str, ...]:
+    """Each stored digest (8 bytes, little-endian) as its 16 hex digits."""
+    return tuple(f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist())
 
 
 def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[ParsedGroup]:
@@ -166,7 +185,7 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
             raise _bad(f"{where}: members not sorted by name")
         if len(r.shape) != 1:
             raise _bad(f"{where}: shape {list(r.shape)}, expected one dimension (the members' concatenation)")
-        numels = [int(np.prod(s, dtype=np.int64)) if s else 1 for s in shapes[start : start + m]]
+        numels = [math.prod(s) for s in shapes[start : start + m]]  # exact: a huge product fails the checks below
         if any(n > 1 << 48 for n in numels) or sum(numels) != r.shape[0]:
             raise _bad(f"{where}: members hold {sum(numels)} elements, the group's coding {r.shape[0]}")
         ch = changed[start : start + m]
@@ -178,7 +197,6 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
         offs = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(numels, out=offs[1:])
         out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, np.asarray(ch, dtype=np.int64),
-                               tuple(base[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m)),
-                               tuple(target[8 * i : 8 * i + 8][::-1].hex() for i in range(start, start + m))))
+                               _hex(base[8 * start : 8 * (start + m)]), _hex(target[8 * start : 8 * (start + m)])))
         start += m
     return out

@@ -22,15 +22,16 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _container, _encodings, _parallel
+from sparsesync.codec._group_write import write_group
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
 from sparsesync.codec.digest import (
     BLOCKS_ALGO,
     DEFAULT_ALGO,
     algo_of,
+    algos_of,
     put_and_digest,
     put_and_digests,
-    tensor_digest,
     tensor_digests,
 )
 from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEntry, ctx_for
@@ -125,8 +126,9 @@ def _mismatches(
     """One line per tensor of `want` (each present in `tensors`) whose bytes do not hash to its
     digest, in that digest's algorithm; `known`: digests already computed for some of them (the
     rest, and any known in another algorithm, are hashed here)."""
-    algos = {n: algo_of(d) for n, d in want.items()}
-    known = {n: d for n, d in (known or {}).items() if n in algos and algo_of(d) == algos[n]}
+    algos = algos_of(want)
+    known_algos = algos_of(known or {})
+    known = {n: d for n, d in (known or {}).items() if n in algos and known_algos[n] == algos[n]}
     got = {**known, **tensor_digests({n: tensors[n] for n in want if n not in known}, algos)}
     return [f"tensor '{n}': digest {got[n]}, expected {d}" for n, d in want.items() if got[n] != d]
 
@@ -189,8 +191,18 @@ def _decode_group(
     """Each member's (sorted flat indices, new bits), decoded from its group's coding against a
     copy of the members' base bits laid end to end (read-only). A member that does not get
     exactly the changes the section declares for it is PatchFormatError."""
-    views = [bits_view(tensors[n]) for n in g.members]
-    flat = cat_into("base", views)
+    idx, vals, cuts = _decode_group_bits(patch, g, tensors)
+    return {
+        n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)
+    }
+
+
+def _decode_group_bits(
+    patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A group's (positions in the concatenation, new bits, where each member's positions start);
+    PatchFormatError for a member without exactly its declared count of changes."""
+    flat = cat_into("base", [bits_view(tensors[n]) for n in g.members])
     idx, vals = _decode_bits(patch, g.coding, flat)
     cuts = np.searchsorted(idx, g.offsets)
     got = np.diff(cuts)
@@ -201,9 +213,7 @@ def _decode_group(
             f"says {int(g.n_changed[i])}",
             hint="the patch is corrupt; fetch it again",
         )
-    return {
-        n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)
-    }
+    return idx, vals, cuts
 
 
 def _update(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> SparseUpdate:
@@ -272,22 +282,6 @@ def _write_one(
     old_vals = flat[at].cpu().view(t.dtype)
     flat[at] = u.values.view(flat.dtype).to(flat.device)
     return SparseUpdate(u.indices, old_vals), None, None
-
-
-def _write_small(
-    t: torch.Tensor, idx: np.ndarray, vals: np.ndarray, *, digest: bool, before: bool, algo: str = DEFAULT_ALGO
-) -> tuple[SparseUpdate, SparseUpdate, str | None, str | None]:
-    """`_write_one` for a member of a group (CPU; small, so hashed whole before and after the
-    writes, no blocks, in `algo`): (the update, the overwritten old values, digest after, digest before)."""
-    flat = bits_view(t)
-    bits = to_np_bits(flat)
-    h_before = tensor_digest(t, algo) if before else None
-    old = put_bits(bits, idx, vals.view(bits.dtype), keep_old=True)
-    assert old is not None  # keep_old
-    h_after = tensor_digest(t, algo) if digest else None
-    ti = torch.from_numpy(idx.astype(np.int64, copy=False))
-    return (SparseUpdate(ti, torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)),
-            SparseUpdate(ti, torch.from_numpy(old.view(_signed(old.dtype))).view(t.dtype)), h_after, h_before)
 
 
 def write_updates(
@@ -404,16 +398,12 @@ def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets
             if written is not None:
                 written(tensors[u])
             return r
-        decoded, r = _decode_group(patch, u, tensors), {}
-        try:
-            for n, (i, v) in decoded.items():
-                r[n] = _write_small(tensors[n], i, v, digest=verify, before=check_base_digest, algo=algo)
-                if written is not None:
-                    written(tensors[n])
-        except BaseException:
-            write_updates(tensors, {n: x[1] for n, x in r.items()})  # a group's writes are undone together
-            raise
-        return r
+        gi, gv, _ = _decode_group_bits(patch, u, tensors)
+        w = write_group(tensors, u.members, u.offsets, gi, gv, digest=verify, before=check_base_digest, algo=algo)
+        if written is not None:
+            for n in u.members:
+                written(tensors[n])
+        return {n: (SparseUpdate(i, v), SparseUpdate(i, o), a, b) for n, (i, v, o, a, b) in w.items()}
 
     results = _settled(patch, one)
     done = {n: r for n, r in results.items() if not isinstance(r, BaseException)}

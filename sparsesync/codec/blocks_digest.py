@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -75,6 +76,26 @@ def digest_bytes(buf: np.ndarray | memoryview | bytes, threads: int | None = Non
     out = np.empty(-(-n // BLOCK), dtype=np.uint64)
     _native.block_digests(mv, out, (auto_threads(n) if n >= 2 * _THREAD_BYTES else 1) if threads is None else threads)
     return PREFIX + xxhash.xxh3_64_hexdigest(out.tobytes() + _LEN.pack(n))
+
+
+def combine_many(blocks: np.ndarray, nbytes: Sequence[int]) -> list[str]:
+    """The digests of consecutive tensors from their blocks laid end to end (`members_blocks`'s
+    layout) and their byte lengths."""
+    raw, out, pos = np.ascontiguousarray(blocks, dtype="<u8").tobytes(), [], 0
+    for n in nbytes:
+        end = pos + 8 * n_blocks(n)
+        out.append(PREFIX + xxhash.xxh3_64_hexdigest(raw[pos:end] + _LEN.pack(n)))
+        pos = end
+    return out
+
+
+def digests_many(bufs: Sequence[np.ndarray]) -> list[str]:
+    """`digest_bytes` of each buffer (C-contiguous), hashed in one native call (no Python per
+    block; for the many small tensors of a group)."""
+    nbytes = [b.nbytes for b in bufs]
+    out = np.empty(sum(n_blocks(n) for n in nbytes), dtype=np.uint64)
+    _native.members_blocks(list(bufs), out)
+    return combine_many(out, nbytes)
 
 
 class Hasher:

@@ -23,7 +23,7 @@ import torch
 from sparsesync.codec import _container, _encodings, _groups, _parallel, _table, blocks_digest
 from sparsesync.codec._container import Stream
 from sparsesync.codec.diff import TensorChange, bits_view, np_uint_dtype, to_np_bits
-from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, is_digest
+from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, all_blocks, is_digest
 from sparsesync.codec.prepared_base import PreparedBase
 from sparsesync.errors import PatchFormatError, PatchMismatchError
 
@@ -289,10 +289,12 @@ def assemble_patch(
         raise PatchFormatError(
             f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes"
         )
-    algos = set()
-    for what, d in [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
+    named = [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
         (f"digest of '{n}'", dg) for n in [*encoded, *member_names] for dg in (base_digests[n], target_digests[n])
-    ]:
+    ]
+    # all "xxh3b" (checked in one pass), else each checked and named
+    algos = {BLOCKS_ALGO} if all_blocks([d for _, d in named]) else set()
+    for what, d in [] if algos else named:
         if not is_digest(d):
             raise PatchFormatError(f"{what} {d!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'",
                                    hint="use codec.tensor_digest / codec.state_digest")
