@@ -140,6 +140,21 @@ def _shard_header(path: Path) -> tuple[dict[str, str], dict[str, Stream]]:
         raise _bad(path, f"not a valid safetensors file ({e})") from None
 
 
+def read_shard(path: Path) -> tuple[dict[str, str], dict[str, Stream], dict[str, str]]:
+    """A shard's metadata, its validated tensor table and its recorded digest of each tensor
+    (`sparsesync.digests`: one well-formed digest for every tensor and no other name)."""
+    meta, streams = _shard_header(path)
+    try:
+        digests = json.loads(meta.get("sparsesync.digests", ""))
+    except (ValueError, RecursionError):
+        raise _bad(path, "metadata 'sparsesync.digests' missing or not JSON") from None
+    if not isinstance(digests, dict) or not all(is_digest(v) for v in digests.values()):
+        raise _bad(path, "metadata 'sparsesync.digests' is not a map of name -> digest")
+    if set(streams) != set(digests):
+        raise _bad(path, f"tensors {sorted(set(streams) ^ set(digests))[:5]} lack a digest or a tensor")
+    return meta, streams, digests
+
+
 Alloc = Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], dict[str, torch.Tensor]]
 
 
@@ -183,16 +198,8 @@ def load_anchor(  # noqa: C901, PLR0915
     versions: set[str] = set()
     tables: list[tuple[Path, dict[str, Stream], dict[str, str]]] = []
     for p in shards:
-        meta, streams = _shard_header(p)
-        try:
-            shard_digests = json.loads(meta.get("sparsesync.digests", ""))
-        except (ValueError, RecursionError):
-            raise _bad(p, "metadata 'sparsesync.digests' missing or not JSON") from None
-        if not isinstance(shard_digests, dict) or not all(is_digest(v) for v in shard_digests.values()):
-            raise _bad(p, "metadata 'sparsesync.digests' is not a map of name -> digest")
+        meta, streams, shard_digests = read_shard(p)
         versions.add(meta.get("sparsesync.version", ""))
-        if set(streams) != set(shard_digests):
-            raise _bad(p, f"tensors {sorted(set(streams) ^ set(shard_digests))[:5]} lack a digest or a tensor")
         for name, s in streams.items():
             if name in layout:
                 raise _bad(p, f"tensor '{name}' appears in two shards")

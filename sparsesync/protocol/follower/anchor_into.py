@@ -13,7 +13,6 @@ read from the file into it and copied to the tensor's bytes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,9 +20,9 @@ import torch
 
 from sparsesync.codec import state_digest, tensor_digest
 from sparsesync.codec._container import ST_DTYPES
-from sparsesync.codec.anchor import _bad, _shard_header
+from sparsesync.codec.anchor import _bad, read_shard
 from sparsesync.codec.device_apply import device_digests
-from sparsesync.codec.digest import BLOCKS_ALGO, algo_of, is_digest
+from sparsesync.codec.digest import BLOCKS_ALGO, algo_of
 from sparsesync.errors import DigestMismatchError, MirrorMismatchError
 from sparsesync.protocol.records import CommitRecord
 from sparsesync.protocol.run import Run
@@ -41,14 +40,7 @@ def load_into(run: Run, rec: CommitRecord, files: list[Path], live: Mapping[str,
     digests: dict[str, str] = {}
     seen: set[str] = set()
     for p in shards:
-        meta, streams = _shard_header(p)
-        try:
-            recorded = json.loads(meta.get("sparsesync.digests", ""))
-        except (ValueError, RecursionError):
-            raise _bad(p, "metadata 'sparsesync.digests' missing or not JSON") from None
-        if not isinstance(recorded, dict) or set(recorded) != set(streams) or not all(
-                is_digest(v) for v in recorded.values()):
-            raise _bad(p, "metadata 'sparsesync.digests' is not a digest for each tensor")
+        meta, streams, recorded = read_shard(p)
         if meta.get("sparsesync.version") != str(rec.version):
             raise _bad(p, f"version {meta.get('sparsesync.version')!r}, expected {rec.version}")
         with open(p, "rb", buffering=0) as f:
