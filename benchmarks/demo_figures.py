@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the apps: folders of the checkout, not the wheel
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _codec_data import provenance  # noqa: E402 - the command and commit a results file records
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -101,7 +103,8 @@ def main() -> None:
                 flush=True,
             )
         step_time = {"steps": args.step_time_steps, "pairs": pairs,
-                     "ratio_median": statistics.median(p["ratio"] for p in pairs)}
+                     "ratio_median": statistics.median(p["ratio"] for p in pairs),
+                     "date": time.strftime("%Y-%m-%d", time.gmtime()), **provenance()}
         lora_file = args.out / "demo_lora.json"
         if args.only_step_time and lora_file.is_file():
             d = json.loads(lora_file.read_text())
