@@ -102,6 +102,8 @@ def provenance() -> dict[str, str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    # refresh the index's file times first: without it a file touched but unchanged reads as "-dirty"
+    subprocess.run(["git", "-C", str(root), "update-index", "-q", "--refresh"], capture_output=True)
     commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
                             capture_output=True, text=True).stdout.strip()
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit or "unknown"}
