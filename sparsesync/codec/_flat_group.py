@@ -22,8 +22,8 @@ import torch
 from sparsesync.codec import _groups
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.blocks_digest import digests_many
-from sparsesync.codec.cast import uncast
-from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, put_bits, to_np_bits
+from sparsesync.codec.cast import CastState, uncast
+from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_members, put_bits, to_np_bits
 from sparsesync.codec.digest import BLOCKS_ALGO, DEFAULT_ALGO, tensor_digest
 from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
 
@@ -64,14 +64,22 @@ class FlatGroup:
         """Diff the members against `current`, encode, advance (see the module docstring); the
         touched members' digests are hashed in `algo`."""
         ta = time.perf_counter()
-        # a cast state is cast by the diff, in slices
-        cur = cat_into("current", [uncast(current, n) for n in self.names])
-        ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
-        del cur
+        if isinstance(current, CastState):  # cast by the diff, in slices, from the members laid end to end
+            cur = cat_into("current", [uncast(current, n) for n in self.names])
+            ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
+            del cur
+            counts = None
+        else:  # the caller's members diffed where they are (no copy), one native call
+            int_dtype = bits_view(self.flat).dtype
+            bits = to_np_bits(bits_view(self.flat))
+            idx, old, new, counts = diff_members(
+                bits, [current[n].detach().view(int_dtype).numpy() for n in self.names], self.offsets
+            )
+            ch = TensorChange(self.flat.dtype, (self.numel,), idx, old, new) if idx.size else None
         tb = time.perf_counter()
         if ch is None:
             return Done(diff_s=tb - ta)
-        touched, counts, changes = self.split(ch)
+        touched, counts, changes = self.split(ch, counts)
         encoded, group = self.code(ch, touched, counts, self.flat, effort)
         bits = to_np_bits(bits_view(self.flat))
 
@@ -91,12 +99,19 @@ class FlatGroup:
             raise
         return Done(changes, encoded, group, digests, tb - ta, time.perf_counter() - tb, undo)
 
-    def split(self, ch: TensorChange) -> tuple[list[int], np.ndarray, dict[str, TensorChange]]:
-        """Of `ch` (a change of the whole flat tensor): the members it touches (positions in
-        `names`), every member's count of changed elements, each touched member's own change."""
+    def split(
+        self, ch: TensorChange, counts: np.ndarray | None = None
+    ) -> tuple[list[int], np.ndarray, dict[str, TensorChange]]:
+        """Of `ch` (a change of the whole flat tensor; `counts`: each member's count of its
+        changes, if known): the members it touches (positions in `names`), every member's count
+        of changed elements, each touched member's own change."""
         offs = self.offsets
-        cuts = np.searchsorted(ch.indices, offs)
-        counts = np.diff(cuts)
+        if counts is None:
+            cuts = np.searchsorted(ch.indices, offs)
+            counts = np.diff(cuts)
+        else:
+            cuts = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=cuts[1:])
         touched = np.flatnonzero(counts).tolist()
         changes = {
             self.names[m]: TensorChange(
