@@ -5,9 +5,12 @@ member on its own, codes them as one flat tensor (the touched members' concatena
 order; a single touched member is coded alone, as format 3 does), and advances the members to
 `current` only once the encoding succeeded; its `undo` puts the old bits back. Its two halves,
 `split` and `code`, serve a device snapshot's host groups (`device_groups`), which diff and
-advance in `publish` and code later from a copy of the base: the same bytes. Memory: the
-group holds its members' bytes once (the snapshot's copy); a version adds a copy of the
-current members (the concatenation diffed) and, when only some members changed, of theirs.
+advance in `publish` and code later from a copy of the base: the same bytes. The members of
+`current` are diffed where the caller holds them, in one native call over the member list
+(`diff.diff_members`); a cast state (`codec.cast.CastState`) is cast into one concatenation
+first. Memory: the group holds its members' bytes once (the snapshot's copy); a version adds
+the changes, for a cast state a copy of the current members (the concatenation diffed) and,
+when only some members changed, a copy of their base (the concatenation coded).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _groups
+from sparsesync.codec._member_changes import MemberChanges
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.blocks_digest import digests_many
 from sparsesync.codec.cast import CastState, uncast
@@ -32,7 +36,7 @@ from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
 class Done:
     """What one task of `Snapshot.diff_encode` did (empty when nothing changed)."""
 
-    changes: dict[str, TensorChange] = field(default_factory=dict)  # per tensor, its own indices
+    changes: Mapping[str, TensorChange] = field(default_factory=dict)  # per tensor, its own indices
     encoded: dict[str, EncodedTensor] = field(default_factory=dict)  # tensors coded alone
     group: tuple[EncodedTensor, _groups.Members] | None = None  # a group's coding and touched members
     digests: dict[str, str] = field(default_factory=dict)  # target digests of the changed tensors
@@ -99,12 +103,10 @@ class FlatGroup:
             raise
         return Done(changes, encoded, group, digests, tb - ta, time.perf_counter() - tb, undo)
 
-    def split(
-        self, ch: TensorChange, counts: np.ndarray | None = None
-    ) -> tuple[list[int], np.ndarray, dict[str, TensorChange]]:
+    def split(self, ch: TensorChange, counts: np.ndarray | None = None) -> tuple[list[int], np.ndarray, MemberChanges]:
         """Of `ch` (a change of the whole flat tensor; `counts`: each member's count of its
         changes, if known): the members it touches (positions in `names`), every member's count
-        of changed elements, each touched member's own change."""
+        of changed elements, each touched member's own change (made when it is read)."""
         offs = self.offsets
         if counts is None:
             cuts = np.searchsorted(ch.indices, offs)
@@ -113,17 +115,7 @@ class FlatGroup:
             cuts = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=cuts[1:])
         touched = np.flatnonzero(counts).tolist()
-        changes = {
-            self.names[m]: TensorChange(
-                self.flat.dtype,
-                self.shapes[m],
-                ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
-                ch.base_bits[cuts[m] : cuts[m + 1]],
-                ch.target_bits[cuts[m] : cuts[m + 1]],
-            )
-            for m in touched
-        }
-        return touched, counts, changes
+        return touched, counts, MemberChanges(ch, self.names, self.shapes, offs, cuts.tolist(), touched)
 
     def code(
         self, ch: TensorChange, touched: list[int], counts: np.ndarray, base: torch.Tensor, effort: Effort

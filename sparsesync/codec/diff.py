@@ -361,7 +361,9 @@ def diff_state(  # noqa: C901, PLR0915
     return out
 
 
-def compose_changes(older: dict[str, TensorChange], newer: dict[str, TensorChange]) -> dict[str, TensorChange]:
+def compose_changes(
+    older: Mapping[str, TensorChange], newer: Mapping[str, TensorChange]
+) -> dict[str, TensorChange]:
     """Compose B->B+1 (`older`) with B+1->B+2 (`newer`) into B->B+2.
 
     Per tensor: the union of changed positions; base bits from `older` where it has them (else
