@@ -61,6 +61,8 @@ class FlatGroup:
             self.flat[a:b].view(s)
             for a, b, s in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes)
         ]
+        self._int_dtype = bits_view(self.flat).dtype  # the members' bits are viewed as this
+        self._bits = to_np_bits(bits_view(self.flat))
 
     def diff_encode(
         self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int, algo: str = DEFAULT_ALGO
@@ -74,11 +76,9 @@ class FlatGroup:
             del cur
             counts = None
         else:  # the caller's members diffed where they are (no copy), one native call
-            int_dtype = bits_view(self.flat).dtype
-            bits = to_np_bits(bits_view(self.flat))
-            idx, old, new, counts = diff_members(
-                bits, [current[n].detach().view(int_dtype).numpy() for n in self.names], self.offsets
-            )
+            dt, cur = self._int_dtype, map(current.__getitem__, self.names)
+            members = [(t.detach() if t.requires_grad else t).view(dt).numpy() for t in cur]
+            idx, old, new, counts = diff_members(self._bits, members, self.offsets)
             ch = TensorChange(self.flat.dtype, (self.numel,), idx, old, new) if idx.size else None
         tb = time.perf_counter()
         if ch is None:

@@ -22,6 +22,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -105,9 +106,9 @@ def build_section(
     same members come from a cache, counts and digests are written in bulk."""
     out = bytearray(_table.table_bytes(rows))
     _native.varints_put(out, [len(m.names) for m in members], len(members))
-    names = [n for m in members for n in m.names]
-    out += _layout_bytes(tuple(names), tuple(s for m in members for s in m.shapes))
-    counts = [c for m in members for c in m.n_changed]
+    names = list(chain.from_iterable(m.names for m in members))
+    out += _layout_bytes(tuple(names), tuple(chain.from_iterable(m.shapes for m in members)))
+    counts = list(chain.from_iterable(m.n_changed for m in members))
     _native.varints_put(out, counts, len(counts))
     for digests in (base_digests, target_digests):
         hexes = "".join([digests[n] for n in names]).replace(blocks_digest.PREFIX, "")

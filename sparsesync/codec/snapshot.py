@@ -80,6 +80,7 @@ class Snapshot:
                 g = FlatGroup(names, [self.state[n] for n in names])
                 self._groups.append(g)
                 self.state.update(zip(names, g.views))
+        self._n_params = sum(t.numel() for t in self.state.values())  # the layout is fixed: counted once
         self.digests: dict[str, str] = {n: tensor_digest(t, algo) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
 
@@ -122,7 +123,7 @@ class Snapshot:
             )
         t2 = time.perf_counter()
         base_version, self.version = self.version, target_version
-        n_params = sum(t.numel() for t in self.state.values())
+        n_params = self._n_params
         n_changed = changes.n_changed
         stats = PatchStats(
             n_params=n_params,
