@@ -76,8 +76,8 @@ class FlatGroup:
             del cur
             counts = None
         else:  # the caller's members diffed where they are (no copy), one native call
-            dt, cur = self._int_dtype, map(current.__getitem__, self.names)
-            members = [(t.detach() if t.requires_grad else t).view(dt).numpy() for t in cur]
+            dt, ts = self._int_dtype, map(current.__getitem__, self.names)
+            members = [(t.detach() if t.requires_grad else t).view(dt).numpy() for t in ts]
             idx, old, new, counts = diff_members(self._bits, members, self.offsets)
             ch = TensorChange(self.flat.dtype, (self.numel,), idx, old, new) if idx.size else None
         tb = time.perf_counter()
