@@ -275,22 +275,9 @@ class LocalStore(Store):
 
         def _walk() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
-            if not folder.is_dir():
-                return out
-            for dirpath, _dirs, files in os.walk(folder):
-                rel_dir = os.path.relpath(dirpath, self.root)
-                for name in files:
-                    if name.startswith(_TMP):
-                        continue
-                    key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-                    if not key.startswith(prefix):
-                        continue
-                    try:
-                        st = os.stat(os.path.join(dirpath, name))
-                    except OSError:  # deleted while we walked, or a dangling link
-                        continue
-                    if stat.S_ISREG(st.st_mode):  # FIFOs, devices, links to them: not objects
-                        out.append(ObjectInfo(key, st.st_size))
+            if folder.is_dir():
+                rel = os.path.relpath(folder, self.root)
+                _scan(str(folder), "" if rel == "." else rel.replace(os.sep, "/") + "/", prefix, out)
             out.sort(key=lambda o: o.key)
             return out
 
@@ -299,6 +286,31 @@ class LocalStore(Store):
     def exists(self, key: str) -> bool:
         path = self._path(key)
         return self._call("stat", self.object_url(key), path.is_file)
+
+
+def _scan(path: str, key_dir: str, prefix: str, out: list[ObjectInfo]) -> None:
+    """Append the objects under folder `path` (whose keys begin `key_dir`) whose keys start
+    with `prefix`: regular files and links to them, never temp files; folders are descended,
+    links to folders are not (as `os.walk` does); a folder or file gone meanwhile is skipped.
+    One `stat` per file, none per folder (the entry's type comes with the listing)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:  # deleted while we walked
+        return
+    for entry in entries:
+        key = key_dir + entry.name
+        try:
+            if entry.is_dir():
+                if not entry.is_symlink() and (key.startswith(prefix) or prefix.startswith(key + "/")):
+                    _scan(entry.path, key + "/", prefix, out)
+                continue
+            if entry.name.startswith(_TMP) or not key.startswith(prefix):
+                continue
+            st = entry.stat()
+        except OSError:  # deleted while we walked, or a dangling link
+            continue
+        if stat.S_ISREG(st.st_mode):  # FIFOs, devices, links to them: not objects
+            out.append(ObjectInfo(key, st.st_size))
 
 
 def _kind(mode: int) -> str:

@@ -1,7 +1,8 @@
-"""A local folder's deferred writes (`LocalStore.deferred_sync`, used for commit records): visible
-at once, fsynced in the background, and durable before any later write becomes visible.
+"""A local folder's listings (only the folders that can hold the prefix's keys are read), and its
+deferred writes (`LocalStore.deferred_sync`, used for commit records): visible at once, fsynced
+in the background, and durable before any later write becomes visible.
 
-Real files and real fsyncs; `os.fsync` and `os.replace` are only wrapped to record the order."""
+Real files and real fsyncs; `os.fsync`, `os.replace` and `os.scandir` are only wrapped to record the order."""
 
 from __future__ import annotations
 
@@ -133,3 +134,29 @@ def test_a_process_that_exits_waits_for_its_last_deferred_fsync(tmp_path: Path) 
     subprocess.run([sys.executable, "-c", _EXIT_AFTER_A_DEFERRED_WRITE, str(tmp_path / "run"), str(marker)],
                    check=True, timeout=60)
     assert marker.exists() and (tmp_path / "run" / "commit").read_bytes() == b"x"
+
+
+def test_a_listing_reads_only_the_folders_that_can_hold_its_keys(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list("commits/")` reads commits/ alone, `list("comm")` the root and commits/: never the
+    anchors' and deltas' folders (a run holds one folder per anchor), and it finds what it did."""
+    store = LocalStore(tmp_path / "run", create=True)
+    for key in ("commits/v1.json", "commits/v2.json", "deltas/d1", "anchors/v1/model.safetensors",
+                "anchors/v2/model.safetensors", "writers/w1", "comma"):
+        store.put(key, b"x")
+    read: list[str] = []
+    real_scandir = os.scandir
+
+    def scandir(path):  # type: ignore[no-untyped-def]
+        read.append(os.path.relpath(path, tmp_path / "run"))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert [o.key for o in store.list("commits/")] == ["commits/v1.json", "commits/v2.json"]
+    assert read == ["commits"]
+    read.clear()
+    assert [o.key for o in store.list("comm")] == ["comma", "commits/v1.json", "commits/v2.json"]
+    assert sorted(read) == [".", "commits"]
+    read.clear()
+    assert len(store.list("")) == 7 and sorted(read) == [".", "anchors", "anchors/v1", "anchors/v2", "commits",
+                                                         "deltas", "writers"]
