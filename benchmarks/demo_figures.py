@@ -61,6 +61,10 @@ def run_one(seed: int, steps: int, lora: bool, min_reward_gain: float | None = N
         "checks_ok": all(c["ok"] for c in rep["checks"].values()),
         "load_avg_1m": [load0, os.getloadavg()[0]],  # at start and end: other jobs on the machine slow it
         "wall_s": wall, "train_s": rep["train_s"], "train_s_per_step": rep["train_s"] / steps,
+        # medians over the steps after the first 3 (warm-up): the optimizer step (forward, backward,
+        # optimizer: PEFT's cost in a LoRA run) and the publish (sparsesync's diff+encode on the trainer)
+        "optimizer_step_s_median": statistics.median(r["train_s"] for r in rep["steps"][3:]),
+        "publish_s_median": statistics.median(r["publish_s"] for r in rep["steps"][3:]),
     }
 
 
@@ -93,13 +97,17 @@ def main() -> None:
                     "full_train_s_per_step": f["train_s_per_step"],
                     "lora_train_s_per_step": lo["train_s_per_step"],
                     "ratio": lo["train_s_per_step"] / f["train_s_per_step"],
+                    **{f"{k}_{part}": r[f"{part}_median"] for k, r in (("full", f), ("lora", lo))
+                       for part in ("optimizer_step_s", "publish_s")},
                     "load_avg_1m": [f["load_avg_1m"], lo["load_avg_1m"]],
                 }
             )
             print(
                 f"step time ({args.step_time_steps} steps): LoRA {lo['train_s_per_step']:.3f} s, full "
                 f"{f['train_s_per_step']:.3f} s, "
-                f"ratio {pairs[-1]['ratio']:.2f}",
+                f"ratio {pairs[-1]['ratio']:.2f}; per step (median) optimizer step LoRA "
+                f"{lo['optimizer_step_s_median']:.3f} s, full {f['optimizer_step_s_median']:.3f} s; publish LoRA "
+                f"{lo['publish_s_median'] * 1e3:.1f} ms, full {f['publish_s_median'] * 1e3:.1f} ms",
                 flush=True,
             )
         step_time = {"steps": args.step_time_steps, "pairs": pairs,
