@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _codec_data import adam_direction, make_weights, qwen_like_shapes  # noqa: E402
+from _codec_data import adam_direction, make_weights, provenance, qwen_like_shapes  # noqa: E402
 
 from sparsesync.codec import Snapshot, tensor_digests  # noqa: E402
 from sparsesync.lora.bridge import base_digest  # noqa: E402
@@ -220,6 +220,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result.update(provenance(), date=time.strftime("%Y-%m-%d", time.gmtime()))
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
