@@ -68,9 +68,13 @@
  *   block_digests(data, out[, threads[, hw]]) -> None
  *       XXH3-64 of each 65536-byte block of `data` (the last zero-padded), into uint64 `out`:
  *       the blocks of the tensor digest "xxh3b" (docs/format.md, "Digests"; native/blocks.c).
- *   members_blocks(bufs, out) / members_put(dsts, width, idx, offsets, values, old, before, after) -> None
- *       block_digests of each buffer of a list, end to end; a group's writes into its members,
- *       each member's blocks hashed before and after its writes (native/members.c).
+ *   members_blocks(bufs, out) -> None
+ *       block_digests of each buffer of a list, end to end (native/members.c).
+ *   members_take(ptrs, width, offsets, idx, out) / members_copy(ptrs, width, offsets, out) -> None
+ *   members_put(ptrs, width, idx, offsets, values, old, before, after) -> None
+ *       A group's members given by address: the base bits at positions of their concatenation,
+ *       the whole concatenation, and a group's writes into its members, each member's blocks
+ *       hashed before and after its writes (native/members.c).
  *   join(pieces) -> bytes
  *       b"".join(pieces) for a list of bytes-like objects, copied with the GIL released into
  *       memory advised for transparent huge pages (as numpy does for its large arrays): a patch
@@ -93,7 +97,8 @@
  *   native/gaps.c        gap_khist, gap_symbols, gap_ranks
  *   native/deltas.c      delta_hist, delta_symbols, delta_values
  *   native/blocks.c      block_digests (the blocks of the tensor digest "xxh3b")
- *   native/members.c     members_blocks, members_put (a group's small tensors in one call each)
+ *   native/members.c     members_blocks, members_take, members_copy, members_put (a group's small
+ *                        tensors in one call each)
  * This file holds the module itself: hw_levels, the method table and module init.
  */
 
@@ -134,7 +139,9 @@ static PyMethodDef methods[] = {
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
     {"varints_put", py_varints_put, METH_VARARGS, "varints_put(out, values, count) -> None"},
     {"members_blocks", py_members_blocks, METH_VARARGS, "members_blocks(bufs, out) -> None"},
-    {"members_put", py_members_put, METH_VARARGS, "members_put(dsts, width, idx, offsets, values, old, before, after) -> None"},
+    {"members_take", py_members_take, METH_VARARGS, "members_take(ptrs, width, offsets, idx, out) -> None"},
+    {"members_copy", py_members_copy, METH_VARARGS, "members_copy(ptrs, width, offsets, out) -> None"},
+    {"members_put", py_members_put, METH_VARARGS, "members_put(ptrs, width, idx, offsets, values, old, before, after) -> None"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},

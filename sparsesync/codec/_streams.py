@@ -46,6 +46,8 @@ class Ctx:
         """The base bits at `idx` (None: the whole tensor); only a decoder reading against a base asks."""
         if self.base_bits is None:
             raise format_error(self, "its coding is conditioned on the base, and no base was given")
+        if idx is not None and self.base_at_positions is not None and self.base_at_positions[0] is idx:
+            return self.base_at_positions[1]  # gathered by the positions decoder in its pass
         return self.base_bits(idx)
 
 

@@ -1,6 +1,6 @@
-"""Many small tensors at the cost of few (issue 51): a group's members hashed and written in one
-native call each (`members_blocks`, `members_put`), digest checks of a whole version in one
-pass (`all_blocks`), group names prefix-coded without a Python step per byte; and a budget of
+"""Many small tensors at the cost of few (issue 51): a group's members hashed in one native call
+(`members_blocks`; read and written: tests/codec/test_group_members.py), digest checks of a whole
+version in one pass (`all_blocks`), group names prefix-coded without a Python step per byte; and a budget of
 Python calls per member for encode, read and apply, which fails when per-member Python comes
 back on any of them."""
 
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from sparsesync.codec import _groups, _native, apply_patch, read_patch, state_digest
-from sparsesync.codec._group_write import write_group
-from sparsesync.codec.blocks_digest import BLOCK, combine_many, digest_bytes, digests_many, n_blocks
-from sparsesync.codec.digest import LEGACY_ALGO, all_blocks, put_and_digests, tensor_digest
+from sparsesync.codec.blocks_digest import BLOCK, digest_bytes, digests_many
+from sparsesync.codec.digest import all_blocks
 from sparsesync.codec.snapshot import Snapshot
 from sparsesync.errors import DigestMismatchError
 
@@ -40,78 +39,6 @@ def test_members_blocks_reject_a_wrong_output_size():
         _native.members_blocks([np.zeros(BLOCK + 1, np.uint8)], np.zeros(1, np.uint64))
     with pytest.raises(TypeError, match="list"):
         _native.members_blocks((np.zeros(1, np.uint8),), np.zeros(1, np.uint64))
-
-
-def _members_put(dsts, idx, vals, *, hashes=True):
-    offsets = np.zeros(len(dsts) + 1, dtype=np.int64)
-    np.cumsum([d.size for d in dsts], out=offsets[1:])
-    nblk = sum(n_blocks(d.nbytes) for d in dsts)
-    old = np.empty_like(vals)
-    before = np.empty(nblk if hashes else 0, np.uint64)
-    after = np.empty(nblk if hashes else 0, np.uint64)
-    _native.members_put(dsts, 2, idx, offsets, vals, old, before, after)
-    return old, before, after, offsets
-
-
-def test_members_put_writes_and_hashes_like_put_and_digests_member_by_member():
-    dsts, want_dsts = _bufs(1), _bufs(1)
-    total = sum(d.size for d in dsts)
-    rng = np.random.default_rng(2)
-    idx = np.unique(rng.integers(0, total, size=total // 50)).astype(np.int64)
-    vals = rng.integers(0, 1 << 16, size=idx.size, dtype=np.uint16)
-    old, before, after, offsets = _members_put(dsts, idx, vals)
-    nbytes = [d.nbytes for d in dsts]
-    want_before, want_after, want_old = [], [], []
-    for i, d in enumerate(want_dsts):
-        sel = (idx >= offsets[i]) & (idx < offsets[i + 1])
-        o = np.empty(int(sel.sum()), np.uint16)
-        b, a = put_and_digests(d, idx[sel] - offsets[i], vals[sel], o)
-        want_before.append(b)
-        want_after.append(a)
-        want_old.append(o)
-    assert all(np.array_equal(a, b) for a, b in zip(dsts, want_dsts))
-    assert np.array_equal(old, np.concatenate(want_old))
-    assert combine_many(before, nbytes) == want_before
-    assert combine_many(after, nbytes) == want_after
-
-
-@pytest.mark.parametrize("bad", ["unsorted", "repeated", "out of range", "negative"])
-def test_members_put_checks_every_index_before_the_first_write(bad):
-    dsts = _bufs(3)
-    copies = [d.copy() for d in dsts]
-    total = sum(d.size for d in dsts)
-    idx = {
-        "unsorted": [0, 5, 3],
-        "repeated": [0, 5, 5],
-        "out of range": [0, 5, total],
-        "negative": [-1, 5, 6],
-    }[bad]
-    with pytest.raises(IndexError, match="strictly increasing"):
-        _members_put(dsts, np.array(idx, np.int64), np.ones(3, np.uint16))
-    assert all(np.array_equal(a, b) for a, b in zip(dsts, copies))  # nothing written
-
-
-def test_members_put_rejects_offsets_that_do_not_fit_the_members():
-    dsts = _bufs(4)[:3]
-    with pytest.raises(ValueError, match="offsets"):
-        _native.members_put(dsts, 2, np.zeros(0, np.int64), np.array([0, 1, 2, 3], np.int64), np.zeros(0, np.uint16),
-                            np.zeros(0, np.uint16), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
-
-
-@pytest.mark.parametrize("algo", ["xxh3b", LEGACY_ALGO])
-def test_write_group_gives_each_member_its_digests_and_old_bits(algo):
-    g = torch.Generator().manual_seed(5)
-    ts = {f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate([3, 40_000, 70_000])}
-    before = {n: tensor_digest(t, algo) for n, t in ts.items()}
-    orig = {n: t.clone() for n, t in ts.items()}
-    offsets = np.array([0, 3, 40_003, 110_003], np.int64)
-    idx = np.array([1, 2, 3, 50_000, 110_002], np.int64)
-    vals = np.array([7, 8, 9, 10, 11], np.uint16)
-    out = write_group(ts, list(ts), offsets, idx, vals, digest=True, before=True, algo=algo)
-    for i, (n, (local, new, old, d_after, d_before)) in enumerate(out.items()):
-        assert d_before == before[n] and d_after == tensor_digest(ts[n], algo)
-        assert torch.equal(orig[n].view(-1)[local], old) and torch.equal(ts[n].view(-1)[local], new)
-        assert (local + int(offsets[i])).tolist() == [x for x in idx.tolist() if offsets[i] <= x < offsets[i + 1]]
 
 
 def test_all_blocks_checks_each_digest_not_just_their_concatenation():
