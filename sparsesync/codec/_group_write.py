@@ -50,7 +50,7 @@ class GroupWrite:
                             _NONE, _NONE)
 
     def updates(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """`member_updates` of the new bits."""
+        """`member_updates` of the new bits; the last use of this write (`undo` is no longer possible)."""
         return member_updates(self.idx, self.vals, self.offsets, self.cuts, self.dtype)
 
 
@@ -58,9 +58,11 @@ def member_updates(
     idx: np.ndarray, vals: np.ndarray, offsets: np.ndarray, cuts: np.ndarray, dtype: torch.dtype
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Per member of a group: its changed elements' indices (int64, member-local) and new values
-    (`dtype`) from the group's `idx` and `vals` (bits), as views of one tensor each."""
+    (`dtype`) from the group's `idx` (int64, made member-local in place) and `vals` (bits), as
+    views of one tensor each."""
     counts = np.diff(cuts)
-    local = np.asarray(idx, dtype=np.int64) - np.repeat(np.asarray(offsets[:-1], dtype=np.int64), counts)
+    local = np.asarray(idx, dtype=np.int64)
+    local -= np.repeat(np.asarray(offsets[:-1], dtype=np.int64), counts)
     sizes = counts.tolist()
     new = torch.from_numpy(np.ascontiguousarray(vals).view(_SIGNED[vals.itemsize])).view(dtype)
     return torch.from_numpy(local).split(sizes), new.split(sizes)

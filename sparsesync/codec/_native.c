@@ -47,6 +47,8 @@
  *       at most `hi`): (values, the byte after the last, 0, 0), or (None, where reading
  *       stopped, the value read, status): 1 the data ends, 2 overlong, 3 over `hi`, 4 longer
  *       than 9 bytes. varints_put(out, values, count) appends values[:count] to a bytearray.
+ *   section_members(data, pos, count, max_name, max_ndim, dim_hi) -> (names, shapes, numels, pos, status, member, field, value)
+ *       The prefix-coded names and the shapes of a group section's members (native/section.c).
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
@@ -94,6 +96,7 @@
  *   native/rans.c        rans_encode, rans_decode
  *   native/copy.c        take, put, join
  *   native/varints.c     varints, varints_put
+ *   native/section.c     section_members (the members of a group section)
  *   native/gaps.c        gap_khist, gap_symbols, gap_ranks
  *   native/deltas.c      delta_hist, delta_symbols, delta_values
  *   native/blocks.c      block_digests (the blocks of the tensor digest "xxh3b")
@@ -113,6 +116,7 @@
 #include "native/rans.c"
 #include "native/copy.c"
 #include "native/varints.c"
+#include "native/section.c"
 #include "native/gaps.c"
 #include "native/deltas.c"
 #include "native/blocks.c"
@@ -137,6 +141,7 @@ static PyMethodDef methods[] = {
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
+    {"section_members", py_section_members, METH_VARARGS, "section_members(data, pos, count, max_name, max_ndim, dim_hi) -> (names, shapes, numels, pos, status, member, field, value)"},
     {"varints_put", py_varints_put, METH_VARARGS, "varints_put(out, values, count) -> None"},
     {"members_blocks", py_members_blocks, METH_VARARGS, "members_blocks(bufs, out) -> None"},
     {"members_take", py_members_take, METH_VARARGS, "members_take(ptrs, width, offsets, idx, out) -> None"},

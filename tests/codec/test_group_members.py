@@ -146,13 +146,15 @@ def test_write_group_gives_digests_undo_and_each_members_update(algo):
     w = write_group(ts, list(ts), member_ptrs(list(ts.values())), offsets, idx, vals, cuts, digest=True, before=True,
                     algo=algo)
     assert w.before == before and w.after == [tensor_digest(t, algo) for t in ts.values()]
-    for i, (n, local, new) in enumerate(zip(ts, *w.updates())):
-        assert (local + int(offsets[i])).tolist() == [x for x in idx.tolist() if offsets[i] <= x < offsets[i + 1]]
-        assert torch.equal(ts[n].view(-1)[local], new) and new.dtype == torch.bfloat16
-        assert torch.equal(orig[n].view(-1)[local], torch.from_numpy(w.old.view(np.int16)).view(torch.bfloat16)[
-            int(cuts[i]) : int(cuts[i + 1])])
+    flat = torch.cat([t.view(-1) for t in ts.values()]).view(torch.int16).numpy()
+    was = torch.cat([t.view(-1) for t in orig.values()]).view(torch.int16).numpy()
+    assert np.array_equal(flat[idx], vals.view(np.int16)) and np.array_equal(was[idx], w.old.view(np.int16))
     w.undo()
     assert all(torch.equal(ts[n], orig[n]) for n in ts)
+    positions = idx.tolist()
+    for i, (n, local, new) in enumerate(zip(ts, *w.updates())):  # the last use: makes idx member-local
+        assert (local + int(offsets[i])).tolist() == [x for x in positions if offsets[i] <= x < offsets[i + 1]]
+        assert new.dtype == torch.bfloat16 and np.array_equal(new.view(torch.int16).numpy(), vals[cuts[i]: cuts[i + 1]])
 
 
 def _adapter(seed: int = 0) -> dict[str, torch.Tensor]:

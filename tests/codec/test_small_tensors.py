@@ -20,7 +20,7 @@ from sparsesync.codec.digest import all_blocks
 from sparsesync.codec.snapshot import Snapshot
 from sparsesync.errors import DigestMismatchError
 
-READ_BUDGET = 28  # measured 24.5 (34.5 with a numpy product and a slice per member)
+READ_BUDGET = 6  # measured 3.6 (26.6 with a Python step per member field, 34.5 with a numpy product and a slice too)
 SIZES = [0, 1, 7, BLOCK // 2, BLOCK // 2 + 1, 3 * BLOCK // 2 + 3, 40_000]  # uint16 elements
 
 
@@ -95,7 +95,8 @@ def test_a_version_of_400_small_tensors_costs_few_python_calls_per_tensor():
     assert all(torch.equal(replica[k], cur[k]) for k in cur)
     assert n_enc / 400 <= 57, f"diff_encode made {n_enc} Python calls for 400 small tensors"
     assert n_read / 400 <= READ_BUDGET, f"read_patch made {n_read} Python calls for 400 small tensors"
-    assert n_apply / 400 <= 50, f"apply_patch made {n_apply} Python calls for 400 small tensors"
+    # apply measured 4.6 (41.7 with a numpy view, a result tuple and three slices per member, at 8021c27)
+    assert n_apply / 400 <= 8, f"apply_patch made {n_apply} Python calls for 400 small tensors"
 
 
 def test_a_grouped_apply_that_misses_a_target_digest_is_undone():
@@ -143,7 +144,9 @@ def test_an_adapter_sized_version_costs_few_python_calls_per_tensor():
     _, n_apply = _calls(lambda: apply_patch(parsed, replica))
     assert all(torch.equal(replica[k], cur[k]) for k in cur)
     assert len(parsed.header.groups) <= 8
-    # measured 41, 29 and 7.1 per tensor (57, 50 and 8.6 in 40 groups)
+    # measured 41, 29 and 7.1 per tensor (57, 50 and 8.6 in 40 groups); read and apply 5.5 and 3.5 since the
+    # members are read in one native call and written through their addresses (apply's pool threads: not counted
+    # here, tests/codec/test_group_members.py counts them)
     assert n_enc / len(st) <= 45, f"diff_encode made {n_enc} Python calls for {len(st)} small tensors"
-    assert n_read / len(st) <= 35, f"read_patch made {n_read} Python calls for {len(st)} small tensors"
-    assert n_apply / len(st) <= 8, f"apply_patch made {n_apply} Python calls for {len(st)} small tensors"
+    assert n_read / len(st) <= 8, f"read_patch made {n_read} Python calls for {len(st)} small tensors"
+    assert n_apply / len(st) <= 5, f"apply_patch made {n_apply} Python calls for {len(st)} small tensors"
