@@ -133,7 +133,7 @@ class ParsedGroup:
 
 def _hex(digests: bytes) -> tuple[str, ...]:
     """Each stored digest (8 bytes, little-endian) as its 16 hex digits."""
-    return tuple(f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist())
+    return tuple([f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist()])
 
 
 def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[ParsedGroup]:

@@ -395,8 +395,10 @@ def _all_equal(patch: Patch, done: list[tuple[str | Group, Done]], *, before: bo
             want = [es[n].base_digest for n in r.members] if before else [es[n].target_digest for n in r.members]
             if (r.before if before else r.after) != want:
                 return False
-        elif r[3 if before else 2] != (es[u].base_digest if before else es[u].target_digest):  # type: ignore[index]
-            return False
+        else:
+            assert isinstance(u, str)
+            if (r[3] if before else r[2]) != (es[u].base_digest if before else es[u].target_digest):
+                return False
     return True
 
 
@@ -404,12 +406,9 @@ def _known(done: list[tuple[str | Group, Done]], *, before: bool) -> dict[str, s
     """The digests hashed in the writes, by tensor name (`before`: of the base, else of the target)."""
     out: dict[str, str] = {}
     for u, r in done:
-        if isinstance(r, GroupWrite):
-            got = r.before if before else r.after
-            if got is not None:
-                out.update(zip(r.members, got))
-        elif r[3 if before else 2] is not None:
-            out[u] = r[3 if before else 2]  # type: ignore[index, assignment]
+        got = (r.before if before else r.after) if isinstance(r, GroupWrite) else [r[3] if before else r[2]]
+        names = r.members if isinstance(r, GroupWrite) else [u]
+        out.update((n, d) for n, d in zip(names, got or []) if isinstance(n, str) and d is not None)
     return out
 
 
@@ -420,7 +419,8 @@ def _updates(patch: Patch, done: list[tuple[str | Group, Done]]) -> dict[str, Sp
         if isinstance(r, GroupWrite):
             out.update(zip(r.members, map(SparseUpdate, *r.updates())))
         else:
-            out[u] = r[0]  # type: ignore[index]
+            assert isinstance(u, str)
+            out[u] = r[0]
     return {n: out[n] for n in patch.header.tensors}
 
 

@@ -78,7 +78,7 @@ def digest_bytes(buf: np.ndarray | memoryview | bytes, threads: int | None = Non
     return PREFIX + xxhash.xxh3_64_hexdigest(out.tobytes() + _LEN.pack(n))
 
 
-def combine_many(blocks: np.ndarray, nbytes: Sequence[int]) -> list[str]:
+def combine_many(blocks: np.ndarray, nbytes: Sequence[int] | np.ndarray) -> list[str]:
     """The digests of consecutive tensors from their blocks laid end to end (`members_blocks`'s
     layout) and their byte lengths (one hash call per tensor, nothing else)."""
     raw = np.ascontiguousarray(blocks, dtype="<u8").tobytes()

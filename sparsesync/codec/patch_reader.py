@@ -267,8 +267,8 @@ def _table_entries(
         off, coding = _locate(g.row, off, d, located, f"group '{g.row.name}'", prefix)
         groups.append(Group(coding, g.names, g.offsets, g.n_changed))
         dtype = g.row.dtype
-        for name, shape, n, b, t in zip(g.names, g.shapes, g.n_changed.tolist(), g.base_digests, g.target_digests):
-            tensors[name] = TensorEntry(name, dtype, shape, n, GROUPED, GROUPED, prefix + b, prefix + t)
+        for name, shape, n, bd, td in zip(g.names, g.shapes, g.n_changed.tolist(), g.base_digests, g.target_digests):
+            tensors[name] = TensorEntry(name, dtype, shape, n, GROUPED, GROUPED, prefix + bd, prefix + td)
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
     if groups:

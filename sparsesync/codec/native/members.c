@@ -156,10 +156,10 @@ static PyObject *py_members_take(PyObject *self, PyObject *args) {
     uint8_t *op = outb.buf;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t m = 0;
-    for (int64_t k = 0; k < ni; k++) {
-        while (idx[k] >= off[m + 1]) m++; /* idx[k] < total: stops at the member holding it */
-        memcpy(op + k * w, (const uint8_t *)(uintptr_t)ptr[m] + (idx[k] - off[m]) * w, (size_t)w);
-    }
+    /* idx[k] < total: the walk stops at the member holding it; W a constant (memcpy inlined) */
+#define CALL(W) for (int64_t k = 0; k < ni; k++) { while (idx[k] >= off[m + 1]) m++; memcpy(op + k * W, (const uint8_t *)(uintptr_t)ptr[m] + (idx[k] - off[m]) * W, W); }
+    DISPATCH_WIDTH(w, CALL)
+#undef CALL
     Py_END_ALLOW_THREADS
     res = Py_None;
     Py_INCREF(res);
