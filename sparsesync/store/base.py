@@ -21,8 +21,9 @@ translation of what failed into a `StoreError`); a backend supplies only the hoo
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -105,6 +106,14 @@ class Store(abc.ABC):
             return False
         self.put(key, data)
         return True
+
+    @contextlib.contextmanager
+    def deferred_sync(self) -> Iterator[None]:
+        """Writes of this thread in the block may return once visible, before they are durable,
+        as long as each is durable before any later write of this store becomes visible (so after
+        a power loss only the newest such object can be missing or empty). For the last write of
+        a version, the commit record. Default: nothing changes (every write durable on return)."""
+        yield
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[str]) -> None:

@@ -3,7 +3,12 @@
 Guarantees: a reader never sees a half-written object (every write goes to a hidden temp
 file in the same folder, is fsynced, then renamed into place); `put_new` is a real
 create-only write (`os.link` of the finished temp file fails if the key exists), so
-`has_create_only` is True; keys are validated so no key can escape the root. Temp files
+`has_create_only` is True; keys are validated so no key can escape the root. Within
+`deferred_sync()` a write is renamed into place before its fsync, which then runs in the
+background (`_later_sync`); every later write, delete and `close` first waits for it, so an
+object is durable before any later one becomes visible, and after a power loss only the newest
+deferred object can be missing or empty (the commit record, whose loss leaves the version
+uncommitted). Temp files
 (`.sparsesync-tmp-*`) are never listed. Only regular files are objects: anything else under
 the root (a FIFO, a device, a symlink to one such as /dev/zero) is never listed, and reading it
 raises `ObjectNotFoundError` at once (it is opened non-blocking and checked before any byte is read), so
@@ -12,18 +17,21 @@ a hostile folder can neither hang a reader nor feed it endless bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import stat
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from sparsesync.errors import ObjectNotFoundError, StoreAuthError, StoreError
 from sparsesync.store import retry
 from sparsesync.store._keys import check_key, check_prefix
+from sparsesync.store._later_sync import LaterSync
 from sparsesync.store.base import ObjectInfo, Store
 
 _TMP = ".sparsesync-tmp-"
@@ -47,6 +55,8 @@ class LocalStore(Store):
     def __init__(self, root: str | Path, *, url: str | None = None, create: bool = False) -> None:
         self.root = Path(root).expanduser().absolute()
         self.url = url or str(self.root)
+        self._later = LaterSync()  # the fsync of the last write made in `deferred_sync`, if any
+        self._deferring = threading.local()
         if create:
             self._call("create", self.url, lambda: self.root.mkdir(parents=True, exist_ok=True))
         elif self.root.exists() and not self.root.is_dir():
@@ -77,7 +87,31 @@ class LocalStore(Store):
                               hint="check free disk space and that the folder is writable")
         return None
 
-    def _write_temp(self, dest: Path, data: bytes | Path) -> Path:
+    @contextlib.contextmanager
+    def deferred_sync(self) -> Iterator[None]:
+        """This thread's writes in the block are visible before they are durable: each is
+        fsynced in the background, and the next write, delete or `close` waits for that first."""
+        self._deferring.on = True
+        try:
+            yield
+        finally:
+            self._deferring.on = False
+
+    def _settle(self, url: str) -> None:
+        """Wait for the deferred fsync of the last write (so it is durable before anything after it)."""
+        try:
+            self._later.settle()
+        except OSError as e:
+            raise StoreError(f"{url} was not written: the write before it, {e.filename}, could not be made "
+                             f"durable ({e.strerror})", url=url,
+                             hint="check the disk (I/O errors, free space): that object may be lost after a "
+                             "power failure") from e
+
+    def close(self) -> None:
+        """Wait until the last deferred write is durable."""
+        self._settle(self.url)
+
+    def _write_temp(self, dest: Path, data: bytes | Path, *, sync: bool = True) -> Path:
         tmp = dest.with_name(f"{_TMP}{uuid.uuid4().hex}-{dest.name}")
         for attempt in range(5):
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +129,8 @@ class LocalStore(Store):
                     with open(data, "rb") as src:
                         _copy_stream(src, out)
                 out.flush()
-                os.fsync(out.fileno())
+                if sync:
+                    os.fsync(out.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -108,16 +143,21 @@ class LocalStore(Store):
             raise StoreError(f"cannot upload {data} to {self.object_url(key)}: no such file",
                              url=self.object_url(key), hint="pass bytes or an existing file")
 
+        defer = getattr(self._deferring, "on", False)
+
         def _put() -> None:
             self._check_no_file_in_the_way(key)
-            tmp = self._write_temp(dest, data)
+            tmp = self._write_temp(dest, data, sync=not defer)
             try:
                 os.replace(tmp, dest)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
 
+        self._settle(self.object_url(key))
         self._call("write", self.object_url(key), _put)
+        if defer:
+            self._later.start(dest)
 
     def _check_no_file_in_the_way(self, key: str) -> None:
         """A folder cannot also be a file: 'a' and 'a/b' cannot both be objects here."""
@@ -146,6 +186,7 @@ class LocalStore(Store):
             finally:
                 tmp.unlink(missing_ok=True)
 
+        self._settle(self.object_url(key))
         return self._call("create-only write", self.object_url(key), _put_new)
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -159,6 +200,7 @@ class LocalStore(Store):
                     continue
                 self._prune(p.parent)
 
+        self._settle(self.url)
         self._call("delete", self.url, _delete)
 
     def _prune(self, folder: Path) -> None:
@@ -233,22 +275,9 @@ class LocalStore(Store):
 
         def _walk() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
-            if not folder.is_dir():
-                return out
-            for dirpath, _dirs, files in os.walk(folder):
-                rel_dir = os.path.relpath(dirpath, self.root)
-                for name in files:
-                    if name.startswith(_TMP):
-                        continue
-                    key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-                    if not key.startswith(prefix):
-                        continue
-                    try:
-                        st = os.stat(os.path.join(dirpath, name))
-                    except OSError:  # deleted while we walked, or a dangling link
-                        continue
-                    if stat.S_ISREG(st.st_mode):  # FIFOs, devices, links to them: not objects
-                        out.append(ObjectInfo(key, st.st_size))
+            if folder.is_dir():
+                rel = os.path.relpath(folder, self.root)
+                _scan(str(folder), "" if rel == "." else rel.replace(os.sep, "/") + "/", prefix, out)
             out.sort(key=lambda o: o.key)
             return out
 
@@ -257,6 +286,31 @@ class LocalStore(Store):
     def exists(self, key: str) -> bool:
         path = self._path(key)
         return self._call("stat", self.object_url(key), path.is_file)
+
+
+def _scan(path: str, key_dir: str, prefix: str, out: list[ObjectInfo]) -> None:
+    """Append the objects under folder `path` (whose keys begin `key_dir`) whose keys start
+    with `prefix`: regular files and links to them, never temp files; folders are descended,
+    links to folders are not (as `os.walk` does); a folder or file gone meanwhile is skipped.
+    One `stat` per file, none per folder (the entry's type comes with the listing)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:  # deleted while we walked
+        return
+    for entry in entries:
+        key = key_dir + entry.name
+        try:
+            if entry.is_dir():
+                if not entry.is_symlink() and (key.startswith(prefix) or prefix.startswith(key + "/")):
+                    _scan(entry.path, key + "/", prefix, out)
+                continue
+            if entry.name.startswith(_TMP) or not key.startswith(prefix):
+                continue
+            st = entry.stat()
+        except OSError:  # deleted while we walked, or a dangling link
+            continue
+        if stat.S_ISREG(st.st_mode):  # FIFOs, devices, links to them: not objects
+            out.append(ObjectInfo(key, st.st_size))
 
 
 def _kind(mode: int) -> str:

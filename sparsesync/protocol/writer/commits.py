@@ -172,7 +172,10 @@ class CommitWriter:
         """Write the commit record `rec` (every object it names already stored): fence check
         first, then the record, then `confirm_visible`. FencedWriterError when fenced or overruled."""
         self.check_fence()
-        self.store.put(commit_key(rec.version, self.epoch), rec.to_json())
+        # visible at once, durable in the background before this store writes anything else: the
+        # version's objects were durable before it (a power loss can only lose the newest commit)
+        with self.store.deferred_sync():
+            self.store.put(commit_key(rec.version, self.epoch), rec.to_json())
         self.confirm_visible(rec)
 
     def confirm_visible(self, rec: CommitRecord) -> None:
