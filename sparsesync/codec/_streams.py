@@ -39,7 +39,7 @@ class Ctx:
     base_bits: Callable[[np.ndarray | None], np.ndarray] | None
     format_version: int = 2  # of the patch being read: picks the entropy decoder
     # (positions, the base bits there) when the positions decoder read them on its way (class-
-    # conditioned gaps): `base_bits` of that same array returns them without a second gather
+    # conditioned gaps): `base` of that same array returns them without a second gather
     base_at_positions: tuple[np.ndarray, np.ndarray] | None = None
 
     def base(self, idx: np.ndarray | None) -> np.ndarray:
