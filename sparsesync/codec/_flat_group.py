@@ -5,9 +5,12 @@ member on its own, codes them as one flat tensor (the touched members' concatena
 order; a single touched member is coded alone, as format 3 does), and advances the members to
 `current` only once the encoding succeeded; its `undo` puts the old bits back. Its two halves,
 `split` and `code`, serve a device snapshot's host groups (`device_groups`), which diff and
-advance in `publish` and code later from a copy of the base: the same bytes. Memory: the
-group holds its members' bytes once (the snapshot's copy); a version adds a copy of the
-current members (the concatenation diffed) and, when only some members changed, of theirs.
+advance in `publish` and code later from a copy of the base: the same bytes. The members of
+`current` are diffed where the caller holds them, in one native call over the member list
+(`diff.diff_members`); a cast state (`codec.cast.CastState`) is cast into one concatenation
+first. Memory: the group holds its members' bytes once (the snapshot's copy); a version adds
+the changes, for a cast state a copy of the current members (the concatenation diffed) and,
+when only some members changed, a copy of their base (the concatenation coded).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import numpy as np
 import torch
 
 from sparsesync.codec import _groups
+from sparsesync.codec._member_changes import MemberChanges
 from sparsesync.codec._scratch import cat_into
 from sparsesync.codec.blocks_digest import digests_many
-from sparsesync.codec.cast import uncast
-from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, put_bits, to_np_bits
+from sparsesync.codec.cast import CastState, uncast
+from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_members, put_bits, to_np_bits
 from sparsesync.codec.digest import BLOCKS_ALGO, DEFAULT_ALGO, tensor_digest
 from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
 
@@ -32,7 +36,7 @@ from sparsesync.codec.patch import Effort, EncodedTensor, encode_tensor
 class Done:
     """What one task of `Snapshot.diff_encode` did (empty when nothing changed)."""
 
-    changes: dict[str, TensorChange] = field(default_factory=dict)  # per tensor, its own indices
+    changes: Mapping[str, TensorChange] = field(default_factory=dict)  # per tensor, its own indices
     encoded: dict[str, EncodedTensor] = field(default_factory=dict)  # tensors coded alone
     group: tuple[EncodedTensor, _groups.Members] | None = None  # a group's coding and touched members
     digests: dict[str, str] = field(default_factory=dict)  # target digests of the changed tensors
@@ -57,6 +61,8 @@ class FlatGroup:
             self.flat[a:b].view(s)
             for a, b, s in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist(), self.shapes)
         ]
+        self._int_dtype = bits_view(self.flat).dtype  # the members' bits are viewed as this
+        self._bits = to_np_bits(bits_view(self.flat))
 
     def diff_encode(
         self, current: Mapping[str, torch.Tensor], effort: Effort, chunk_bytes: int, algo: str = DEFAULT_ALGO
@@ -64,14 +70,20 @@ class FlatGroup:
         """Diff the members against `current`, encode, advance (see the module docstring); the
         touched members' digests are hashed in `algo`."""
         ta = time.perf_counter()
-        # a cast state is cast by the diff, in slices
-        cur = cat_into("current", [uncast(current, n) for n in self.names])
-        ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
-        del cur
+        if isinstance(current, CastState):  # cast by the diff, in slices, from the members laid end to end
+            cur = cat_into("current", [uncast(current, n) for n in self.names])
+            ch = diff_cpu_tensor(self.flat, cur, chunk_bytes=chunk_bytes)
+            del cur
+            counts = None
+        else:  # the caller's members diffed where they are (no copy), one native call
+            dt, ts = self._int_dtype, map(current.__getitem__, self.names)
+            members = [(t.detach() if t.requires_grad else t).view(dt).numpy() for t in ts]
+            idx, old, new, counts = diff_members(self._bits, members, self.offsets)
+            ch = TensorChange(self.flat.dtype, (self.numel,), idx, old, new) if idx.size else None
         tb = time.perf_counter()
         if ch is None:
             return Done(diff_s=tb - ta)
-        touched, counts, changes = self.split(ch)
+        touched, counts, changes = self.split(ch, counts)
         encoded, group = self.code(ch, touched, counts, self.flat, effort)
         bits = to_np_bits(bits_view(self.flat))
 
@@ -91,24 +103,19 @@ class FlatGroup:
             raise
         return Done(changes, encoded, group, digests, tb - ta, time.perf_counter() - tb, undo)
 
-    def split(self, ch: TensorChange) -> tuple[list[int], np.ndarray, dict[str, TensorChange]]:
-        """Of `ch` (a change of the whole flat tensor): the members it touches (positions in
-        `names`), every member's count of changed elements, each touched member's own change."""
+    def split(self, ch: TensorChange, counts: np.ndarray | None = None) -> tuple[list[int], np.ndarray, MemberChanges]:
+        """Of `ch` (a change of the whole flat tensor; `counts`: each member's count of its
+        changes, if known): the members it touches (positions in `names`), every member's count
+        of changed elements, each touched member's own change (made when it is read)."""
         offs = self.offsets
-        cuts = np.searchsorted(ch.indices, offs)
-        counts = np.diff(cuts)
+        if counts is None:
+            cuts = np.searchsorted(ch.indices, offs)
+            counts = np.diff(cuts)
+        else:
+            cuts = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=cuts[1:])
         touched = np.flatnonzero(counts).tolist()
-        changes = {
-            self.names[m]: TensorChange(
-                self.flat.dtype,
-                self.shapes[m],
-                ch.indices[cuts[m] : cuts[m + 1]] - offs[m],
-                ch.base_bits[cuts[m] : cuts[m + 1]],
-                ch.target_bits[cuts[m] : cuts[m + 1]],
-            )
-            for m in touched
-        }
-        return touched, counts, changes
+        return touched, counts, MemberChanges(ch, self.names, self.shapes, offs, cuts.tolist(), touched)
 
     def code(
         self, ch: TensorChange, touched: list[int], counts: np.ndarray, base: torch.Tensor, effort: Effort

@@ -18,13 +18,15 @@ member.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
-from sparsesync.codec import _native, _table
+from sparsesync.codec import _native, _table, blocks_digest
 from sparsesync.errors import PatchFormatError  # noqa: F401 - what parse_section raises (through _table.Reader)
 
 SMALL_NUMEL = 1 << 17  # tensors of at most this many elements are grouped (256 KiB of bf16)
@@ -99,23 +101,38 @@ def build_section(
 ) -> bytes:
     """The zstd-compressed group section: the groups' coding records (a format-3 table of
     `rows`, each named by its first member), then the members of every group (`*_digests`: 16
-    bare hex digits each, as the table's; the format version says their algorithm)."""
+    hex digits each, the table's; a "xxh3b:" prefix is left out, as the format version says the
+    algorithm). A version's hundreds of members cost no Python each: the names and shapes of the
+    same members come from a cache, counts and digests are written in bulk."""
     out = bytearray(_table.table_bytes(rows))
-    for m in members:
-        _table._varint(out, len(m.names))
-    names = [n for m in members for n in m.names]
-    _put_names(out, names)
-    for m in members:
-        for shape in m.shapes:
-            out.append(len(shape))
-            for d in shape:
-                _table._varint(out, d)
-    for m in members:
-        for c in m.n_changed:
-            _table._varint(out, c)
-    out += b"".join(bytes.fromhex(base_digests[n])[::-1] for n in names)
-    out += b"".join(bytes.fromhex(target_digests[n])[::-1] for n in names)
+    _native.varints_put(out, [len(m.names) for m in members], len(members))
+    names = list(chain.from_iterable(m.names for m in members))
+    out += _layout_bytes(tuple(names), tuple(chain.from_iterable(m.shapes for m in members)))
+    counts = list(chain.from_iterable(m.n_changed for m in members))
+    _native.varints_put(out, counts, len(counts))
+    for digests in (base_digests, target_digests):
+        hexes = "".join([digests[n] for n in names]).replace(blocks_digest.PREFIX, "")
+        if len(hexes) != 16 * len(names):
+            raise ValueError(f"member digests hold {len(hexes)} hex digits, expected 16 for each of {len(names)}")
+        out += np.frombuffer(bytes.fromhex(hexes), dtype=">u8").astype("<u8").tobytes()  # each stored little-endian
     return _table.compress(bytes(out))
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_bytes(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> bytes:
+    """The section's member names (each sharing a prefix with the one before) and shapes (ndim
+    as a byte, then the dims): the same for every version that touches the same members."""
+    out = bytearray()
+    _put_names(out, names)
+    if all(len(s) < 0x80 for s in shapes):  # an ndim below 0x80 is its own varint: one call for all
+        flat = [x for s in shapes for x in (len(s), *s)]
+        _native.varints_put(out, flat, len(flat))
+        return bytes(out)
+    for shape in shapes:
+        out.append(len(shape))
+        for d in shape:
+            _table._varint(out, d)
+    return bytes(out)
 
 
 @dataclass(frozen=True)

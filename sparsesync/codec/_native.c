@@ -77,6 +77,9 @@
  *       A group's members given by address: the base bits at positions of their concatenation,
  *       the whole concatenation, and a group's writes into its members, each member's blocks
  *       hashed before and after its writes (native/members.c).
+ *   members_diff(base, members, width, member, elem, out_idx, out_a, out_b, counts[, hw]) -> (count, member, elem)
+ *       diff_into of a group's flat copy against its members, each a buffer of its own: flat
+ *       indices, both sides' bits, each member's count of changes; resumable (native/members_diff.c).
  *   join(pieces) -> bytes
  *       b"".join(pieces) for a list of bytes-like objects, copied with the GIL released into
  *       memory advised for transparent huge pages (as numpy does for its large arrays): a patch
@@ -102,6 +105,7 @@
  *   native/blocks.c      block_digests (the blocks of the tensor digest "xxh3b")
  *   native/members.c     members_blocks, members_take, members_copy, members_put (a group's small
  *                        tensors in one call each)
+ *   native/members_diff.c members_diff (a group's members diffed against its flat copy in one call)
  * This file holds the module itself: hw_levels, the method table and module init.
  */
 
@@ -121,6 +125,7 @@
 #include "native/deltas.c"
 #include "native/blocks.c"
 #include "native/members.c"
+#include "native/members_diff.c"
 
 static PyObject *py_hw_levels(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(HW_BEST + 1);
@@ -147,6 +152,7 @@ static PyMethodDef methods[] = {
     {"members_take", py_members_take, METH_VARARGS, "members_take(ptrs, width, offsets, idx, out) -> None"},
     {"members_copy", py_members_copy, METH_VARARGS, "members_copy(ptrs, width, offsets, out) -> None"},
     {"members_put", py_members_put, METH_VARARGS, "members_put(ptrs, width, idx, offsets, values, old, before, after) -> None"},
+    {"members_diff", py_members_diff, METH_VARARGS, "members_diff(base, members, width, member, elem, out_idx, out_a, out_b, counts[, hw]) -> (count, member, elem)"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},
     {"gap_symbols", py_gap_symbols, METH_VARARGS, "gap_symbols(ranks, k, e, sym, esc, hist, low, low_offset) -> n_escaped"},

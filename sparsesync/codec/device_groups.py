@@ -47,7 +47,7 @@ class _Touched:
     touched: list[int]
     counts: np.ndarray
     base: torch.Tensor  # a copy of the group's flat tensor before the change
-    changes: dict[str, TensorChange]  # per touched member
+    changes: Mapping[str, TensorChange]  # per touched member (made when read)
 
 
 @dataclass

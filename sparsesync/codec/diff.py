@@ -14,9 +14,10 @@ the words).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,20 +123,54 @@ def _changed_slice_np(a: np.ndarray, b: np.ndarray, offset: int = 0) -> tuple[np
     whole slice, so only the part found so far is copied; outputs less than half full are
     copied to their size)."""
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    n, k, start = a.size, 0, 0
+
+    def run(start: int, oi: np.ndarray, oa: np.ndarray, ob: np.ndarray) -> tuple[int, int]:
+        return _native.diff_into(a, b, a.itemsize, start, offset, oi, oa, ob)
+
+    return _grown_outputs(run, a.size, a.dtype)
+
+
+def _grown_outputs(
+    run: Callable[[int, np.ndarray, np.ndarray, np.ndarray], tuple[int, int]], n: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The outputs of a resumable native diff over `n` elements: `run(start, out_idx, out_a,
+    out_b)` diffs from element `start` until its outputs fill, returning (count, next start);
+    the outputs grow as `_changed_slice_np` says."""
+    k, start = 0, 0
     cap = min(n, max(4096, n >> 5))
-    oi, oa, ob = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
+    oi, oa, ob = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=dtype), np.empty(cap, dtype=dtype)
     while True:
-        got, start = _native.diff_into(a, b, a.itemsize, start, offset, oi[k:], oa[k:], ob[k:])
+        got, start = run(start, oi[k:], oa[k:], ob[k:])
         k += got
         if start >= n:
             break
         cap = min(n, k + int((n - start) * k / max(1, start) * 1.25) + 4096)
-        grown = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=a.dtype), np.empty(cap, dtype=a.dtype)
+        grown = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=dtype), np.empty(cap, dtype=dtype)
         for new, old in zip(grown, (oi, oa, ob)):
             new[:k] = old[:k]
         oi, oa, ob = grown
     return (oi[:k], oa[:k], ob[:k]) if 2 * k >= cap else (oi[:k].copy(), oa[:k].copy(), ob[:k].copy())
+
+
+def diff_members(
+    base: np.ndarray, members: list[np.ndarray], offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_changed_slice_np(base, concatenation of members)` without the concatenation: `base`
+    holds the members' concatenation (contiguous element bits), `members` the current bits of
+    each (C-contiguous, `base`'s width; `offsets`: where each starts in `base`, then its size).
+    Returns the flat indices, both sides' bits and each member's count of changes (int64), from
+    one native pass over the member list (`_native.members_diff`, the GIL released)."""
+    counts = np.zeros(len(members), dtype=np.int64)
+    where = offsets.tolist()
+    w = base.itemsize
+
+    def run(start: int, oi: np.ndarray, oa: np.ndarray, ob: np.ndarray) -> tuple[int, int]:
+        m = bisect.bisect_right(where, start, 0, len(members)) - 1 if start else 0
+        got, m, e = _native.members_diff(base, members, w, m, start - where[m] if start else 0, oi, oa, ob, counts)
+        return got, where[m] + e
+
+    i, a, b = _grown_outputs(run, base.size, base.dtype)
+    return i, a, b, counts
 
 
 def _changed_slice(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -326,7 +361,9 @@ def diff_state(  # noqa: C901, PLR0915
     return out
 
 
-def compose_changes(older: dict[str, TensorChange], newer: dict[str, TensorChange]) -> dict[str, TensorChange]:
+def compose_changes(
+    older: Mapping[str, TensorChange], newer: Mapping[str, TensorChange]
+) -> dict[str, TensorChange]:
     """Compose B->B+1 (`older`) with B+1->B+2 (`newer`) into B->B+2.
 
     Per tensor: the union of changed positions; base bits from `older` where it has them (else

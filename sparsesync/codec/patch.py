@@ -284,17 +284,22 @@ def assemble_patch(
             hint="pass the published version numbers",
         )
     member_names = [n for _, m in groups for n in m.names]
-    missing = sorted(n for n in [*encoded, *member_names] if n not in base_digests or n not in target_digests)
+    touched = [*encoded, *member_names]
+    need = set(touched)
+    missing = sorted((need - base_digests.keys()) | (need - target_digests.keys()))
     if missing:
         raise PatchFormatError(
             f"no base/target digest for tensors {missing}", hint="pass digests for every tensor in changes"
         )
-    named = [("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest)] + [
-        (f"digest of '{n}'", dg) for n in [*encoded, *member_names] for dg in (base_digests[n], target_digests[n])
+    # all "xxh3b" (checked in one pass, no Python per tensor), else each checked and named
+    every = [base_state_digest, target_state_digest, *[base_digests[n] for n in touched],
+             *[target_digests[n] for n in touched]]
+    algos = {BLOCKS_ALGO} if all_blocks(every) else set()
+    named = [] if algos else [
+        ("base_state_digest", base_state_digest), ("target_state_digest", target_state_digest),
+        *[(f"digest of '{n}'", dg) for n in touched for dg in (base_digests[n], target_digests[n])],
     ]
-    # all "xxh3b" (checked in one pass), else each checked and named
-    algos = {BLOCKS_ALGO} if all_blocks([d for _, d in named]) else set()
-    for what, d in [] if algos else named:
+    for what, d in named:
         if not is_digest(d):
             raise PatchFormatError(f"{what} {d!r:.40}, expected 16 lowercase hex digits, optionally after 'xxh3b:'",
                                    hint="use codec.tensor_digest / codec.state_digest")
@@ -322,12 +327,8 @@ def assemble_patch(
     }
     table = _table.build_table(rows)
     tensors = [(TABLE_KEY, "U8", (len(table),), table)]
-    if groups:
-        # as the table's (the format says the algorithm)
-        bare = {n: (bare_hex(base_digests[n]), bare_hex(target_digests[n])) for n in member_names}
-        section = _groups.build_section(
-            grows, [m for _, m in groups], {n: b for n, (b, _) in bare.items()}, {n: t for n, (_, t) in bare.items()}
-        )
+    if groups:  # digests as the table's (the format says the algorithm)
+        section = _groups.build_section(grows, [m for _, m in groups], base_digests, target_digests)
         tensors.append((GROUPS_KEY, "U8", (len(section),), section))
     return _container.write_container(meta, [*tensors, (STREAMS_KEY, "U8", (sum(len(b) for b in blobs),), blobs)])
 

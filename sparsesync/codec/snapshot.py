@@ -21,7 +21,8 @@ import torch
 from sparsesync.codec import _parallel
 from sparsesync.codec._flat_group import Done, FlatGroup
 from sparsesync.codec._groups import plan_groups
-from sparsesync.codec.cast import layout, owned_copy, uncast
+from sparsesync.codec._member_changes import ChangeMap
+from sparsesync.codec.cast import CastState, layout, owned_copy, uncast
 from sparsesync.codec.diff import TensorChange, bits_view, diff_cpu_tensor, diff_state, put_bits, to_np_bits
 from sparsesync.codec.digest import DEFAULT_ALGO, put_and_digest, state_digest, tensor_digest
 from sparsesync.codec.patch import Effort, assemble_patch, check_effort, encode_tensor, encode_tensors
@@ -48,7 +49,8 @@ class EncodedPatch:
     """One patch produced by `Snapshot.diff_encode`."""
 
     data: bytes  # the patch file
-    changes: dict[str, TensorChange]  # what changed (for `compose_changes` when uploads lag)
+    # what changed (for `compose_changes` when uploads lag; a group's members' made when read)
+    changes: Mapping[str, TensorChange]
     base_version: int
     target_version: int
     base_state_digest: str
@@ -78,6 +80,7 @@ class Snapshot:
                 g = FlatGroup(names, [self.state[n] for n in names])
                 self._groups.append(g)
                 self.state.update(zip(names, g.views))
+        self._n_params = sum(t.numel() for t in self.state.values())  # the layout is fixed: counted once
         self.digests: dict[str, str] = {n: tensor_digest(t, algo) for n, t in self.state.items()}
         self.state_digest: str = state_digest(self.digests)
 
@@ -102,11 +105,12 @@ class Snapshot:
             if self._fusable(current):
                 changes, encoded, groups, diff_s = self._diff_encode_fused(current, chunk_bytes)
             else:
-                changes = diff_state(self.state, current, chunk_bytes=chunk_bytes)
+                own = diff_state(self.state, current, chunk_bytes=chunk_bytes)
                 diff_s = time.perf_counter() - t0
                 # needs the base: before advancing
-                encoded = encode_tensors(changes, base=self.state, effort=self.effort)
-                self.apply_changes(changes)
+                encoded = encode_tensors(own, base=self.state, effort=self.effort)
+                self.apply_changes(own)
+                changes = ChangeMap([own])
             data = assemble_patch(
                 encoded,
                 base_version=self.version,
@@ -119,8 +123,8 @@ class Snapshot:
             )
         t2 = time.perf_counter()
         base_version, self.version = self.version, target_version
-        n_params = sum(t.numel() for t in self.state.values())
-        n_changed = sum(c.n_changed for c in changes.values())
+        n_params = self._n_params
+        n_changed = changes.n_changed
         stats = PatchStats(
             n_params=n_params,
             n_changed=n_changed,
@@ -139,6 +143,12 @@ class Snapshot:
         phase-by-phase path, which also reports layout mismatches)."""
         if current.keys() != self.state.keys():
             return False
+        if not isinstance(current, CastState):  # the same checks, fewer Python calls per tensor
+            for name, b in self.state.items():
+                t = current[name]
+                if not (t.is_cpu and b.is_cpu and t.dtype == b.dtype and t.shape == b.shape and t.is_contiguous()):
+                    return False
+            return True
         for name, b in self.state.items():
             device, dtype, shape, contiguous = layout(current, name)  # a `CastState` is not cast here
             if b.device.type != "cpu" or device.type != "cpu" or not contiguous or dtype != b.dtype or shape != b.shape:
@@ -147,7 +157,7 @@ class Snapshot:
 
     def _diff_encode_fused(
         self, current: Mapping[str, torch.Tensor], chunk_bytes: int
-    ) -> tuple[dict[str, TensorChange], dict, list, float]:
+    ) -> tuple[ChangeMap, dict, list, float]:
         """Diff, encode and advance each tensor (or group of small tensors) in one task on the
         codec's pool (no barrier between the phases; a tensor's changes are encoded while they
         are in cache). A failure in any task puts every advanced tensor back (its change holds
@@ -195,11 +205,10 @@ class Snapshot:
             raise failed[0]
         wall = time.perf_counter() - t0
         done = [r for r in results if not isinstance(r, Exception)]  # all of them: a failure raised above
-        changes: dict[str, TensorChange] = {}
+        changes = ChangeMap([r.changes for r in done if r.changes])  # a group's members' made when read
         encoded: dict = {}
         groups = []
         for r in done:
-            changes.update(r.changes)
             encoded.update(r.encoded)
             self.digests.update(r.digests)
             if r.group is not None:
@@ -209,7 +218,7 @@ class Snapshot:
         cpu_diff, cpu_all = sum(r.diff_s for r in done), sum(r.diff_s + r.encode_s for r in done)
         groups.sort(key=lambda g: g[1].names[0])
         return (
-            dict(sorted(changes.items())),
+            changes,
             dict(sorted(encoded.items())),
             groups,
             wall * cpu_diff / cpu_all if cpu_all else 0.0,

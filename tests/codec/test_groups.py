@@ -356,3 +356,13 @@ def test_format_5_differs_from_format_4_only_in_its_digests():
     }
     for n, e in v5.header.tensors.items():
         assert e.base_digest.startswith("xxh3b:") and not v4.header.tensors[n].base_digest.startswith("xxh3b:")
+
+
+@pytest.mark.parametrize("bad", ["0123456789abcdef", "xxh3b:0123456789ABCDEF", "xxh3b:0123"])
+def test_assemble_patch_checks_every_members_digest(bad):
+    """A group member's digest of another algorithm, or no digest at all, is refused and named,
+    though the state digests pass (the members' digests are checked in one pass with them)."""
+    _, _, enc, m, bd, td = _group_parts("xxh3b")
+    with pytest.raises(PatchFormatError, match="mix the algorithms" if bad[:1] == "0" else f"digest of '{m.names[1]}'"):
+        assemble_patch({}, base_version=0, target_version=1, base_digests=bd, target_digests={**td, m.names[1]: bad},
+                       base_state_digest=state_digest(bd), target_state_digest=state_digest(td), groups=[(enc, m)])

@@ -44,9 +44,9 @@ static void release_list(Py_buffer *bufs, Py_ssize_t n) {
     PyMem_Free(bufs);
 }
 
-/* The buffers of the list `lst` (C-contiguous), into *out (n of them); -1 with an exception set
- * (and nothing held) on failure. */
-static int take_list(PyObject *lst, const char *fn, Py_buffer **out, Py_ssize_t *n) {
+/* The buffers of the list `lst` (C-contiguous; writable with `flags`), into *out (n of them);
+ * -1 with an exception set (and nothing held) on failure. */
+static int take_list(PyObject *lst, const char *fn, int flags, Py_buffer **out, Py_ssize_t *n) {
     if (!PyList_Check(lst)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list of buffers", fn);
         return -1;
@@ -58,7 +58,7 @@ static int take_list(PyObject *lst, const char *fn, Py_buffer **out, Py_ssize_t 
         return -1;
     }
     for (; got < m; got++)
-        if (PyObject_GetBuffer(PyList_GET_ITEM(lst, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(lst, got), &bufs[got], PyBUF_C_CONTIGUOUS | flags) < 0) {
             release_list(bufs, got);
             return -1;
         }
@@ -74,7 +74,7 @@ static PyObject *py_members_blocks(PyObject *self, PyObject *args) {
     Py_buffer *bufs = NULL;
     Py_ssize_t n = 0;
     PyObject *res = NULL;
-    if (take_list(lst, "members_blocks", &bufs, &n) < 0) goto done;
+    if (take_list(lst, "members_blocks", 0, &bufs, &n) < 0) goto done;
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) total += ((int64_t)bufs[i].len + BLK - 1) / BLK;
     if (ob.len != total * 8) {

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ class PendingVersion:
     base_state_digest: str | None
     digests: dict[str, str]  # every tensor's digest at `version`
     base_digests: dict[str, str] | None
-    changes: dict[str, TensorChange] | None
+    changes: Mapping[str, TensorChange] | None
     delta: bytes | None
     anchor_dir: Path | None
     metrics: dict[str, Any]
