@@ -257,14 +257,15 @@ POSITIONS: dict[str, tuple[Callable, Callable, Callable[[dict, Ctx], dict]]] = {
 
 
 # ---------------------------------------------------------------------------- values
-# encode(base_bits, target_bits, ctx) -> (params, streams); decode(params, streams, idx, ctx) -> bits
+# encode(base_bits, target_bits, ctx) -> (params, streams); decode(params, streams, idx, ctx) -> bits (idx None:
+# every element, for `dense` positions)
 
 
 def _raw_val_enc(base: np.ndarray, target: np.ndarray, ctx: Ctx) -> tuple[dict, dict[str, StreamOut]]:
     return {}, {"values": (ctx.st_dtype, (target.size,), target.astype(ctx.np_bits.newbyteorder("<")).tobytes())}
 
 
-def _raw_val_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ctx) -> np.ndarray:
+def _raw_val_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray | None, ctx: Ctx) -> np.ndarray:
     return np.frombuffer(streams["values"], dtype=ctx.np_bits.newbyteorder("<")).astype(ctx.np_bits)
 
 
@@ -298,7 +299,7 @@ def _delta_enc(
     }
 
 
-def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ctx) -> np.ndarray:
+def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray | None, ctx: Ctx) -> np.ndarray:
     if set(params) != {"thresholds", "counts"}:
         raise format_error(ctx, f"delta parameters {sorted(params)}, expected ['counts', 'thresholds']")
     thresholds = _check_thresholds(ctx, params["thresholds"])
@@ -311,7 +312,7 @@ def _delta_dec(params: dict, streams: dict[str, bytes], idx: np.ndarray, ctx: Ct
         )
     counts_all = [check_counts(ctx, c, "delta") for c in counts_all]
     base = np.ascontiguousarray(
-        ctx.base(None if idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1 else idx)
+        ctx.base(None if idx is None or (idx.size == ctx.numel and idx.size and idx[-1] == ctx.numel - 1) else idx)
     )
     n_cls, w = len(thresholds) + 1, ctx.np_bits.itemsize
     cls = class_of(base, thresholds) if thresholds else np.zeros(0, dtype=np.uint8)

@@ -150,7 +150,7 @@ class ParsedGroup:
 
 def _hex(digests: bytes) -> tuple[str, ...]:
     """Each stored digest (8 bytes, little-endian) as its 16 hex digits."""
-    return tuple(f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist())
+    return tuple([f"{x:016x}" for x in np.frombuffer(digests, dtype="<u8").tolist()])
 
 
 def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[ParsedGroup]:
@@ -164,26 +164,10 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
     # each member takes at least 18 bytes (name 2, ndim 1, count 1, digests 16)
     if total > MAX_MEMBERS or total * 18 > len(raw):
         raise _bad(f"declares {total} members, but {len(raw)} bytes hold at most {len(raw) // 18}")
-    names, prev = [], b""
-    for i in range(total):
-        shared = rd.varint(f"member {i}: shared prefix length", len(prev))
-        nb = prev[:shared] + rd.take(rd.varint(f"member {i}: suffix length", _table.MAX_NAME_BYTES), f"member {i}")
-        if not nb or len(nb) > _table.MAX_NAME_BYTES:
-            raise _bad(f"member {i} has {len(nb)} bytes, expected 1..{_table.MAX_NAME_BYTES}")
-        try:
-            names.append(nb.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise _bad(f"member {i} is not UTF-8") from None
-        prev = nb
-    shapes = []
-    for name in names:
-        nd = rd.byte(f"member '{name}': ndim")
-        if nd > 16:
-            raise _bad(f"member '{name}': {nd} dims, expected at most 16")
-        shapes.append(tuple(rd.varints(f"member '{name}': dim", nd, 1 << 48)) if nd else ())
+    names, shapes, numels = _members(rd, total)
     changed = rd.varints("member n_changed", total, 1 << 48) if total else []
-    base = rd.take(8 * total, "member base digests")
-    target = rd.take(8 * total, "member target digests")
+    base = _hex(rd.take(8 * total, "member base digests"))
+    target = _hex(rd.take(8 * total, "member target digests"))
     if rd.pos != len(raw):
         raise _bad(f"{len(raw) - rd.pos} bytes left after the last field")
     if len(set(names)) != total or table_names.intersection(names):
@@ -200,22 +184,53 @@ def parse_section(raw: bytes, table_names: set[str], fmt: int = 4) -> list[Parse
                 f"{where}: first member {gn[0] if m else None!r:.80}, expected the group's name (a group has at least "
                 "one member)"
             )
-        if any(a.encode() >= b.encode() for a, b in zip(gn, gn[1:])):
+        if not all(map(str.__lt__, gn, gn[1:])):  # code point order is UTF-8 byte order
             raise _bad(f"{where}: members not sorted by name")
         if len(r.shape) != 1:
             raise _bad(f"{where}: shape {list(r.shape)}, expected one dimension (the members' concatenation)")
-        numels = [math.prod(s) for s in shapes[start : start + m]]  # exact: a huge product fails the checks below
-        if any(n > 1 << 48 for n in numels) or sum(numels) != r.shape[0]:
-            raise _bad(f"{where}: members hold {sum(numels)} elements, the group's coding {r.shape[0]}")
-        ch = changed[start : start + m]
-        if min(ch) < 1 or any(c > n for c, n in zip(ch, numels)) or sum(ch) != r.n_changed:
+        gnumel = np.asarray(numels[start : start + m], dtype=np.int64)  # saturated at 2^62: fails below
+        if int(gnumel.max()) > 1 << 48 or int(gnumel.sum()) != r.shape[0]:
+            exact = sum(math.prod(s) for s in shapes[start : start + m])
+            raise _bad(f"{where}: members hold {exact} elements, the group's coding {r.shape[0]}")
+        ch = np.asarray(changed[start : start + m], dtype=np.int64)
+        if int(ch.min()) < 1 or bool((ch > gnumel).any()) or int(ch.sum()) != r.n_changed:
             raise _bad(
-                f"{where}: members' n_changed {ch[:8]}... (sum {sum(ch)}), expected each in [1, its elements], summing "
-                f"to the group's {r.n_changed}"
+                f"{where}: members' n_changed {ch[:8].tolist()}... (sum {int(ch.sum())}), expected each in [1, its "
+                f"elements], summing to the group's {r.n_changed}"
             )
         offs = np.zeros(m + 1, dtype=np.int64)
-        np.cumsum(numels, out=offs[1:])
-        out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, np.asarray(ch, dtype=np.int64),
-                               _hex(base[8 * start : 8 * (start + m)]), _hex(target[8 * start : 8 * (start + m)])))
+        np.cumsum(gnumel, out=offs[1:])
+        out.append(ParsedGroup(r, tuple(gn), tuple(shapes[start : start + m]), offs, ch,
+                               base[start : start + m], target[start : start + m]))
         start += m
     return out
+
+
+_FIELDS = ("shared prefix length", "suffix length", "name", "ndim", "dim")
+
+
+def _members(rd: _table.Reader, total: int) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
+    """The names, shapes and element counts (saturated at 2^62) of the section's `total` members
+    from `rd`'s position on (one native call); PatchFormatError naming the member and field."""
+    names, shapes, numels, pos, status, i, field, v = _native.section_members(
+        rd.data, rd.pos, total, _table.MAX_NAME_BYTES, 16, 1 << 48
+    )
+    if status:
+        assert names is not None
+        who = f"member '{names[i]}'" if field >= 3 else f"member {i}"
+        what = who if field == 2 else f"{who}: {_FIELDS[field]}"
+        # the bound of the field: the previous name's length, a name's, a dim's
+        hi = [len(names[-1].encode()) if names else 0, _table.MAX_NAME_BYTES, 0, 0, 1 << 48][field]
+        raise rd.bad({
+            1: f"ends inside {what} (at byte {pos})" if field != 2 else f"ends inside {what} ({v} bytes needed at "
+               f"byte {pos}, {len(rd.data) - pos} left)",
+            2: f"{what} is {v} (overlong varint), expected at most {hi}",
+            3: f"{what} is over {hi}, expected at most {hi}",
+            4: f"{what}: varint longer than 9 bytes",
+            5: f"member {i} has {v} bytes, expected 1..{_table.MAX_NAME_BYTES}",
+            6: f"member {i} is not UTF-8",
+            7: f"{who}: {v} dims, expected at most 16",
+        }[status])
+    assert names is not None and shapes is not None and numels is not None
+    rd.pos = pos
+    return names, shapes, numels

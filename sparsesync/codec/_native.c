@@ -47,6 +47,8 @@
  *       at most `hi`): (values, the byte after the last, 0, 0), or (None, where reading
  *       stopped, the value read, status): 1 the data ends, 2 overlong, 3 over `hi`, 4 longer
  *       than 9 bytes. varints_put(out, values, count) appends values[:count] to a bytearray.
+ *   section_members(data, pos, count, max_name, max_ndim, dim_hi) -> (names, shapes, numels, pos, status, member, field, value)
+ *       The prefix-coded names and the shapes of a group section's members (native/section.c).
  *   take(src, width, idx, out) / put(dst, width, idx, values, old) -> None
  *       Gather and scatter of elements at int64 indices; put checks every index before the
  *       first write, and saves the overwritten elements into `old` (if not empty).
@@ -68,9 +70,13 @@
  *   block_digests(data, out[, threads[, hw]]) -> None
  *       XXH3-64 of each 65536-byte block of `data` (the last zero-padded), into uint64 `out`:
  *       the blocks of the tensor digest "xxh3b" (docs/format.md, "Digests"; native/blocks.c).
- *   members_blocks(bufs, out) / members_put(dsts, width, idx, offsets, values, old, before, after) -> None
- *       block_digests of each buffer of a list, end to end; a group's writes into its members,
- *       each member's blocks hashed before and after its writes (native/members.c).
+ *   members_blocks(bufs, out) -> None
+ *       block_digests of each buffer of a list, end to end (native/members.c).
+ *   members_take(ptrs, width, offsets, idx, out) / members_copy(ptrs, width, offsets, out) -> None
+ *   members_put(ptrs, width, idx, offsets, values, old, before, after) -> None
+ *       A group's members given by address: the base bits at positions of their concatenation,
+ *       the whole concatenation, and a group's writes into its members, each member's blocks
+ *       hashed before and after its writes (native/members.c).
  *   members_diff(base, members, width, member, elem, out_idx, out_a, out_b, counts[, hw]) -> (count, member, elem)
  *       diff_into of a group's flat copy against its members, each a buffer of its own: flat
  *       indices, both sides' bits, each member's count of changes; resumable (native/members_diff.c).
@@ -93,10 +99,12 @@
  *   native/rans.c        rans_encode, rans_decode
  *   native/copy.c        take, put, join
  *   native/varints.c     varints, varints_put
+ *   native/section.c     section_members (the members of a group section)
  *   native/gaps.c        gap_khist, gap_symbols, gap_ranks
  *   native/deltas.c      delta_hist, delta_symbols, delta_values
  *   native/blocks.c      block_digests (the blocks of the tensor digest "xxh3b")
- *   native/members.c     members_blocks, members_put (a group's small tensors in one call each)
+ *   native/members.c     members_blocks, members_take, members_copy, members_put (a group's small
+ *                        tensors in one call each)
  *   native/members_diff.c members_diff (a group's members diffed against its flat copy in one call)
  * This file holds the module itself: hw_levels, the method table and module init.
  */
@@ -112,6 +120,7 @@
 #include "native/rans.c"
 #include "native/copy.c"
 #include "native/varints.c"
+#include "native/section.c"
 #include "native/gaps.c"
 #include "native/deltas.c"
 #include "native/blocks.c"
@@ -137,9 +146,12 @@ static PyMethodDef methods[] = {
     {"thresholds_dp", py_thresholds_dp, METH_VARARGS, "thresholds_dp(tot, chg, max_classes, min_gain) -> list[int]"},
     {"take", py_take, METH_VARARGS, "take(src, width, idx, out) -> None"},
     {"varints", py_varints, METH_VARARGS, "varints(data, pos, count, hi) -> (values or None, pos, value, status)"},
+    {"section_members", py_section_members, METH_VARARGS, "section_members(data, pos, count, max_name, max_ndim, dim_hi) -> (names, shapes, numels, pos, status, member, field, value)"},
     {"varints_put", py_varints_put, METH_VARARGS, "varints_put(out, values, count) -> None"},
     {"members_blocks", py_members_blocks, METH_VARARGS, "members_blocks(bufs, out) -> None"},
-    {"members_put", py_members_put, METH_VARARGS, "members_put(dsts, width, idx, offsets, values, old, before, after) -> None"},
+    {"members_take", py_members_take, METH_VARARGS, "members_take(ptrs, width, offsets, idx, out) -> None"},
+    {"members_copy", py_members_copy, METH_VARARGS, "members_copy(ptrs, width, offsets, out) -> None"},
+    {"members_put", py_members_put, METH_VARARGS, "members_put(ptrs, width, idx, offsets, values, old, before, after) -> None"},
     {"members_diff", py_members_diff, METH_VARARGS, "members_diff(base, members, width, member, elem, out_idx, out_a, out_b, counts[, hw]) -> (count, member, elem)"},
     {"put", py_put, METH_VARARGS, "put(dst, width, idx, values, old) -> None"},
     {"gap_khist", py_gap_khist, METH_VARARGS, "gap_khist(ranks, step, k0, hists) -> None"},

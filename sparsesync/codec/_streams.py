@@ -39,13 +39,15 @@ class Ctx:
     base_bits: Callable[[np.ndarray | None], np.ndarray] | None
     format_version: int = 2  # of the patch being read: picks the entropy decoder
     # (positions, the base bits there) when the positions decoder read them on its way (class-
-    # conditioned gaps): `base_bits` of that same array returns them without a second gather
+    # conditioned gaps): `base` of that same array returns them without a second gather
     base_at_positions: tuple[np.ndarray, np.ndarray] | None = None
 
     def base(self, idx: np.ndarray | None) -> np.ndarray:
         """The base bits at `idx` (None: the whole tensor); only a decoder reading against a base asks."""
         if self.base_bits is None:
             raise format_error(self, "its coding is conditioned on the base, and no base was given")
+        if idx is not None and self.base_at_positions is not None and self.base_at_positions[0] is idx:
+            return self.base_at_positions[1]  # gathered by the positions decoder in its pass
         return self.base_bits(idx)
 
 

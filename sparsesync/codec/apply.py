@@ -21,10 +21,11 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from sparsesync.codec import _container, _encodings, _parallel
-from sparsesync.codec._group_write import write_group
-from sparsesync.codec._scratch import cat_into
-from sparsesync.codec.diff import bits_view, put_bits, take_bits, to_np_bits
+from sparsesync.codec import _container, _parallel
+from sparsesync.codec._decode import decode_bits, tensor_base
+from sparsesync.codec._group_read import decode_group, member_ptrs
+from sparsesync.codec._group_write import GroupWrite, member_updates, write_group
+from sparsesync.codec.diff import bits_view, put_bits, to_np_bits
 from sparsesync.codec.digest import (
     BLOCKS_ALGO,
     DEFAULT_ALGO,
@@ -34,7 +35,7 @@ from sparsesync.codec.digest import (
     put_and_digests,
     tensor_digests,
 )
-from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEntry, ctx_for
+from sparsesync.codec.patch import GROUPED, Group, Patch, PatchHeader, TensorEntry
 from sparsesync.errors import DigestMismatchError, PatchFormatError, PatchMismatchError, some_of
 
 Written = Callable[[torch.Tensor], object]  # told of each tensor once its writes are done
@@ -50,7 +51,27 @@ class SparseUpdate:
     values: torch.Tensor  # the tensor's dtype, CPU, one per index
 
 
-def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """PatchMismatchError unless every tensor the patch touches is present, contiguous and of
+    its entry's dtype and shape; returns whether they are all on the CPU. One comparison of
+    two lists when they fit (no Python call per tensor but `is_contiguous`)."""
+    entries = patch.header.tensors
+    try:
+        ts = [tensors[n] for n in entries]
+    except KeyError:
+        ts = []
+    if len(ts) == len(entries):
+        st = _container.ST_DTYPES
+        if [(t.dtype, t.shape, t.is_contiguous()) for t in ts] == [
+            (st[e.dtype][0], e.shape, True) for e in entries.values()
+        ]:
+            return all([t.device.type == "cpu" for t in ts])
+    _layout_problems(patch, tensors)
+    return all(tensors[n].device.type == "cpu" for n in entries)
+
+
+def _layout_problems(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
+    """`_check_layout`'s error, naming every tensor that does not fit (none: returns)."""
     problems = []
     for name, e in patch.header.tensors.items():
         t = tensors.get(name)
@@ -73,47 +94,9 @@ def _check_layout(patch: Patch, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _decode_one(patch: Patch, e: TensorEntry, t: torch.Tensor) -> SparseUpdate:
-    idx, vals = _decode_bits(patch, e, bits_view(t))
+    idx, vals = decode_bits(patch, e, tensor_base(bits_view(t)))
     values = torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype)
     return SparseUpdate(torch.from_numpy(idx.astype(np.int64, copy=False)), values)
-
-
-def _decode_bits(patch: Patch, e: TensorEntry, flat: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted flat indices, their new bits) of `e`'s changes to the element bits `flat`."""
-
-    def base_bits(idx: np.ndarray | None) -> np.ndarray:
-        if idx is None:
-            return to_np_bits(flat)
-        if ctx.base_at_positions is not None and ctx.base_at_positions[0] is idx:
-            return ctx.base_at_positions[1]  # gathered by the positions decoder in its pass
-        if flat.device.type == "cpu":
-            return take_bits(to_np_bits(flat), idx)
-        return to_np_bits(flat[torch.from_numpy(idx).to(flat.device)])
-
-    ctx = ctx_for(e, base_bits, patch.header.format_version)
-    streams = {role: patch.stream(e.name, role, e) for role in e.streams}
-    try:
-        idx = _encodings.POSITIONS[e.positions][1](e.position_params, streams, ctx)
-        # gaps decode to n_changed strictly increasing positions in range by construction
-        if e.positions not in ("dense", "gaps"):
-            idx = _encodings.check_indices(ctx, idx)
-        vals = _encodings.VALUES[e.values][1](e.value_params, streams, idx, ctx)
-    except PatchFormatError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as err:
-        raise PatchFormatError(
-            f"tensor '{e.name}': {e.positions}/{e.values} streams do not decode ({type(err).__name__}: {err})",
-            hint="the patch is corrupt; fetch it again",
-        ) from None
-    if vals.shape != idx.shape:
-        raise PatchFormatError(
-            f"tensor '{e.name}': {vals.size} values decoded, expected {idx.size}",
-            hint="the patch is corrupt; fetch it again",
-        )
-    if e.positions == "dense":  # report only what actually changes
-        keep = vals != base_bits(None)
-        idx, vals = np.flatnonzero(keep), vals[keep]
-    return idx, vals
 
 
 def _signed(dt: np.dtype) -> np.dtype:
@@ -171,56 +154,20 @@ def _unit_numel(patch: Patch, u: str | Group) -> int:
     return patch.header.tensors[u].numel if isinstance(u, str) else u.coding.numel
 
 
-def _settled(patch: Patch, fn: Callable[[str | Group], dict[str, R]]) -> dict[str, R | BaseException]:
-    """`fn` of every unit on the codec's pool, merged by tensor name (a unit that failed: its
-    exception under its name)."""
+def _run_units(patch: Patch, fn: Callable[[str | Group], R]) -> list[tuple[str | Group, R | BaseException]]:
+    """`fn` of every unit on the codec's pool (biggest first), as (unit, result or the exception
+    it raised) in name order."""
     names, order = _units(patch)
     with _parallel.gc_paused():
         results = _parallel.map_settled(fn, order, weights=[_unit_numel(patch, u) for u in order])
     by_unit = {_unit_name(u): r for u, r in zip(order, results)}
-    out: dict[str, R | BaseException] = {}
-    for u in names:
-        r = by_unit[_unit_name(u)]
-        out.update({_unit_name(u): r} if isinstance(r, BaseException) else r)
-    return out
+    return [(u, by_unit[_unit_name(u)]) for u in names]
 
 
-def _decode_group(
-    patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each member's (sorted flat indices, new bits), decoded from its group's coding against a
-    copy of the members' base bits laid end to end (read-only). A member that does not get
-    exactly the changes the section declares for it is PatchFormatError."""
-    idx, vals, cuts = _decode_group_bits(patch, g, tensors)
-    return {
-        n: (idx[cuts[i] : cuts[i + 1]] - g.offsets[i], vals[cuts[i] : cuts[i + 1]]) for i, n in enumerate(g.members)
-    }
-
-
-def _decode_group_bits(
-    patch: Patch, g: Group, tensors: Mapping[str, torch.Tensor]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A group's (positions in the concatenation, new bits, where each member's positions start);
-    PatchFormatError for a member without exactly its declared count of changes."""
-    flat = cat_into("base", [bits_view(tensors[n]) for n in g.members])
-    idx, vals = _decode_bits(patch, g.coding, flat)
-    cuts = np.searchsorted(idx, g.offsets)
-    got = np.diff(cuts)
-    if not np.array_equal(got, g.n_changed):
-        i = int(np.argmax(got != g.n_changed))
-        raise PatchFormatError(
-            f"group '{g.coding.name}': member '{g.members[i]}' decodes to {int(got[i])} changes, the group section "
-            f"says {int(g.n_changed[i])}",
-            hint="the patch is corrupt; fetch it again",
-        )
-    return idx, vals, cuts
-
-
-def _update(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> SparseUpdate:
-    return SparseUpdate(
-        torch.from_numpy(idx.astype(np.int64, copy=False)),
-        torch.from_numpy(np.ascontiguousarray(vals).view(_signed(vals.dtype))).view(t.dtype),
-    )
+def _group_ptrs(g: Group, tensors: Mapping[str, torch.Tensor]) -> np.ndarray | None:
+    """The members' addresses if they are all on the CPU, else None."""
+    ts = [tensors[n] for n in g.members]
+    return member_ptrs(ts) if all([t.device.type == "cpu" for t in ts]) else None
 
 
 def decode_patch(
@@ -235,18 +182,16 @@ def decode_patch(
     def one(u: str | Group) -> dict[str, SparseUpdate]:
         if isinstance(u, str):
             return {u: _decode_one(patch, patch.header.tensors[u], tensors[u])}
-        return {n: _update(tensors[n], i, v) for n, (i, v) in _decode_group(patch, u, tensors).items()}
+        idx, vals, cuts = decode_group(patch, u, tensors, _group_ptrs(u, tensors))
+        per_member = member_updates(idx, vals, u.offsets, cuts, tensors[u.members[0]].dtype)
+        return dict(zip(u.members, map(SparseUpdate, *per_member)))
 
-    by_name = _settled(patch, one)
     out: dict[str, SparseUpdate] = {}
-    for r in by_name.values():
+    for _, r in _run_units(patch, one):
         if isinstance(r, BaseException):
             raise r
-    for n in patch.header.tensors:
-        r = by_name[n]
-        assert not isinstance(r, BaseException)  # raised above
-        out[n] = r
-    return out
+        out.update(r)
+    return {n: out[n] for n in patch.header.tensors}
 
 
 def patch_algo(header: PatchHeader) -> str:
@@ -365,11 +310,11 @@ def apply_patch(
 def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
            written: Written | None) -> dict[str, SparseUpdate]:
     """`apply_patch` once its arguments are checked."""
-    _check_layout(patch, tensors)
+    on_cpu = _check_layout(patch, tensors)
     h = patch.header
+    if on_cpu:
+        return _apply_cpu(patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
     targets = {n: e.target_digest for n, e in h.tensors.items()}
-    if all(tensors[n].device.type == "cpu" for n in h.tensors):
-        return _apply_cpu(patch, tensors, targets, verify=verify, check_base_digest=check_base_digest, written=written)
     if DEVICE_PATH and patch_algo(h) == BLOCKS_ALGO:  # compact updates to the device, digests checked there
         return DEVICE_PATH[0](patch, tensors, verify=verify, check_base_digest=check_base_digest, written=written)
     updates = decode_patch(patch, tensors, check_base_digest=check_base_digest)
@@ -384,51 +329,99 @@ def _apply(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: 
     return updates
 
 
-def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], targets: Mapping[str, str], *, verify: bool,
-               check_base_digest: bool, written: Written | None) -> dict[str, SparseUpdate]:
-    """`apply_patch` for CPU tensors: decode and write tensor by tensor (biggest first, on the
-    codec's pool), then check the digests hashed in the writes; undo everything on any failure."""
-    h = patch.header
-    names, algo = list(h.tensors), patch_algo(h)
+Done = tuple[SparseUpdate, SparseUpdate, str | None, str | None] | GroupWrite  # a unit written by `_apply_cpu`
 
-    def one(u: str | Group) -> dict[str, tuple[SparseUpdate, SparseUpdate, str | None, str | None]]:
+
+def _apply_cpu(patch: Patch, tensors: MutableMapping[str, torch.Tensor], *, verify: bool, check_base_digest: bool,
+               written: Written | None) -> dict[str, SparseUpdate]:
+    """`apply_patch` for CPU tensors: decode and write unit by unit (biggest first, on the
+    codec's pool; a group in a few native calls over its members), then check the digests
+    hashed in the writes; undo everything on any failure."""
+    h = patch.header
+    algo = patch_algo(h)
+
+    def one(u: str | Group) -> Done:
         if isinstance(u, str):
             d = _decode_one(patch, h.tensors[u], tensors[u])
-            r = {u: (d, *_write_one(tensors[u], d, digest=verify, before=check_base_digest, algo=algo))}
+            r = (d, *_write_one(tensors[u], d, digest=verify, before=check_base_digest, algo=algo))
             if written is not None:
                 written(tensors[u])
             return r
-        gi, gv, _ = _decode_group_bits(patch, u, tensors)
-        w = write_group(tensors, u.members, u.offsets, gi, gv, digest=verify, before=check_base_digest, algo=algo)
+        ptrs = member_ptrs([tensors[n] for n in u.members])
+        idx, vals, cuts = decode_group(patch, u, tensors, ptrs)
+        w = write_group(tensors, u.members, ptrs, u.offsets, idx, vals, cuts, digest=verify,
+                        before=check_base_digest, algo=algo)
         if written is not None:
             for n in u.members:
                 written(tensors[n])
-        return {n: (SparseUpdate(i, v), SparseUpdate(i, o), a, b) for n, (i, v, o, a, b) in w.items()}
+        return w
 
-    results = _settled(patch, one)
-    done = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
+    ran = _run_units(patch, one)
+    done = [(u, r) for u, r in ran if not isinstance(r, BaseException)]
 
     def undo() -> None:
-        write_updates(tensors, {n: r[1] for n, r in done.items()})
+        write_updates(tensors, {u: r[1] for u, r in done if isinstance(u, str) and isinstance(r, tuple)})
+        for _, r in done:
+            if isinstance(r, GroupWrite):
+                r.undo()
 
-    failed = [r for r in results.values() if isinstance(r, BaseException)]
+    failed = [r for _, r in ran if isinstance(r, BaseException)]
     if failed:
         undo()
         if check_base_digest and isinstance(failed[0], PatchFormatError):
             check_base_digests(patch, tensors)  # decoded against other weights: say that instead
         raise failed[0]
     try:
-        if check_base_digest:
-            check_base_digests(patch, tensors, known={n: r[3] for n, r in done.items() if r[3] is not None})
-        if verify:
-            verify_digests(tensors, targets, known={n: r[2] for n, r in done.items() if r[2] is not None})
+        if check_base_digest and not _all_equal(patch, done, before=True):
+            check_base_digests(patch, tensors, known=_known(done, before=True))
+        if verify and not _all_equal(patch, done, before=False):
+            targets = {n: e.target_digest for n, e in h.tensors.items()}
+            verify_digests(tensors, targets, known=_known(done, before=False))
     except PatchMismatchError:
         undo()
         raise
     except DigestMismatchError as err:
         undo()
         raise _not_produced(patch, err) from None
-    return {n: done[n][0] for n in names}
+    return _updates(patch, done)
+
+
+def _all_equal(patch: Patch, done: list[tuple[str | Group, Done]], *, before: bool) -> bool:
+    """Whether every digest hashed in the writes (`before`: of the base, else of the target)
+    equals the patch's (a whole group's in one list comparison)."""
+    es = patch.header.tensors
+    for u, r in done:
+        if isinstance(r, GroupWrite):
+            want = [es[n].base_digest for n in r.members] if before else [es[n].target_digest for n in r.members]
+            if (r.before if before else r.after) != want:
+                return False
+        else:
+            assert isinstance(u, str)
+            if (r[3] if before else r[2]) != (es[u].base_digest if before else es[u].target_digest):
+                return False
+    return True
+
+
+def _known(done: list[tuple[str | Group, Done]], *, before: bool) -> dict[str, str]:
+    """The digests hashed in the writes, by tensor name (`before`: of the base, else of the target)."""
+    out: dict[str, str] = {}
+    for u, r in done:
+        got = (r.before if before else r.after) if isinstance(r, GroupWrite) else [r[3] if before else r[2]]
+        names = r.members if isinstance(r, GroupWrite) else [u]
+        out.update((n, d) for n, d in zip(names, got or []) if isinstance(n, str) and d is not None)
+    return out
+
+
+def _updates(patch: Patch, done: list[tuple[str | Group, Done]]) -> dict[str, SparseUpdate]:
+    """What `apply_patch` returns: each touched tensor's update, in the header's order."""
+    out: dict[str, SparseUpdate] = {}
+    for u, r in done:
+        if isinstance(r, GroupWrite):
+            out.update(zip(r.members, map(SparseUpdate, *r.updates())))
+        else:
+            assert isinstance(u, str)
+            out[u] = r[0]
+    return {n: out[n] for n in patch.header.tensors}
 
 
 def _not_produced(patch: Patch, err: DigestMismatchError) -> DigestMismatchError:

@@ -266,17 +266,9 @@ def _table_entries(
     for g in parsed:
         off, coding = _locate(g.row, off, d, located, f"group '{g.row.name}'", prefix)
         groups.append(Group(coding, g.names, g.offsets, g.n_changed))
-        for i, name in enumerate(g.names):
-            tensors[name] = TensorEntry(
-                name,
-                g.row.dtype,
-                g.shapes[i],
-                int(g.n_changed[i]),
-                GROUPED,
-                GROUPED,
-                prefix + g.base_digests[i],
-                prefix + g.target_digests[i],
-            )
+        dtype = g.row.dtype
+        for name, shape, n, bd, td in zip(g.names, g.shapes, g.n_changed.tolist(), g.base_digests, g.target_digests):
+            tensors[name] = TensorEntry(name, dtype, shape, n, GROUPED, GROUPED, prefix + bd, prefix + td)
     if off != d.end:
         raise _fmt(f"the table's streams cover {off - d.start} bytes, the '{STREAMS_KEY}' tensor has {d.nbytes}")
     if groups:

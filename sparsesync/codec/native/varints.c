@@ -50,6 +50,29 @@ done:
     return res;
 }
 
+/* One varint of `p` (len bytes) at *pos, moved past it: 0 and *v, else the status varints
+ * reports (1 ends inside, 2 overlong, 3 over hi, 4 longer than 9 bytes; *v what was read). */
+static inline int read_varint(const uint8_t *p, Py_ssize_t len, Py_ssize_t *pos, uint64_t hi, uint64_t *v) {
+    uint64_t x = 0;
+    int shift = 0;
+    for (int j = 0; j < 9; j++) {
+        if (*pos >= len) {
+            *v = x;
+            return 1;
+        }
+        uint8_t b = p[(*pos)++];
+        x |= (uint64_t)(b & 0x7F) << shift;
+        shift += 7;
+        if (!(b & 0x80)) {
+            *v = x;
+            if (b == 0 && shift > 7) return 2;
+            return x > hi ? 3 : 0;
+        }
+    }
+    *v = x;
+    return 4;
+}
+
 static PyObject *py_varints(PyObject *self, PyObject *args) {
     Py_buffer d;
     Py_ssize_t pos, count;
@@ -62,27 +85,10 @@ static PyObject *py_varints(PyObject *self, PyObject *args) {
     }
     out = PyList_New(count);
     if (!out) goto done;
-    const uint8_t *p = d.buf;
     int status = 0;
     uint64_t v = 0;
     for (Py_ssize_t i = 0; i < count && !status; i++) {
-        v = 0;
-        int shift = 0, end = 0;
-        for (int j = 0; j < 9 && !end; j++) {
-            if (pos >= d.len) {
-                status = 1;
-                break;
-            }
-            uint8_t b = p[pos++];
-            v |= (uint64_t)(b & 0x7F) << shift;
-            shift += 7;
-            if (!(b & 0x80)) {
-                end = 1;
-                if (b == 0 && shift > 7) status = 2;
-                else if (v > hi) status = 3;
-            }
-        }
-        if (!status && !end) status = 4;
+        status = read_varint(d.buf, d.len, &pos, hi, &v);
         if (!status) {
             PyObject *x = PyLong_FromUnsignedLongLong(v);
             if (!x) goto done;
