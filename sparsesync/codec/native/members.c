@@ -11,7 +11,7 @@
  * Taking a buffer per member costs Python calls per member on every version (a numpy view of
  * each tensor); an address costs one attribute read. The CALLER guarantees that member i is
  * live, C-contiguous CPU memory of (offsets[i + 1] - offsets[i]) * width bytes, writable for
- * members_put (`_group_apply.member_ptrs` gives that for tensors `apply._check_layout` checked);
+ * members_put (`_group_read.member_ptrs` gives that for tensors `apply._check_layout` checked);
  * these calls check everything else.
  *   members_take(ptrs, width, offsets, idx, out) -> None
  *       out[k] = element idx[k] of the concatenation (`width` bytes each): the base bits a
