@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def run_case(case: str, density: float, reps: int) -> dict:
     st = adapter_state(extra=8 if case == "fixed" else 0)
     g = torch.Generator().manual_seed(1)
     times, base_times, cpu, base_cpu = [], [], [], []
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory() as d:
         pub = Publisher(d + "/run")
         pub.publish(st, 0)
@@ -111,7 +113,9 @@ def run_case(case: str, density: float, reps: int) -> dict:
         f.stop()
     return {"case": case, "density": density, "tensors": len(st), "params": sum(t.numel() for t in st.values()),
             "publish_to_applied_s": times, "save_load_s": base_times,
-            "publish_to_applied_cpu_s": cpu, "save_load_cpu_s": base_cpu}
+            "publish_to_applied_cpu_s": cpu, "save_load_cpu_s": base_cpu,
+            # this process's peak resident memory (KiB -> MB) when the state was built, and at the end
+            "peak_rss_mb": [rss0 / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}
 
 
 def summary(xs: list[float]) -> dict:
@@ -193,6 +197,9 @@ def main() -> None:
             row[label] = {"publish_to_applied_s": summary(t), "save_load_s": summary(b),
                           "ratio_median": statistics.median(t) / statistics.median(b),
                           "ratio_per_rep": summary([x / y for x, y in zip(t, b)])}
+            rss = [r["peak_rss_mb"][1] - r["peak_rss_mb"][0] for r in mine if "peak_rss_mb" in r]
+            if rss:  # peak memory the versions added to the process, the most over its runs
+                row[label]["peak_rss_added_mb"] = max(rss)
             if tc:  # CPU seconds of this process (all its threads): what load from other processes skews least
                 row[label].update({"publish_to_applied_cpu_s": summary(tc), "save_load_cpu_s": summary(bc),
                                    "cpu_ratio_median": statistics.median(tc) / statistics.median(bc)})
@@ -203,6 +210,7 @@ def main() -> None:
                 f"{row[label]['ratio_median']:.2f}"
                 + (f"  | CPU {statistics.median(tc) * 1e3:.1f} ms [{min(tc) * 1e3:.1f}-{max(tc) * 1e3:.1f}] vs "
                    f"{statistics.median(bc) * 1e3:.1f} ms, ratio {row[label]['cpu_ratio_median']:.2f}" if tc else "")
+                + (f"  | peak RSS +{max(rss):.0f} MB" if rss else "")
             )
     if "base" in trees:
         for key, row in table.items():

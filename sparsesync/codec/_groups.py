@@ -30,10 +30,11 @@ from sparsesync.codec import _native, _table, blocks_digest
 from sparsesync.errors import PatchFormatError  # noqa: F401 - what parse_section raises (through _table.Reader)
 
 SMALL_NUMEL = 1 << 17  # tensors of at most this many elements are grouped (256 KiB of bf16)
-# a group holds at most this many elements (4 MiB of bf16): groups encode in parallel, and this bounds a
+# a group holds at most this many elements (2 MiB of bf16): groups encode in parallel, and this bounds a
 # task's temporaries; each group costs its own coding, tables and Python calls (2^18 gave a 10M-parameter
-# adapter 40 groups and twice the encode and apply time of 2^21's five)
-GROUP_NUMEL = 1 << 21
+# adapter 40 groups and twice the encode and apply time of 2^20's ten; 2^21's five were no faster and
+# took 30 MB more at 50% changed)
+GROUP_NUMEL = 1 << 20
 MAX_MEMBERS = 1 << 20  # members a reader accepts in one patch
 
 

@@ -144,11 +144,12 @@ def test_an_adapter_sized_version_costs_few_python_calls_per_tensor():
     parsed, n_read = _calls(lambda: read_patch(patch.data))
     _, n_apply = _calls(lambda: apply_patch(parsed, replica))
     assert all(torch.equal(replica[k], cur[k]) for k in cur)
-    assert len(parsed.header.groups) <= 8
+    assert len(parsed.header.groups) <= 12
     # measured 41, 29 and 7.1 per tensor (57, 50 and 8.6 in 40 groups); read and apply 3.5 and 3.5 since the
     # members are read in one native call and written through their addresses (apply's pool threads: not counted
     # here, tests/codec/test_group_members.py counts them)
-    # encode measured 18.2 once the members were diffed in place (every thread's calls: test_members_diff.py)
-    assert n_enc / len(st) <= 21, f"diff_encode made {n_enc} Python calls for {len(st)} small tensors"
-    assert n_read / len(st) <= 6, f"read_patch made {n_read} Python calls for {len(st)} small tensors"
+    # encode measured 18.2 once the members were diffed in place (every thread's calls: test_members_diff.py);
+    # with groups of 2^20 elements (10, not 5): encode, read and apply 20.6, 7.4 and 4.3
+    assert n_enc / len(st) <= 24, f"diff_encode made {n_enc} Python calls for {len(st)} small tensors"
+    assert n_read / len(st) <= 9, f"read_patch made {n_read} Python calls for {len(st)} small tensors"
     assert n_apply / len(st) <= 5, f"apply_patch made {n_apply} Python calls for {len(st)} small tensors"
