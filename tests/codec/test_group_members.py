@@ -192,9 +192,10 @@ def test_a_sparse_grouped_apply_reads_the_base_only_at_the_changes(monkeypatch):
     copies = sorted(c for c in called if "members_copy" in c or "torch.cat" in c or "cat_into" in c)
     assert not copies, f"the apply copied the members end to end: {copies}"
     # per member: is_contiguous, data_ptr, its SparseUpdate, its two digests; the rest per group.
-    # measured 10.5 (45.5 with a numpy view of each member and per-member results, at 8021c27)
+    # measured 10.5 in groups of 2^21, 12.7 in groups of 2^20 (45.5 with a numpy view of each member and
+    # per-member results, at 8021c27)
     n = pstats.Stats(pr).total_calls  # type: ignore[attr-defined]
-    assert n / len(st) <= 12, f"apply_patch made {n} Python calls for {len(st)} small tensors"
+    assert n / len(st) <= 14, f"apply_patch made {n} Python calls for {len(st)} small tensors"
 
 
 def test_a_group_coded_per_class_of_the_base_magnitude_reads_the_whole_base(monkeypatch):

@@ -193,7 +193,7 @@ def test_a_members_grad_and_an_unchanged_version_are_handled():
 # its bit view (view, numpy), the layout check (is_contiguous), its digest (the members' blocks
 # counted and combined in blocks_digest: the hash of each, its length packed, an append).
 PER_MEMBER = ("'view' of", "'numpy' of", "'is_contiguous' of", "blocks_digest.py:", "xxh3_64_hexdigest",
-              "'pack' of", "'append' of 'list'")
+              "'pack' of", "'append' of 'list'", "builtins.len")  # len: some 40 a group, 10 groups
 
 
 def _label(code: object) -> str:
@@ -201,9 +201,9 @@ def _label(code: object) -> str:
 
 
 def test_a_writers_version_calls_nothing_else_per_member(monkeypatch):
-    """An adapter-sized version (392 tensors in 5 groups), every group in this thread so that
+    """An adapter-sized version (392 tensors in 10 groups), every group in this thread so that
     every call is counted: the functions called once per member or more are only PER_MEMBER's,
-    and the whole costs at most 17 calls per tensor (measured 15.1; 57.5 before the members
+    and the whole costs at most 20 calls per tensor (measured 15.1 in 5 groups, 18.2 in 10; 57.5 before the members
     were diffed in place, made lazily, and written in bulk). A copy of the members end to end
     (`uncast`, `reshape` per member) or a `TensorChange` per member fails it."""
     monkeypatch.setenv("SPARSESYNC_CODEC_THREADS", "1")
@@ -221,10 +221,10 @@ def test_a_writers_version_calls_nothing_else_per_member(monkeypatch):
         p = snap.diff_encode(cur, v)
         pr.disable()
         st = cur
-    assert len(p.changes) == len(st) and len(read_patch(p.data).header.groups) == 5
+    assert len(p.changes) == len(st) and len(read_patch(p.data).header.groups) == 10
     calls = pr.getstats()  # per code object (pstats would merge the dataclasses' `<string>:2(__init__)`s)
     per_member = {_label(e.code) for e in calls if e.callcount >= len(st)}
     extra = sorted(k for k in per_member if not any(a in k for a in PER_MEMBER))
     assert not extra, f"called once per member or more: {extra}"
     total = sum(e.callcount for e in calls)
-    assert total / len(st) <= 17, f"diff_encode made {total} Python calls for {len(st)} small tensors"
+    assert total / len(st) <= 20, f"diff_encode made {total} Python calls for {len(st)} small tensors"
